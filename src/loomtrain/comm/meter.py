@@ -1,0 +1,72 @@
+"""Byte accounting for every collective, per mesh axis and op.
+
+Two numbers per op (DESIGN.md principle 3):
+- payload bytes: the size of the tensor the op covers (all-gather: the gathered output;
+  reduce-scatter: the full input; all-reduce: the tensor);
+- wire bytes: what this rank sends under the algorithm that actually ran. For N ranks and a
+  payload of S bytes: ring all-reduce 2(N-1)/N * S; ring all-gather and reduce-scatter
+  (N-1)/N * S; all-to-all (N-1)/N * S; send S; ring broadcast S for every rank but the last
+  in the ring. An op run as a full all-reduce (gloo's reduce_scatter, see comm/collectives.py)
+  is counted with the all-reduce formula.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+def wire_bytes(algorithm: str, payload_bytes: int, n: int, *, last_in_ring: bool = False) -> int:
+    """Bytes one rank sends for `algorithm` over `n` ranks covering `payload_bytes`."""
+    if n <= 1:
+        return 0
+    if algorithm == "ring_all_reduce":
+        return 2 * (n - 1) * payload_bytes // n
+    if algorithm in ("ring_all_gather", "ring_reduce_scatter", "all_to_all"):
+        return (n - 1) * payload_bytes // n
+    if algorithm == "send":
+        return payload_bytes
+    if algorithm == "ring_broadcast":
+        return 0 if last_in_ring else payload_bytes
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+@dataclass
+class OpCount:
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+
+
+@dataclass
+class CommMeter:
+    """Cumulative counts keyed by (axis, op); `take()` returns and resets a window."""
+
+    counts: dict = field(default_factory=lambda: defaultdict(OpCount))
+    window: dict = field(default_factory=lambda: defaultdict(OpCount))
+    last_op: str = "none"
+
+    def record(self, axis: str, op: str, payload_bytes: int, wire: int) -> None:
+        for table in (self.counts, self.window):
+            c = table[(axis, op)]
+            c.calls += 1
+            c.payload_bytes += payload_bytes
+            c.wire_bytes += wire
+
+    def total(self, field_name: str = "wire_bytes", op: str | None = None,
+              axis: str | None = None) -> int:
+        return sum(
+            getattr(c, field_name)
+            for (a, o), c in self.counts.items()
+            if (op is None or o == op) and (axis is None or a == axis)
+        )
+
+    def take(self) -> dict[str, int]:
+        """Wire bytes per op since the last call, as {op: bytes} plus "total"."""
+        by_op: dict[str, int] = defaultdict(int)
+        for (_axis, op), c in self.window.items():
+            by_op[op] += c.wire_bytes
+        self.window.clear()
+        out = dict(sorted(by_op.items()))
+        out["total"] = sum(by_op.values())
+        return out

@@ -1,0 +1,112 @@
+"""Byte-level corpora and token files, split into train and validation token arrays.
+
+Sources (the [data] source key):
+- "stdlib": the running interpreter's standard-library .py files, in sorted path order;
+- a text file, or a folder of text files (every file under it, sorted), read as bytes;
+- a pre-tokenized token file (`*.bin`, `*.u16`): raw little-endian uint16, memory-mapped.
+
+The validation split holds out whole files where there are files (a file goes to validation
+when a CRC32 of its relative path falls in the lowest `val_fraction` of the range, so the
+split is stable as files are added) and the tail of the stream otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loomtrain.errors import DataError
+
+TOKEN_FILE_SUFFIXES = (".bin", ".u16")
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: np.ndarray  # 1-D token ids (uint8 for bytes, uint16 for token files)
+    val: np.ndarray
+    description: str
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        files.extend(Path(folder) / n for n in names if n.endswith(".py"))
+    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _is_val(rel_path: str, val_fraction: float) -> bool:
+    return zlib.crc32(rel_path.encode()) < val_fraction * 2**32
+
+
+def _read_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    train, val = [], []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        (val if _is_val(rel, val_fraction) else train).append(path.read_bytes() + b"\n")
+    if not val:  # too few files for the hash to pick one: hold out the last file
+        val.append(train.pop())
+    as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8)  # noqa: E731
+    return as_array(train), as_array(val)
+
+
+def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    cut = len(tokens) - max(1, int(len(tokens) * val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def _token_file(path: Path, vocab_size: int) -> np.ndarray:
+    size = path.stat().st_size
+    if size == 0 or size % 2:
+        raise DataError(
+            f"data.source={str(path)!r} is a token file ({'/'.join(TOKEN_FILE_SUFFIXES)}) but its "
+            f"size ({size} bytes) is not a positive multiple of 2: token files hold raw uint16 ids"
+        )
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    top = max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24))
+    if top >= vocab_size:
+        raise DataError(
+            f"data.source={str(path)!r} holds token id {top}, but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size to at least {top + 1}"
+        )
+    return tokens
+
+
+def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
+    if source == "stdlib":
+        root, files = stdlib_files()
+        train, val = _read_files(root, files, val_fraction)
+        desc = f"Python {'.'.join(map(str, __import__('sys').version_info[:2]))} stdlib, {len(files)} files"
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise DataError(
+                f"data.source={source!r} does not exist; give \"stdlib\", a text file, a folder of "
+                f"text files, or a uint16 token file ({', '.join(TOKEN_FILE_SUFFIXES)})"
+            )
+        if path.is_dir():
+            files = sorted((p for p in path.rglob("*") if p.is_file()),
+                           key=lambda p: p.relative_to(path).as_posix())
+            if not files:
+                raise DataError(f"data.source={source!r} is a folder with no files in it")
+            train, val = _read_files(path, files, val_fraction)
+            desc = f"{source}: {len(files)} files"
+        elif path.suffix in TOKEN_FILE_SUFFIXES:
+            train, val = _tail_split(_token_file(path, vocab_size), val_fraction)
+            desc = f"{source}: uint16 tokens"
+        else:
+            train, val = _tail_split(np.frombuffer(path.read_bytes(), dtype=np.uint8), val_fraction)
+            desc = f"{source}: bytes"
+        if train.dtype == np.uint8 and vocab_size < 256:
+            raise DataError(
+                f"data.source={source!r} is read as bytes (ids 0-255), but model.vocab_size="
+                f"{vocab_size}; set model.vocab_size = 256"
+            )
+    return Corpus(train=train, val=val, description=f"{desc} ({len(train)} train / {len(val)} val tokens)")

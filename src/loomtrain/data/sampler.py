@@ -1,0 +1,53 @@
+"""Deterministic distributed sampling of fixed-length windows.
+
+The token stream is cut into windows of seq_len + 1 tokens (stride seq_len). Sample number
+g of the run is window perm_e[g mod W] of epoch e = g // W, where perm_e is a permutation
+seeded by (seed, e). Step s covers samples [s*B, (s+1)*B) of the global batch B; data-parallel
+rank r takes the r-th contiguous slice of B/dp, cut into micro-batches. Hence:
+- the ranks' slices are disjoint, and together they are exactly the single-process batch;
+- the data-loader position is the step number alone, so resuming needs no other state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class WindowSampler:
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.windows = (len(tokens) - 1) // seq_len
+        if self.windows < 1:
+            raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len + 1}")
+        self._perm_epoch, self._perm = -1, None
+
+    def window_of(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.windows)
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.windows), epoch
+        return int(self._perm[offset])
+
+    def batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [len(samples), seq_len] int64."""
+        rows = []
+        for g in samples:
+            start = self.window_of(g) * self.seq_len
+            rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        block = torch.from_numpy(np.stack(rows))
+        return block[:, :-1], block[:, 1:]
+
+
+def rank_samples(step: int, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,
+                 micro: int) -> range:
+    """Global sample numbers of micro-batch `micro` of data-parallel rank `dp_rank` at `step`."""
+    per_rank = global_batch // dp_size
+    start = step * global_batch + dp_rank * per_rank + micro * micro_batch
+    return range(start, start + micro_batch)
+
+
+def eval_samples(batches: int, micro_batch: int, dp_rank: int, dp_size: int) -> list[range]:
+    """A fixed validation set of `batches` micro-batches, dealt round-robin to the dp ranks."""
+    return [range(b * micro_batch, (b + 1) * micro_batch)
+            for b in range(batches) if b % dp_size == dp_rank]

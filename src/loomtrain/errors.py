@@ -1,0 +1,21 @@
+"""Errors meant for people: raised at the edge (config, CLI, data, checkpoints).
+
+The CLI turns a `UserError` into its one-paragraph message on stderr and exit code 2;
+deep code asserts invariants instead.
+"""
+
+
+class UserError(Exception):
+    """Bad input from the user: the message names the key, the value and the valid choices."""
+
+
+class ConfigError(UserError):
+    """An invalid configuration value or combination."""
+
+
+class DataError(UserError):
+    """A corpus, text or token file that cannot be used."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or does not match the run."""

@@ -1,0 +1,170 @@
+"""The named device mesh: every rank's place on the (pp, dp, cp, tp) grid.
+
+The grid is `arange(world).view(pp, dp, cp, tp)`: tp is innermost, so tensor-parallel peers
+are neighbouring ranks (on one node), and pipeline stages are the outermost blocks.
+
+    world 8, pp=2 dp=2 cp=1 tp=2:   pp0: dp0 [0 1]  dp1 [2 3]     pp1: dp0 [4 5]  dp1 [6 7]
+
+`ranks_per_node` lets one machine pretend to be several nodes: ranks r and s are on the same
+node when r // ranks_per_node == s // ranks_per_node. For every axis the mesh then also has a
+node-local sub-group (the axis peers on my node) and a cross-node sub-group (the peers with
+my node-local index on the other nodes), which hierarchical methods reduce over in two levels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from loomtrain.comm.meter import CommMeter
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+def grid_coords(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    """Coordinates of `rank` on the (pp, dp, cp, tp) grid; pure, tested without processes."""
+    coords = {}
+    for axis in reversed(AXES):
+        coords[axis] = rank % sizes[axis]
+        rank //= sizes[axis]
+    return coords
+
+
+def axis_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
+    """All groups of ranks that differ only in their `axis` coordinate, in rank order."""
+    grid = torch.arange(_prod(sizes.values())).view(*(sizes[a] for a in AXES))
+    dim = AXES.index(axis)
+    moved = grid.movedim(dim, -1).reshape(-1, sizes[axis])
+    return sorted(row.tolist() for row in moved)
+
+
+def split_by_node(groups: list[list[int]], ranks_per_node: int) -> tuple[list, list]:
+    """Split each axis group into node-local sub-groups and cross-node sub-groups.
+
+    Node-local: members of one group that share a node. Cross-node: the members with the same
+    position inside their node-local sub-group, one from every node. Pure.
+    """
+    local, cross = [], []
+    for group in groups:
+        by_node: dict[int, list[int]] = {}
+        for r in group:
+            by_node.setdefault(r // ranks_per_node, []).append(r)
+        parts = list(by_node.values())
+        local.extend(parts)
+        if len({len(p) for p in parts}) != 1:
+            raise ValueError(f"group {group} spreads unevenly over nodes of {ranks_per_node} ranks")
+        cross.extend([p[i] for p in parts] for i in range(len(parts[0])))
+    return local, cross
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+@dataclass
+class Mesh:
+    """This rank's view of the mesh: sizes, coordinates, process groups, and the CommMeter."""
+
+    sizes: dict[str, int]
+    rank: int
+    ranks_per_node: int
+    device: torch.device
+    device_mesh: DeviceMesh | None = None
+    meter: CommMeter = field(default_factory=CommMeter)
+    _groups: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return _prod(self.sizes.values())
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return grid_coords(self.rank, self.sizes)
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    def size(self, axis: str) -> int:
+        """Size of an axis, or of a sub-group: "dp", "dp.local" or "dp.cross"."""
+        if axis in self.sizes:
+            return self.sizes[axis]
+        return len(self._member_ranks(axis))
+
+    def local_rank(self, axis: str) -> int:
+        if axis in self.sizes:
+            return self.coords[axis]
+        return self._member_ranks(axis).index(self.rank)
+
+    def group(self, axis: str):
+        """The process group of `axis` ("dp", "tp", ..., "dp.local", "dp.cross", "world")."""
+        return self._groups[axis][1]
+
+    def group_ranks(self, axis: str) -> list[int]:
+        return self._member_ranks(axis)
+
+    def _member_ranks(self, axis: str) -> list[int]:
+        return self._groups[axis][0]
+
+    def describe(self) -> str:
+        """The grid as text, one line per pipeline stage, tensor-parallel peers in brackets."""
+        grid = torch.arange(self.world).view(*(self.sizes[a] for a in AXES))
+        lines = [
+            "mesh " + " ".join(f"{a}={self.sizes[a]}" for a in AXES)
+            + f" (world {self.world}, {self.nodes} node(s) of {self.ranks_per_node} ranks)"
+        ]
+        for pp in range(self.sizes["pp"]):
+            cells = []
+            for dp in range(self.sizes["dp"]):
+                for cp in range(self.sizes["cp"]):
+                    tp = " ".join(str(r) for r in grid[pp, dp, cp].tolist())
+                    cells.append(f"dp{dp}/cp{cp} [{tp}]")
+            lines.append(f"  pp{pp}: " + "  ".join(cells))
+        return "\n".join(lines)
+
+
+def build_mesh(
+    sizes: dict[str, int],
+    ranks_per_node: int | None = None,
+    device: torch.device | str = "cpu",
+) -> Mesh:
+    """Build the mesh over the already-initialized default process group.
+
+    Every rank must call this with the same arguments: creating sub-groups is collective.
+    """
+    sizes = {a: int(sizes.get(a, 1)) for a in AXES}
+    world = dist.get_world_size()
+    if _prod(sizes.values()) != world:
+        raise ValueError(f"mesh {sizes} has {_prod(sizes.values())} ranks, world has {world}")
+    ranks_per_node = ranks_per_node or world
+    device = torch.device(device)
+    device_mesh = init_device_mesh(device.type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+    mesh = Mesh(sizes=sizes, rank=dist.get_rank(), ranks_per_node=ranks_per_node,
+                device=device, device_mesh=device_mesh)
+    mesh._groups["world"] = (list(range(world)), dist.group.WORLD)
+    for axis in AXES:
+        ranks = next(g for g in axis_groups(sizes, axis) if mesh.rank in g)
+        mesh._groups[axis] = (ranks, device_mesh.get_group(axis))
+    if ranks_per_node < world:
+        for axis in AXES:
+            local, cross = split_by_node(axis_groups(sizes, axis), ranks_per_node)
+            for name, parts in ((f"{axis}.local", local), (f"{axis}.cross", cross)):
+                for ranks in parts:  # new_group is collective: every rank creates every group
+                    pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if mesh.rank in ranks:
+                        mesh._groups[name] = (ranks, pg)
+    else:
+        for axis in AXES:
+            mesh._groups[f"{axis}.local"] = mesh._groups[axis]
+            mesh._groups[f"{axis}.cross"] = ([mesh.rank], None)
+    return mesh

@@ -1,0 +1,37 @@
+"""Models loomtrain trains, built from the [model] section, and the loss they share."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loomtrain.models.gpt import GPT
+from loomtrain.models.mlp import MLP
+
+IGNORE_INDEX = -100
+
+
+def build_model(cfg) -> nn.Module:
+    """`cfg` is a ModelConfig. Parameters are initialized from torch's current RNG state."""
+    if cfg.name == "gpt":
+        return GPT(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads,
+                   cfg.mlp_ratio, cfg.dropout)
+    if cfg.name == "mlp":
+        return MLP(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.mlp_ratio)
+    raise AssertionError(f"unvalidated model name {cfg.name!r}")
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over target tokens (IGNORE_INDEX skipped).
+
+    The caller divides by the global number of target tokens in the optimizer step, across
+    micro-batches and data-parallel ranks, so the gradient equals the single-process one.
+    """
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+
+
+__all__ = ["GPT", "MLP", "IGNORE_INDEX", "build_model", "token_loss_sum"]

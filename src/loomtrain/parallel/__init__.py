@@ -1,0 +1,1 @@
+"""Parallel strategies, each a function over one mesh axis (data.py: the dp axis)."""

@@ -1,0 +1,173 @@
+"""The data-parallel engine, ZeRO stage 0: replicated parameters, bucketed gradient all-reduce.
+
+What it does, in the order a step sees it (the scheme of PyTorch DDP, Li et al., VLDB 2020):
+1. At wrap time, parameters and buffers are broadcast from dp rank 0, and every parameter's
+   `.grad` becomes a view into a flat bucket buffer (buckets of `bucket_mb`, filled in reverse
+   registration order, which is roughly the order backward produces gradients).
+2. During backward, a post-accumulate-grad hook counts each bucket's ready gradients; when a
+   bucket is full its all-reduce is launched asynchronously, so it runs while backward goes on.
+   Buckets launch strictly in index order, so every rank issues the same collective sequence.
+3. When backward ends (an autograd-engine callback), the engine waits for the buckets in
+   flight; parameters that got no gradient contribute zeros. After `loss.backward()` returns,
+   `.grad` holds the reduced gradient, as with DDP.
+Inside `no_sync()` (gradient-accumulation micro-steps) nothing is communicated.
+
+Gradients reduce with "sum" or "mean" over the dp axis; the trainer uses "sum" with the loss
+already divided by the global token count, so the result equals the single-process gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from loomtrain import comm
+
+# The hook that runs at the end of backward: the same engine callback DDP and FSDP use.
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    ready: int = 0
+    pending: comm.Pending | None = None
+    launched: bool = False
+
+
+def build_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+    """Greedy buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its own),
+    one dtype and device per bucket, in the order given."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
+        if not groups or not same_kind or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    buckets = []
+    for group in groups:
+        buffer = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype,
+                             device=group[0].device)
+        views, offset = [], 0
+        for p in group:
+            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        buckets.append(Bucket(group, buffer, views))
+    return buckets
+
+
+class DataParallel(nn.Module):
+    """`model = DataParallel(model, mesh)`; then `loss.backward(); optimizer.step()` as usual.
+
+    The wrapped module is `.module` (its state_dict keys are unchanged there).
+    """
+
+    def __init__(self, module: nn.Module, mesh, axis: str = "dp", bucket_mb: float = 4.0,
+                 gradient_reduce: str = "mean"):
+        super().__init__()
+        assert gradient_reduce in ("sum", "mean"), gradient_reduce
+        self.module, self.mesh, self.axis = module, mesh, axis
+        self.gradient_reduce = gradient_reduce
+        self._sync = True
+        self._callback_queued = False
+        self._broadcast_state()
+        params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
+        self.buckets = build_buckets(params[::-1], int(bucket_mb * 2**20))
+        self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                self._where[p] = (bucket, i)
+                p.grad = bucket.views[i]
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (micro-steps before the last): no communication."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the (already reduced, replicated) gradients; returns the total norm before clipping."""
+        params = [p for b in self.buckets for p in b.params]
+        if max_norm > 0:
+            return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def _broadcast_state(self) -> None:
+        tensors = [t for t in self.module.state_dict(keep_vars=True).values()
+                   if isinstance(t, torch.Tensor)]
+        for dtype in {t.dtype for t in tensors}:
+            same = list({id(t): t for t in tensors if t.dtype == dtype}.values())
+            flat = _flatten_dense_tensors([t.detach() for t in same])
+            comm.broadcast(flat, self.mesh, self.axis)
+            with torch.no_grad():
+                for t, src in zip(same, _unflatten_dense_tensors(flat, same)):
+                    t.copy_(src)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            _queue_callback(self._finish)
+        bucket, _ = self._where[p]
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        for bucket in self.buckets:
+            if bucket.launched:
+                continue
+            if bucket.ready < len(bucket.params) and not force:
+                return  # later buckets wait: launch order must match on every rank
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:
+                view.zero_()  # unused in this backward: contributes nothing
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)  # the user set grads to None; copy into the bucket
+        if self.gradient_reduce == "mean":
+            bucket.buffer.div_(self.mesh.size(self.axis))
+        bucket.pending = comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True)
+        bucket.launched = True
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left, wait for everything, point grads at buckets."""
+        self._launch_ready(force=True)
+        for bucket in self.buckets:
+            bucket.pending.wait()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+            bucket.ready, bucket.pending, bucket.launched = 0, None, False
+        self._callback_queued = False
+
+
+def apply_data_parallel(model: nn.Module, mesh, cfg) -> DataParallel:
+    """The dp-axis strategy: `cfg` is the ParallelConfig (bucket_mb). Gradients are summed;
+    the trainer normalizes the loss by the global token count."""
+    return DataParallel(model, mesh, "dp", cfg.bucket_mb, gradient_reduce="sum")
+
+
+__all__ = ["Bucket", "DataParallel", "apply_data_parallel", "build_buckets"]

@@ -1,0 +1,1 @@
+"""The convenience trainer: config, loop, checkpoints, metrics. Not required to use the strategies."""

@@ -1,0 +1,213 @@
+"""Typed configuration: one frozen pydantic model per TOML section, unknown keys rejected.
+
+`load_config(path, overrides)` reads a TOML file (or nothing, for the defaults), applies
+`section.key=value` overrides, validates every section and the combinations between them,
+and raises `ConfigError` with a one-paragraph message on any problem.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loomtrain.errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(Section):
+    name: str = "default"
+    dir: str = "runs"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(50, ge=1)
+    eval_batches: int = Field(8, ge=1)
+    progress: bool = True
+    # consecutive steps with a non-finite loss or gradient before the run aborts
+    max_nonfinite_steps: int = Field(5, ge=1)
+
+
+class ModelConfig(Section):
+    name: Literal["gpt", "mlp"] = "gpt"
+    d_model: int = Field(256, ge=8)
+    n_layers: int = Field(4, ge=1)
+    n_heads: int = Field(4, ge=1)
+    seq_len: int = Field(128, ge=2)
+    vocab_size: int = Field(256, ge=2)
+    mlp_ratio: int = Field(4, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelConfig":
+        if self.name == "gpt" and self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
+            )
+        return self
+
+
+class DataConfig(Section):
+    # "stdlib": the running interpreter's standard-library .py sources; otherwise a path to a
+    # text file, a folder of text files, or a pre-tokenized uint16 token file (*.bin / *.u16)
+    source: str = "stdlib"
+    val_fraction: float = Field(0.02, gt=0.0, lt=0.5)
+
+
+class TrainConfig(Section):
+    steps: int = Field(300, ge=1)
+    global_batch: int = Field(16, ge=1)
+    micro_batch: int = Field(8, ge=1)
+    lr: float = Field(3e-3, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    warmup_steps: int = Field(20, ge=0)
+    grad_clip: float = Field(1.0, ge=0.0)  # 0 disables clipping
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+
+
+class ParallelConfig(Section):
+    nproc: int = Field(2, ge=1)
+    dp: int | None = Field(None, ge=1)  # None: whatever nproc leaves after tp, pp and cp
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    zero_stage: int = Field(0, ge=0, le=3)
+    ranks_per_node: int | None = Field(None, ge=1)  # None: all ranks on one node
+    bucket_mb: float = Field(4.0, gt=0.0)
+    timeout_s: float = Field(300.0, gt=0.0)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp if self.dp is not None else self.nproc // (self.tp * self.pp * self.cp)
+
+
+class CheckpointConfig(Section):
+    every: int = Field(100, ge=0)  # 0: only at the end and on SIGINT/SIGTERM
+    keep: int = Field(2, ge=1)
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Config":
+        p, t = self.parallel, self.train
+        for axis, issue in (("tp", 4), ("pp", 5), ("cp", 6)):
+            if getattr(p, axis) > 1:
+                raise ValueError(
+                    f"parallel.{axis}={getattr(p, axis)} is not supported yet (it arrives with issue "
+                    f"{issue}); use parallel.{axis}=1"
+                )
+        if p.zero_stage > 0:
+            raise ValueError(
+                f"parallel.zero_stage={p.zero_stage} is not supported yet (ZeRO 1-3 arrive with "
+                "issue 3); use parallel.zero_stage=0"
+            )
+        mesh_size = p.dp_size * p.tp * p.pp * p.cp
+        if mesh_size != p.nproc or p.dp_size < 1:
+            raise ValueError(
+                f"the mesh dp*tp*pp*cp = {p.dp_size}*{p.tp}*{p.pp}*{p.cp} = {mesh_size} must equal "
+                f"parallel.nproc={p.nproc}"
+            )
+        if p.ranks_per_node is not None and p.nproc % p.ranks_per_node:
+            raise ValueError(
+                f"parallel.ranks_per_node={p.ranks_per_node} must divide parallel.nproc={p.nproc}"
+            )
+        per_rank = p.dp_size * t.micro_batch
+        if t.global_batch % per_rank:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} must be divisible by dp*micro_batch = "
+                f"{p.dp_size}*{t.micro_batch} = {per_rank}"
+            )
+        return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.train.global_batch // (self.parallel.dp_size * self.train.micro_batch)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (["section", "key"], value); the value is read as a TOML literal,
+    and as a plain string when it is not one (so `--set data.source=/tmp/x.txt` works)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(
+            f"--set {text!r} is not of the form section.key=value (for example "
+            "--set train.steps=100)"
+        )
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _merge(tree: dict, path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: {part!r} is a value, not a section")
+        tree = node
+    tree[path[-1]] = value
+
+
+def _explain(err: ValidationError) -> str:
+    sections = ", ".join(Config.model_fields)
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            section = e["loc"][0] if len(e["loc"]) > 1 else None
+            if section in Config.model_fields:
+                known = ", ".join(Config.model_fields[section].annotation.model_fields)
+                msg = f"unknown key; valid keys in [{section}] are: {known}"
+            else:
+                msg = f"unknown section; valid sections are: {sections}"
+        elif "input" in e and e["type"] != "value_error":
+            msg = f"{msg} (got {e['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid configuration: " + "; ".join(parts) + "."
+
+
+def config_from_dict(tree: dict) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist (give a TOML file path)")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    for text in overrides:
+        key, value = parse_override(text)
+        _merge(tree, key, value)
+    return config_from_dict(tree)
+
+
+def config_to_toml(cfg: Config) -> str:
+    data = cfg.model_dump(exclude_none=True)
+    return tomli_w.dumps(data)

@@ -1,0 +1,84 @@
+"""Process start-up: torch's elastic launcher on one machine, or joining a torchrun job.
+
+- `loom train` outside torchrun spawns `parallel.nproc` workers through
+  `torch.distributed.launcher.api.elastic_launch` (c10d rendezvous on 127.0.0.1, no restarts).
+- Under `torchrun ... -m loomtrain train CONFIG` the environment (RANK, WORLD_SIZE,
+  MASTER_ADDR, ...) already describes the job; the worker joins it.
+- One process (nproc = 1) runs in place on a one-rank gloo group, so the single-process oracle
+  uses the same code path as every parallel run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from loomtrain.mesh import Mesh, build_mesh
+
+
+def in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(cfg_run, local_rank: int) -> torch.device:
+    if cfg_run.device == "cuda" or (cfg_run.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg) -> Mesh:
+    """Initialize the default process group (if needed) and build the mesh from [parallel]."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(cfg.run, local_rank)
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    if not dist.is_initialized():
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # one process, not launched: a private one-rank group
+            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="loom-"), "store"), 1)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cpu":
+        # processes on one host share its cores; oversubscribing them slows every rank
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    p = cfg.parallel
+    return build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp},
+                      ranks_per_node=p.ranks_per_node, device=device)
+
+
+def shutdown(mesh: Mesh | None) -> None:
+    if dist.is_initialized():
+        if mesh is not None and mesh.world > 1:
+            # a barrier before destroy avoided an intermittent abort at exit (DESIGN.md)
+            from loomtrain.comm import barrier
+            barrier(mesh)
+        dist.destroy_process_group()
+
+
+def launch_local(nproc: int, entrypoint, *args) -> dict[int, object]:
+    """Run `entrypoint(*args)` on `nproc` local processes via the elastic launcher; returns
+    {rank: return value}. Raises torch's ChildFailedError if a worker fails."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=0.2, start_method="spawn",
+    )
+    return elastic_launch(config, entrypoint)(*args)

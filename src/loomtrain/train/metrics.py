@@ -1,0 +1,89 @@
+"""Run metrics: `metrics.jsonl` (one JSON object per logged step), the rank-0 progress bar and
+step line, and peak memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+def peak_mem_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Keep the records up to `last_step` (the checkpoint a resumed run restarts from),
+    rewriting the file atomically so a crash here loses nothing."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+
+
+class RunLog:
+    """Rank 0 writes metrics and draws the bar; other ranks hold a disabled RunLog."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool,
+                 progress: bool):
+        self.enabled = enabled
+        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not (enabled and progress),
+                        unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def record(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+        line = (f"step {rec['step']:>6} | loss {rec['loss']:.4f}{val} | grad-norm "
+                f"{rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | {rec['tokens_per_s']:.0f} tok/s | "
+                f"mem {_fmt_bytes(rec['peak_mem_bytes'])} | comm {_fmt_bytes(rec['comm_bytes']['total'])}"
+                f" | mfu n/a")
+        if self.bar.disable:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            self.bar.write(line, file=sys.stderr)
+
+    def advance(self, loss: float | None, tokens_per_s: float) -> None:
+        if self.enabled and not self.bar.disable:
+            post = {"tok/s": f"{tokens_per_s:.0f}"}
+            if loss is not None:
+                post["loss"] = f"{loss:.3f}"
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(1)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.write if not self.bar.disable else print)(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()

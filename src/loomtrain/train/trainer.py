@@ -1,0 +1,195 @@
+"""The training loop every rank runs: `train_worker(cfg_dict, run_dir, resume)`.
+
+One optimizer step:
+1. the step's micro-batches for this dp rank come from the sampler (a pure function of step);
+2. one small all-reduce carries the global target-token count and the "stop" flag (SIGINT or
+   SIGTERM on any rank), so every rank agrees on both before any gradient work;
+3. micro-batches run forward/backward, all but the last under `no_sync()`; each loss is the
+   token-summed cross-entropy divided by the global token count, and the engine sums
+   gradients over dp, so the gradient equals the single-process one on the global batch;
+4. gradients are clipped; a non-finite gradient norm (identical on every rank after the
+   all-reduce) skips the step, and too many in a row abort the run;
+5. AdamW steps; the loss is all-reduced only on logged steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from loomtrain import comm
+from loomtrain.data import WindowSampler, eval_samples, load_corpus, rank_samples
+from loomtrain.errors import UserError
+from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
+from loomtrain.parallel.data import apply_data_parallel
+from loomtrain.train import checkpoint
+from loomtrain.train.config import Config, config_from_dict
+from loomtrain.train.launch import init_distributed, shutdown
+from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
+from loomtrain.train.optim import build_optimizer, lr_at, set_lr
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM; acted on at the next step boundary, on every rank together."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, _frame):
+        self.signum = signum
+
+
+def _batches(sampler, cfg: Config, mesh, step: int, device):
+    dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
+    out = []
+    for micro in range(cfg.accumulation_steps):
+        samples = rank_samples(step, cfg.train.global_batch, dp_rank, dp, cfg.train.micro_batch, micro)
+        x, y = sampler.batch(samples)
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float):
+    """Forward/backward over the micro-batches, clip, step. Returns (local loss sum, grad norm,
+    stepped). The loss of every micro-batch is divided by the global token count."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = token_loss_sum(model(x), y)
+            (loss / global_tokens).backward()
+        loss_sum += loss.detach()
+    grad_norm = model.clip_grad_norm_(grad_clip)
+    stepped = bool(torch.isfinite(grad_norm))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # keep grads as views into the engine's buckets
+    return loss_sum, grad_norm, stepped
+
+
+@torch.no_grad()
+def evaluate(model, sampler, cfg: Config, mesh, device) -> float:
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for samples in eval_samples(cfg.run.eval_batches, cfg.train.micro_batch,
+                                mesh.local_rank("dp"), mesh.size("dp")):
+        x, y = sampler.batch(samples)
+        x, y = x.to(device), y.to(device)
+        total[0] += token_loss_sum(model(x), y).double()
+        total[1] += (y != IGNORE_INDEX).sum()
+    comm.all_reduce(total, mesh, "dp")
+    model.train()
+    return float(total[0] / total[1])
+
+
+def _control(batches, stop: StopFlag, mesh) -> tuple[float, int]:
+    """(global target tokens, stop signal or 0) agreed by all ranks in one all-reduce."""
+    local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    control = torch.tensor([local_tokens, stop.signum], dtype=torch.float64, device=mesh.device)
+    comm.all_reduce(control, mesh, "world")
+    replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
+    return float(control[0]) / replicas, int(control[1])
+
+
+def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
+    stop = StopFlag()
+    mesh = init_distributed(cfg)
+    try:
+        return _loop(cfg, run_dir, resume, mesh, stop)
+    finally:
+        shutdown(mesh)
+
+
+def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
+    device = mesh.device
+    torch.manual_seed(cfg.run.seed)
+    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
+    train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed)
+    val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1)
+    model = build_model(cfg.model).to(device)
+    optimizer = build_optimizer(model, cfg.train)
+    start = 0
+    if resume is not None:
+        start = checkpoint.load(resume, model, optimizer, mesh)["step"]
+        if mesh.rank == 0:
+            truncate_metrics(run_dir, start)
+    dp_model = apply_data_parallel(model, mesh, cfg.parallel)
+    log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
+    if start == 0:
+        log.message(f"{corpus.description}; {sum(p.numel() for p in model.parameters()):,} "
+                    f"parameters; {mesh.describe()}")
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
+    mesh.meter.take()
+    try:
+        for step in range(start, cfg.train.steps):
+            step_t0 = time.perf_counter()
+            batches = _batches(train_data, cfg, mesh, step, device)
+            global_tokens, signum = _control(batches, stop, mesh)
+            if signum:
+                save(cfg, run_dir, step, model, optimizer, mesh)
+                log.message(f"stopped by signal {signum} before step {step + 1}; checkpoint "
+                            f"saved; continue with: loom train --resume {run_dir}")
+                return 0
+            lr = lr_at(step, cfg.train)
+            set_lr(optimizer, lr)
+            loss_sum, grad_norm, stepped = train_step(dp_model, optimizer, batches,
+                                                      global_tokens, cfg.train.grad_clip)
+            nonfinite = 0 if stepped else nonfinite + 1
+            if not stepped:
+                log.message(f"warning: step {step + 1} skipped: non-finite loss or gradient "
+                            f"({nonfinite} in a row, limit {cfg.run.max_nonfinite_steps})")
+                if nonfinite >= cfg.run.max_nonfinite_steps:
+                    raise NonFiniteError(
+                        f"{nonfinite} consecutive steps had a non-finite loss or gradient "
+                        f"(run.max_nonfinite_steps={cfg.run.max_nonfinite_steps}); aborting")
+            window_steps += 1
+            done = step + 1
+            is_log = done % cfg.run.log_every == 0 or done == cfg.train.steps
+            is_eval = done % cfg.run.eval_every == 0 or done == cfg.train.steps
+            loss = None
+            if is_log:
+                comm.all_reduce(loss_sum, mesh, "dp")
+                loss = float(loss_sum) / global_tokens
+                elapsed = time.perf_counter() - window_t0
+                rec = {"step": done, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                       "tokens_per_s": window_steps * tokens_per_step / elapsed,
+                       "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(device)}
+                if is_eval:
+                    rec["val_loss"] = evaluate(dp_model, val_data, cfg, mesh, device)
+                log.record(rec)
+                window_t0, window_steps = time.perf_counter(), 0
+            elif is_eval:
+                evaluate(dp_model, val_data, cfg, mesh, device)
+            log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
+                save(cfg, run_dir, done, model, optimizer, mesh)
+        save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh)
+        return 0
+    finally:
+        log.close()
+
+
+def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh) -> None:
+    checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, {})
+
+
+def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:
+    """Entry point of every launched process (picklable: module level, plain arguments)."""
+    import sys
+
+    try:
+        return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None)
+    except (UserError, NonFiniteError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2 if isinstance(err, UserError) else 3)
