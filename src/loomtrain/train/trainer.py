@@ -112,6 +112,7 @@ def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
 
 def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
     device = mesh.device
+    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
     train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed)

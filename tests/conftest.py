@@ -1,0 +1,45 @@
+"""Shared fixtures: a small corpus file and tiny configs, so every test runs in seconds."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from loomtrain.train.config import config_from_dict
+
+_CORPUS_MODULES = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "colorsys.py", "fnmatch.py"]
+
+
+def tiny_tree(tmp_path: Path, corpus: Path, **sections) -> dict:
+    """A config tree for a ~30k-parameter GPT; `sections` override per section, e.g.
+    tiny_tree(p, c, parallel={"nproc": 2})."""
+    tree = {
+        "run": {"dir": str(tmp_path / "runs"), "name": "t", "log_every": 1, "eval_every": 1000,
+                "eval_batches": 2, "progress": False, "seed": 1},
+        "model": {"name": "gpt", "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "data": {"source": str(corpus), "val_fraction": 0.1},
+        "train": {"steps": 20, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 2},
+        "parallel": {"nproc": 1, "bucket_mb": 0.01, "timeout_s": 30},
+        "checkpoint": {"every": 0, "keep": 2},
+    }
+    for section, values in sections.items():
+        tree.setdefault(section, {}).update(values)
+    return tree
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """~60 KB of real Python source from the stdlib, as one text file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(b"\n".join((root / m).read_bytes() for m in _CORPUS_MODULES))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path, corpus):
+    def make(**sections):
+        return config_from_dict(tiny_tree(tmp_path, corpus, **sections))
+    return make

@@ -1,0 +1,83 @@
+"""Multi-process test harness: run a function on N gloo ranks on 127.0.0.1.
+
+`run_world(fn, world, *args, timeout_s=...)` spawns `world` processes, each initializes a gloo
+process group on a free port with a short collective timeout, runs `fn(rank, world, *args)`,
+and sends back its return value (or its traceback). The harness fails the test if any rank
+raises, or if the whole world has not finished within `timeout_s` (the processes are then
+killed), so a hang fails instead of blocking CI. `fn` must be importable (module level).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, collective_timeout_s, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        result = fn(rank, world, *args)
+        # plain pickle: tensors travel by value, not as shared memory that dies with the rank
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:  # report any failure, including SystemExit, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 30.0,
+              expect_errors: bool = False) -> list:
+    """Returns the per-rank results in rank order. With `expect_errors`, a failing rank's entry
+    is its traceback text (a string) instead of raising."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, fn, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, object]] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    try:
+        while len(results) < world:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise TimeoutError(
+                    f"world of {world} did not finish within {timeout_s}s; ranks done: {sorted(results)}")
+            try:
+                rank, status, value = queue.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: poll again, unless every process already died
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    missing = sorted(set(range(world)) - set(results))
+                    raise RuntimeError(f"ranks {missing} exited without a result") from None
+                continue
+            results[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors and not expect_errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [pickle.loads(v) if s == "ok" else v for s, v in (results[r] for r in range(world))]
