@@ -62,7 +62,7 @@ class DataConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(300, ge=1)
-    global_batch: int = Field(16, ge=1)
+    global_batch: int = Field(32, ge=1)
     micro_batch: int = Field(8, ge=1)
     lr: float = Field(3e-3, gt=0.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
