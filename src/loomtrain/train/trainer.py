@@ -191,6 +191,7 @@ def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:
 
     try:
         return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None)
-    except (UserError, NonFiniteError) as err:
+    except (UserError, NonFiniteError, comm.CollectiveError) as err:
+        # a message for people, not a traceback; the launcher then stops the other ranks
         print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2 if isinstance(err, UserError) else 3)
+        sys.exit(2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4)
