@@ -18,11 +18,14 @@ from loomtrain.errors import ConfigError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # numbers are accepted for text keys, so `--set run.name=2024` names the run "2024"
+    # inf/nan are refused: no key means "unbounded" by them, and inf breaks timedelta(timeout_s)
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True,
+                              allow_inf_nan=False)
 
 
 class RunConfig(Section):
-    name: str = "default"
+    name: str = Field("default", min_length=1)  # empty would make run.dir itself the run folder
     dir: str = "runs"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -144,7 +147,8 @@ class Config(Section):
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`section.key=value` -> (["section", "key"], value); the value is read as a TOML literal,
     and as a plain string when it is not one (so `--set data.source=/tmp/x.txt` works)."""
-    if "=" not in text or "." not in text.split("=", 1)[0]:
+    key = text.split("=", 1)[0]
+    if "=" not in text or "." not in key or not all(part.strip() for part in key.split(".")):
         raise ConfigError(
             f"--set {text!r} is not of the form section.key=value (for example "
             "--set train.steps=100)"
@@ -181,7 +185,11 @@ def _explain(err: ValidationError) -> str:
                 msg = f"unknown section; valid sections are: {sections}"
         elif "input" in e and e["type"] != "value_error":
             msg = f"{msg} (got {e['input']!r})"
-        parts.append(f"{loc}: {msg}" if loc else msg)
+            if e["type"] == "string_type":
+                msg += "; quote text that TOML reads as a value, e.g. --set run.name='\"true\"'"
+        # a combination rule names its keys itself: "model: model.d_model=30 ..." says it twice
+        named = e["type"] == "value_error" and f"{loc}." in msg
+        parts.append(f"{loc}: {msg}" if loc and not named else msg)
     return "invalid configuration: " + "; ".join(parts) + "."
 
 
