@@ -1,62 +1,92 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): sharded, every rank writes its own part.
 
-Layout: `RUN_DIR/checkpoints/step_00000100/` holds DCP's files plus `loom.json` (the step and
-the mesh it was written on). Saving is atomic: everything is written to `step_N.partial/`,
-and rank 0 renames it to `step_N/` only after DCP has gathered every rank's write result, so
-a crash mid-save leaves only a `.partial` folder, which loading ignores and the next save
-removes. Loading never unpickles arbitrary objects: tensors and small values go through
-`torch.load(weights_only=True)` (DCP's own reader) and DCP's `.metadata` file through an
-unpickler that accepts only DCP's metadata classes.
+Layout: `RUN_DIR/checkpoints/step_00000100/` holds DCP's files (`__<rank>_0.distcp`, one per
+rank, and `.metadata`) plus `loom.json` (the step, the mesh it was written on, why it was
+written). What is saved: the model, the optimizer (state and param groups) and every rank's
+RNG state. The LR schedule is a pure function of the step (`optim.lr_at`) and so is the data
+position (`data.sampler`), so the step number restores both.
+
+Atomicity: every rank writes into `step_N.partial/`; DCP fsyncs each file and writes
+`.metadata` last, on rank 0, after it has gathered every rank's write result. Only then does
+rank 0 write and fsync `loom.json` and rename the folder to `step_N/` (one rename, then an
+fsync of the parent folder). A crash at any point before the rename leaves a `.partial`
+folder, which is never listed as a checkpoint and which the next save removes. Old
+checkpoints are first renamed to `.trash` and then deleted, so a crash mid-delete never leaves
+a half-deleted folder under a checkpoint's name.
+
+Safe loading (nothing in a checkpoint can run code): DCP's `.metadata` is a pickle, read here
+by an unpickler that accepts only the classes a genuine one contains; non-tensor values (the
+optimizer's param groups) are read with `torch.load(weights_only=True)` before DCP sees them;
+tensors go through DCP's own `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
+import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
+from loomtrain import comm
 from loomtrain.errors import CheckpointError
 
-PARTIAL = ".partial"
+PARTIAL, TRASH = ".partial", ".trash"
 _META = "loom.json"
-_SAFE_MODULES = ("torch.distributed.checkpoint.", "collections", "torch._utils")
-_SAFE_NAMES = {("torch", "Size"), ("torch", "device"), ("builtins", "set"),
-               ("builtins", "frozenset"), ("builtins", "slice")}
-_TORCH_DTYPES = {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
-_TORCH_ENUMS = {n for n in dir(torch) if isinstance(getattr(torch, n), (torch.memory_format, torch.layout))}
+_NAME = re.compile(r"step_\d{8}")
+_DTYPES = {n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+# Every global a genuine DCP `.metadata` refers to (torch 2.13, listed by tracing
+# `find_class` on real checkpoints). Exact names only: a module prefix would also admit
+# anything reachable from it, e.g. `torch.distributed.checkpoint.filesystem` + `os.system`.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # looks a layout up by name
+    "torch": {"Size"} | _DTYPES,
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata` and nothing else (no arbitrary callables)."""
-
     def find_class(self, module: str, name: str):
-        if (module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_NAMES
-                or (module == "torch" and name in _TORCH_DTYPES | _TORCH_ENUMS)):
+        if name in _METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a DCP metadata file never does")
 
 
-class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+def read_metadata(path: Path) -> Metadata:
+    """DCP's `.metadata` of checkpoint `path`, unpickled safely; CheckpointError otherwise."""
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: cannot read {file.name}: {err}") from None
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: refused to load {file.name}: {err}. "
+                              "Only load checkpoints from sources you trust.") from None
+    except Exception as err:  # a truncated or garbled pickle raises EOFError, ValueError, ...
+        raise CheckpointError(f"checkpoint {str(path)!r}: {file.name} is damaged "
+                              f"({type(err).__name__}: {err})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {file.name} is not DCP metadata")
+    return metadata
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -64,21 +94,42 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a `.partial` folder is never one)."""
+    """Published checkpoints, oldest first (never a `.partial` or `.trash` folder)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir()
-            if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(PARTIAL)
-            and (p / _META).is_file() and (p / ".metadata").is_file()]
-    return sorted(done, key=lambda p: p.name)
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.fullmatch(p.name)
+                  and (p / _META).is_file() and (p / ".metadata").is_file())
 
 
 def read_meta(path: Path) -> dict:
     try:
-        return json.loads((path / _META).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {_META}: {err}") from None
+        meta = json.loads((Path(path) / _META).read_text())
+        int(meta["step"]), int(meta["world"])
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {_META}: {err!r}") from None
+
+
+def verify(path: Path) -> tuple[dict, Metadata]:
+    """Checks checkpoint `path` without reading its tensors: loom.json, safe metadata, and
+    every data file present and at least as long as the metadata says (a truncated copy or a
+    file lost from a shard). Returns (loom.json, DCP metadata). Bytes flipped inside a file
+    keep its length: DCP has no checksums, so those surface only when loading."""
+    meta, metadata = read_meta(path), read_metadata(path)
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        name = info.relative_path
+        if Path(name).name != name:  # metadata must not point outside its folder
+            raise CheckpointError(f"checkpoint {str(path)!r}: metadata refers to file {name!r}")
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = Path(path) / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual is None or actual < size:
+            state = "is missing" if actual is None else f"has {actual} of its {size} bytes"
+            raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {name} {state}")
+    return meta, metadata
 
 
 def training_state(model, optimizer) -> dict:
@@ -86,53 +137,155 @@ def training_state(model, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """RNG state differs per rank (dropout masks once ranks diverge): keys name the rank."""
+    state = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _root_causes(err: CheckpointException) -> str:
+    """One line per failed rank instead of DCP's concatenated tracebacks."""
+    parts = []
+    for rank, (exc, _) in sorted(err.failures.items()):
+        lines = str(exc).strip().splitlines()
+        parts.append(f"rank {rank}: {type(exc).__name__}" + (f": {lines[0]}" if lines else ""))
+    return "; ".join(parts)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    """Rename, then delete: a crash mid-delete leaves a `.trash` folder, never a damaged
+    folder that still looks like a checkpoint."""
+    if path.exists():
+        trash = path.with_name(path.name.removesuffix(PARTIAL) + TRASH)
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dict) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+    """Collective: every rank calls it. Returns the published checkpoint folder."""
     final = step_dir(run_dir, step)
     partial = final.with_name(final.name + PARTIAL)
     if mesh.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-    state = training_state(model, optimizer)
-    # RNG state differs per rank (dropout masks): one key per rank
-    state[f"rng.rank{mesh.rank}"] = torch.get_rng_state()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _discard(partial)  # what a crash during an earlier save of this step left
+    comm.barrier(mesh)  # nobody writes into `partial` before it is clean
+    state = {**training_state(model, optimizer), **_rng_state(mesh.rank, mesh.device)}
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+    except CheckpointException as err:
+        raise CheckpointError(f"could not write checkpoint {str(partial)!r}: {_root_causes(err)}") from None
     if mesh.rank == 0:
-        meta = {"step": step, "world": mesh.world, "sizes": mesh.sizes, **extra}
-        (partial / _META).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
+        meta_file = partial / _META
+        meta_file.write_text(json.dumps({"step": step, "world": mesh.world, "sizes": mesh.sizes,
+                                         **extra}, indent=1))
+        _fsync(meta_file)
+        _discard(final)  # a fresh run under torchrun may reuse a folder
         os.replace(partial, final)
+        _fsync(final.parent)
         for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in (Path(run_dir) / "checkpoints").glob(f"*{PARTIAL}"):
+            _discard(old)
+        for stale in [*final.parent.glob(f"*{PARTIAL}"), *final.parent.glob(f"*{TRASH}")]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor values with `torch.load(weights_only=False)`
+    (torch 2.13, default_planner.py). Each value is first loaded with `weights_only=True`; the
+    same bytes, proven to hold only allowed types, then go to DCP as usual."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            # torch wraps the reason in boilerplate paragraphs (and advice to retry unsafely)
+            reason = [p.strip() for p in str(err).split("\n\n") if p.strip() and not
+                      p.startswith(("Weights only load failed", "Check the documentation"))]
+            raise CheckpointError(f"refused to load value {read_item.dest_index.fqn!r} "
+                                  f"({' '.join(reason) or 'not plain data'}): the file is damaged "
+                                  "or holds a pickle that would run code") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """Serves metadata already read by `read_metadata`. `read_metadata` takes no `rank`
+    argument, so DCP does not fall back to per-rank metadata files (read with plain pickle)."""
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+def _dcp_load(path: Path, state: dict, metadata: Metadata, no_dist: bool = False) -> None:
+    try:
+        with warnings.catch_warnings():  # no_dist is meant: DCP warns that it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_SafeReader(path, metadata),
+                     planner=_WeightsOnlyPlanner(), no_dist=no_dist)
+    except CheckpointException as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded ({_root_causes(err)}); "
+                              "it is damaged or does not match this run's model and optimizer") from None
+
+
 def load(path: Path, model, optimizer, mesh) -> dict:
     """Collective. Restores model, optimizer and this rank's RNG state; returns loom.json."""
-    meta = read_meta(path)
-    if meta.get("world") != mesh.world:
+    meta, metadata = verify(path)
+    if meta["world"] != mesh.world:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} was written by {meta.get('world')} ranks; this run has "
-            f"{mesh.world}. Resume with parallel.nproc={meta.get('world')}"
-        )
+            f"checkpoint {str(path)!r} was written by {meta['world']} ranks; this run has "
+            f"{mesh.world}. Resume with parallel.nproc={meta['world']}")
     state = training_state(model, optimizer)
-    state[f"rng.rank{mesh.rank}"] = torch.get_rng_state()
+    # a checkpoint written on CPU has no CUDA RNG state: restore what it holds
+    rng = {k: v for k, v in _rng_state(mesh.rank, mesh.device).items() if k in metadata.state_dict_metadata}
+    state.update(rng)
+    _dcp_load(path, state, metadata)
     try:
-        dcp.load(state, storage_reader=SafeReader(path))
-    except Exception as err:  # DCP raises CheckpointException wrapping per-rank failures
-        raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded: {err}") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
-    torch.set_rng_state(state[f"rng.rank{mesh.rank}"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
+    for key in rng:
+        if key.endswith(".cuda"):
+            torch.cuda.set_rng_state(state[key], mesh.device)
+        else:
+            torch.set_rng_state(state[key])
     return meta
 
 
+def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """Single process, no process group, no model needed: the model's tensors, consolidated
+    from every rank's part into full CPU tensors (names without the `model.` prefix)."""
+    _, metadata = verify(path)
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype)
+             for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(v, "size")}
+    if not state:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors")
+    _dcp_load(path, state, metadata, no_dist=True)
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
 def load_model_weights(path: Path, model) -> None:
-    """Single process, no process group: the model part only (for export and generation)."""
-    state = {"model": get_state_dict(model, [])[0]}
+    """Single process: load a checkpoint's model weights into `model` (export, generation)."""
     try:
-        dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded: {err}") from None
-    model.load_state_dict(state["model"])
+        model.load_state_dict(load_model_state(path))
+    except RuntimeError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match the model: {err}") from None

@@ -15,6 +15,7 @@ One optimizer step:
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from loomtrain.errors import UserError
 from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
 from loomtrain.parallel.data import apply_data_parallel
 from loomtrain.train import checkpoint
-from loomtrain.train.config import Config, config_from_dict
+from loomtrain.train.config import Config, config_from_dict, config_to_toml
 from loomtrain.train.launch import init_distributed, shutdown
 from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
 from loomtrain.train.optim import build_optimizer, lr_at, set_lr
@@ -92,13 +93,14 @@ def evaluate(model, sampler, cfg: Config, mesh, device) -> float:
     return float(total[0] / total[1])
 
 
-def _control(batches, stop: StopFlag, mesh) -> tuple[float, int]:
-    """(global target tokens, stop signal or 0) agreed by all ranks in one all-reduce."""
+def _control(batches, stop: StopFlag, mesh) -> tuple[float, bool]:
+    """(global target tokens, whether any rank got SIGINT/SIGTERM), agreed by all ranks in
+    one all-reduce."""
     local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
-    control = torch.tensor([local_tokens, stop.signum], dtype=torch.float64, device=mesh.device)
+    control = torch.tensor([local_tokens, bool(stop.signum)], dtype=torch.float64, device=mesh.device)
     comm.all_reduce(control, mesh, "world")
     replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
-    return float(control[0]) / replicas, int(control[1])
+    return float(control[0]) / replicas, bool(control[1])
 
 
 def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
@@ -122,25 +124,32 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     start = 0
     if resume is not None:
         start = checkpoint.load(resume, model, optimizer, mesh)["step"]
-        if mesh.rank == 0:
+        if mesh.rank == 0:  # only now that the checkpoint fits: a failed resume changes nothing
             truncate_metrics(run_dir, start)
+            write_config(run_dir, cfg)  # with the resume's --set overrides
     dp_model = apply_data_parallel(model, mesh, cfg.parallel)
     log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
     if start == 0:
         log.message(f"{corpus.description}; {sum(p.numel() for p in model.parameters()):,} "
                     f"parameters; {mesh.describe()}")
+    else:
+        log.message(f"resumed from {resume} at step {start}")
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
+    saved_at = start  # the newest checkpoint (if any) holds the state after this step
     mesh.meter.take()
     try:
         for step in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
             batches = _batches(train_data, cfg, mesh, step, device)
-            global_tokens, signum = _control(batches, stop, mesh)
-            if signum:
-                save(cfg, run_dir, step, model, optimizer, mesh)
-                log.message(f"stopped by signal {signum} before step {step + 1}; checkpoint "
-                            f"saved; continue with: loom train --resume {run_dir}")
+            global_tokens, stopping = _control(batches, stop, mesh)
+            if stopping:
+                name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
+                if step > saved_at:
+                    save(cfg, run_dir, step, model, optimizer, mesh, {"stopped_by": name})
+                log.message(f"stopped by {name} before step {step + 1}; " + (
+                    f"checkpoint step {step} is saved; continue with: loom train --resume {run_dir}"
+                    if step else "no step was done, so there is no checkpoint"))
                 return 0
             lr = lr_at(step, cfg.train)
             set_lr(optimizer, lr)
@@ -166,6 +175,8 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 rec = {"step": done, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                        "tokens_per_s": window_steps * tokens_per_step / elapsed,
                        "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(device)}
+                if not stepped:
+                    rec["skipped"] = True
                 if is_eval:
                     rec["val_loss"] = evaluate(dp_model, val_data, cfg, mesh, device)
                 log.record(rec)
@@ -175,14 +186,26 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
                 save(cfg, run_dir, done, model, optimizer, mesh)
-        save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh)
+                saved_at = done
+        if start < cfg.train.steps:
+            save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh)
+        else:
+            log.message(f"nothing to do: the checkpoint is at step {start}, train.steps="
+                        f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
         return 0
     finally:
         log.close()
 
 
-def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh) -> None:
-    checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, {})
+def write_config(run_dir: Path, cfg: Config) -> None:
+    """The resolved config as RUN_DIR/config.toml, replaced atomically."""
+    tmp = run_dir / "config.toml.tmp"
+    tmp.write_text(config_to_toml(cfg))
+    os.replace(tmp, run_dir / "config.toml")
+
+
+def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh, extra: dict | None = None) -> None:
+    checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, extra or {})
 
 
 def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:

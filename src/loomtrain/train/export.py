@@ -1,0 +1,83 @@
+"""`loom export RUN_DIR --to safetensors`: the newest checkpoint's model, consolidated from
+every rank's DCP shard into one `.safetensors` file that needs only `safetensors` to read.
+
+The file holds the model's state_dict under its own names (`tok_emb.weight`, ...), every
+tensor full-size and contiguous, plus string metadata: the checkpoint and step it came from,
+the [model] config as JSON, and the tied weights.
+
+Tied weights (the GPT's output head *is* its token embedding): safetensors refuses tensors
+that share memory, and a reader should not need to know about ties to use the file. So both
+names are written, each as its own full copy, after checking that the checkpoint holds equal
+values for them; metadata `tied` (JSON, alias -> source name) records the tie, so a reader
+that ties them again may keep just one. The copy costs one vocab x d_model matrix on disk.
+
+Writing is atomic: the file is written next to its target as `NAME.tmp`, fsynced, then
+renamed over the target, so an interrupted export never leaves a truncated file under the
+final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from loomtrain.errors import CheckpointError
+from loomtrain.models import build_model
+from loomtrain.train import checkpoint
+from loomtrain.train.config import load_config
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: source} for every parameter or buffer reachable under more than one name;
+    the source is the first name in registration order (the one `state_dict` lists first)."""
+    first: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        source = first.setdefault(id(tensor), name)
+        if source != name:
+            ties[name] = source
+    return ties
+
+
+def export_safetensors(run_dir: Path, out: Path | None = None) -> str:
+    """Writes RUN_DIR's newest checkpoint as one safetensors file (default
+    RUN_DIR/model.safetensors); returns its path."""
+    run_dir = Path(run_dir)
+    done = checkpoint.list_checkpoints(run_dir)
+    if not done:
+        raise CheckpointError(f"export {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
+    if not (run_dir / "config.toml").is_file():
+        raise CheckpointError(f"export {str(run_dir)!r}: no config.toml there; is it a loom run folder?")
+    latest = done[-1]
+    cfg = load_config(run_dir / "config.toml")
+    with torch.device("meta"):  # names and ties only: no memory, no initialization cost
+        ties = tied_names(build_model(cfg.model))
+    tensors = checkpoint.load_model_state(latest)
+    for alias, source in ties.items():
+        if alias not in tensors or source not in tensors:
+            raise CheckpointError(f"checkpoint {str(latest)!r} lacks tied weight {alias!r} or {source!r}")
+        if not torch.equal(tensors[alias], tensors[source]):
+            raise CheckpointError(f"checkpoint {str(latest)!r}: tied weights {alias!r} and {source!r} differ")
+    metadata = {
+        "format": "pt",
+        "loomtrain.checkpoint": latest.name,
+        "loomtrain.step": str(checkpoint.read_meta(latest)["step"]),
+        "loomtrain.model_config": json.dumps(cfg.model.model_dump()),
+        "tied": json.dumps(ties),
+    }
+    out = Path(out) if out is not None else run_dir / "model.safetensors"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, out)
+    return str(out)

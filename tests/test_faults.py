@@ -1,0 +1,116 @@
+"""Non-finite losses: the step is skipped on every rank (parameters and optimizer state
+untouched) with a warning, and too many in a row abort the run with exit code 3."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from harness import run_world
+from loomtrain.train import trainer
+from loomtrain.train.metrics import read_metrics
+
+
+def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: int) -> dict:
+    """Runs `cfg` with the loss of rank `nan_rank` multiplied by NaN on the 1-based steps
+    `nan_steps` (a test-side patch of the trainer's loss), recording for every step whether
+    the parameters and the optimizer's step counts changed."""
+    steps: list[dict] = []
+    real_step, real_loss = trainer.train_step, trainer.token_loss_sum
+
+    def loss(logits, targets):
+        value = real_loss(logits, targets)
+        return value * math.nan if rank == nan_rank and len(steps) + 1 in nan_steps else value
+
+    def step(model, optimizer, *args):
+        before = [p.detach().clone() for p in model.parameters()]
+        counts = [float(s["step"]) for s in optimizer.state.values()]
+        result = real_step(model, optimizer, *args)
+        steps.append({
+            "stepped": result[2],
+            "params_changed": any(not torch.equal(a, p) for a, p in zip(before, model.parameters())),
+            "adam_steps_changed": counts != [float(s["step"]) for s in optimizer.state.values()],
+        })
+        return result
+
+    trainer.train_step, trainer.token_loss_sum = step, loss
+    stderr, error = io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(stderr):
+            trainer.run(cfg, Path(run_dir), None)
+    except trainer.NonFiniteError as err:
+        error = str(err)
+    finally:
+        trainer.train_step, trainer.token_loss_sum = real_step, real_loss
+    return {"steps": steps, "stderr": stderr.getvalue(), "error": error,
+            "metrics": read_metrics(run_dir) if rank == 0 else None}
+
+
+def _two_scenarios(rank, world, skip_cfg, abort_cfg, root):
+    # two runs share the harness's process group: re-creating it on the same port can race
+    trainer.shutdown = lambda mesh: None
+    # NaN on rank 1 only: the all-reduced gradient norm makes every rank skip together
+    skipped = _poisoned_run(rank, skip_cfg, f"{root}/skip", {3, 5}, nan_rank=1)
+    aborted = _poisoned_run(rank, abort_cfg, f"{root}/abort", {3, 4}, nan_rank=1)
+    return skipped, aborted
+
+
+def test_nonfinite_steps_are_skipped_then_abort(tiny, tmp_path):
+    # limit 2: steps 3 and 5 are isolated (the run completes), steps 3 and 4 abort at step 4
+    skip_cfg = tiny(train={"steps": 6}, parallel={"nproc": 2}, run={"max_nonfinite_steps": 2})
+    abort_cfg = tiny(train={"steps": 6}, parallel={"nproc": 2}, run={"max_nonfinite_steps": 2})
+    results = run_world(_two_scenarios, 2, skip_cfg, abort_cfg, str(tmp_path), timeout_s=240)
+
+    for skipped, _ in results:
+        assert skipped["error"] is None
+        assert [s["stepped"] for s in skipped["steps"]] == [True, True, False, True, False, True]
+        for i, s in enumerate(skipped["steps"], start=1):
+            # a skipped step leaves parameters and AdamW's state bitwise as they were
+            assert s["params_changed"] == s["adam_steps_changed"] == (i not in (3, 5)), (i, s)
+    skipped = results[0][0]
+    assert "warning: step 3 skipped: non-finite loss or gradient (1 in a row, limit 2)" in skipped["stderr"]
+    assert "warning: step 5 skipped" in skipped["stderr"]
+    by_step = {r["step"]: r for r in skipped["metrics"]}
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
+    assert by_step[3]["skipped"] and math.isnan(by_step[3]["loss"])
+    assert "skipped" not in by_step[4] and math.isfinite(by_step[4]["loss"])
+
+    for _, aborted in results:
+        assert [s["stepped"] for s in aborted["steps"]] == [True, True, False, False]
+        assert "run.max_nonfinite_steps=2" in aborted["error"]
+    assert [r["step"] for r in results[0][1]["metrics"]] == [1, 2, 3]  # step 4 raised first
+
+
+_ABORT_CLI = """
+import math, sys
+from loomtrain.train import trainer
+real = trainer.token_loss_sum
+trainer.token_loss_sum = lambda logits, targets: real(logits, targets) * math.nan
+from loomtrain.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_nonfinite_abort_exits_3(tmp_path, corpus):
+    """The CLI path: an in-process worker (nproc 1, so the test's patch applies) whose every
+    loss is NaN stops after run.max_nonfinite_steps steps with exit code 3."""
+    from conftest import tiny_tree
+    from loomtrain.train.config import config_from_dict, config_to_toml
+
+    config = tmp_path / "nan.toml"
+    config.write_text(config_to_toml(config_from_dict(tiny_tree(tmp_path, corpus))))
+    proc = subprocess.run([sys.executable, "-c", _ABORT_CLI, "train", str(config), "--set",
+                           "run.max_nonfinite_steps=3"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})  # see test_checkpoint.py
+    assert proc.returncode == 3, proc.stderr
+    assert "warning: step 3 skipped: non-finite loss or gradient (3 in a row, limit 3)" in proc.stderr
+    assert "error: 3 consecutive steps had a non-finite loss" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "runs" / "t").glob("checkpoints/step_*"))  # nothing to save
