@@ -84,3 +84,15 @@ def test_eval_samples_dealt_round_robin():
     assert [len(p) for p in parts] == [3, 2]
     flat = sorted(g for p in parts for rng in p for g in rng)
     assert flat == list(range(20))
+
+
+def test_too_short_data_is_a_user_error_before_training(tmp_path, capsys):
+    from loomtrain.cli import main
+
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 100)
+    code = main(["train", "--set", f'data.source="{short}"',
+                 "--set", "model.seq_len=64", "--nproc", "1", "--set", f'run.dir="{tmp_path}"'])
+    err = capsys.readouterr().err
+    assert code == 2 and "too few for one window" in err and "Traceback" not in err
+    assert not (tmp_path / "default").exists()  # refused before a run folder was made

@@ -94,8 +94,9 @@ def cmd_train(args) -> int:
         from loomtrain.train.dryrun import dry_run
         print(dry_run(cfg))
         return 0
-    from loomtrain.data import load_corpus
-    load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)  # fail before spawning
+    from loomtrain.data import load_corpus, require_windows
+    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
+    require_windows(corpus, cfg.model.seq_len, cfg.data.source)  # fail before spawning
     if in_torchrun():
         run_dir = run_dir or Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder
         if int(os.environ["WORLD_SIZE"]) != cfg.parallel.nproc:

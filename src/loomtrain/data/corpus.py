@@ -110,3 +110,13 @@ def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
                 f"{vocab_size}; set model.vocab_size = 256"
             )
     return Corpus(train=train, val=val, description=f"{desc} ({len(train)} train / {len(val)} val tokens)")
+
+
+def require_windows(corpus: Corpus, seq_len: int, source: str) -> None:
+    """Both splits must hold at least one window of seq_len + 1 tokens."""
+    for split, tokens in (("train", corpus.train), ("validation", corpus.val)):
+        if len(tokens) < seq_len + 1:
+            raise DataError(
+                f"data.source={source!r}: the {split} split has {len(tokens)} tokens, too few for "
+                f"one window of model.seq_len+1 = {seq_len + 1}; lower model.seq_len, raise "
+                f"data.val_fraction, or give more data")

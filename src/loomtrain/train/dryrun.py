@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from loomtrain.comm.meter import wire_bytes
-from loomtrain.errors import ConfigError, DataError
+from loomtrain.errors import ConfigError
 from loomtrain.train.metrics import _fmt_bytes as fmt_bytes
 
 FP32_BYTES = 4
@@ -148,17 +148,10 @@ def wire_bytes_per_step(collectives: list[Collective]) -> float:
 
 def _check_data(cfg) -> str:
     """The corpus the run would read, and whether it holds one window for train and val."""
-    from loomtrain.data import WindowSampler, load_corpus
+    from loomtrain.data import load_corpus, require_windows
 
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
-    for split, tokens in (("train", corpus.train), ("validation", corpus.val)):
-        try:
-            WindowSampler(tokens, cfg.model.seq_len, cfg.run.seed)
-        except ValueError:
-            raise DataError(
-                f"data.source={cfg.data.source!r}: the {split} split has {len(tokens)} tokens, too "
-                f"few for one window of model.seq_len+1 = {cfg.model.seq_len + 1}; lower "
-                f"model.seq_len or give more data") from None
+    require_windows(corpus, cfg.model.seq_len, cfg.data.source)
     return corpus.description
 
 
