@@ -1,12 +1,17 @@
 """The one communication layer: every torch.distributed collective in loomtrain goes through here."""
 
 from loomtrain.comm.collectives import (
+    IMPLS,
     CollectiveError,
     Pending,
+    all_gather,
     all_reduce,
+    all_to_all,
     barrier,
     broadcast,
+    choose_impl,
     recv,
+    reduce_scatter,
     send,
 )
 from loomtrain.comm.meter import CommMeter, wire_bytes
@@ -14,4 +19,5 @@ from loomtrain.comm.meter import CommMeter, wire_bytes
 __all__ = [
     "CollectiveError", "CommMeter", "Pending", "all_reduce", "barrier", "broadcast", "recv",
     "send", "wire_bytes",
+    "IMPLS", "all_gather", "all_to_all", "choose_impl", "reduce_scatter",
 ]

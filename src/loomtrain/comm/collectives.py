@@ -8,9 +8,12 @@ op and the axis. On a group of one rank every op returns at once and counts noth
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
+from loomtrain.comm import ring
 from loomtrain.comm.meter import wire_bytes
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -119,3 +122,137 @@ def recv(tensor: torch.Tensor, mesh, axis: str, src_local: int, async_op: bool =
 def barrier(mesh, axis: str = "world") -> None:
     """A barrier as a one-element all-reduce, so it obeys the same timeout and error path."""
     all_reduce(torch.zeros(1, device=mesh.device), mesh, axis)
+
+
+# --- all-gather, reduce-scatter, all-to-all: native gloo, or the send/recv rings of ring.py ---
+# Tensors are contiguous; all-gather's output, reduce-scatter's input and both all-to-all
+# tensors hold N equal chunks in group order. Wire bytes measured per rank (docs/comm.md):
+# native all-gather and all-to-all send (N-1)/N x S like the rings; native reduce-scatter
+# sends 2(N-1)/N x S (a clone plus a full all-reduce), the ring (N-1)/N x S.
+
+IMPLS = ("auto", "native", "ring")
+
+# Measured 2026-12-02 with benchmarks/collectives.py: 2 cores shared with other jobs, loopback,
+# worlds 2 and 4, three runs (tables in docs/comm.md). The rule: use the ring from the smallest
+# size at which the median over runs of ring_ms / native_ms is below 0.9 in both worlds, and
+# stays below at every larger size measured (up to 16 MiB); runs swing by more than 10%.
+# - reduce_scatter (the ring sends half the bytes): medians 0.78/0.78 (world 2/4) at 256 KiB,
+#   0.47/0.67 at 1 MiB, 0.51/0.54 at 4 MiB, 0.43/0.50 at 16 MiB; at 64 KiB and below the
+#   ring's N-1 Python-driven steps lose at world 2 (2.3-4.1x).
+# - all_gather (same bytes either way): the ring only from 16 MiB, 0.71/0.83; at 4 MiB
+#   0.79/0.93; below 1 MiB its medians are 1.7-3.7x native's.
+# - all_to_all: never; 0.98/1.01 at 16 MiB, medians 1.8-5.4x native's below 4 MiB.
+RING_MIN_BYTES = {"reduce_scatter": 256 << 10, "all_gather": 16 << 20}
+
+
+def choose_impl(op: str, payload_bytes: int, n: int) -> str:
+    """The implementation `impl="auto"` runs for `op` over `n` ranks covering `payload_bytes`.
+
+    Measured at n = 2 and 4 only; the same thresholds are used for every n.
+    """
+    threshold = RING_MIN_BYTES.get(op)
+    if threshold is not None and payload_bytes >= threshold:
+        return "ring"
+    return "native"
+
+
+def _ring_tag(mesh, axis: str, op: str) -> int:
+    """A p2p tag naming this op instance identically on every rank of the axis group.
+
+    The meter's call count for (axis, op), recorded just before, is the op's sequence number:
+    every rank of a group issues the same ops on it in the same order (the precondition of any
+    collective; clearing `meter.counts` on some ranks only breaks that, and shows as a timeout).
+    The axis is hashed in because "dp" and "dp.local" share one process group on one node.
+    gloo takes tags up to 2**31 - 1; 0 is left to `send`/`recv`.
+    """
+    seq = mesh.meter.counts[(axis, op)].calls
+    return 1 + zlib.crc32(f"{axis}/{op}/{seq}".encode()) % (2**31 - 2)
+
+
+def _resolve(impl: str, op: str, payload_bytes: int, n: int) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r} for {op} is not one of {IMPLS}")
+    return choose_impl(op, payload_bytes, n) if impl == "auto" else impl
+
+
+def _check_chunks(op: str, whole: torch.Tensor, part_numel: int, n: int, *others) -> None:
+    if whole.numel() != n * part_numel or not all(t.is_contiguous() for t in (whole, *others)):
+        raise ValueError(f"{op} over {n} ranks needs contiguous tensors, the chunked one of "
+                         f"{n} x {part_numel} elements, got {whole.numel()}; gloo refuses "
+                         f"uneven chunks: pad them")
+
+
+def _alone(output: torch.Tensor, input: torch.Tensor, mesh, op: str, axis: str, async_op: bool):
+    output.view(-1).copy_(input.view(-1))
+    return Pending(None, mesh, op, axis) if async_op else None
+
+
+def _run_chunked(mesh, axis: str, name: str, payload: int, impl: str, async_op: bool,
+                 native, native_algorithm: str, ring_fn, ring_algorithm: str, tensors: tuple,
+                 **ring_kwargs):
+    """Start op `name` as the native gloo call `native(group)` or as `ring_fn` of ring.py, each
+    counted with the formula of its own algorithm."""
+    if _resolve(impl, name, payload, mesh.size(axis)) == "native":
+        return _start(mesh, name, axis, payload, native_algorithm, native, async_op)
+    ranks, me = mesh.group_ranks(axis), mesh.local_rank(axis)
+
+    def call(group):
+        kwargs = dict(ranks=ranks, me=me, group=group, tag=_ring_tag(mesh, axis, name), **ring_kwargs)
+        return ring.start(ring_fn, tensors, kwargs, async_op)
+    return _start(mesh, name, axis, payload, ring_algorithm, call, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
+               async_op: bool = False, impl: str = "auto"):
+    """`output` = every axis member's `input`, concatenated in group order.
+
+    S = the gathered output; native and ring both send (N-1)/N x S.
+    """
+    n = mesh.size(axis)
+    if n == 1:
+        return _alone(output, input, mesh, "all_gather", axis, async_op)
+    _check_chunks("all_gather", output, input.numel(), n, input)
+
+    def native(g):
+        return dist.all_gather_single(output.view(-1), input.view(-1), group=g, async_op=True)
+    return _run_chunked(mesh, axis, "all_gather", _nbytes(output), impl, async_op,
+                        native, "ring_all_gather", ring.ring_all_gather, "ring_all_gather",
+                        (output, input))
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh, axis: str, op: str = "sum",
+                   async_op: bool = False, impl: str = "auto"):
+    """`output` = chunk (my index on `axis`) of the reduction of every member's `input`.
+
+    S = the full input. Native gloo all-reduces the whole input and keeps a chunk, so it sends
+    2(N-1)/N x S and is counted so; the ring sends (N-1)/N x S.
+    """
+    n = mesh.size(axis)
+    if n == 1:
+        return _alone(output, input, mesh, "reduce_scatter", axis, async_op)
+    _check_chunks("reduce_scatter", input, output.numel(), n, output)
+
+    def native(g):
+        return dist.reduce_scatter_single(output.view(-1), input.view(-1), op=_REDUCE_OPS[op],
+                                          group=g, async_op=True)
+    return _run_chunked(mesh, axis, "reduce_scatter", _nbytes(input), impl, async_op,
+                        native, "ring_all_reduce", ring.ring_reduce_scatter, "ring_reduce_scatter",
+                        (output, input), op=op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
+               async_op: bool = False, impl: str = "auto"):
+    """Chunk j of `input` goes to member j; chunk j of `output` comes from member j.
+
+    S = the input; native and pairwise both send (N-1)/N x S. `output` must not alias `input`.
+    """
+    n = mesh.size(axis)
+    if n == 1:
+        return _alone(output, input, mesh, "all_to_all", axis, async_op)
+    _check_chunks("all_to_all", input, output.numel() // n, n, output)
+
+    def native(g):
+        return dist.all_to_all_single(output.view(-1), input.view(-1), group=g, async_op=True)
+    return _run_chunked(mesh, axis, "all_to_all", _nbytes(input), impl, async_op,
+                        native, "all_to_all", ring.pairwise_all_to_all, "all_to_all",
+                        (output, input))
