@@ -179,11 +179,13 @@ def test_meter_counts_formulas_and_what_the_sockets_carry(exercised):
             # gloo adds a small header per message; s/64 is far below the smallest difference
             # between two formulas (s/4, at world 4)
             assert sent is None or abs(sent - wire) < s / 64, (key, rank, sent, wire)
-    # broadcast: the meter's ring model gives S to every rank but the last; gloo sends along a
-    # tree (world 4, root 0: 2S, S, 0, 0), so only the total over ranks agrees
-    sent = [rows[("broadcast", "native")][3] for _, _, rows in results]
-    assert sum(rows[("broadcast", "native")][2] for _, _, rows in results) == (world - 1) * s
-    assert None in sent or abs(sum(sent) - (world - 1) * s) < s / 64, sent
+    # broadcast: gloo sends along a binomial tree from the root (rank 0 here): the member at
+    # distance r from the root sends S to each r + 2^k < N with 2^k > r
+    for r, (_, _, rows) in enumerate(results):
+        children = sum(1 for k in range(8) if 2**k > r and r + 2**k < world)
+        _, _, got_wire, sent = rows[("broadcast", "native")]
+        assert got_wire == children * s, (r, got_wire)
+        assert sent is None or abs(sent - got_wire) < s / 64, (r, sent, got_wire)
 
 
 def _skip_two(rank, world):
@@ -225,8 +227,9 @@ def test_wire_bytes_formulas():
     assert wire_bytes("ring_all_gather", s, 4) == wire_bytes("ring_reduce_scatter", s, 4) == 900
     assert wire_bytes("all_to_all", s, 3) == 800
     assert wire_bytes("send", s, 2) == s
-    assert wire_bytes("ring_broadcast", s, 4) == s
-    assert wire_bytes("ring_broadcast", s, 4, last_in_ring=True) == 0
+    assert [wire_bytes("tree_broadcast", s, 4, from_root=r) for r in range(4)] == [2 * s, s, 0, 0]
+    assert [wire_bytes("tree_broadcast", s, 8, from_root=r) for r in (0, 1, 2, 3, 4)] == \
+        [3 * s, 2 * s, s, s, 0]
     assert all(wire_bytes(a, s, 1) == 0 for a in ("ring_all_reduce", "send", "all_to_all"))
     with pytest.raises(ValueError, match="unknown algorithm"):
         wire_bytes("tree", s, 4)

@@ -51,9 +51,9 @@ class Pending:
 
 
 def _start(mesh, op: str, axis: str, payload: int, algorithm: str, call, async_op: bool,
-           *, last_in_ring: bool = False, on_done=None):
+           *, from_root: int = 0, on_done=None):
     n = mesh.size(axis)
-    mesh.meter.record(axis, op, payload, wire_bytes(algorithm, payload, n, last_in_ring=last_in_ring))
+    mesh.meter.record(axis, op, payload, wire_bytes(algorithm, payload, n, from_root=from_root))
     mesh.meter.last_op = f"{op} on {axis} ({payload} bytes)"
     try:
         work = call(mesh.group(axis))
@@ -82,16 +82,15 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op: str = "sum", async_op:
 
 
 def broadcast(tensor: torch.Tensor, mesh, axis: str, src_local: int = 0, async_op: bool = False):
-    """Broadcast from the axis member with local index `src_local` (ring: S per forwarding rank)."""
+    """Broadcast from the axis member with local index `src_local` (gloo: a binomial tree)."""
     n = mesh.size(axis)
     if n == 1:
         return Pending(None, mesh, "broadcast", axis) if async_op else None
     ranks = mesh.group_ranks(axis)
-    last = (mesh.local_rank(axis) - src_local) % n == n - 1
     return _start(
-        mesh, "broadcast", axis, _nbytes(tensor), "ring_broadcast",
+        mesh, "broadcast", axis, _nbytes(tensor), "tree_broadcast",
         lambda g: dist.broadcast(tensor, src=ranks[src_local], group=g, async_op=True),
-        async_op, last_in_ring=last,
+        async_op, from_root=(mesh.local_rank(axis) - src_local) % n,
     )
 
 

@@ -5,8 +5,9 @@ Two numbers per op (DESIGN.md principle 3):
   reduce-scatter: the full input; all-reduce: the tensor);
 - wire bytes: what this rank sends under the algorithm that actually ran. For N ranks and a
   payload of S bytes: ring all-reduce 2(N-1)/N * S; ring all-gather and reduce-scatter
-  (N-1)/N * S; all-to-all (N-1)/N * S; send S; ring broadcast S for every rank but the last
-  in the ring. An op run as a full all-reduce (gloo's reduce_scatter, see comm/collectives.py)
+  (N-1)/N * S; all-to-all (N-1)/N * S; send S; broadcast along gloo's binomial tree: the
+  member at distance r from the root sends S to each r + 2^k < N with 2^k > r (world 4, root
+  0: 2S, S, 0, 0 — measured on sockets, see docs/comm.md). An op run as a full all-reduce (gloo's reduce_scatter, see comm/collectives.py)
   is counted with the all-reduce formula.
 """
 
@@ -16,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 
-def wire_bytes(algorithm: str, payload_bytes: int, n: int, *, last_in_ring: bool = False) -> int:
+def wire_bytes(algorithm: str, payload_bytes: int, n: int, *, from_root: int = 0) -> int:
     """Bytes one rank sends for `algorithm` over `n` ranks covering `payload_bytes`."""
     if n <= 1:
         return 0
@@ -26,8 +27,12 @@ def wire_bytes(algorithm: str, payload_bytes: int, n: int, *, last_in_ring: bool
         return (n - 1) * payload_bytes // n
     if algorithm == "send":
         return payload_bytes
-    if algorithm == "ring_broadcast":
-        return 0 if last_in_ring else payload_bytes
+    if algorithm == "tree_broadcast":  # from_root: (my index - root index) mod N
+        children = 0
+        k = from_root.bit_length()
+        while from_root + (1 << k) < n:
+            children, k = children + 1, k + 1
+        return children * payload_bytes
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
