@@ -3,7 +3,9 @@
 What it does, in the order a step sees it (the scheme of PyTorch DDP, Li et al., VLDB 2020):
 1. At wrap time, parameters and buffers are broadcast from dp rank 0, and every parameter's
    `.grad` becomes a view into a flat bucket buffer (buckets of `bucket_mb`, filled in reverse
-   registration order, which is roughly the order backward produces gradients).
+   registration order, which is roughly the order backward produces gradients). The gradients
+   produced last (up to `last_bucket_mb`) get a small bucket of their own: nothing is left to
+   compute while it is all-reduced, so all of its time is a wait after backward.
 2. During backward, a post-accumulate-grad hook counts each bucket's ready gradients; when a
    bucket is full its all-reduce is launched asynchronously, so it runs while backward goes on.
    Buckets launch strictly in index order, so every rank issues the same collective sequence.
@@ -41,19 +43,18 @@ class Bucket:
     launched: bool = False
 
 
-def build_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+def build_buckets(params: list[nn.Parameter], bucket_bytes: int,
+                  last_bucket_bytes: int = 0) -> list[Bucket]:
     """Greedy buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its own),
-    one dtype and device per bucket, in the order given."""
-    groups: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
-        if not groups or not same_kind or size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += nbytes
+    one dtype and device per bucket, in the order given. With `last_bucket_bytes`, the
+    parameters at the end of the order that fit in it are bucketed apart, in buckets of at
+    most that size."""
+    tail, size = len(params), 0
+    while tail > 0 and size + _nbytes(params[tail - 1]) <= last_bucket_bytes:
+        tail -= 1
+        size += _nbytes(params[tail])
+    groups = _greedy_groups(params[:tail], bucket_bytes)
+    groups += _greedy_groups(params[tail:], last_bucket_bytes)
     buckets = []
     for group in groups:
         buffer = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype,
@@ -66,6 +67,24 @@ def build_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]
     return buckets
 
 
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def _greedy_groups(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = _nbytes(p)
+        same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
+        if not groups or not same_kind or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
 class DataParallel(nn.Module):
     """`model = DataParallel(model, mesh)`; then `loss.backward(); optimizer.step()` as usual.
 
@@ -73,7 +92,7 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", bucket_mb: float = 4.0,
-                 gradient_reduce: str = "mean"):
+                 gradient_reduce: str = "mean", last_bucket_mb: float = 1.0):
         super().__init__()
         assert gradient_reduce in ("sum", "mean"), gradient_reduce
         self.module, self.mesh, self.axis = module, mesh, axis
@@ -82,7 +101,11 @@ class DataParallel(nn.Module):
         self._callback_queued = False
         self._broadcast_state()
         params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
-        self.buckets = build_buckets(params[::-1], int(bucket_mb * 2**20))
+        # a small last bucket shortens the wait after backward: for the default GPT on 2 CPU
+        # ranks (gloo), 0.38 MiB instead of 3.39 MiB halved it (docs/benchmarks.md); DDP's
+        # rebuilt buckets for that model end with the same 0.38 MiB
+        self.buckets = build_buckets(params[::-1], int(bucket_mb * 2**20),
+                                     int(min(last_bucket_mb, bucket_mb) * 2**20))
         self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
