@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/ddp.py, and the engine change it measured (a small last bucket)."""
+"""Smoke test of benchmarks/ddp.py."""
 
 from __future__ import annotations
 
@@ -6,11 +6,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-
-import torch
-import torch.nn as nn
-
-from loomtrain.parallel.data import build_buckets
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ddp.py"
 KEYS = {"loomtrain_tokens_per_s", "torch_ddp_tokens_per_s", "ratio", "loomtrain_peak_mem_bytes",
@@ -35,14 +30,3 @@ def test_benchmark_ddp_smallest_run():
     # same init, batches and gradient (world 2: DDP's loss x2 then /2 is exact in fp32), so
     # the runs agree to the bit; 1e-6 leaves room only for a reordered fp32 sum
     assert out["last_step_loss_max_rel_diff"] < 1e-6
-
-
-def test_last_gradients_get_a_small_bucket_of_their_own():
-    """The engine change the benchmark measured (docs/benchmarks.md): the parameters at the end
-    of the ready order that fit in `last_bucket_bytes` are bucketed apart."""
-    params = [nn.Parameter(torch.zeros(n)) for n in (100, 30, 5, 3)]
-    sizes = lambda buckets: [[p.numel() for p in b.params] for b in buckets]  # noqa: E731
-    assert sizes(build_buckets(params, 40 * 4)) == [[100], [30, 5, 3]]
-    assert sizes(build_buckets(params, 40 * 4, last_bucket_bytes=10 * 4)) == [[100], [30], [5, 3]]
-    # a last parameter larger than the limit: nothing is split off
-    assert sizes(build_buckets(params[:2], 40 * 4, last_bucket_bytes=10 * 4)) == [[100], [30]]

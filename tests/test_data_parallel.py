@@ -99,3 +99,14 @@ def test_buckets_respect_size_and_order():
     buckets = build_buckets(params, bucket_bytes=25 * 4)
     assert [[p.numel() for p in b.params] for b in buckets] == [[10, 10], [30], [5], [100]]
     assert all(v.data_ptr() >= b.buffer.data_ptr() for b in buckets for v in b.views)
+
+
+def test_last_gradients_get_a_small_bucket_of_their_own():
+    """The engine change the benchmark measured (docs/benchmarks.md): the parameters at the end
+    of the ready order that fit in `last_bucket_bytes` are bucketed apart."""
+    params = [nn.Parameter(torch.zeros(n)) for n in (100, 30, 5, 3)]
+    sizes = lambda buckets: [[p.numel() for p in b.params] for b in buckets]  # noqa: E731
+    assert sizes(build_buckets(params, 40 * 4)) == [[100], [30, 5, 3]]
+    assert sizes(build_buckets(params, 40 * 4, last_bucket_bytes=10 * 4)) == [[100], [30], [5, 3]]
+    # a last parameter larger than the limit: nothing is split off
+    assert sizes(build_buckets(params[:2], 40 * 4, last_bucket_bytes=10 * 4)) == [[100], [30]]
