@@ -103,6 +103,18 @@ def _control(batches, stop: StopFlag, mesh) -> tuple[float, bool]:
     return float(control[0]) / replicas, bool(control[1])
 
 
+def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, stepped: bool,
+            mesh, tokens_per_s: float) -> dict:
+    """One metrics.jsonl record; the loss all-reduce happens only on logged steps."""
+    comm.all_reduce(loss_sum, mesh, "dp")
+    rec = {"step": done, "loss": float(loss_sum) / global_tokens, "lr": lr,
+           "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
+           "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(mesh.device)}
+    if not stepped:
+        rec["skipped"] = True
+    return rec
+
+
 def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
     stop = StopFlag()
     mesh = init_distributed(cfg)
@@ -165,24 +177,16 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                         f"(run.max_nonfinite_steps={cfg.run.max_nonfinite_steps}); aborting")
             window_steps += 1
             done = step + 1
-            is_log = done % cfg.run.log_every == 0 or done == cfg.train.steps
-            is_eval = done % cfg.run.eval_every == 0 or done == cfg.train.steps
             loss = None
-            if is_log:
-                comm.all_reduce(loss_sum, mesh, "dp")
-                loss = float(loss_sum) / global_tokens
-                elapsed = time.perf_counter() - window_t0
-                rec = {"step": done, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens_per_s": window_steps * tokens_per_step / elapsed,
-                       "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(device)}
-                if not stepped:
-                    rec["skipped"] = True
+            is_eval = done % cfg.run.eval_every == 0 or done == cfg.train.steps
+            if is_eval or done % cfg.run.log_every == 0:  # an evaluated step is always logged
+                rec = _record(done, loss_sum, global_tokens, lr, grad_norm, stepped, mesh,
+                              window_steps * tokens_per_step / (time.perf_counter() - window_t0))
+                loss = rec["loss"]
                 if is_eval:
                     rec["val_loss"] = evaluate(dp_model, val_data, cfg, mesh, device)
                 log.record(rec)
                 window_t0, window_steps = time.perf_counter(), 0
-            elif is_eval:
-                evaluate(dp_model, val_data, cfg, mesh, device)
             log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
                 save(cfg, run_dir, done, model, optimizer, mesh)
