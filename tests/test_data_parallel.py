@@ -11,7 +11,8 @@ import torch.nn as nn
 from harness import run_world
 from loomtrain import comm
 from loomtrain.mesh import build_mesh
-from loomtrain.parallel.data import DataParallel, build_buckets
+from loomtrain.parallel.data import DataParallel, apply_data_parallel, build_buckets
+from loomtrain.train.config import ParallelConfig
 from loomtrain.train.metrics import read_metrics
 from loomtrain.train.trainer import run
 
@@ -39,13 +40,40 @@ def test_oracle_dp_matches_single_process(tiny, tmp_path, model):
         assert rel < 1e-4, (world, rel, losses, reference)
 
 
-def test_loss_normalized_by_global_tokens(tiny, tmp_path):
-    """Micro-batch 1 x 8 accumulation must equal micro-batch 8 x 1: the loss is divided by the
-    global token count, not averaged per micro-batch (equal here only because every window has
-    the same token count, which is why the *gradient* check below matters)."""
-    a = _losses(tiny(train={"micro_batch": 1, "steps": 5}), 1, tmp_path / "a")
-    b = _losses(tiny(train={"micro_batch": 8, "steps": 5}), 1, tmp_path / "b")
-    assert max(abs(x - y) / y for x, y in zip(a, b)) < 1e-5
+def _uneven_token_step(rank, world):
+    """One trainer step with different numbers of target tokens per micro-batch and per rank
+    (IGNORE_INDEX padding): the update must equal the single-process one, i.e. the gradient of
+    the token loss summed over the global batch divided by its global token count."""
+    import loomtrain.train.trainer as trainer
+    from loomtrain.models import GPT, IGNORE_INDEX, token_loss_sum
+
+    mesh = build_mesh({"dp": world})
+    torch.manual_seed(0)
+    make = lambda: GPT(vocab_size=50, seq_len=8, d_model=16, n_layers=1, n_heads=2)  # noqa: E731
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 50, (world * 4, 8), generator=g)
+    y = torch.randint(0, 50, (world * 4, 8), generator=g)
+    y[0, :7] = IGNORE_INDEX  # rank 0's first micro-batch has far fewer tokens than the rest
+    y[-1, 2:] = IGNORE_INDEX  # and the last rank's last one
+    mine = [(x[rank * 4 + 2 * m: rank * 4 + 2 * m + 2], y[rank * 4 + 2 * m: rank * 4 + 2 * m + 2])
+            for m in range(2)]
+    global_tokens, _ = trainer._control(mine, trainer.StopFlag(), mesh)
+    dp = apply_data_parallel(model, mesh, ParallelConfig(nproc=world, bucket_mb=0.01))
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.train_step(dp, sgd, mine, global_tokens, grad_clip=0.0)
+    (token_loss_sum(reference(x), y) / (y != IGNORE_INDEX).sum()).backward()
+    for p0, p1, ref in zip(before, model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p0 - p1, ref.grad, rtol=1e-5, atol=1e-7)
+    # a per-micro-batch mean would weight rank 0's 9-token micro-batch like a 16-token one
+    return global_tokens == float((y != IGNORE_INDEX).sum())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_loss_normalized_by_global_tokens(world):
+    assert all(run_world(_uneven_token_step, world, timeout_s=120))
 
 
 def _payload_per_step(rank, world):
