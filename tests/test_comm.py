@@ -117,7 +117,7 @@ def _meter_and_sockets(mesh, world) -> dict:
     for op, call in calls.items():
         for impl in ("native",) if op in ("all_reduce", "broadcast") else KINDS:
             comm.barrier(mesh)
-            mesh.meter.counts.clear()  # on every rank alike (the ring tags count on it)
+            mesh.meter.counts.clear()
             before = _wchar() if os.path.exists("/proc/self/io") else 0
             call(impl)
             sent = _wchar() - before if os.path.exists("/proc/self/io") else None

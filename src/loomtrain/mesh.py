@@ -78,6 +78,8 @@ class Mesh:
     device_mesh: DeviceMesh | None = None
     meter: CommMeter = field(default_factory=CommMeter)
     _groups: dict[str, object] = field(default_factory=dict)
+    # per (axis, op): how many ring ops this rank has issued; names each one for p2p tags
+    ring_sequence: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def world(self) -> int:

@@ -158,13 +158,14 @@ def choose_impl(op: str, payload_bytes: int, n: int) -> str:
 def _ring_tag(mesh, axis: str, op: str) -> int:
     """A p2p tag naming this op instance identically on every rank of the axis group.
 
-    The meter's call count for (axis, op), recorded just before, is the op's sequence number:
-    every rank of a group issues the same ops on it in the same order (the precondition of any
-    collective; clearing `meter.counts` on some ranks only breaks that, and shows as a timeout).
-    The axis is hashed in because "dp" and "dp.local" share one process group on one node.
-    gloo takes tags up to 2**31 - 1; 0 is left to `send`/`recv`.
+    The mesh's own ring sequence number for (axis, op) (not the meter, which users may reset)
+    is the op's instance number: every rank of a group issues the same ops on it in the same
+    order, the precondition of any collective. The axis is hashed in because "dp" and
+    "dp.local" share one process group on one node. gloo takes tags up to 2**31 - 1; 0 is left
+    to `send`/`recv`.
     """
-    seq = mesh.meter.counts[(axis, op)].calls
+    seq = mesh.ring_sequence.get((axis, op), 0) + 1
+    mesh.ring_sequence[(axis, op)] = seq
     return 1 + zlib.crc32(f"{axis}/{op}/{seq}".encode()) % (2**31 - 2)
 
 
