@@ -63,3 +63,9 @@ def test_torchrun_joins_the_job(tmp_path, corpus):
         capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     _check_run(tmp_path / "runs" / "t", 4, 2)
+    # the same command again would write into the finished run: refused, the run kept
+    again = subprocess.run([sys.executable, "-m", "loomtrain", "train", str(cfg)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**env, "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"})
+    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-2000:]
+    _check_run(tmp_path / "runs" / "t", 4, 2)

@@ -98,7 +98,13 @@ def cmd_train(args) -> int:
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
     require_windows(corpus, cfg.model.seq_len, cfg.data.source)  # fail before spawning
     if in_torchrun():
-        run_dir = run_dir or Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder
+        if run_dir is None:
+            run_dir = Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder
+            if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
+                raise ConfigError(
+                    f"run folder {str(run_dir)!r} already holds a run (under torchrun the folder is "
+                    f"exactly run.dir/run.name on every node); continue it with --resume "
+                    f"{run_dir}, or set another run.name")
         if int(os.environ["WORLD_SIZE"]) != cfg.parallel.nproc:
             raise ConfigError(
                 f"parallel.nproc={cfg.parallel.nproc} but torchrun started WORLD_SIZE="
