@@ -7,12 +7,8 @@ nothing already written in a run folder is touched before the input is validated
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from loomtrain.errors import CheckpointError, ConfigError, UserError
@@ -86,7 +82,7 @@ def _resolve_train(args):
 
 
 def cmd_train(args) -> int:
-    from loomtrain.train.launch import in_torchrun
+    from loomtrain.train.launch import in_torchrun, launch_forwarding_signals
     from loomtrain.train.trainer import train_worker, write_config
 
     cfg, run_dir, resume = _resolve_train(args)
@@ -122,89 +118,13 @@ def cmd_train(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     received: list[int] = []
     try:
-        _launch_forwarding_signals(cfg.parallel.nproc, payload, received)
+        launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         why = "killed after a second stop signal" if len(received) > 1 else "a worker failed"
         print(f"error: {why} (exit codes {sorted(codes)}); see the messages above", file=sys.stderr)
         return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
     return 0
-
-
-def _worker_pids() -> list[int]:
-    """This process's children (the launcher's workers), less multiprocessing's resource
-    tracker, from /proc (Linux)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == os.getpid() and b"resource_tracker" not in (stat.parent / "cmdline").read_bytes():
-                pids.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-    return pids
-
-
-class _QuietChildThread(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "running on a child thread" not in record.getMessage()
-
-
-def _launch_forwarding_signals(nproc: int, payload: tuple, received: list[int]) -> None:
-    """The elastic launcher on a thread, with SIGINT/SIGTERM forwarded to the workers: they
-    save a checkpoint at the next step boundary and return normally; a second signal SIGKILLs
-    them. `received` collects the signals.
-
-    Left on the main thread, torch's elastic agent catches these signals itself, forwards them
-    and SIGKILLs the workers 30 s later; a function worker that has returned waits for the
-    agent to read its return value, which an agent shutting down never does, so every stop
-    ended in SIGKILL after 30 s (measured, torch 2.13; the agent's `signals_to_handle` is not
-    reachable through `launch_local`). On a thread the agent installs no handlers. Signals
-    that arrive before the workers exist are forwarded once they do. Without /proc (not
-    Linux) the agent keeps the main thread and its own handling."""
-    from loomtrain.train.launch import launch_local
-    from loomtrain.train.trainer import train_worker
-
-    if not Path("/proc/self/stat").exists():
-        launch_local(nproc, train_worker, *payload)
-        return
-    outcome: dict[str, BaseException] = {}
-
-    def agent() -> None:
-        try:
-            launch_local(nproc, train_worker, *payload)
-        except BaseException as err:  # re-raised on the main thread
-            outcome["error"] = err
-
-    pending: list[int] = []
-    forwarded = 0
-
-    def on_signal(signum, _frame) -> None:
-        received.append(signum)
-        pending.append(signum)
-
-    quiet = _QuietChildThread()
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
-    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=agent, name="loom-elastic-agent", daemon=True)
-    try:
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
-            pids = _worker_pids() if pending else []
-            if pending and pids:
-                signum = signal.SIGKILL if forwarded or len(pending) > 1 else pending[0]
-                pending.clear()
-                forwarded += 1
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signum)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
-    if "error" in outcome:
-        raise outcome["error"]
 
 
 def cmd_report(args) -> int:
