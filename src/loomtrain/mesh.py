@@ -109,7 +109,8 @@ class Mesh:
         return self._member_ranks(axis).index(self.rank)
 
     def group(self, axis: str):
-        """The process group of `axis` ("dp", "tp", ..., "dp.local", "dp.cross", "world")."""
+        """The process group of `axis` ("dp", "tp", ..., "dp.local", "dp.cross", "world", or
+        "self": this rank alone, for code that treats "not sharded" as a group of one)."""
         return self._groups[axis][1]
 
     def group_ranks(self, axis: str) -> list[int]:
@@ -154,6 +155,7 @@ def build_mesh(
     mesh = Mesh(sizes=sizes, rank=dist.get_rank(), ranks_per_node=ranks_per_node,
                 device=device, device_mesh=device_mesh)
     mesh._groups["world"] = (list(range(world)), dist.group.WORLD)
+    mesh._groups["self"] = ([mesh.rank], None)  # a one-rank axis: every op on it is a no-op
     for axis in AXES:
         ranks = next(g for g in axis_groups(sizes, axis) if mesh.rank in g)
         mesh._groups[axis] = (ranks, device_mesh.get_group(axis))

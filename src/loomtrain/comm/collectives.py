@@ -8,6 +8,7 @@ op and the axis. On a group of one rank every op returns at once and counts noth
 
 from __future__ import annotations
 
+import time
 import zlib
 
 import torch
@@ -37,6 +38,17 @@ class Pending:
     def __init__(self, work, mesh, op: str, axis: str, on_done=None):
         self._work, self._mesh, self._op, self._axis = work, mesh, op, axis
         self._on_done = on_done
+
+    def when_done(self, fn) -> None:
+        """Call `fn(t)` with `time.perf_counter()` at the moment the op completes (on the thread
+        that completes it), for measured timelines; at once if it already has."""
+        work = self._work
+        if work is None:
+            fn(time.perf_counter())
+        elif isinstance(work, ring.RingWork):
+            work.when_done(fn)
+        else:
+            work.get_future().then(lambda _: fn(time.perf_counter()))
 
     def wait(self) -> None:
         if self._work is not None:

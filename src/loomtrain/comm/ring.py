@@ -26,6 +26,7 @@ benchmarks/collectives.py). A sync op runs the ring inline, with no thread.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,9 @@ class RingWork:
 
     def __init__(self, ring, args, kwargs):
         self._error: BaseException | None = None
+        self._done_at: float | None = None
+        self._callbacks: list = []
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, args=(ring, args, kwargs), daemon=True,
                                         name=f"loomtrain-{ring.__name__}")
         self._thread.start()
@@ -114,6 +118,19 @@ class RingWork:
             ring(*args, **kwargs)
         except BaseException as err:  # handed to the waiting thread, which raises it
             self._error = err
+        with self._lock:
+            self._done_at = time.perf_counter()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self._done_at)
+
+    def when_done(self, fn) -> None:
+        """Call `fn(t)` with the completion time, now if the ring has finished."""
+        with self._lock:
+            if self._done_at is None:
+                self._callbacks.append(fn)
+                return
+        fn(self._done_at)
 
     def wait(self) -> None:
         self._thread.join()

@@ -85,6 +85,19 @@ def _greedy_groups(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
     return groups
 
 
+def broadcast_state(module: nn.Module, mesh, axis: str) -> None:
+    """Parameters and buffers from the axis member 0 to all (one flat broadcast per dtype), so
+    replicas start identical whatever their seeds."""
+    tensors = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+    for dtype in {t.dtype for t in tensors}:
+        same = list({id(t): t for t in tensors if t.dtype == dtype}.values())
+        flat = _flatten_dense_tensors([t.detach() for t in same])
+        comm.broadcast(flat, mesh, axis)
+        with torch.no_grad():
+            for t, src in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(src)
+
+
 class DataParallel(nn.Module):
     """`model = DataParallel(model, mesh)`; then `loss.backward(); optimizer.step()` as usual.
 
@@ -99,7 +112,7 @@ class DataParallel(nn.Module):
         self.gradient_reduce = gradient_reduce
         self._sync = True
         self._callback_queued = False
-        self._broadcast_state()
+        broadcast_state(module, mesh, axis)
         params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
         # a small last bucket shortens the wait after backward: for the default GPT on 2 CPU
         # ranks (gloo), 0.38 MiB instead of 3.39 MiB halved it (docs/benchmarks.md); DDP's
@@ -135,17 +148,6 @@ class DataParallel(nn.Module):
     @property
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
-
-    def _broadcast_state(self) -> None:
-        tensors = [t for t in self.module.state_dict(keep_vars=True).values()
-                   if isinstance(t, torch.Tensor)]
-        for dtype in {t.dtype for t in tensors}:
-            same = list({id(t): t for t in tensors if t.dtype == dtype}.values())
-            flat = _flatten_dense_tensors([t.detach() for t in same])
-            comm.broadcast(flat, self.mesh, self.axis)
-            with torch.no_grad():
-                for t, src in zip(same, _unflatten_dense_tensors(flat, same)):
-                    t.copy_(src)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync:
@@ -193,4 +195,4 @@ def apply_data_parallel(model: nn.Module, mesh, cfg) -> DataParallel:
     return DataParallel(model, mesh, "dp", cfg.bucket_mb, gradient_reduce="sum")
 
 
-__all__ = ["Bucket", "DataParallel", "apply_data_parallel", "build_buckets"]
+__all__ = ["Bucket", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets"]

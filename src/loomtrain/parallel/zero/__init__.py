@@ -1,0 +1,117 @@
+"""ZeRO stages 1-3 over the dp axis, flat or hierarchical, with prefetch, offload and bf16.
+
+    model, optimizer = shard(model, optimizer, mesh, stage=3)
+    loss.backward(); model.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+
+Files: layout.py (pure: flat ranges, slices, checkpoint boxes, memory formulas), flat.py (one
+unit's tensors), communication.py (the two-level reductions and gathers), engine.py (the
+hooks), optimizer.py (the optimizer over slices), state.py (checkpoints). docs/zero.md has the
+formulas and the measurements.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn as nn
+
+from loomtrain.parallel.data import broadcast_state
+from loomtrain.parallel.zero.engine import ShardedDataParallel
+from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
+from loomtrain.parallel.zero.layout import unit_layout
+from loomtrain.parallel.zero.optimizer import ShardedOptimizer
+
+ROOT = "root"
+
+
+def make_plan(mesh, stage: int, hierarchical: bool = False, optimizer_shard: str = "node",
+              compute_dtype: torch.dtype = torch.float32, offload: bool = False) -> ShardPlan:
+    """Stage 0 (only used with bf16) shards nothing: the one-rank axis "self", gradients
+    all-reduced over dp. Hierarchical: shard inside the node ("dp.local"), replicate across
+    nodes ("dp.cross"); `optimizer_shard="dp"` also splits the optimizer state across nodes."""
+    assert 0 <= stage <= 3 and optimizer_shard in ("node", "dp"), (stage, optimizer_shard)
+    if stage == 0:
+        shard_axis, replica_axis = "self", "dp"
+    elif hierarchical:
+        shard_axis, replica_axis = "dp.local", "dp.cross"
+    else:
+        shard_axis, replica_axis = "dp", "self"
+    return ShardPlan(
+        stage=max(stage, 1), shard_axis=shard_axis, replica_axis=replica_axis,
+        shard_ranks=mesh.size(shard_axis), shard_index=mesh.local_rank(shard_axis),
+        replica_ranks=mesh.size(replica_axis), replica_index=mesh.local_rank(replica_axis),
+        optimizer_over_replicas=hierarchical and optimizer_shard == "dp",
+        compute_dtype=compute_dtype, offload=offload,
+        host=torch.device("cpu") if offload else mesh.device)
+
+
+def find_units(model: nn.Module, patterns: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The modules that become units, in registration order. Default: every element of the
+    outermost nn.ModuleLists (a GPT's transformer blocks; `layers`/`h` in Hugging Face models).
+    `patterns`: fnmatch patterns of module names instead ("blocks.*", "encoder.layer.*")."""
+    found = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(prefix + ".") for prefix, _ in found):
+            continue  # the root, or inside a unit already found: units do not nest
+        if patterns:
+            if any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+                found.append((name, module))
+        elif isinstance(module, nn.ModuleList):
+            found.extend((f"{name}.{child_name}", child) for child_name, child in module.named_children())
+    if patterns and not found:
+        raise ValueError(f"no module of the model matches the unit patterns {patterns}")
+    return found
+
+
+def assign_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, list]:
+    """{unit name or ROOT: [(name, parameter), ...]} for every trainable parameter, in
+    registration order, under its first name. A parameter reachable from more than one unit,
+    or also from outside all units (a tied embedding and output head), goes to the root unit,
+    which stays gathered for the whole forward and backward."""
+    homes: dict[nn.Parameter, set] = {}
+    first: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        unit = next((u for u, _ in units if name.startswith(u + ".")), ROOT)
+        homes.setdefault(p, set()).add(unit)
+        first.setdefault(p, name)
+    out: dict[str, list] = {u: [] for u, _ in units} | {ROOT: []}
+    for p, name in first.items():
+        if p.requires_grad:
+            where = homes[p]
+            out[next(iter(where)) if len(where) == 1 else ROOT].append((name, p))
+    return out
+
+
+def shard(model: nn.Module, optimizer: torch.optim.Optimizer, mesh, stage: int, *,
+          hierarchical: bool = False, optimizer_shard: str = "node", prefetch: int = 1,
+          offload_optimizer: bool = False, compute_dtype: torch.dtype = torch.float32,
+          units: list[str] | None = None) -> tuple[ShardedDataParallel, ShardedOptimizer]:
+    """Wrap `model` and `optimizer` for ZeRO `stage` over the mesh's dp axis.
+
+    The model's parameters keep their identity; their storage moves into flat buffers (and,
+    for stage 3, is empty between uses). Gradients are summed over dp (the trainer divides the
+    loss by the global token count). `units`: module name patterns, see `find_units`.
+    """
+    plan = make_plan(mesh, stage, hierarchical, optimizer_shard, compute_dtype, offload_optimizer)
+    broadcast_state(model, mesh, "dp")
+    multiple = plan.shard_ranks * plan.replica_ranks
+    named = find_units(model, units)
+    modules = dict(named)
+    flat_units, root = [], None
+    for unit_name, params in assign_parameters(model, named).items():
+        if not params:
+            continue
+        layout = unit_layout(unit_name, [(n, tuple(p.shape)) for n, p in params], multiple)
+        module = modules.get(unit_name, model)
+        flat = FlatUnit(layout, [p for _, p in params], module, plan, mesh.device)
+        if unit_name == ROOT:
+            root = flat
+        else:
+            flat_units.append(flat)
+    engine = ShardedDataParallel(model, mesh, plan, flat_units, root, prefetch)
+    return engine, ShardedOptimizer(optimizer, engine)
+
+
+__all__ = ["ShardedDataParallel", "ShardedOptimizer", "assign_parameters", "find_units",
+           "make_plan", "shard"]

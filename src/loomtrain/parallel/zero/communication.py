@@ -1,0 +1,137 @@
+"""The collectives ZeRO needs, over the shard axis (L ranks) and the replica axis (C ranks).
+
+Gradient of one unit, full length P_u, from the compute buffer to my optimizer range:
+1. reduce-scatter over the shard axis: sum over the L ranks, keep my shard (P_u / L);
+2. over the replica axis (hierarchical: the same shard on the other nodes), either all-reduce
+   the shard (optimizer state split over the node only) or reduce-scatter it (optimizer state
+   split over all ranks, P_u / LC kept), the two-level reduction of AsyncHZP (arXiv 2510.20111)
+   and ZeRO++'s hpZ (arXiv 2306.10209).
+Wire bytes per rank: (L-1)/L x P_u inside the node, then 2(C-1)/C x P_u/L (all-reduce) or
+(C-1)/C x P_u/L (reduce-scatter) across nodes, so cross-node traffic is 1/L of a flat reduction.
+
+Parameters after the optimizer step go the other way: all-gather over the replica axis (when
+the optimizer range is smaller than the shard), then over the shard axis (stages 1-2: every
+rank keeps the whole unit; stage 3 gathers it just before use instead).
+
+Ordering: every rank must issue the same collectives in the same order on each group, or
+gloo waits for the timeout. Reductions are started in the engine's fixed launch order and
+advanced in the order they were started; that keeps the per-group order identical on every
+rank whatever the timing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from loomtrain import comm
+from loomtrain.parallel.zero.flat import FlatUnit
+
+
+class GradReduction:
+    """One unit's gradient in flight: reduce-scatter over the shard axis, then the replica
+    step, then added into the unit's `grad`. `advance()` does one blocking phase."""
+
+    def __init__(self, unit: FlatUnit, source: torch.Tensor, mesh, timeline=None):
+        plan = unit.plan
+        self.unit, self.mesh, self.timeline = unit, mesh, timeline
+        self.source = source if source.dtype == torch.float32 else source.float()
+        lo, hi = unit.shard
+        in_place = unit.acc is not None and self.source is unit.acc
+        # stage 1 reduces in place (the shard is a view of the fp32 accumulator); otherwise a
+        # shard-sized output, so the full-size source can be freed once the op is done
+        self.shard = self.source[lo:hi] if in_place else torch.empty(hi - lo, dtype=torch.float32,
+                                                                      device=source.device)
+        self.phase = "shard"
+        self.pending = self._start("reduce_scatter", lambda: comm.reduce_scatter(
+            self.shard, self.source, mesh, plan.shard_axis, async_op=True))
+
+    def _start(self, what: str, issue):
+        t0 = time.perf_counter()
+        pending = issue()
+        if self.timeline is not None:
+            self.timeline.track(pending, "reduce", f"{what} {self.unit.layout.name}", t0)
+        return pending
+
+    def advance(self) -> bool:
+        """Wait for the op in flight and start the next; True once the gradient is delivered."""
+        self.pending.wait()
+        plan = self.unit.plan
+        if self.phase == "shard":
+            self.source = None  # a full-size temporary is freed here (stage 1's `acc` is kept by the unit)
+            self.reduced = self.shard
+            if plan.replica_ranks > 1:
+                self.phase = "replica"
+                if plan.optimizer_over_replicas:
+                    self.reduced = self.shard.chunk(plan.replica_ranks)[plan.replica_index]
+                    self.pending = self._start("reduce_scatter", lambda: comm.reduce_scatter(
+                        self.reduced, self.shard, self.mesh, plan.replica_axis, async_op=True))
+                else:
+                    self.pending = self._start("all_reduce", lambda: comm.all_reduce(
+                        self.shard, self.mesh, plan.replica_axis, async_op=True))
+                return False
+        self.unit.accumulate(self.reduced)
+        self.shard = self.reduced = None
+        self.phase = "done"
+        return True
+
+
+class ReductionQueue:
+    """Reductions in launch order. Each launch moves every older one on by one phase, so a
+    unit's reduce-scatter runs during the next unit's backward and its replica step during the
+    one after (at most three units' buffers alive); `drain()` finishes them all."""
+
+    def __init__(self):
+        self.items: list[GradReduction] = []
+
+    def launched(self, reduction: GradReduction) -> None:
+        self.items = [r for r in self.items if not r.advance()] + [reduction]
+
+    def drain(self) -> None:
+        for r in self.items:  # every replica step is issued before any is waited for
+            if r.phase == "shard":
+                r.advance()
+        for r in self.items:
+            while r.phase != "done":
+                r.advance()
+        self.items = []
+
+
+def start_gather(unit: FlatUnit, mesh, timeline=None):
+    """Stage 3: all-gather the unit from every shard rank into a new buffer; returns
+    (buffer, pending op)."""
+    full = torch.empty(unit.layout.padded, dtype=unit.store.dtype, device=unit.store.device)
+    t0 = time.perf_counter()
+    pending = comm.all_gather(full, unit.store, mesh, unit.plan.shard_axis, async_op=True)
+    if timeline is not None:
+        timeline.track(pending, "gather", f"all_gather {unit.layout.name}", t0)
+    return full, pending
+
+
+def publish(units: list[FlatUnit], mesh) -> None:
+    """After the optimizer step: master weights into the parameter store (cast, or copied from
+    host memory), then the all-gathers, each in place, that give every rank the parameters it
+    keeps: over the replica axis when the optimizer range is smaller than the shard, then over
+    the shard axis for stages 1-2."""
+    if not units:
+        return
+    plan = units[0].plan
+    with torch.no_grad():
+        for u in units:
+            own = u.local(u.optimizer_range)
+            if own.data_ptr() != u.master.data_ptr():
+                own.copy_(u.master)
+        if plan.optimizer_over_replicas and plan.replica_ranks > 1:
+            _gather_in_place([u.local(u.shard) for u in units], mesh, plan.replica_axis,
+                             plan.replica_ranks, plan.replica_index)
+        if plan.stage < 3 and plan.shard_ranks > 1:
+            _gather_in_place([u.store for u in units], mesh, plan.shard_axis, plan.shard_ranks,
+                             plan.shard_index)
+
+
+def _gather_in_place(wholes: list[torch.Tensor], mesh, axis: str, ranks: int, index: int) -> None:
+    """All-gather each tensor from its own chunk `index`, in place; all in flight at once."""
+    pending = [comm.all_gather(w, w.chunk(ranks)[index], mesh, axis, async_op=True) for w in wholes]
+    for p in pending:
+        p.wait()

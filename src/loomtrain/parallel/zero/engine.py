@@ -1,0 +1,237 @@
+"""The ZeRO model wrapper: module hooks that gather, free and reduce one unit at a time.
+
+A step, as the hooks see it (ZeRO, Rajbhandari et al., arXiv 1910.02054; the unit-by-unit
+schedule of FSDP, Zhao et al., arXiv 2304.11277):
+
+forward   model pre-hook: (stage 3) gather the root unit (parameters outside every unit:
+          embeddings, final norm, tied head) and start gathering the first `prefetch` units.
+          unit pre-hook: (stage 3) wait for this unit's gather, start the next `prefetch`.
+          unit post-hook: (stage 3) free the gathered parameters; register a hook on the
+          unit's outputs that fires when their gradient arrives, just before the unit's
+          backward ("pre-backward").
+backward  pre-backward: (stage 3) gather the unit again and start gathering the next
+          `prefetch` units in backward order; (stages 2-3, and bf16) give the unit a zeroed
+          gradient buffer, `.grad` of its parameters being views of it.
+          post-accumulate-grad hooks count the unit's gradients; a complete unit is launched:
+          its buffer starts reducing asynchronously (communication.py), its parameters are
+          freed (stage 3); older reductions move on one phase, so they run behind compute.
+          end of backward (autograd callback): launch what is left, finish every reduction,
+          free the root unit.
+step      the optimizer (optimizer.py) updates its shard and publishes the new parameters.
+
+Units launch in one fixed order (blocks in reverse, then the root), so every rank issues the
+same collectives in the same order; a unit that gets no gradient waits for the end of
+backward and reduces zeros. Stage 1 reduces on the last micro-batch only (`no_sync()`, as
+DDP); stages 2 and 3 keep no full gradient between micro-batches, so they reduce every
+micro-batch and accumulate in their fp32 shard (DeepSpeed's and FSDP's default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from loomtrain import comm
+from loomtrain.parallel.zero.communication import GradReduction, ReductionQueue, start_gather
+from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class ShardedDataParallel(nn.Module):
+    """`model = ShardedDataParallel(...)` (built by `shard()`); then
+    `loss.backward(); optimizer.step()` as usual. The wrapped module is `.module`."""
+
+    def __init__(self, module: nn.Module, mesh, plan: ShardPlan, units: list[FlatUnit],
+                 root: FlatUnit | None, prefetch: int):
+        super().__init__()
+        self.module, self.mesh, self.plan, self.prefetch = module, mesh, plan, prefetch
+        self.units, self.root = units, root
+        self.all_units = units + ([root] if root is not None else [])
+        self.launch_order = units[::-1] + ([root] if root is not None else [])
+        self.timeline = None  # a loomtrain.timeline.Timeline while one step is recorded
+        self._sync = True
+        self._callback_queued = False
+        self._reductions = ReductionQueue()
+        self._gathers: dict[FlatUnit, tuple] = {}
+        self._backward_started: set[FlatUnit] = set()
+        self._unit_of = {p: u for u in self.all_units for p in u.params}
+        module.register_forward_pre_hook(self._root_pre_forward)
+        module.register_forward_hook(self._root_post_forward)
+        for u in units:
+            u.module.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out))
+        for p in self._unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if plan.stage == 1 and plan.compute_dtype == torch.float32:
+            for u in self.all_units:  # `.grad` are views of the persistent fp32 accumulator
+                u.grad_buffer()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 1: accumulate gradients locally (micro-steps before the last). Stages 2-3
+        reduce every micro-batch anyway: they keep no full gradient to accumulate into."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # --- stage 3: gathers -------------------------------------------------------------------
+
+    def _start_gather(self, u: FlatUnit) -> None:
+        if u.sharded_params and u.full is None and u not in self._gathers:
+            self._gathers[u] = start_gather(u, self.mesh, self.timeline)
+
+    def _ensure_gathered(self, u: FlatUnit) -> None:
+        if not u.sharded_params or u.full is not None:
+            return
+        self._start_gather(u)
+        full, pending = self._gathers.pop(u)
+        if self.timeline is not None:
+            self.timeline.begin("compute", f"wait gather {u.layout.name}")
+        pending.wait()
+        if self.timeline is not None:
+            self.timeline.end("compute", f"wait gather {u.layout.name}")
+        u.use_gathered(full)
+
+    def _prefetch(self, order: list[FlatUnit], after: int) -> None:
+        for u in order[after:after + self.prefetch]:
+            self._start_gather(u)
+
+    def _drop_gathers(self) -> None:
+        """Free every gathered non-root unit and any prefetch nobody used."""
+        for full, pending in self._gathers.values():
+            pending.wait()
+        self._gathers.clear()
+        for u in self.units:
+            if u.sharded_params and u.full is not None:
+                u.release()
+
+    # --- forward hooks ----------------------------------------------------------------------
+
+    def _root_pre_forward(self, _module, _args) -> None:
+        if self.root is not None:
+            self._ensure_gathered(self.root)
+        self._prefetch(self.units, 0)
+
+    def _root_post_forward(self, _module, _args, output) -> None:
+        if not self._on_backward(output, self.root):
+            self._drop_gathers()  # no backward follows (evaluation): free everything now
+            if self.root is not None and self.root.sharded_params:
+                self.root.release()
+
+    def _pre_forward(self, u: FlatUnit) -> None:
+        self._ensure_gathered(u)
+        self._prefetch(self.units, self.units.index(u) + 1)
+        if self.timeline is not None:
+            self.timeline.begin("compute", f"forward {u.layout.name}")
+
+    def _post_forward(self, u: FlatUnit, output) -> None:
+        if self.timeline is not None:
+            self.timeline.end("compute", f"forward {u.layout.name}")
+        if u.sharded_params:
+            u.release()
+        self._on_backward(output, u)
+
+    def _on_backward(self, output, u: FlatUnit | None) -> bool:
+        """Register the pre-backward hook of `u` on the outputs that need a gradient."""
+        tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        if not tensors or not torch.is_grad_enabled():
+            return False
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda _grads: self._pre_backward(u), mode="any")
+        return True
+
+    # --- backward hooks ---------------------------------------------------------------------
+
+    def _queue_finish(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            _queue_callback(self._finish)
+
+    def _pre_backward(self, u: FlatUnit | None) -> None:
+        self._queue_finish()
+        if u is None or u in self._backward_started:
+            return
+        self._backward_started.add(u)
+        self._ensure_gathered(u)
+        backward_order = self.units[::-1]
+        if u is self.root:
+            self._prefetch(backward_order, 0)
+        else:
+            self._prefetch(backward_order, backward_order.index(u) + 1)
+            if self.timeline is not None:
+                self.timeline.begin("compute", f"backward {u.layout.name}")
+        u.grad_buffer()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        u = self._unit_of[p]
+        self._queue_finish()  # in case no output hook fired (parameters used outside a unit)
+        u.ready += 1
+        if u.ready == len(u.params):
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        for u in self.launch_order:
+            if u.launched:
+                continue
+            if u.ready < len(u.params) and not force:
+                return  # later units wait: the launch order must be the same on every rank
+            self._launch(u)
+
+    def _launch(self, u: FlatUnit) -> None:
+        u.launched = True
+        if self.timeline is not None and u is not self.root:
+            self.timeline.end("compute", f"backward {u.layout.name}")
+        buffer = u.collect_grads()
+        if u.acc is not None and buffer is not u.acc:  # stage 1 in bf16: accumulate in fp32
+            u.acc.add_(buffer)
+            buffer = u.acc
+        if self._sync or self.plan.stage >= 2:
+            self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline))
+        u.drop_grads()
+        if u.sharded_params and u is not self.root:
+            u.release()
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left, finish every reduction, free what was gathered."""
+        self._launch_ready(force=True)
+        self._reductions.drain()
+        self._drop_gathers()
+        if self.root is not None and self.root.sharded_params:
+            self.root.release()
+        for u in self.all_units:
+            u.ready, u.launched = 0, False
+        self._backward_started.clear()
+        self._callback_queued = False
+
+    # --- after backward ---------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global 2-norm of the gradient to `max_norm` (0: only measure it); returns
+        the norm before clipping. Each rank sums the squares of its own optimizer range, one
+        all-reduce over the group those ranges tile adds them up (the norm torch's
+        `clip_grad_norm_` computes on the whole gradient, up to summation order)."""
+        grads = [u.grad for u in self.all_units if u.grad.numel()]
+        local = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).to(self.mesh.device)
+            local = norms.square().sum()
+        comm.all_reduce(local, self.mesh, self.plan.optimizer_axis)
+        total = local.sqrt()
+        if max_norm > 0 and grads:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    @property
+    def parameters_total(self) -> int:
+        return sum(math.prod(s.shape) for u in self.all_units for s in u.layout.slots)

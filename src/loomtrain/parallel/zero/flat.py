@@ -1,0 +1,176 @@
+"""One ZeRO unit's tensors: the flat parameter store, the fp32 master and gradient shards, and
+the parameters as views into a gathered buffer.
+
+Ranges (layout.py): the unit's flat length `padded` is split over the L ranks of the shard
+axis (my *shard*) and, when the optimizer state is also split over the C replicas of the
+replica axis, my shard over C again (my *optimizer range*); otherwise the optimizer range is
+the shard.
+
+    store    stage 1-2: the whole flat unit in the compute dtype; the parameters are views of it
+             stage 3:   my shard only; the parameters are empty until the unit is gathered
+    master   fp32 weights of my optimizer range: a view of `store` when the compute dtype is
+             fp32 and nothing is offloaded, else a tensor of its own (on the host if offloaded)
+    grad     fp32 reduced gradient of my optimizer range, what the optimizer reads
+    acc      stage 1 only: the whole unit's fp32 gradient, accumulated over micro-batches and
+             reduce-scattered in place at the last one (then `grad` is a view of it)
+
+Swapping `param.data` between a gathered view and an empty tensor is how the parameters stay
+the user's own `nn.Parameter` objects (the model's structure is never changed); `set_data`
+keeps the autograd version counter, so tensors saved for backward stay valid once the unit is
+gathered again before its backward (the mechanism of FSDP's first version).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from loomtrain.parallel.zero.layout import UnitLayout
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one rank shards: which stage, over which mesh axes, in which dtypes."""
+
+    stage: int  # 1, 2, 3 (stage 0 with bf16 runs as stage 1 over the one-rank axis "self")
+    shard_axis: str  # "dp", or "dp.local" (hierarchical), or "self"
+    replica_axis: str  # "self", or "dp.cross" (hierarchical), or "dp" (stage 0 with bf16)
+    shard_ranks: int  # L
+    shard_index: int
+    replica_ranks: int  # C
+    replica_index: int
+    optimizer_over_replicas: bool  # optimizer state split over the replica axis too
+    compute_dtype: torch.dtype
+    offload: bool  # master, gradient and optimizer state in host memory
+    host: torch.device
+
+    @property
+    def optimizer_ranks(self) -> int:
+        return self.shard_ranks * (self.replica_ranks if self.optimizer_over_replicas else 1)
+
+    @property
+    def optimizer_axis(self) -> str:
+        """The group over which the optimizer ranges tile the unit (for norms)."""
+        if self.optimizer_over_replicas and self.replica_ranks > 1:
+            return "dp"
+        return self.shard_axis
+
+
+class FlatUnit:
+    """The parameters of one unit (a module, or the model's leftover parameters) as one flat buffer."""
+
+    def __init__(self, layout: UnitLayout, params: list[nn.Parameter], module: nn.Module,
+                 plan: ShardPlan, device: torch.device):
+        self.layout, self.params, self.module, self.plan = layout, params, module, plan
+        self.shard = layout.range(plan.shard_index, plan.shard_ranks)
+        lo, hi = self.shard
+        sub = (hi - lo) // (plan.replica_ranks if plan.optimizer_over_replicas else 1)
+        skip = sub * plan.replica_index if plan.optimizer_over_replicas else 0
+        self.optimizer_range = (lo + skip, lo + skip + sub)
+        self.sharded_params = plan.stage == 3 and plan.shard_ranks > 1
+        dtype = plan.compute_dtype
+        with torch.no_grad():
+            full = torch.zeros(layout.padded, dtype=torch.float32, device=device)
+            for p, slot in zip(params, layout.slots):
+                full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            mine = full[lo:hi] if self.sharded_params else full
+            self.store = mine.to(dtype, copy=True) if (self.sharded_params or dtype != torch.float32) else mine
+            o_lo, o_hi = self.optimizer_range
+            if dtype != torch.float32 or plan.offload:  # the master weights are a tensor of their own
+                self.master = torch.empty(o_hi - o_lo, dtype=torch.float32, device=plan.host,
+                                          pin_memory=_pin(plan)).copy_(full[o_lo:o_hi])
+            else:
+                self.master = self.local(self.optimizer_range)
+            del full, mine
+        self.acc = (torch.zeros(layout.padded, dtype=torch.float32, device=device)
+                    if plan.stage == 1 else None)
+        if self.acc is not None and not plan.offload:
+            self.grad = self.acc[self.optimizer_range[0]:self.optimizer_range[1]]
+        else:
+            self.grad = torch.zeros(self.master.shape, dtype=torch.float32, device=plan.host,
+                                    pin_memory=_pin(plan))
+        self.full: torch.Tensor | None = None  # stage 3: the gathered unit
+        self.compute_grad: torch.Tensor | None = None  # this backward's gradient buffer
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        if self.sharded_params:
+            self.release()
+        else:
+            self.point_params_at(self.store)
+        # per-backward bookkeeping, reset by the engine
+        self.ready = 0
+        self.launched = False
+
+    @property
+    def store_offset(self) -> int:
+        """Flat index of `store[0]` in the unit."""
+        return self.shard[0] if self.sharded_params else 0
+
+    def local(self, flat_range: tuple[int, int]) -> torch.Tensor:
+        """The part of `store` that holds the unit's flat range (inside my shard for stage 3)."""
+        lo, hi = (x - self.store_offset for x in flat_range)
+        return self.store[lo:hi]
+
+    def point_params_at(self, full: torch.Tensor) -> None:
+        for p, slot in zip(self.params, self.layout.slots):
+            p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def release(self) -> None:
+        """Stage 3: drop the gathered buffer; the parameters become empty until the next gather."""
+        for p in self.params:
+            p.data = self._empty
+        self.full = None
+
+    def use_gathered(self, full: torch.Tensor) -> None:
+        self.full = full
+        self.point_params_at(full)
+
+    def grad_buffer(self) -> torch.Tensor:
+        """The buffer this backward accumulates the unit's gradients into (`.grad` are views of
+        it): stage 1 in fp32 accumulates straight into `acc`; otherwise a fresh zeroed buffer in
+        the compute dtype, freed once reduced. A gradient autograd already made is moved in."""
+        if self.compute_grad is None:
+            if self.acc is not None and self.plan.compute_dtype == torch.float32:
+                self.compute_grad = self.acc
+            else:
+                self.compute_grad = torch.zeros(self.layout.padded, dtype=self.plan.compute_dtype,
+                                                device=self._empty.device)
+            for p, slot in zip(self.params, self.layout.slots):
+                view = self.compute_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                if p.shape != view.shape:
+                    continue  # freed (stage 3, a unit that was not gathered): nothing to point at
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
+        return self.compute_grad
+
+    def collect_grads(self) -> torch.Tensor:
+        """The unit's gradient of this backward as one flat buffer; parameters whose `.grad` was
+        replaced (set to None by the user, or a fresh tensor) are copied in, unused ones add 0."""
+        buffer = self.grad_buffer()
+        for p, slot in zip(self.params, self.layout.slots):
+            view = buffer[slot.offset:slot.offset + slot.numel]
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+        return buffer
+
+    def drop_grads(self) -> None:
+        """Forget this backward's buffer (its reduction holds it until done); stage 1 in fp32
+        keeps `.grad` as views of `acc`."""
+        if self.compute_grad is self.acc:
+            return
+        self.compute_grad = None
+        for p in self.params:
+            p.grad = None
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """Add a reduced gradient of my optimizer range into `grad` (nothing to do when the
+        reduction happened in place in `grad` itself)."""
+        if reduced.data_ptr() != self.grad.data_ptr():
+            self.grad.add_(reduced.to(self.grad.device))
+
+
+def _pin(plan: ShardPlan) -> bool:
+    """Pinned host memory makes host<->GPU copies faster; it needs CUDA."""
+    return plan.offload and plan.host.type == "cpu" and torch.cuda.is_available()
