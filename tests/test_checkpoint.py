@@ -83,8 +83,8 @@ def test_crash_mid_save_leaves_only_a_partial_that_resume_ignores_and_next_save_
     cfg = tiny(train={"steps": 12}, checkpoint={"every": 4, "keep": 3})
     real_save = dcp.save
 
-    def crash_after_writing_step_8(state, storage_writer):
-        real_save(state, storage_writer=storage_writer)  # every file of step 8 is on disk...
+    def crash_after_writing_step_8(state, storage_writer, **kwargs):
+        real_save(state, storage_writer=storage_writer, **kwargs)  # every file of step 8 is on disk...
         if Path(storage_writer.path).name.startswith("step_00000008"):
             raise KeyboardInterrupt("crash before publishing")  # ...but it is never renamed
 
@@ -136,10 +136,8 @@ def test_damaged_checkpoint_exits_2_and_the_run_folder_is_kept(two_checkpoints):
 
 
 def test_resume_that_does_not_fit_exits_2_and_keeps_the_config(two_checkpoints):
+    # (another rank count or ZeRO stage fits: tests/test_zero_checkpoint.py reshards)
     before = _snapshot(two_checkpoints)
-    proc = _resume(two_checkpoints, "--nproc", "2")  # refused before any process starts
-    assert proc.returncode == 2
-    assert "written by 1 ranks, but parallel.nproc=2; resume with --nproc 1" in proc.stderr
     proc = _resume(two_checkpoints, "--set", "model.d_model=64")  # refused while loading
     assert proc.returncode == 2
     assert "Size mismatch" in proc.stderr and "Traceback" not in proc.stderr

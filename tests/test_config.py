@@ -75,13 +75,36 @@ def test_impossible_values(capsys, args, expected):
 
 
 # Refused today because they are not implemented yet; each row moves to the valid side when
-# its issue lands (tp: 4, pp: 5, cp: 6, ZeRO: 3), and its test then belongs to that feature.
-@pytest.mark.parametrize("key,value", [("tp", 2), ("pp", 2), ("cp", 2), ("zero_stage", 1),
-                                       ("zero_stage", 2), ("zero_stage", 3)])
+# its issue lands (tp: 4, pp: 5, cp: 6), and its test then belongs to that feature.
+@pytest.mark.parametrize("key,value", [("tp", 2), ("pp", 2), ("cp", 2)])
 def test_unsupported_parallelism(capsys, key, value):
     err = _refused(capsys, ["train", "--dry-run", "--nproc", "4", "--set", f"parallel.{key}={value}"])
     assert f"parallel.{key}={value} is not supported yet" in err
-    assert f"use parallel.{key}={0 if key == 'zero_stage' else 1}" in err
+    assert f"use parallel.{key}=1" in err
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--set", "parallel.hierarchical=true"],
+     "parallel.hierarchical=True needs ZeRO: set parallel.zero_stage to 1, 2 or 3"),
+    (["--set", "parallel.offload_optimizer=true"],
+     "parallel.offload_optimizer=True needs ZeRO: set parallel.zero_stage to 1, 2 or 3"),
+    (["--set", 'parallel.shard_units=["blocks.*"]'],
+     "parallel.shard_units=['blocks.*'] needs ZeRO: set parallel.zero_stage to 1, 2 or 3 (or train.precision"),
+    (["--set", "parallel.zero_stage=2", "--set", 'parallel.optimizer_shard="dp"'],
+     'parallel.optimizer_shard="dp" splits the optimizer state across nodes in hierarchical ZeRO'),
+    (["--set", "parallel.prefetch=-1"], "parallel.prefetch: Input should be greater than or equal to 0"),
+    (["--set", "train.precision=fp16"], "train.precision: Input should be 'fp32' or 'bf16'"),
+])
+def test_zero_options_that_need_zero(capsys, args, expected):
+    assert expected in _refused(capsys, ["train", "--dry-run", *args])
+
+
+def test_unit_patterns_that_match_nothing_are_refused_before_any_process_starts(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    err = _refused(capsys, ["train", "--set", f'run.dir="{runs}"', "--set", "parallel.zero_stage=3",
+                            "--set", 'parallel.shard_units=["layers.*"]'])
+    assert "no module of the model matches the unit patterns ['layers.*']" in err
+    assert "blocks.0" in err and not runs.exists()
 
 
 @pytest.mark.parametrize("sets", [["trainsteps=3"], ["train.steps"], [".steps=3"], ["train..steps=3"],
@@ -154,6 +177,9 @@ def test_nproc_flag_wins_over_set(tmp_path, corpus, capsys):
     {"parallel": {"nproc": 4, "ranks_per_node": 2, "bucket_mb": 0.25}},
     {"parallel": {"nproc": 4, "dp": 4}, "train": {"optimizer": "sgd", "lr": 0.1, "beta1": 0.0}},
     {"model": {"name": "mlp", "dropout": 0.1}, "run": {"name": "2024", "device": "cpu"}},
+    {"parallel": {"nproc": 4, "ranks_per_node": 2, "zero_stage": 3, "hierarchical": True,
+                  "optimizer_shard": "dp", "prefetch": 2, "offload_optimizer": True,
+                  "shard_units": ["blocks.*"]}, "train": {"precision": "bf16"}},
 ])
 def test_resolved_config_round_trips(tmp_path, corpus, sections):
     cfg = Config.model_validate(tiny_tree(tmp_path, corpus, **sections))

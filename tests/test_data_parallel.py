@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 from harness import run_world
-from loomtrain import comm
 from loomtrain.mesh import build_mesh
 from loomtrain.parallel.data import DataParallel, apply_data_parallel, build_buckets
 from loomtrain.train.config import ParallelConfig
@@ -109,7 +108,7 @@ def _unused_param(rank, world):
     mesh = build_mesh({"dp": world})
     torch.manual_seed(0)
     model = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
-    dp = DataParallel(model, mesh)
+    _engine = DataParallel(model, mesh)
     model["used"](torch.full((2, 4), float(rank + 1))).sum().backward()
     return model["used"].weight.grad.clone(), model["unused"].weight.grad.abs().sum().item()
 

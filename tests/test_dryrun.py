@@ -1,5 +1,6 @@
-"""The dry run's estimates: pure formulas against torch's own numbers, and one 2-rank run whose
-metered bytes the predicted collectives must match exactly."""
+"""The dry run's estimates: pure formulas against torch's own numbers and against hand-computed
+ZeRO cases, and real runs (DataParallel and ZeRO, world 2 and 4) whose metered bytes the
+predicted collectives must match exactly."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ import torch
 import torch.distributed as dist
 
 from harness import run_world
+from loomtrain.cli import main
 from loomtrain.comm.meter import wire_bytes
+from loomtrain.errors import ConfigError
 from loomtrain.models import GPT, MLP, build_model, token_loss_sum
 from loomtrain.parallel.data import build_buckets
+from loomtrain.parallel.zero import estimate as zero_estimate
+from loomtrain.parallel.zero import make_plan
+from loomtrain.parallel.zero.layout import zero_memory
 from loomtrain.train import dryrun
+from loomtrain.train.config import config_to_toml
+from loomtrain.train.dryrun_text import dry_run
 from loomtrain.train.metrics import read_metrics
 from loomtrain.train.optim import build_optimizer
-from loomtrain.train.trainer import run
 
 
 def saved_activation_bytes(model: torch.nn.Module, vocab_size: int, b: int, t: int) -> int:
@@ -48,25 +55,32 @@ def saved_activation_bytes(model: torch.nn.Module, vocab_size: int, b: int, t: i
 TOLERANCE = 0.01
 
 
+# bf16: the model in bfloat16, as the ZeRO engine runs it (its parameters are views of a bf16
+# buffer); the loss casts the logits to fp32.
+DTYPES = [(torch.float32, 4), (torch.bfloat16, 2)]
+
+
+@pytest.mark.parametrize("dtype,c", DTYPES)
 @pytest.mark.parametrize("b,t,d,layers,heads,ratio,vocab", [
     (2, 16, 32, 2, 2, 4, 256),
     (3, 24, 48, 3, 4, 2, 300),
     (1, 8, 16, 1, 1, 1, 64),
 ])
-def test_gpt_activation_estimate_matches_measurement(b, t, d, layers, heads, ratio, vocab):
+def test_gpt_activation_estimate_matches_measurement(b, t, d, layers, heads, ratio, vocab, dtype, c):
     torch.manual_seed(0)
-    model = GPT(vocab, t, d, layers, heads, ratio, dropout=0.0)
+    model = GPT(vocab, t, d, layers, heads, ratio, dropout=0.0).to(dtype)
     measured = saved_activation_bytes(model, vocab, b, t)
-    estimate = dryrun.gpt_activation_bytes(b, t, d, layers, heads, ratio, vocab)
+    estimate = dryrun.gpt_activation_bytes(b, t, d, layers, heads, ratio, vocab, c)
     assert abs(estimate - measured) <= TOLERANCE * measured, (estimate, measured)
 
 
+@pytest.mark.parametrize("dtype,c", DTYPES)
 @pytest.mark.parametrize("b,t,d,layers,ratio,vocab", [(2, 16, 32, 2, 4, 256), (3, 10, 24, 3, 2, 100)])
-def test_mlp_activation_estimate_matches_measurement(b, t, d, layers, ratio, vocab):
+def test_mlp_activation_estimate_matches_measurement(b, t, d, layers, ratio, vocab, dtype, c):
     torch.manual_seed(0)
-    model = MLP(vocab, d, layers, ratio)
+    model = MLP(vocab, d, layers, ratio).to(dtype)
     measured = saved_activation_bytes(model, vocab, b, t)
-    estimate = dryrun.mlp_activation_bytes(b, t, d, layers, ratio, vocab)
+    estimate = dryrun.mlp_activation_bytes(b, t, d, layers, ratio, vocab, c)
     assert abs(estimate - measured) <= TOLERANCE * measured, (estimate, measured)
 
 
@@ -116,7 +130,7 @@ def test_trainer_collectives():
         ("world", 16, wire_bytes("ring_all_reduce", 16, 4), 1)
     assert (logged.payload_bytes, logged.every_steps) == (8, 10)
     assert (val.payload_bytes, val.every_steps) == (16, 50)
-    assert dryrun.wire_bytes_per_step([control, logged]) == 24 + 12 / 10
+    assert zero_estimate.wire_bytes_per_step([control, logged]) == 24 + 12 / 10
 
 
 def test_estimate_uses_the_real_model_and_buckets(tiny):
@@ -129,14 +143,14 @@ def test_estimate_uses_the_real_model_and_buckets(tiny):
     # the engine fills buckets in reverse registration order (parallel/data.py)
     buckets = build_buckets(params[::-1], int(0.01 * 2**20))
     assert est.bucket_bytes == [b.buffer.numel() * 4 for b in buckets]
-    assert len(est.gradients) == len(buckets) > 1
+    assert len(est.engine) == len(buckets) > 1 and est.zero is None
     # rank 0 is the root of gloo's binomial broadcast tree: log2(4) = 2 children
     assert est.broadcast_wire_bytes == 2 * est.parameters * 4
     assert est.memory.parameter_bytes == est.parameters * 4
 
 
 def test_dry_run_text_names_mesh_memory_and_collectives(tiny):
-    text = dryrun.dry_run(tiny(parallel={"nproc": 4, "ranks_per_node": 2}))
+    text = dry_run(tiny(parallel={"nproc": 4, "ranks_per_node": 2}))
     assert "mesh pp=1 dp=4 cp=1 tp=1 (world 4, 2 node(s) of 2 ranks)" in text
     assert "node-local [0, 1], cross-node [0, 2]" in text
     for word in ("parameters", "gradients", "optimizer state", "activations", "total",
@@ -144,17 +158,270 @@ def test_dry_run_text_names_mesh_memory_and_collectives(tiny):
         assert word in text, word
 
 
-def _train_two_steps(rank, world, cfg, run_dir):
-    run(cfg, Path(run_dir), None)
-    return read_metrics(run_dir) if rank == 0 else None
+# --- ZeRO: the engine's collectives and memory, by hand ----------------------------------------
 
 
-def test_predicted_collectives_match_the_meter(tiny, tmp_path):
-    # log_every 1: each record holds one step's control, gradient and logged-loss all-reduces;
-    # the validation of the last step runs after its record is written
-    cfg = tiny(parallel={"nproc": 2, "bucket_mb": 0.01}, train={"steps": 2})
+class FakeMesh:
+    """What make_plan reads from a mesh: rank 0 of dp = local x cross ranks."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, local: int, cross: int = 1):
+        self.sizes = {"dp": local * cross, "dp.local": local, "dp.cross": cross, "self": 1}
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    def local_rank(self, axis: str) -> int:
+        return 0
+
+
+def plan(stage, local=4, cross=1, **kw):
+    return make_plan(FakeMesh(local, cross), stage, **kw)
+
+
+UNITS, ROOT_LEN = [("a", 100), ("b", 300)], 40  # padded lengths, small: gloo's native ops
+
+
+def totals(collectives) -> dict[tuple[str, str], tuple[int, int, int]]:
+    """(op, axis) -> (calls, payload bytes, wire bytes) of one step."""
+    out = {}
+    for c in collectives:
+        calls, payload, wire = out.get((c.op, c.axis), (0, 0, 0))
+        out[(c.op, c.axis)] = (calls + c.calls, payload + c.calls * c.payload_bytes,
+                               wire + c.calls * c.wire_bytes)
+    return out
+
+
+def native_rs(n, s):  # gloo's reduce_scatter is a full all-reduce (comm/collectives.py)
+    return 2 * (n - 1) * s // n
+
+
+def gather(n, s):
+    return (n - 1) * s // n
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype,c", DTYPES)
+def test_flat_zero_collectives(stage, dtype, c):
+    a, sizes = 3, [100, 300, 40]  # micro-batches; every unit with the root
+    got = totals(zero_estimate.zero_collectives(plan(stage, compute_dtype=dtype), UNITS, ROOT_LEN, a))
+    reductions = 1 if stage == 1 else a  # stage 1 reduces on the last micro-batch only
+    expected = {("reduce_scatter", "dp"): (3 * reductions, reductions * 4 * sum(sizes),
+                                           reductions * sum(native_rs(4, 4 * p) for p in sizes)),
+                ("all_reduce", "dp"): (1, 4, 6)}  # clip_grad_norm_'s fp32 over dp
+    if stage < 3:  # every rank keeps every unit: gathered once after the step
+        expected[("all_gather", "dp")] = (3, c * sum(sizes), sum(gather(4, c * p) for p in sizes))
+    else:  # the root once per micro-batch, every other unit for forward and for backward
+        expected[("all_gather", "dp")] = (
+            a + 2 * a * 2, a * c * 40 + 2 * a * c * 400,
+            a * gather(4, c * 40) + 2 * a * (gather(4, c * 100) + gather(4, c * 300)))
+    assert got == expected
+
+
+def test_stage0_bf16_all_reduces_each_unit_once():
+    got = zero_estimate.zero_collectives(plan(0, compute_dtype=torch.bfloat16), UNITS, ROOT_LEN, 3)
+    assert totals(got) == {("all_reduce", "dp"): (3, 4 * 440, sum(2 * 3 * 4 * p // 4 for p in (100, 300, 40)))}
+    assert [c.unit for c in got] == ["b", "a", "root"]  # the engine's launch order
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hierarchical_zero_collectives(stage):
+    a, sizes = 2, [100, 300, 40]
+    node = totals(zero_estimate.zero_collectives(plan(stage, 2, 2, hierarchical=True), UNITS, ROOT_LEN, a))
+    shard_rs = (3 * a, a * 4 * sum(sizes), a * sum(native_rs(2, 4 * p) for p in sizes))
+    shard = [4 * p // 2 for p in sizes]  # fp32 gradient shards, what crosses the nodes
+    assert node[("reduce_scatter", "dp.local")] == shard_rs
+    assert node[("all_reduce", "dp.cross")] == (3 * a, a * sum(shard), a * sum(2 * s // 2 for s in shard))
+    assert node[("all_reduce", "dp.local")] == (1, 4, 4)  # the norm over the node's ranges
+    assert ("all_gather", "dp.cross") not in node and ("reduce_scatter", "dp.cross") not in node
+    over_dp = totals(zero_estimate.zero_collectives(
+        plan(stage, 2, 2, hierarchical=True, optimizer_shard="dp"), UNITS, ROOT_LEN, a))
+    assert over_dp[("reduce_scatter", "dp.cross")] == (3 * a, a * sum(shard), a * sum(native_rs(2, s) for s in shard))
+    assert over_dp[("all_gather", "dp.cross")] == (3, sum(shard), sum(gather(2, s) for s in shard))
+    assert over_dp[("all_reduce", "dp")] == (1, 4, 6)  # the optimizer ranges tile all of dp
+    assert over_dp[("reduce_scatter", "dp.local")] == shard_rs
+    gathers = over_dp[("all_gather", "dp.local")]  # gathers never leave the node
+    assert gathers[0] == (3 if stage == 2 else a + 2 * a * 2)
+
+
+def test_large_units_reduce_scatter_as_rings():
+    big = 64 << 10  # 256 KiB of fp32: comm.collectives.RING_MIN_BYTES
+    got = zero_estimate.zero_collectives(plan(2), [("a", big), ("b", big - 4)], 0, 1)
+    rs = {c.unit: (c.algorithm, c.wire_bytes) for c in got if c.op == "reduce_scatter"}
+    assert rs == {"a": ("ring_reduce_scatter", 3 * big), "b": ("ring_all_reduce", 6 * (big - 4))}
+
+
+def test_no_collectives_on_one_rank():
+    assert zero_estimate.zero_collectives(plan(3, local=1), UNITS, ROOT_LEN, 2) == []
+
+
+def test_stage3_evaluation_gathers_every_unit_once():
+    got = zero_estimate.zero_eval_gathers(plan(3), UNITS, ROOT_LEN, eval_microbatches=2, eval_every=50)
+    assert totals(got) == {("all_gather", "dp"): (6, 2 * 4 * 440, 2 * sum(gather(4, 4 * p) for p in (40, 100, 300)))}
+    assert all(c.every_steps == 50 for c in got)
+    assert zero_estimate.zero_eval_gathers(plan(2), UNITS, ROOT_LEN, 2, 50) == []
+
+
+def test_gathered_bytes_take_the_largest_prefetch_window():
+    units = [("a", 10), ("b", 30), ("c", 20)]
+    assert zero_estimate.gathered_bytes(plan(3, local=2), units, 4, prefetch=1) == 4 * (4 + 30 + 20)
+    assert zero_estimate.gathered_bytes(plan(3, local=2), units, 4, prefetch=0) == 4 * (4 + 30)
+    assert zero_estimate.gathered_bytes(plan(3, local=2), units, 4, prefetch=9) == 4 * (4 + 60)
+    bf16 = plan(3, local=2, compute_dtype=torch.bfloat16)
+    assert zero_estimate.gathered_bytes(bf16, units, 4, prefetch=1) == 2 * (4 + 50)
+    assert zero_estimate.gathered_bytes(plan(2, local=2), units, 4, 1) == 0  # stages 1-2 keep every unit
+    assert zero_estimate.gathered_bytes(plan(3, local=1), units, 4, 1) == 0  # one shard rank: nothing gathered
+
+
+def test_gradients_in_flight_follow_the_reduction_queue():
+    units, root = [("a", 10), ("b", 20)], 4  # launch order: b, a, root
+    # stage 2 fp32, L = 2: new = prev = 4p + 4p/2 (source and shard), the root's buffer 4R
+    # until it launches: launches b: 120 + 16, a: 60 + 120 + 16, root: 24 + 60
+    assert zero_estimate.in_flight_bytes(plan(2, local=2), units, root) == 196
+    # stage 3 bf16, hierarchical (C = 2): new = 2p + 4p + 2p, prev = 4p + 2p, older = 2p,
+    # root 2R: b: 160 + 8, a: 80 + 120 + 8, root: 32 + 60 + 40
+    bf16 = plan(3, 2, 2, hierarchical=True, compute_dtype=torch.bfloat16)
+    assert zero_estimate.in_flight_bytes(bf16, units, root) == 208
+    # stages 0-1: reduced in place in the fp32 accumulator; bf16 adds a 2p buffer (+ the root's)
+    assert zero_estimate.in_flight_bytes(plan(1), units, root) == 0
+    assert zero_estimate.in_flight_bytes(plan(0, compute_dtype=torch.bfloat16), units, root) == 40 + 8
+
+
+def test_zero_memory_per_rank_adds_the_step_and_splits_host_memory():
+    units, root = [("a", 400), ("b", 800)], 80  # P = 1280, a multiple of 4
+    p = plan(3, compute_dtype=torch.bfloat16)
+    est = zero_estimate.zero_memory_per_rank(p, units, root, states=2, activations=1000, prefetch=1)
+    persistent = zero_memory([400, 800, 80], 3, 4, 4, 2, 2, separate_master=True)
+    assert (est.parameter_bytes, est.gradient_bytes, est.optimizer_bytes) == \
+        (persistent.parameter_bytes, persistent.gradient_bytes, persistent.optimizer_bytes)
+    assert est.gathered_bytes == zero_estimate.gathered_bytes(p, units, root, 1) > 0
+    assert est.in_flight_bytes == zero_estimate.in_flight_bytes(p, units, root) > 0
+    assert est.total_bytes == persistent.total_bytes + 1000 + est.gathered_bytes + est.in_flight_bytes
+    assert est.host_bytes == 0 and est.device_bytes == est.total_bytes
+    # offload, stage 1: the fp32 accumulator stays on the device, the reduced range (4P/S),
+    # master weights and optimizer state go to the host
+    off = zero_estimate.zero_memory_per_rank(plan(1, offload=True), units, root, 2, 1000, 1)
+    assert off.gradient_bytes == 4 * 1280 + 4 * 1280 // 4
+    assert off.optimizer_bytes == (2 + 1) * 4 * 1280 // 4
+    assert off.host_bytes == off.optimizer_bytes + 4 * 1280 // 4
+    assert off.device_bytes == 4 * 1280 + 4 * 1280 + 1000  # parameters, accumulator, activations
+
+
+# --- ZeRO on the fake backend ------------------------------------------------------------------
+
+
+def test_zero_estimate_lays_out_the_real_units(tiny):
+    # d_model 34: a block has 14,314 parameters, padded to 14,316 (a multiple of dp = 4)
+    cfg = tiny(model={"d_model": 34}, parallel={"nproc": 4, "zero_stage": 3})
     est = dryrun.estimate(cfg)
-    predicted = sum(c.wire_bytes for c in est.collectives if c.purpose != "validation loss")
-    records = run_world(_train_two_steps, 2, cfg, str(tmp_path / "run"), timeout_s=120)[0]
-    assert [r["comm_bytes"]["total"] for r in records] == [predicted, predicted]
-    assert records[0]["comm_bytes"]["all_reduce"] == predicted
+    assert not dist.is_initialized()
+    model = build_model(cfg.model)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    assert block % 4 and est.zero.units == [("blocks.0", block + 4 - block % 4),
+                                            ("blocks.1", block + 4 - block % 4)]
+    assert est.zero.root == -(-root // 4) * 4  # embeddings, ln_f; the tied head counted once
+    assert (est.zero.plan.stage, est.zero.plan.shard_ranks) == (3, 4)
+    # shard() broadcasts the same state as DataParallel: gloo's tree from rank 0, 2 children
+    assert est.broadcast_wire_bytes == 2 * est.parameters * 4
+    padded = sum(n for _, n in est.zero.units) + est.zero.root
+    assert est.memory.parameter_bytes == padded  # 4P / L with L = 4
+    assert est.bucket_bytes == []
+
+
+def test_zero_estimate_refuses_unit_patterns_that_match_nothing(tiny):
+    cfg = tiny(parallel={"nproc": 2, "zero_stage": 2, "shard_units": ["layers.*"]})
+    with pytest.raises(ConfigError, match=r"parallel.shard_units=\['layers.\*'\]: no module"):
+        dryrun.estimate(cfg)
+    assert not dist.is_initialized()
+
+
+def test_zero_dry_run_text(tiny):
+    text = dry_run(tiny(parallel={"nproc": 4, "ranks_per_node": 2, "zero_stage": 3,
+                                         "hierarchical": True, "optimizer_shard": "dp",
+                                         "offload_optimizer": True},
+                               train={"precision": "bf16"}))
+    for words in ("zero:  stage 3", "over dp.local (2 ranks), replicated over dp.cross (2)",
+                  "optimizer state over 4 ranks", "L = 2 shard ranks, S = 4 optimizer ranks",
+                  "gathered units", "grads in flight", "[host]", "device ", "reduce_scatter over dp.local",
+                  "reduce_scatter over dp.cross", "all_gather over dp.cross", "all_reduce over dp (4 ranks)",
+                  "validation gathers", "control (tokens, stop flag)", "(bf16)"):
+        assert words in text, words
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cli_dry_run_of_every_zero_stage(tiny, tmp_path, capsys, stage):
+    path = tmp_path / "tiny.toml"
+    path.write_text(config_to_toml(tiny()))
+    assert main(["train", "--dry-run", str(path), "--nproc", "2", "--set", f"parallel.zero_stage={stage}"]) == 0
+    out = capsys.readouterr().out
+    assert f"zero:  stage {stage}" in out and "reduce_scatter over dp (2 ranks)" in out
+
+
+def _train(rank, world, cfgs, run_dirs):
+    """Train each config in turn on this one world (a process group per config would cost a
+    spawn each); `run()` would tear the group down, so its two halves are called directly."""
+    from loomtrain.train.launch import init_distributed
+    from loomtrain.train.trainer import StopFlag, _loop
+
+    out = []
+    for cfg, run_dir in zip(cfgs, run_dirs):
+        _loop(cfg, Path(run_dir), None, init_distributed(cfg), StopFlag())
+        out.append(read_metrics(run_dir) if rank == 0 else None)
+    return out
+
+
+def _per_op(collectives, validation: bool) -> dict[str, int]:
+    """Predicted wire bytes by op of one record, as the meter's records hold them. With
+    log_every = eval_every = 1 a record holds its step's collectives, logged loss included;
+    the validation after it (all-reduce, and stage 3's gathers) lands in the next record."""
+    out: dict[str, int] = {}
+    for c in collectives:
+        if c.every_steps == 1 and (validation or not c.purpose.startswith("validation")):
+            out[c.op] = out.get(c.op, 0) + c.wire_bytes * c.calls
+    return dict(sorted(out.items())) | {"total": sum(out.values())}
+
+
+# d_model 80: a block's fp32 gradient (311 KB) is reduce-scattered as a ring, the root's
+# (93 KB) and a hierarchical shard (156 KB) by gloo's native op: both meter formulas are hit.
+WIDE = {"d_model": 80, "n_heads": 2}
+CASES = {
+    2: [("stage 0 fp32 (DataParallel)", {}),
+        ("stage 0 bf16", {"train": {"precision": "bf16"}}),
+        ("stage 1", {"model": WIDE, "parallel": {"zero_stage": 1}}),
+        ("stage 2", {"model": WIDE, "parallel": {"zero_stage": 2}}),
+        ("stage 3 bf16, prefetch 2", {"model": WIDE, "parallel": {"zero_stage": 3, "prefetch": 2},
+                                      "train": {"precision": "bf16"}})],
+    # d_model 34: blocks padded to a multiple of 4 (as in test_zero_estimate_lays_out_the_real_units)
+    4: [("hierarchical stage 2, optimizer per node",
+         {"model": {"d_model": 34}, "parallel": {"zero_stage": 2, "hierarchical": True}}),
+        ("hierarchical stage 3, optimizer over dp, offloaded",
+         {"model": {"d_model": 34}, "parallel": {"zero_stage": 3, "hierarchical": True,
+                                                 "optimizer_shard": "dp", "offload_optimizer": True}})],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_predicted_collectives_match_the_meter(tiny, tmp_path, world):
+    # accumulation 2 everywhere, so "last micro-batch" and "every micro-batch" differ; 3
+    # validation batches: dp ranks get 2 and 1 (world 2), or 1 and 0 (world 4)
+    base = {"run": {"eval_every": 1, "eval_batches": 3},
+            "train": {"steps": 2, "global_batch": 4 * world},
+            "parallel": {"nproc": world, "bucket_mb": 0.01,
+                         "ranks_per_node": 2 if world == 4 else None}}
+    cfgs, dirs = [], []
+    for i, (_, sections) in enumerate(CASES[world]):
+        tree = {k: base.get(k, {}) | sections.get(k, {}) for k in set(base) | set(sections)}
+        cfgs.append(tiny(**tree))
+        dirs.append(str(tmp_path / f"run{i}"))
+    results = run_world(_train, world, cfgs, dirs, timeout_s=180)[0]
+    for (label, _), cfg, records in zip(CASES[world], cfgs, results):
+        assert cfg.accumulation_steps == 2
+        est = dryrun.estimate(cfg)
+        expected = [_per_op(est.collectives, validation=False), _per_op(est.collectives, validation=True)]
+        assert [r["comm_bytes"] for r in records] == expected, label
+    stage1 = dryrun.estimate(cfgs[2]) if world == 2 else None
+    if stage1 is not None:  # the ring and the native reduce-scatter were both predicted
+        assert {c.algorithm for c in stage1.engine if c.op == "reduce_scatter"} == \
+            {"ring_reduce_scatter", "ring_all_reduce"}

@@ -66,16 +66,15 @@ def _resolve_train(args):
             raise CheckpointError(f"--resume {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
         latest = done[-1]
         try:  # a damaged or unsafe checkpoint stops here, before anything is written
-            world = checkpoint.verify(latest)[0]["world"]
+            checkpoint.verify(latest)
         except CheckpointError as err:
             if len(done) > 1:
                 raise CheckpointError(f"{err}. The previous checkpoint {done[-2].name} may be intact: "
                                       f"move {latest} out of {latest.parent} to resume from it") from None
             raise
-        if world != cfg.parallel.nproc:
-            raise CheckpointError(
-                f"checkpoint {str(latest)!r} was written by {world} ranks, but parallel.nproc="
-                f"{cfg.parallel.nproc}; resume with --nproc {world}")
+        # any rank count and ZeRO stage may resume any checkpoint: every layout saves the
+        # unsharded names and shapes (train/checkpoint.py), and the data order is a function
+        # of the step and the global batch only
         return cfg, run_dir, latest
     cfg = load_config(args.config, overrides)
     return cfg, None, None
@@ -87,12 +86,14 @@ def cmd_train(args) -> int:
 
     cfg, run_dir, resume = _resolve_train(args)
     if args.dry_run:
-        from loomtrain.train.dryrun import dry_run
+        from loomtrain.train.dryrun_text import dry_run
         print(dry_run(cfg))
         return 0
     from loomtrain.data import load_corpus, require_windows
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
     require_windows(corpus, cfg.model.seq_len, cfg.data.source)  # fail before spawning
+    from loomtrain.parallel import check_units
+    check_units(cfg)
     if in_torchrun():
         if run_dir is None:
             run_dir = Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder

@@ -1,10 +1,13 @@
 """`loom report RUN_DIR`: one PNG of a run's metrics.jsonl (loss and validation loss,
-throughput, peak memory, communication per logged record), written to RUN_DIR/report.png.
+throughput, peak memory, communication per logged record), written to RUN_DIR/report.png,
+and, when the run recorded one (`run.timeline_step`), the step's timeline drawn from
+RUN_DIR/timeline.json into RUN_DIR/timeline.png (`write_timeline_png`, which benchmarks reuse).
 
 The records are the trainer's (train/trainer.py): `step`, `loss`, `tokens_per_s`,
 `peak_mem_bytes` and `comm_bytes` ({op: wire bytes, "total"} since the previous record) are
-required; `val_loss` appears on evaluation steps. Drawing uses matplotlib's Agg canvas on a
-`Figure` of its own, so no pyplot state or display is involved.
+required; `val_loss` appears on evaluation steps. The timeline is `Timeline.write`'s
+(timeline.py): {"step", "rank", "spans": [{"lane", "name", "start_s", "end_s"}]}. Drawing uses
+matplotlib's Agg canvas on a `Figure` of its own, so no pyplot state or display is involved.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from pathlib import Path
 
 from loomtrain.errors import UserError
+from loomtrain.timeline import hidden_s, overlap_s
 
 REQUIRED = ("step", "loss", "tokens_per_s", "comm_bytes", "peak_mem_bytes")
 MIB = 2**20
@@ -129,17 +133,149 @@ def _draw(records: list[dict], title: str):
     return fig
 
 
+def _save(fig, out: Path) -> str:
+    tmp = out.with_name(out.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, out)  # a reader never sees half a PNG
+    return str(out)
+
+
 def write_report(run_dir: str | Path) -> str:
-    """Draw RUN_DIR/report.png from RUN_DIR/metrics.jsonl; returns the PNG's path."""
+    """Draw RUN_DIR/report.png from RUN_DIR/metrics.jsonl, and RUN_DIR/timeline.png from
+    RUN_DIR/timeline.json if there is one; returns the report's path. Both inputs are
+    validated before anything is written."""
     run_dir = Path(run_dir)
     records = load_records(run_dir)
+    timeline_json = run_dir / TIMELINE_JSON
+    timeline = load_timeline(timeline_json) if timeline_json.is_file() else None
     finite = [r["loss"] for r in records if math.isfinite(r["loss"])]
     last = f", last loss {finite[-1]:.4f}" if finite else ""
     steps = f"steps {records[0]['step']}-{records[-1]['step']}"
     title = f"{run_dir}: {len(records)} records, {steps}{last}"
-    fig = _draw(records, title)
-    out = run_dir / "report.png"
-    tmp = run_dir / "report.png.tmp"
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, out)  # a reader never sees half a PNG
-    return str(out)
+    out = _save(_draw(records, title), run_dir / "report.png")
+    if timeline is not None:
+        _save(_draw_timeline(timeline, str(run_dir)), run_dir / "timeline.png")
+    return out
+
+
+# --- the timeline of one step ------------------------------------------------------------------
+
+TIMELINE_JSON = "timeline.json"
+LANES = ("compute", "gather", "reduce")  # the ZeRO engine's (parallel/zero/engine.py), top down
+# compute spans are named "forward UNIT", "backward UNIT" or "wait gather UNIT" (engine.py)
+COLORS = {"forward": "tab:blue", "backward": "tab:orange", "wait": "tab:red",
+          "gather": "tab:green", "reduce": "tab:purple"}
+
+
+def load_timeline(path: str | Path) -> dict:
+    """The validated contents of a timeline JSON file as `Timeline.write` writes it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportError(f"timeline file {str(path)!r} does not exist (a run writes "
+                          "timeline.json when run.timeline_step is set)")
+    try:
+        doc = json.loads(path.read_text(errors="replace"))
+    except json.JSONDecodeError as err:
+        raise ReportError(f"{str(path)!r} is not valid JSON ({err.msg} at line {err.lineno}); "
+                          "delete it to report the metrics alone") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("spans"), list):
+        raise ReportError(f"{str(path)!r} has no list of \"spans\"; a timeline is "
+                          '{"step": .., "rank": .., "spans": [{"lane", "name", "start_s", "end_s"}]}')
+    for i, span in enumerate(doc["spans"]):
+        ok = (isinstance(span, dict) and isinstance(span.get("lane"), str)
+              and isinstance(span.get("name"), str)
+              and all(_number(span.get(k)) and math.isfinite(span[k]) for k in ("start_s", "end_s")))
+        if not ok or span["end_s"] < span["start_s"]:
+            raise ReportError(f"{str(path)!r}: span {i} ({span!r}) is not a lane, a name and "
+                              "finite start_s <= end_s")
+    return doc
+
+
+def busy_s(spans: list[dict], lane: str) -> float:
+    """Seconds during which at least one span of `lane` runs (a lane overlaps itself exactly there)."""
+    return overlap_s(spans, lane, lane)
+
+
+def timeline_title(doc: dict, source: str) -> str:
+    spans = doc["spans"]
+    if not spans:
+        return f"{source}: step {doc.get('step', '?')}, rank {doc.get('rank', '?')}: no spans recorded"
+    start = min(s["start_s"] for s in spans)
+    end = max(s["end_s"] for s in spans)
+    parts = []
+    for lane in ("gather", "reduce"):
+        busy = busy_s(spans, lane)
+        if busy > 0:
+            hidden = hidden_s(spans, lane)
+            parts.append(f"{lane} {busy * 1e3:.1f} ms, {hidden * 1e3:.1f} ms ({100 * hidden / busy:.0f}%) "
+                         "overlapping compute")
+    waits = sum(s["end_s"] - s["start_s"] for s in spans
+                if s["lane"] == "compute" and s["name"].startswith("wait"))
+    if waits > 0:
+        parts.append(f"compute waited {waits * 1e3:.1f} ms for gathers")
+    return (f"{source}: step {doc.get('step', '?')}, rank {doc.get('rank', '?')}, "
+            f"{(end - start) * 1e3:.1f} ms\n" + "; ".join(parts or ["no communication recorded"]))
+
+
+def _kind(span: dict) -> str:
+    if span["lane"] == "compute":
+        return next((k for k in ("forward", "backward", "wait") if span["name"].startswith(k)), "forward")
+    return span["lane"] if span["lane"] in COLORS else "reduce"
+
+
+def _stack(spans: list[dict]) -> list[int]:
+    """A row for every span, so spans of one lane that run at once (several gathers in flight)
+    sit side by side: the first row whose last span has ended (interval partitioning)."""
+    ends: list[float] = []
+    rows = []
+    for s in spans:
+        row = next((i for i, e in enumerate(ends) if e <= s["start_s"]), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = s["end_s"]
+        rows.append(row)
+    return rows
+
+
+def _draw_timeline(doc: dict, source: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    spans = sorted(doc["spans"], key=lambda s: s["start_s"])
+    present = {s["lane"] for s in spans}
+    lanes = [lane for lane in LANES if lane in present] + sorted(present - set(LANES)) or list(LANES)
+    t0 = min((s["start_s"] for s in spans), default=0.0)
+    width = max((s["end_s"] for s in spans), default=t0 + 1e-3) - t0 or 1e-3
+    fig = Figure(figsize=(14, 1.6 + 1.1 * len(lanes)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for i, lane in enumerate(lanes):
+        y = len(lanes) - 1 - i  # the first lane on top
+        mine = [s for s in spans if s["lane"] == lane]
+        rows = _stack(mine)
+        height = 0.8 / (max(rows, default=0) + 1)
+        for s, row in zip(mine, rows):
+            x, w = (s["start_s"] - t0) * 1e3, (s["end_s"] - s["start_s"]) * 1e3
+            bottom = y - 0.4 + row * height
+            ax.broken_barh([(x, w)], (bottom, height * 0.9), facecolors=COLORS[_kind(s)])
+            if w > width * 1e3 / 40:  # label the bars wide enough to hold their unit's name
+                ax.text(x + w / 2, bottom + height * 0.45, s["name"].split()[-1], ha="center",
+                        va="center", fontsize=7, clip_on=True)
+    ax.set_yticks(range(len(lanes)), lanes[::-1])
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.set_xlim(0, width * 1e3)
+    ax.set_xlabel("ms since the step's first span")
+    ax.grid(axis="x", alpha=0.3)
+    kinds = {_kind(s) for s in spans}
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k in kinds],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(timeline_title(doc, source))
+    return fig
+
+
+def write_timeline_png(timeline_json: str | Path, png: str | Path, title: str | None = None) -> str:
+    """Draw the timeline in `timeline_json` into `png`; returns its path. `title` names the
+    source in the figure's title (default: the JSON file's path)."""
+    doc = load_timeline(timeline_json)
+    return _save(_draw_timeline(doc, title or str(timeline_json)), Path(png))

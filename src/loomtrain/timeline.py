@@ -62,3 +62,11 @@ def overlap_s(spans: list[dict], lane: str, other: str) -> float:
         for b0, b1 in merged(other):
             total += max(0.0, min(a1, b1) - max(a0, b0))
     return total
+
+
+def hidden_s(spans: list[dict], lane: str) -> float:
+    """Seconds of `lane` (communication) that overlap computation. Waiting for a gather is
+    recorded on the compute lane ("wait gather UNIT": the compute thread is blocked there) but
+    computes nothing, so it hides nothing and is left out."""
+    working = [s for s in spans if not (s["lane"] == "compute" and s["name"].startswith("wait"))]
+    return overlap_s(working, lane, "compute")

@@ -8,6 +8,7 @@ op and the axis. On a group of one rank every op returns at once and counts noth
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 
@@ -48,7 +49,10 @@ class Pending:
         elif isinstance(work, ring.RingWork):
             work.when_done(fn)
         else:
-            work.get_future().then(lambda _: fn(time.perf_counter()))
+            try:
+                work.get_future().then(lambda _: fn(time.perf_counter()))
+            except RuntimeError:  # gloo's reduce_scatter work has no future: a watcher waits
+                threading.Thread(target=_report_done, args=(work, fn), daemon=True).start()
 
     def wait(self) -> None:
         if self._work is not None:
@@ -60,6 +64,14 @@ class Pending:
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
+
+
+def _report_done(work, fn) -> None:
+    try:
+        work.wait()  # a second wait (the caller's) on a finished work returns at once
+    except RuntimeError:
+        return  # the caller's own wait reports the failure
+    fn(time.perf_counter())
 
 
 def _start(mesh, op: str, axis: str, payload: int, algorithm: str, call, async_op: bool,

@@ -21,7 +21,7 @@ already divided by the global token count, so the result equals the single-proce
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn

@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -43,6 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from loomtrain import comm
 from loomtrain.errors import CheckpointError
+from loomtrain.parallel.zero import ShardedDataParallel
+from loomtrain.parallel.zero.state import FlatShard, load_zero_state, zero_state
 
 PARTIAL, TRASH = ".partial", ".trash"
 _META = "loom.json"
@@ -132,8 +136,13 @@ def verify(path: Path) -> tuple[dict, Metadata]:
     return meta, metadata
 
 
-def training_state(model, optimizer) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def training_state(model, optimizer, for_saving: bool = True) -> dict:
+    """{"model": ..., "optim": ...} in the unsharded layout of `get_state_dict`, whatever the
+    engine: plain (or DataParallel-wrapped) models through torch's helper, ZeRO through
+    parallel/zero/state.py, so checkpoints load across engines, stages and rank counts."""
+    if isinstance(model, ShardedDataParallel):
+        return zero_state(model, optimizer, for_saving)
+    model_sd, optim_sd = get_state_dict(getattr(model, "module", model), optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -182,7 +191,8 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
     comm.barrier(mesh)  # nobody writes into `partial` before it is clean
     state = {**training_state(model, optimizer), **_rng_state(mesh.rank, mesh.device)}
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+                 planner=_SavePlanner())
     except CheckpointException as err:
         raise CheckpointError(f"could not write checkpoint {str(partial)!r}: {_root_causes(err)}") from None
     if mesh.rank == 0:
@@ -198,6 +208,20 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
         for stale in [*final.parent.glob(f"*{PARTIAL}"), *final.parent.glob(f"*{TRASH}")]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _lookup(state_dict: dict, index):
+    """A ZeRO shard's box by its offset, or None for anything else (DCP's own lookup)."""
+    value = state_dict.get(index.fqn)
+    return value.__get_tensor_shard__(index) if isinstance(value, FlatShard) else None
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default, plus the boxes of ZeRO shards (parallel/zero/state.py)."""
+
+    def lookup_object(self, index):
+        found = _lookup(self.state_dict, index)
+        return found if found is not None else super().lookup_object(index)
 
 
 class _WeightsOnlyPlanner(DefaultLoadPlanner):
@@ -217,6 +241,21 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
                                   "or holds a pickle that would run code") from None
         value.seek(0)
         super().load_bytes(read_item, value)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        """DCP's own, less its first call, `_init_state_dict`: that materializes meta-device
+        tensors (there are none here) and replaces every value of a type it does not know,
+        such as a ZeRO `FlatShard`, by None (torch 2.13, planner_helpers.py)."""
+        self.original_state_dict = state_dict
+        if self.flatten_sharded_tensors:
+            state_dict = _flatten_sharded_tensors(state_dict)
+        if self.flatten_state_dict:
+            state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def lookup_tensor(self, index):
+        found = _lookup(self.state_dict, index)
+        return found if found is not None else super().lookup_tensor(index)
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -245,21 +284,46 @@ def _dcp_load(path: Path, state: dict, metadata: Metadata, no_dist: bool = False
                               "it is damaged or does not match this run's model and optimizer") from None
 
 
+def _init_optimizer_state(optimizer) -> None:
+    """Create the optimizer's state tensors for DCP to load into: one step with zero
+    gradients and learning rate 0 (torch's `_init_optim_state`, which skips optimizers whose
+    parameters already have a `.grad`, as the engines' bucket views always are)."""
+    if optimizer.state:
+        return
+    made = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                made.append(p)
+            else:
+                p.grad.zero_()
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    getattr(optimizer, "inner", optimizer).step()  # ZeRO: no publish needed, nothing moved
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p in made:
+        p.grad = None
+
+
 def load(path: Path, model, optimizer, mesh) -> dict:
     """Collective. Restores model, optimizer and this rank's RNG state; returns loom.json."""
     meta, metadata = verify(path)
-    if meta["world"] != mesh.world:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} was written by {meta['world']} ranks; this run has "
-            f"{mesh.world}. Resume with parallel.nproc={meta['world']}")
-    state = training_state(model, optimizer)
+    zero = isinstance(model, ShardedDataParallel)
+    _init_optimizer_state(optimizer)
+    state = training_state(model, optimizer, for_saving=False)
     # a checkpoint written on CPU has no CUDA RNG state: restore what it holds
     rng = {k: v for k, v in _rng_state(mesh.rank, mesh.device).items() if k in metadata.state_dict_metadata}
     state.update(rng)
     _dcp_load(path, state, metadata)
     try:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+        if zero:
+            load_zero_state(model, optimizer, state)
+        else:
+            set_state_dict(getattr(model, "module", model), optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
     for key in rng:

@@ -35,6 +35,8 @@ class RunConfig(Section):
     progress: bool = True
     # consecutive steps with a non-finite loss or gradient before the run aborts
     max_nonfinite_steps: int = Field(5, ge=1)
+    # record this step's compute/communication timeline into RUN_DIR/timeline.json (0: none)
+    timeline_step: int = Field(0, ge=0)
 
 
 class ModelConfig(Section):
@@ -75,6 +77,8 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    # bf16: compute in bfloat16 with fp32 master weights, gradients reduced in fp32
+    precision: Literal["fp32", "bf16"] = "fp32"
 
 
 class ParallelConfig(Section):
@@ -84,6 +88,11 @@ class ParallelConfig(Section):
     pp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
     zero_stage: int = Field(0, ge=0, le=3)
+    hierarchical: bool = False  # ZeRO: shard inside the node, reduce across nodes in two levels
+    optimizer_shard: Literal["node", "dp"] = "node"  # hierarchical: optimizer state split over
+    prefetch: int = Field(1, ge=0)  # stage 3: units gathered ahead of the one computing
+    offload_optimizer: bool = False  # ZeRO: master weights and optimizer state in host memory
+    shard_units: list[str] = []  # ZeRO units as module-name patterns; empty: ModuleList children
     ranks_per_node: int | None = Field(None, ge=1)  # None: all ranks on one node
     bucket_mb: float = Field(4.0, gt=0.0)
     timeout_s: float = Field(300.0, gt=0.0)
@@ -116,11 +125,18 @@ class Config(Section):
                     f"parallel.{axis}={getattr(p, axis)} is not supported yet (it arrives with issue "
                     f"{issue}); use parallel.{axis}=1"
                 )
-        if p.zero_stage > 0:
+        engine = p.zero_stage > 0 or t.precision == "bf16"  # the sharded engine runs these
+        for key, needs in (("hierarchical", p.zero_stage > 0), ("offload_optimizer", p.zero_stage > 0),
+                           ("shard_units", engine)):
+            if getattr(p, key) and not needs:
+                also = ' (or train.precision="bf16")' if key == "shard_units" else ""
+                raise ValueError(f"parallel.{key}={getattr(p, key)!r} needs ZeRO: set "
+                                 f"parallel.zero_stage to 1, 2 or 3{also}")
+        if p.optimizer_shard == "dp" and not p.hierarchical:
             raise ValueError(
-                f"parallel.zero_stage={p.zero_stage} is not supported yet (ZeRO 1-3 arrive with "
-                "issue 3); use parallel.zero_stage=0"
-            )
+                'parallel.optimizer_shard="dp" splits the optimizer state across nodes in '
+                "hierarchical ZeRO; set parallel.hierarchical=true (flat ZeRO already splits it "
+                "over all dp ranks)")
         mesh_size = p.dp_size * p.tp * p.pp * p.cp
         if mesh_size != p.nproc or p.dp_size < 1:
             raise ValueError(

@@ -26,7 +26,8 @@ from loomtrain import comm
 from loomtrain.data import WindowSampler, eval_samples, load_corpus, rank_samples
 from loomtrain.errors import UserError
 from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
-from loomtrain.parallel.data import apply_data_parallel
+from loomtrain.parallel import parallelize
+from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
 from loomtrain.train.config import Config, config_from_dict, config_to_toml
 from loomtrain.train.launch import init_distributed, shutdown
@@ -80,14 +81,22 @@ def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float
 
 @torch.no_grad()
 def evaluate(model, sampler, cfg: Config, mesh, device) -> float:
+    """Mean validation loss per token over the fixed validation set, dealt to the dp ranks.
+
+    Every rank runs the same number of forwards: a ZeRO-3 forward gathers parameters, a
+    collective, so a rank with fewer batches (eval_batches not a multiple of dp) repeats its
+    first one (or batch 0) and does not count it."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for samples in eval_samples(cfg.run.eval_batches, cfg.train.micro_batch,
-                                mesh.local_rank("dp"), mesh.size("dp")):
-        x, y = sampler.batch(samples)
+    mine = eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, mesh.local_rank("dp"), mesh.size("dp"))
+    rounds = -(-cfg.run.eval_batches // mesh.size("dp"))
+    for i in range(rounds):
+        x, y = sampler.batch(mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0])
         x, y = x.to(device), y.to(device)
-        total[0] += token_loss_sum(model(x), y).double()
-        total[1] += (y != IGNORE_INDEX).sum()
+        loss = token_loss_sum(model(x), y).double()
+        if i < len(mine):
+            total[0] += loss
+            total[1] += (y != IGNORE_INDEX).sum()
     comm.all_reduce(total, mesh, "dp")
     model.train()
     return float(total[0] / total[1])
@@ -132,18 +141,19 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed)
     val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1)
     model = build_model(cfg.model).to(device)
-    optimizer = build_optimizer(model, cfg.train)
+    parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    # the strategies take the model and its optimizer and return both wrapped (ZeRO rebuilds
+    # the optimizer over this rank's shard); the checkpoint then loads into the wrapped pair
+    model, optimizer = parallelize(model, build_optimizer(model, cfg.train), mesh, cfg)
     start = 0
     if resume is not None:
         start = checkpoint.load(resume, model, optimizer, mesh)["step"]
         if mesh.rank == 0:  # only now that the checkpoint fits: a failed resume changes nothing
             truncate_metrics(run_dir, start)
             write_config(run_dir, cfg)  # with the resume's --set overrides
-    dp_model = apply_data_parallel(model, mesh, cfg.parallel)
     log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
     if start == 0:
-        log.message(f"{corpus.description}; {sum(p.numel() for p in model.parameters()):,} "
-                    f"parameters; {mesh.describe()}")
+        log.message(f"{corpus.description}; {parameters:,} parameters; {mesh.describe()}")
     else:
         log.message(f"resumed from {resume} at step {start}")
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
@@ -165,8 +175,11 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 return 0
             lr = lr_at(step, cfg.train)
             set_lr(optimizer, lr)
-            loss_sum, grad_norm, stepped = train_step(dp_model, optimizer, batches,
+            timeline = _start_timeline(model, step, cfg)
+            loss_sum, grad_norm, stepped = train_step(model, optimizer, batches,
                                                       global_tokens, cfg.train.grad_clip)
+            if timeline is not None:
+                _write_timeline(model, timeline, run_dir, step, mesh)
             nonfinite = 0 if stepped else nonfinite + 1
             if not stepped:
                 log.message(f"warning: step {step + 1} skipped: non-finite loss or gradient "
@@ -184,7 +197,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                               window_steps * tokens_per_step / (time.perf_counter() - window_t0))
                 loss = rec["loss"]
                 if is_eval:
-                    rec["val_loss"] = evaluate(dp_model, val_data, cfg, mesh, device)
+                    rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device)
                 log.record(rec)
                 window_t0, window_steps = time.perf_counter(), 0
             log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
@@ -199,6 +212,20 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
         return 0
     finally:
         log.close()
+
+
+def _start_timeline(model, step: int, cfg: Config) -> Timeline | None:
+    """Step `run.timeline_step` (counted from 1) records its timeline, if the engine records."""
+    if cfg.run.timeline_step != step + 1 or not hasattr(model, "timeline"):
+        return None
+    model.timeline = Timeline()
+    return model.timeline
+
+
+def _write_timeline(model, timeline: Timeline, run_dir: Path, step: int, mesh) -> None:
+    model.timeline = None
+    if mesh.rank == 0:
+        timeline.write(run_dir / "timeline.json", step=step + 1, rank=0)
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:

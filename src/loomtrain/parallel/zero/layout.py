@@ -153,7 +153,8 @@ class ZeroMemory:
 
 
 def zero_memory(padded: list[int], stage: int, shard_ranks: int, optimizer_ranks: int,
-                states: int, compute_bytes: int = 4, separate_master: bool = False) -> ZeroMemory:
+                states: int, compute_bytes: int = 4, separate_master: bool = False,
+                separate_grad: bool = False) -> ZeroMemory:
     """Bytes of parameters, gradients and optimizer state one rank keeps between steps.
 
     `padded`: every unit's flat length (its parameter count P_u rounded up to a multiple of the
@@ -161,13 +162,17 @@ def zero_memory(padded: list[int], stage: int, shard_ranks: int, optimizer_ranks
     `optimizer_ranks` S: ranks the optimizer state is split over (L, or the whole dp group with
     hierarchical `optimizer_shard = "dp"`). `states`: fp32 tensors per parameter (AdamW 2).
     `compute_bytes`: 4 (fp32) or 2 (bf16). `separate_master`: fp32 master weights are a tensor
-    of their own (bf16 compute, offload, or a hierarchical optimizer shard smaller than the
-    parameter shard); otherwise the master shard is a view of the parameters.
+    of their own (bf16 compute, or offload); otherwise the master weights are a view of the
+    fp32 parameters.
+    `separate_grad`: stage 1 with offload also keeps its reduced range in host memory.
 
         parameters    stage 0-2: c P                stage 3: c P / L
         gradients     stage 0-1: 4 P (fp32 buffer)  stage 2-3: 4 P / S
+                      (+ 4 P / S for stage 1's offloaded gradient range)
         optimizer     4 states P / S  (+ 4 P / S fp32 master when separate)
 
+    Padding (fewer than N elements per unit, at the end of the last rank's range) is counted
+    everywhere; it has no optimizer state, so that rank keeps up to 4 states N bytes per unit less.
     (stage 0 here is the sharded engine with L = S = 1, used for bf16; with c = 4 it is the
     classic 4P + 4P + 8P of fp32 AdamW. Stage 1: 4P + 4P + 8P/N; stage 2: 4P + 12P/N; stage 3:
     16P/N, all for fp32 AdamW.) Not included: what exists only during a step (gathered units,
@@ -176,6 +181,8 @@ def zero_memory(padded: list[int], stage: int, shard_ranks: int, optimizer_ranks
     total = sum(padded)
     params = compute_bytes * (total if stage < 3 else total // shard_ranks)
     grads = 4 * (total if stage < 2 else total // optimizer_ranks)
+    if separate_grad:
+        grads += 4 * total // optimizer_ranks
     optim = 4 * states * total // optimizer_ranks
     if separate_master:
         optim += 4 * total // optimizer_ranks

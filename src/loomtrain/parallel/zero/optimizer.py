@@ -40,6 +40,11 @@ class ShardedOptimizer:
                 f"elementwise update; {type(optimizer).__name__} is not one of "
                 f"{', '.join(c.__name__ for c in ELEMENTWISE)}")
         self.engine = engine
+        first_name = {}
+        for name, p in engine.module.named_parameters():
+            first_name.setdefault(p, name)
+        # the groups' parameters by name, whichever rank holds them (checkpoints list them)
+        self.group_names = [[first_name[p] for p in g["params"]] for g in optimizer.param_groups]
         group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []}
                   for g in optimizer.param_groups]
@@ -82,17 +87,3 @@ class ShardedOptimizer:
             u.grad.zero_()
             if u.acc is not None:
                 u.acc.zero_()
-
-    def init_state(self) -> None:
-        """Create the optimizer state before a checkpoint is loaded into it: one step with
-        zero gradients and learning rate 0 (what torch.distributed.checkpoint does for plain
-        optimizers); the loaded values then overwrite it."""
-        if self.inner.state:
-            return
-        lrs = [g["lr"] for g in self.inner.param_groups]
-        for g in self.inner.param_groups:
-            g["lr"] = 0.0
-        self.zero_grad()
-        self.inner.step()
-        for g, lr in zip(self.inner.param_groups, lrs):
-            g["lr"] = lr

@@ -1,0 +1,637 @@
+"""loomtrain's ZeRO stages 0-3 against torch FSDP2, measured in the same run.
+
+    .venv/bin/python benchmarks/zero.py [--rounds 8] [--steps 2] [--world4-rounds 4]
+                                        [--timeline-out FILE] [--small]   # ~9 min on 2 cores
+
+What is the same for every engine: a GPT of 50.5M parameters from the trainer's
+`build_model` (d_model 512, 16 layers, 8 heads, seq_len 128, byte vocabulary, tied head; a tiny
+one with --small), the stdlib corpus through `WindowSampler` cut per rank by `rank_samples`
+(the same batches at every step), gloo on 127.0.0.1 with one thread per rank, AdamW from
+`build_optimizer`, the lr schedule, clipping at 1.0 and the trainer's own `train_step` with
+its per-step token-count all-reduce, all in fp32.
+
+Engines. World 2: stage 0 (`DataParallel`, replicated), stages 1, 2, 3 (`shard`, prefetch 1)
+and torch FSDP2 (`fully_shard` on every block, then on the root, over a 1-D cpu DeviceMesh).
+World 4 as two "nodes" of 2 ranks (`ranks_per_node=2`): stage 3 flat and stage 3
+hierarchical. FSDP2 averages gradients and loomtrain sums them, so FSDP2's loss is divided by
+global tokens / world (exact at world 2), as benchmarks/ddp.py does for DDP.
+
+How (the scheme of benchmarks/ddp.py): each engine trains in its own world of spawned
+processes, one engine per process, so peak resident memory can be told apart; the worlds of
+one world size live together and take turns, the idle ones blocked on a queue, in an order
+reversed every round, so a drift of the machine's load falls on all alike. Each world runs
+`warmup` untimed steps (AdamW allocates its state on the first), then one timed round of
+`steps` steps per turn; round i of every engine covers the same steps and batches. After the
+rounds, the stage-3 world records steps on its timeline with prefetch 1, 0, 0, 1 and keeps, for
+each prefetch, the faster of its two (the one less disturbed by whatever else the machine runs).
+
+Per engine: tokens/s (median over rounds), peak RSS per rank and its growth over the RSS just
+before the model was built (the training state: parameters, gradients, optimizer, engine
+buffers, activations), the bytes a rank writes to its sockets per step (growth of `wchar` in
+/proc/self/io, as benchmarks/collectives.py measures; the same figure for every engine), and
+for loomtrain the payload and wire bytes per step its CommMeter counts. For every loomtrain
+stage the growth is set against `formula_mem_bytes`. Memory, measured so that RSS follows the
+live tensors: every rank pins glibc's mmap threshold (`pin_mmap_threshold`), and the peak is
+restarted after set-up, so the set-up's peak (`setup_mem_growth_bytes`: the whole model built,
+then wrapped) and the steps' (`step_mem_growth_bytes`) are reported apart; `mem_growth_bytes`
+is the larger, the process's.
+
+The last line on stdout is one JSON object (see `summarize`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import queue
+import resource
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from loomtrain import comm
+from loomtrain.data import WindowSampler, load_corpus, rank_samples
+from loomtrain.mesh import build_mesh
+from loomtrain.models import IGNORE_INDEX, build_model
+from loomtrain.parallel.data import DataParallel
+from loomtrain.parallel.zero import ROOT, assign_parameters, find_units, shard
+from loomtrain.parallel.zero.layout import unit_layout, zero_memory
+from loomtrain.report import busy_s
+from loomtrain.timeline import Timeline, hidden_s
+from loomtrain.train.config import config_from_dict
+from loomtrain.train.dryrun import activation_bytes
+from loomtrain.train.optim import build_optimizer, lr_at, set_lr
+from loomtrain.train.trainer import train_step
+
+MODEL = {"d_model": 512, "n_layers": 16, "n_heads": 8, "seq_len": 128, "vocab_size": 256}
+SMALL_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32, "vocab_size": 256}
+ADAMW_STATES = 2  # exp_avg, exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    world: int
+    stage: int | None  # None: torch FSDP2
+    hierarchical: bool = False
+    ranks_per_node: int | None = None
+
+
+WORLD2 = (Engine("stage0", 2, 0), Engine("stage1", 2, 1), Engine("stage2", 2, 2),
+          Engine("stage3", 2, 3), Engine("fsdp2", 2, None))
+WORLD4 = (Engine("stage3_flat", 4, 3, ranks_per_node=2),
+          Engine("stage3_hierarchical", 4, 3, hierarchical=True, ranks_per_node=2))
+
+
+# --- the memory formula (pure) -----------------------------------------------------------------
+
+
+def formula_mem_bytes(stage: int, padded: list[int], root_padded: int, largest_group: int,
+                      shard_ranks: int, replica_ranks: int, prefetch: int,
+                      activations: int) -> dict[str, int]:
+    """Peak bytes of one rank's training state in fp32 with AdamW: persistent + max(backward, step).
+
+    `padded`: every block unit's flat length, `root_padded` the root unit's (stage 0: the
+    parameter count as the only unit, root 0). L = `shard_ranks`, C = `replica_ranks`
+    (hierarchical: the nodes; the optimizer state is split over the node, S = L).
+    `largest_group`: elements of the larger optimizer parameter group (AdamW's decay group).
+    U = 4 x the largest block's padded length, in bytes.
+
+    persistent  `zero_memory`: parameters, gradients, AdamW state kept between steps.
+    backward    the peak is at the start of backward, when every saved activation of the
+                micro-batch is alive (`activation_bytes`), plus what the engine holds while
+                block k-1 computes its backward, just after block k launched its reduction
+                (engine.py, communication.py):
+                stage 0  nothing: the buckets are the persistent gradients, reduced in place.
+                stage 1  block k's reduce-scatter runs in place in the fp32 accumulator; the
+                         ring (comm/ring.py) holds two receive chunks, 2U/L.
+                stage 2  block k-1's fresh gradient buffer U; block k's buffer under
+                         reduction U, its fp32 shard output U/L and the ring's chunks 2U/L;
+                         with C > 1 block k+1's shard, still in its replica all-reduce, U/L.
+                stage 3  as stage 2, plus the root unit (gathered from the start of forward
+                         to the end of backward) and the gathered blocks: the one computing and
+                         `prefetch` ahead, (1 + prefetch) U.
+                All are counted as alive at once: the ring buffers of block k may already be
+                freed when block k-1's activations peak, so this is an upper bound by <= 2U/L.
+    step        AdamW's foreach update allocates one temporary (sqrt of exp_avg_sq) per
+                parameter group, of the group's length on this rank: 4 x largest_group / S.
+                Stage 0's buckets and stage 1-2's in-place publishing add nothing.
+    Activation gradients in backward (a few block-sized tensors) and the allocator's own
+    overhead are not counted.
+    """
+    ranks = 1 if stage == 0 else shard_ranks
+    persistent = zero_memory(padded + [root_padded], stage, ranks, ranks, ADAMW_STATES).total_bytes
+    unit = 4 * max(padded)
+    grad_transient = {0: 0, 1: 2 * unit // ranks,
+                      2: 2 * unit + 3 * unit // ranks + (unit // ranks if replica_ranks > 1 else 0)}
+    backward = grad_transient[min(stage, 2)]
+    if stage == 3:
+        backward += 4 * root_padded + (1 + prefetch) * unit
+    step = 4 * -(-largest_group // ranks)
+    transient = max(activations + backward, step)
+    return {"formula_mem_bytes": persistent + transient, "persistent_bytes": persistent,
+            "activation_bytes": activations, "backward_engine_bytes": backward,
+            "optimizer_step_bytes": step}
+
+
+def model_numbers(model_cfg, multiple: int) -> dict:
+    """The unit lengths `shard` lays out and the optimizer group sizes, from a model built on
+    the meta device (shapes only) with the engine's own pure layout functions."""
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    params = list(dict.fromkeys(model.parameters()))
+    padded, root = [], 0
+    for name, named in assign_parameters(model, find_units(model)).items():
+        length = unit_layout(name, [(n, tuple(p.shape)) for n, p in named], multiple).padded
+        if name == ROOT:
+            root = length
+        else:
+            padded.append(length)
+    return {"parameters": sum(p.numel() for p in params), "padded": padded, "root_padded": root,
+            "largest_group": max(sum(p.numel() for p in params if p.dim() >= 2),
+                                 sum(p.numel() for p in params if p.dim() < 2))}
+
+
+def engine_formula(engine: Engine, model_cfg, micro_batch: int, prefetch: int) -> dict:
+    shard_ranks = engine.ranks_per_node if engine.hierarchical else engine.world
+    replica_ranks = engine.world // shard_ranks
+    if engine.stage == 0:
+        n = model_numbers(model_cfg, 1)
+        padded, root = [n["parameters"]], 0
+    else:
+        n = model_numbers(model_cfg, engine.world)
+        padded, root = n["padded"], n["root_padded"]
+    return formula_mem_bytes(engine.stage, padded, root, n["largest_group"], shard_ranks,
+                             replica_ranks, prefetch, activation_bytes(model_cfg, micro_batch))
+
+
+# --- one rank ----------------------------------------------------------------------------------
+
+
+class TorchFSDP2(nn.Module):
+    """An FSDP2-sharded model plus the two methods `train_step` asks of an engine."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Reduce-scatter every micro-batch into the sharded gradient, as loomtrain's stages 2
+        and 3 do (FSDP2's `set_requires_gradient_sync(False)` would keep full gradients)."""
+        yield
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        # torchtitan's clipping for DTensor gradients: the norm of the shards' norms
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        norm = nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if max_norm > 0:
+            nn.utils.clip_grads_with_norm_(list(self.module.parameters()), max_norm, norm,
+                                           foreach=True)
+        return norm
+
+
+def wrap(engine: Engine, model: nn.Module, mesh, cfg):
+    """(model, optimizer, factor on the global token count): loomtrain sums gradients over dp,
+    FSDP2 averages them, so FSDP2's loss is divided by tokens / world instead."""
+    if engine.stage is None:
+        device_mesh = init_device_mesh("cpu", (engine.world,), mesh_dim_names=("dp",))
+        for block in model.blocks:
+            fully_shard(block, mesh=device_mesh)
+        fully_shard(model, mesh=device_mesh)
+        return TorchFSDP2(model), build_optimizer(model, cfg.train), 1.0 / engine.world
+    optimizer = build_optimizer(model, cfg.train)
+    if engine.stage == 0:
+        return DataParallel(model, mesh, "dp", cfg.parallel.bucket_mb, gradient_reduce="sum"), \
+            optimizer, 1.0
+    model, optimizer = shard(model, optimizer, mesh, engine.stage,
+                             hierarchical=engine.hierarchical, prefetch=cfg.parallel.prefetch)
+    return model, optimizer, 1.0
+
+
+def rss_bytes() -> int:
+    """Resident set size now (Linux /proc/self/statm, in pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak at the current RSS (Linux >= 4.0: "5" to /proc/self/clear_refs resets
+    the high-water mark that ru_maxrss reads); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def pin_mmap_threshold(kib: int) -> None:
+    """Serve every allocation of `kib` KiB or more with its own mmap, returned to the kernel
+    when freed, so RSS follows the live tensors. glibc's default threshold is dynamic: it
+    rises (up to 32 MiB) to the size of the largest mmapped block freed, after which freed
+    block-sized tensors stay in its heap, reused or not; measured here on stage 3, that kept
+    ~160 MiB more resident per rank after 6 steps, still growing, and less on other engines.
+    Setting the threshold also turns the dynamic rule off (mallopt(3))."""
+    if kib and not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, kib * 1024):
+        raise OSError(f"mallopt(M_MMAP_THRESHOLD, {kib} KiB) failed")
+
+
+def wchar_bytes() -> int:
+    """Bytes this process (all its threads) handed to write()/writev(): gloo's TCP sends."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+
+class Trainer:
+    """One rank of one engine's world: the trainer's step, from step 0 on."""
+
+    def __init__(self, engine: Engine, cfg):
+        self.engine, self.cfg, self.step = engine, cfg, 0
+        self.mesh = build_mesh({"dp": engine.world}, ranks_per_node=engine.ranks_per_node)
+        corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
+        self.sampler = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        self.rss_before_model = rss_bytes()
+        self.model, self.optimizer, self.token_factor = wrap(engine, build_model(cfg.model),
+                                                             self.mesh, cfg)
+        # the set-up's peak (the model built whole, then wrapped) apart from the steps' peak
+        self.setup_peak = peak_rss_bytes()
+        self.peak_reset = reset_peak_rss()
+
+    def train(self, steps: int) -> float:
+        """Run `steps` (at least 1) steps; returns the global loss of the last one."""
+        t, mesh, world = self.cfg.train, self.mesh, self.engine.world
+        for _ in range(steps):
+            batches = [self.sampler.batch(rank_samples(self.step, t.global_batch,
+                                                       mesh.local_rank("dp"), world,
+                                                       t.micro_batch, micro))
+                       for micro in range(self.cfg.accumulation_steps)]
+            count = torch.tensor([sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)],
+                                 dtype=torch.float64)
+            comm.all_reduce(count, mesh, "dp")  # the trainer's per-step control all-reduce
+            global_tokens = float(count)
+            set_lr(self.optimizer, lr_at(self.step, t))
+            loss_sum, _, stepped = train_step(self.model, self.optimizer, batches,
+                                              global_tokens * self.token_factor, t.grad_clip)
+            assert stepped, f"{self.engine.name}: non-finite gradient at step {self.step}"
+            self.step += 1
+        comm.all_reduce(loss_sum, mesh, "dp")
+        return float(loss_sum) / global_tokens
+
+    def _slowest(self, seconds: float) -> float:
+        elapsed = torch.tensor([seconds], dtype=torch.float64)
+        comm.all_reduce(elapsed, self.mesh, "dp", op="max")
+        return float(elapsed)
+
+    def _wire_by_axis(self) -> dict[str, int]:
+        meter = self.mesh.meter
+        return {axis: meter.total("wire_bytes", axis=axis) for axis, _ in list(meter.counts)}
+
+    def timed_round(self, steps: int) -> dict:
+        meter = self.mesh.meter
+        comm.barrier(self.mesh)
+        wchar0, by_axis0 = wchar_bytes(), self._wire_by_axis()
+        payload0, wire0 = meter.total("payload_bytes"), meter.total("wire_bytes")
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        loss = self.train(steps)  # its loss all-reduce is the closing barrier
+        cpu_s = time.process_time() - cpu0  # all threads of this rank, gloo's included
+        wall_s = time.perf_counter() - t0
+        socket_bytes = wchar_bytes() - wchar0
+        elapsed = self._slowest(wall_s)
+        tokens = steps * self.cfg.train.global_batch * self.cfg.model.seq_len
+        return {"tokens_per_s": tokens / elapsed, "step_s": elapsed / steps,
+                "cpu_s_per_step": cpu_s / steps, "last_step_loss": loss,
+                "socket_bytes_per_step": socket_bytes / steps,
+                "payload_bytes_per_step": (meter.total("payload_bytes") - payload0) / steps,
+                "wire_bytes_per_step": (meter.total("wire_bytes") - wire0) / steps,
+                "wire_bytes_by_axis_per_step": {axis: (wire - by_axis0.get(axis, 0)) / steps
+                                                for axis, wire in self._wire_by_axis().items()},
+                "step_peak_mem_bytes": peak_rss_bytes(), "setup_peak_mem_bytes": self.setup_peak,
+                "rss_before_model_bytes": self.rss_before_model, "peak_reset": self.peak_reset}
+
+    def timeline_step(self, prefetch: int) -> dict:
+        """One step recorded on the engine's timeline with `prefetch` blocks gathered ahead."""
+        self.model.prefetch, self.model.timeline = prefetch, Timeline()
+        comm.barrier(self.mesh)
+        t0 = time.perf_counter()
+        self.train(1)
+        step_s = self._slowest(time.perf_counter() - t0)
+        spans, self.model.timeline = self.model.timeline.sorted_spans(), None
+        self.model.prefetch = self.cfg.parallel.prefetch
+        return {"step": self.step, "step_s": step_s, "spans": spans}  # step counted from 1
+
+
+def _rank_main(rank: int, engine: Engine, port: int, cfg_dict: dict, warmup: int,
+               mmap_threshold_kib: int, commands: list, results) -> None:
+    """A spawned rank: set up, report the first step's loss after warm-up, then run one
+    command at a time: ("round", steps), ("timeline", prefetch), or None to stop."""
+    pin_mmap_threshold(mmap_threshold_kib)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # 2 cores, 2 ranks: the same for every engine
+    dist.init_process_group("gloo", rank=rank, world_size=engine.world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        trainer = Trainer(engine, config_from_dict(cfg_dict))
+        first_loss = trainer.train(1)
+        if warmup > 1:
+            trainer.train(warmup - 1)
+        results.put((rank, {"first_step_loss": first_loss}))
+        while (command := commands[rank].get()) is not None:
+            kind, arg = command
+            results.put((rank, trainer.timed_round(arg) if kind == "round"
+                         else trainer.timeline_step(arg)))
+        comm.barrier(trainer.mesh)  # before destroy: avoids an intermittent abort (DESIGN.md)
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the worlds, from the parent ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class World:
+    """One engine's world of spawned ranks, idle (blocked on a queue) between commands."""
+
+    def __init__(self, engine: Engine, cfg_dict: dict, args):
+        ctx = mp.get_context("spawn")
+        self.engine, self.timeout_s = engine, args.timeout_s
+        self.commands = [ctx.SimpleQueue() for _ in range(engine.world)]
+        self.results = ctx.Queue()
+        self.procs = mp.start_processes(
+            _rank_main, args=(engine, free_port(), cfg_dict, args.warmup,
+                              args.mmap_threshold_kib, self.commands, self.results),
+            nprocs=engine.world, join=False, start_method="spawn")
+
+    def started(self) -> float:
+        """Wait for set-up and warm-up; returns the first step's loss."""
+        return self._collect()[0]["first_step_loss"]
+
+    def _collect(self) -> dict[int, dict]:
+        """Every rank's result; fails if a rank dies or hangs."""
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < self.engine.world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.engine.name}: no result within {self.timeout_s} s")
+            try:
+                rank, result = self.results.get(timeout=1.0)
+                got[rank] = result
+            except queue.Empty:
+                self.procs.join(timeout=0.01)  # raises if a rank failed
+        return got
+
+    def command(self, kind: str, arg: int) -> dict[int, dict]:
+        for q in self.commands:
+            q.put((kind, arg))
+        return self._collect()
+
+    def round(self, steps: int) -> dict:
+        """Rank 0's figures; memory and bytes the max over ranks. Peak: of the whole process
+        (set-up or steps); growth: over the RSS just before the model was built."""
+        by_rank = self.command("round", steps)
+        got, out = by_rank.values(), dict(by_rank[0])
+        out["cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in got)
+        for r in got:
+            r["peak_mem_bytes"] = max(r["setup_peak_mem_bytes"], r["step_peak_mem_bytes"])
+        for key in ("peak_mem_bytes", "socket_bytes_per_step", "wire_bytes_per_step",
+                    "payload_bytes_per_step"):
+            out[key] = max(r[key] for r in got)
+        for key in ("", "setup_", "step_"):
+            out[f"{key}mem_growth_bytes"] = max(
+                r[f"{key}peak_mem_bytes"] - r["rss_before_model_bytes"] for r in got)
+        out["peak_reset"] = all(r["peak_reset"] for r in got)
+        return out
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.procs.join(timeout=1.0):  # one call returns after any rank exits
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.engine.name}: ranks did not exit in {self.timeout_s} s")
+
+    def kill(self) -> None:
+        for proc in self.procs.processes:
+            if proc.is_alive():
+                proc.kill()
+
+
+def run_worlds(engines, cfg_dict: dict, args, rounds: int, start: float, timeline: bool):
+    """Start one world per engine (set-up and warm-up run side by side: nothing is timed
+    there), then `rounds` rounds in turns; returns (rounds per engine, first losses, the
+    stage-3 timelines)."""
+    worlds: dict[str, World] = {}
+    try:
+        for engine in engines:
+            worlds[engine.name] = World(engine, cfg_dict, args)
+        first = {name: w.started() for name, w in worlds.items()}
+        names = [e.name for e in engines]
+        done: dict[str, list[dict]] = {name: [] for name in names}
+        for i in range(rounds):
+            for name in names if i % 2 == 0 else names[::-1]:
+                r = worlds[name].round(args.steps)
+                done[name].append(r)
+                print(f"world {engines[0].world} round {i + 1}/{rounds} {name:>19}: "
+                      f"{r['tokens_per_s']:7.1f} tok/s, step {r['step_s']:5.2f} s, growth "
+                      f"{r['mem_growth_bytes'] / 2**20:6.1f} MiB "
+                      f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        timelines = {}
+        for prefetch in (1, 0, 0, 1) if timeline else ():  # each twice, in ABBA order
+            record = worlds["stage3"].command("timeline", prefetch)[0]
+            if prefetch not in timelines or record["step_s"] < timelines[prefetch]["step_s"]:
+                timelines[prefetch] = record  # the less disturbed by the machine's other load
+    except BaseException:
+        for world in worlds.values():  # a failed or hung world must not outlive the run
+            world.kill()
+        raise
+    for world in worlds.values():
+        world.close()
+    return done, first, timelines
+
+
+# --- the summary -------------------------------------------------------------------------------
+
+
+def timeline_figures(record: dict) -> dict:
+    """Seconds of gather and reduce running at all (`busy_s`) and overlapped with the blocks'
+    compute (`hidden_s`: the compute lane without its "wait gather" spans, as loom report
+    reads it), and seconds compute waited for a gather."""
+    spans = record["spans"]
+    return {"step_s": record["step_s"],
+            "gather_busy_s": busy_s(spans, "gather"), "gather_overlap_s": hidden_s(spans, "gather"),
+            "reduce_busy_s": busy_s(spans, "reduce"), "reduce_overlap_s": hidden_s(spans, "reduce"),
+            "gather_wait_s": sum(s["end_s"] - s["start_s"] for s in spans
+                                 if s["lane"] == "compute" and s["name"].startswith("wait"))}
+
+
+def engine_figures(rounds: list[dict], formula: dict | None) -> dict:
+    last = rounds[-1]  # peak RSS only grows: the last round's is the process's peak
+    out = {k: statistics.median(r[k] for r in rounds)
+           for k in ("tokens_per_s", "step_s", "cpu_s_per_step")}
+    out.update({k: last[k] for k in ("peak_mem_bytes", "mem_growth_bytes", "step_mem_growth_bytes",
+                                     "setup_mem_growth_bytes", "socket_bytes_per_step",
+                                     "wire_bytes_per_step", "payload_bytes_per_step",
+                                     "wire_bytes_by_axis_per_step", "last_step_loss")})
+    if formula is not None:
+        out.update(formula)
+        for key in ("", "step_"):
+            out[f"{key}mem_growth_over_formula"] = (last[f"{key}mem_growth_bytes"]
+                                                    / formula["formula_mem_bytes"])
+    out["per_round_tokens_per_s"] = [round(r["tokens_per_s"], 1) for r in rounds]
+    return out
+
+
+def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict:
+    rounds, first, timelines = w2
+    model_cfg = config_from_dict(cfg2).model
+    prefetch = cfg2["parallel"]["prefetch"]
+
+    def formula(engine, cfg):
+        return engine_formula(engine, model_cfg, cfg["train"]["micro_batch"], prefetch)
+
+    fig = {e.name: engine_figures(rounds[e.name], formula(e, cfg2) if e.stage is not None else None)
+           for e in WORLD2}
+    for e in WORLD2:
+        fig[e.name]["first_step_loss"] = first[e.name]
+    s3, f2 = fig["stage3"], fig["fsdp2"]
+    # stage 3 and FSDP2 are neighbours in every round's order: their pair sees the same load
+    pairs = [a["tokens_per_s"] / b["tokens_per_s"]
+             for a, b in zip(rounds["stage3"], rounds["fsdp2"])]
+    out = {"benchmark": "zero", "world": 2, "steps": args.steps, "warmup_steps": args.warmup,
+           "rounds": args.rounds, "world4_rounds": args.world4_rounds if w4 else 0,
+           "stage3_tokens_per_s": s3["tokens_per_s"], "fsdp2_tokens_per_s": f2["tokens_per_s"],
+           "stage3_over_fsdp2_tokens_per_s": statistics.median(pairs),
+           "stage3_peak_mem_bytes": s3["peak_mem_bytes"],
+           "fsdp2_peak_mem_bytes": f2["peak_mem_bytes"],
+           "stage3_mem_growth_bytes": s3["mem_growth_bytes"],
+           "fsdp2_mem_growth_bytes": f2["mem_growth_bytes"],
+           "stages": {name[-1]: fig[name] for name in ("stage0", "stage1", "stage2", "stage3")},
+           "fsdp2": f2}
+    losses = {name: (fig[name]["first_step_loss"], fig[name]["last_step_loss"]) for name in fig}
+    if w4 is not None:
+        rounds4, first4, _ = w4
+        model4 = config_from_dict(cfg4).model
+        hier = {e.name: engine_figures(rounds4[e.name], engine_formula(
+            e, model4, cfg4["train"]["micro_batch"], prefetch)) for e in WORLD4}
+        for e in WORLD4:
+            hier[e.name]["first_step_loss"] = first4[e.name]
+            losses[e.name] = (first4[e.name], hier[e.name]["last_step_loss"])
+        pairs4 = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in
+                  zip(rounds4["stage3_hierarchical"], rounds4["stage3_flat"])]
+        out["hierarchical"] = {"world": 4, "ranks_per_node": 2,
+                               "hierarchical_over_flat_tokens_per_s": statistics.median(pairs4),
+                               "flat": hier["stage3_flat"],
+                               "hierarchical": hier["stage3_hierarchical"]}
+    if timelines:
+        out["timeline"] = {f"prefetch_{p}": timeline_figures(r) for p, r in timelines.items()}
+    out["losses"] = {name: {"first": a, "last": b} for name, (a, b) in losses.items()}
+    ref_first, ref_last = losses["stage0"]
+    out["first_step_loss_max_rel_diff"] = max(abs(a - ref_first) / abs(ref_first)
+                                              for a, _ in losses.values())
+    # world 2 only: the world-4 engines run fewer rounds, so their last step is another one
+    out["last_step_loss_max_rel_diff"] = max(abs(fig[e.name]["last_step_loss"] - ref_last)
+                                             / abs(ref_last) for e in WORLD2)
+    growth = {k: v["mem_growth_over_formula"] for k, v in out["stages"].items()}
+    out["targets"] = {"stage3_tokens_per_s_ge_fsdp2": out["stage3_over_fsdp2_tokens_per_s"] >= 1.0,
+                      "stage3_peak_mem_le_fsdp2": s3["peak_mem_bytes"] <= f2["peak_mem_bytes"],
+                      "mem_within_10pct_of_formula": {k: abs(v - 1) <= 0.10
+                                                      for k, v in growth.items()}}
+    t, m = cfg2["train"], cfg2["model"]
+    out["config"] = {
+        "model": m, "parameters": model_numbers(model_cfg, 1)["parameters"], "small": args.small,
+        "data": "stdlib", "global_batch": t["global_batch"], "micro_batch": t["micro_batch"],
+        "world4_micro_batch": cfg4["train"]["micro_batch"],
+        "accumulation_steps": t["global_batch"] // (2 * t["micro_batch"]),
+        "tokens_per_step": t["global_batch"] * m["seq_len"], "optimizer": "adamw",
+        "grad_clip": t["grad_clip"], "prefetch": prefetch,
+        "bucket_mb": cfg2["parallel"]["bucket_mb"],
+        "threads_per_rank": 1, "backend": "gloo", "dtype": "fp32",
+        "mmap_threshold_kib": args.mmap_threshold_kib or "glibc default (dynamic)",
+        "peak_reset_after_setup": all(r["peak_reset"] for rs in rounds.values() for r in rs),
+        "torch": torch.__version__}
+    return out
+
+
+def build_cfg_dict(args, world: int) -> dict:
+    """The trainer's config for `world` ranks (validated); world 4 halves the micro-batch so
+    the global batch, and so every step's data, stays the same."""
+    micro = args.micro_batch if world == 2 else max(1, args.micro_batch // 2)
+    return config_from_dict({
+        "model": SMALL_MODEL if args.small else MODEL,
+        "train": {"global_batch": args.global_batch, "micro_batch": micro},
+        "parallel": {"nproc": world, "bucket_mb": args.bucket_mb, "prefetch": 1},
+    }).model_dump()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per world-2 engine")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps at the start of each world (the first: the loss check)")
+    parser.add_argument("--world4-rounds", type=int, default=4,
+                        help="timed rounds per world-4 engine (0: skip world 4)")
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=2, help="at world 2; half at world 4")
+    parser.add_argument("--bucket-mb", type=float, default=4.0, help="stage 0's buckets")
+    parser.add_argument("--timeline-out", type=Path, default=None,
+                        help="write the stage-3 timelines' spans here (JSON)")
+    parser.add_argument("--small", action="store_true", help="a tiny GPT (for the smoke test)")
+    parser.add_argument("--mmap-threshold-kib", type=int, default=128,
+                        help="glibc mmap threshold in every rank (0: glibc's dynamic default); "
+                             "see pin_mmap_threshold")
+    parser.add_argument("--timeout-s", type=float, default=600.0,
+                        help="fail if a world gives no result for this long")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 1 or args.world4_rounds < 0:
+        parser.error("--rounds, --steps and --warmup must be at least 1 (the first step is the "
+                     "loss check, and it is never timed), --world4-rounds at least 0")
+    cfg2, cfg4 = build_cfg_dict(args, 2), build_cfg_dict(args, 4)
+    start = time.perf_counter()
+    w2 = run_worlds(WORLD2, cfg2, args, args.rounds, start, timeline=True)
+    w4 = run_worlds(WORLD4, cfg4, args, args.world4_rounds, start, timeline=False) \
+        if args.world4_rounds else None
+    out = summarize(w2, w4, cfg2, cfg4, args)
+    out["wall_s"] = time.perf_counter() - start
+    if args.timeline_out is not None:  # each entry as Timeline.write writes one (report.py)
+        args.timeline_out.write_text(json.dumps(
+            {f"prefetch_{p}": {"rank": 0, "prefetch": p, **r} for p, r in w2[2].items()}, indent=1))
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The text `loom train --dry-run` prints, from the numbers of `dryrun.estimate(cfg)`.
+
+Plain data parallel and the sharded engine are printed apart: for the latter each memory row
+gives its formula and the collectives are grouped by what they do. docs/dry-run.md shows both.
+"""
+
+from __future__ import annotations
+
+from loomtrain.parallel.zero.estimate import (
+    Collective,
+    compute_bytes,
+    wire_bytes_per_step,
+)
+from loomtrain.train.dryrun import DryRun, ZeroLayout, estimate, optimizer_states
+from loomtrain.train.metrics import _fmt_bytes as fmt_bytes
+
+
+def dry_run(cfg) -> str:
+    """The text `loom train --dry-run` prints."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    est = estimate(cfg)
+    lines = [
+        f"dry run of {cfg.run.name!r}: nothing is trained",
+        f"data:  {est.data}",
+        f"model: {m.name}, {est.parameters:,} parameters (d_model {m.d_model}, {m.n_layers} "
+        f"layers, seq_len {m.seq_len}, vocab {m.vocab_size})",
+        f"batch: global {t.global_batch} = dp {p.dp_size} x micro {t.micro_batch} x "
+        f"accumulation {cfg.accumulation_steps}",
+        *([] if est.zero is None else _zero_lines(est.zero, cfg)),
+        "",
+        est.layout,
+        "",
+        *(_memory_lines(est, cfg) if est.zero is None else _zero_memory_lines(est, cfg)),
+        "",
+        *(_collective_lines(est, cfg) if est.zero is None else _zero_collective_lines(est, cfg)),
+    ]
+    return "\n".join(lines)
+
+
+def _memory_lines(run: DryRun, cfg) -> list[str]:
+    t, m, est = cfg.train, cfg.model, run.memory
+    states = optimizer_states(t.optimizer, t.beta1)
+    rows = [
+        ("parameters", est.parameter_bytes, f"{run.parameters:,} x 4 B (fp32)"),
+        ("gradients", est.gradient_bytes, "one fp32 gradient per parameter (bucket buffers)"),
+        ("optimizer state", est.optimizer_bytes,
+         f"{t.optimizer}: {states} fp32 state(s) per parameter"),
+        ("activations", est.activation_bytes,
+         f"saved for backward, one micro-batch of {t.micro_batch} x {m.seq_len} tokens{_dropout(m)}"),
+        ("total", est.total_bytes, "(ZeRO stage 0: nothing is sharded)"),
+    ]
+    return ["memory per rank (estimate):"] + [
+        f"  {name:<16} {fmt_bytes(n):>10}  {why}" for name, n, why in rows]
+
+
+def _dropout(m) -> str:
+    return (f"; not counted: the dropout masks and unfused attention scores of "
+            f"model.dropout={m.dropout}") if m.dropout else ""
+
+
+def _collective_lines(run: DryRun, cfg) -> list[str]:
+    p, grads = cfg.parallel, run.engine
+    out = ["collectives per optimizer step (wire bytes: what one rank sends, ring formula):"]
+    if grads:
+        payload = sum(c.payload_bytes for c in grads)
+        wire = sum(c.wire_bytes for c in grads)
+        out.append(
+            f"  gradients: {len(grads)} all_reduce over dp ({p.dp_size} ranks), one per bucket of "
+            f"<= {p.bucket_mb:g} MiB (largest {fmt_bytes(max(run.bucket_bytes))}): payload "
+            f"{fmt_bytes(payload)}, wire {fmt_bytes(wire)} = 2(N-1)/N x payload")
+    else:
+        out.append("  gradients: none (dp = 1)")
+    out += _trainer_lines(run.collectives[len(grads):])
+    return out + _total_lines(run)
+
+
+def _trainer_lines(collectives: list[Collective]) -> list[str]:
+    out = []
+    for c in collectives:
+        when = "every step" if c.every_steps == 1 else f"every {c.every_steps} steps"
+        out.append(f"  {c.purpose}: all_reduce over {c.axis} ({c.ranks} ranks), {when}: "
+                   f"payload {c.payload_bytes} B, wire {c.wire_bytes} B")
+    return out
+
+
+def _total_lines(run: DryRun) -> list[str]:
+    calls = sum(c.calls for c in run.collectives if c.every_steps == 1)
+    out = [f"  total: {calls} collective(s) every step, "
+           f"{fmt_bytes(wire_bytes_per_step(run.collectives))} sent per step on average"]
+    if run.broadcast_wire_bytes:
+        out.append(f"  once at start: parameters broadcast from dp rank 0, rank 0 sends "
+                   f"{fmt_bytes(run.broadcast_wire_bytes)}")
+    return out
+
+
+def _zero_lines(z: ZeroLayout, cfg) -> list[str]:
+    p, plan = cfg.parallel, z.plan
+    what = {0: "nothing sharded, gradients all-reduced", 1: "optimizer state sharded",
+            2: "optimizer state and gradients sharded",
+            3: "optimizer state, gradients and parameters sharded"}[p.zero_stage]
+    if p.zero_stage == 0:
+        where = f"over {plan.replica_axis} ({plan.replica_ranks} ranks)"
+    elif plan.replica_ranks > 1:
+        where = (f"over {plan.shard_axis} ({plan.shard_ranks} ranks), replicated over "
+                 f"{plan.replica_axis} ({plan.replica_ranks}); optimizer state over "
+                 f"{plan.optimizer_ranks} ranks")
+    else:
+        where = f"over {plan.shard_axis} ({plan.shard_ranks} ranks)"
+    extras = [f"{cfg.train.precision} compute" + (", fp32 master weights" if compute_bytes(plan) != 4 else "")]
+    if p.zero_stage == 3:
+        extras.append(f"prefetch {p.prefetch}")
+    if plan.offload:
+        extras.append("optimizer offloaded to the host")
+    blocks = len(z.units)
+    return [f"zero:  stage {p.zero_stage}, {what} {where}; {', '.join(extras)}",
+            f"       {blocks} unit(s){' + root' if z.root else ''}, each padded to a multiple of "
+            f"{plan.shard_ranks * plan.replica_ranks}: "
+            f"{sum(n for _, n in z.units) + z.root:,} elements (P)"]
+
+
+def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
+    t, m, plan, est = cfg.train, cfg.model, run.zero.plan, run.memory
+    c, stage = compute_bytes(plan), cfg.parallel.zero_stage
+    n_shard, n_opt = plan.shard_ranks, plan.optimizer_ranks
+    dtype = "fp32" if c == 4 else "bf16"
+    host = " [host]" if plan.offload else ""
+    states = optimizer_states(t.optimizer, t.beta1)
+    master = int(c != 4 or plan.offload)  # fp32 master weights of their own
+    rows = [
+        ("parameters", est.parameter_bytes,
+         f"{c}P / L, my shard ({dtype})" if stage == 3 else f"{c}P, every unit ({dtype})"),
+        ("gradients", est.gradient_bytes,
+         "4P / S, my reduced fp32 range" + host if stage >= 2 else
+         "4P, the fp32 accumulator" + (" + 4P / S, the reduced range [host]" if plan.offload else "")),
+        ("optimizer state", est.optimizer_bytes,
+         f"{t.optimizer}: 4 x {states + master}P / S: {states} state(s)"
+         + (" + fp32 master weights" if master else "") + f" of my range{host}"),
+        ("activations", est.activation_bytes,
+         f"saved for backward, one micro-batch of {t.micro_batch} x {m.seq_len} tokens ({dtype})"
+         f"{_dropout(m)}"),
+        ("gathered units", est.gathered_bytes,
+         f"during a step: the root + {1 + cfg.parallel.prefetch} unit(s) (1 + prefetch), {c} B each"
+         if est.gathered_bytes else "none (stage 3 only)"),
+        ("grads in flight", est.in_flight_bytes,
+         "during backward: buffers being filled and reduced (docs/dry-run.md)"
+         if est.in_flight_bytes else "none: .grad are views of the fp32 accumulator"),
+        ("total", est.total_bytes,
+         f"device {fmt_bytes(est.device_bytes)}, host {fmt_bytes(est.host_bytes)}" if plan.offload
+         else f"(ZeRO stage {stage})"),
+    ]
+    head = (f"memory per rank (estimate; P = {sum(n for _, n in run.zero.units) + run.zero.root:,} "
+            f"padded elements, L = {n_shard} shard ranks, S = {n_opt} optimizer ranks):")
+    return [head] + [f"  {name:<16} {fmt_bytes(n):>10}  {why}".rstrip() for name, n, why in rows]
+
+
+_HOW = {"ring_all_reduce": "2(N-1)/N x S", "ring_reduce_scatter": "ring, (N-1)/N x S",
+        "ring_all_gather": "(N-1)/N x S"}
+
+
+def _how(op: str, algorithm: str) -> str:
+    if op == "reduce_scatter" and algorithm == "ring_all_reduce":
+        return "gloo native (below 256 KiB), 2(N-1)/N x S"
+    return _HOW[algorithm]
+
+
+def _zero_collective_lines(run: DryRun, cfg) -> list[str]:
+    """The engine's collectives grouped by what they do, then the trainer's own."""
+    a = cfg.accumulation_steps
+    out = [f"collectives per optimizer step (wire bytes: what one rank sends; S = payload of "
+           f"one call; A = {a} micro-batch(es)):"]
+    own = [c for c in run.collectives[len(run.engine):] if c.op == "all_reduce"]
+    evals = run.collectives[len(run.engine) + len(own):]
+    groups: dict[tuple, list[Collective]] = {}
+    for c in run.engine + evals:
+        groups.setdefault((c.purpose, c.op, c.axis, c.ranks, c.every_steps), []).append(c)
+    for (purpose, op, axis, ranks, every), cs in groups.items():
+        calls = {}
+        for c in cs:
+            calls[_how(op, c.algorithm)] = calls.get(_how(op, c.algorithm), 0) + c.calls
+        how = ("; ".join(f"{n} x {h}" for h, n in calls.items()) if len(calls) > 1
+               else next(iter(calls)) + " each")
+        when = "" if every == 1 else f", every {every} steps"
+        out.append(f"  {purpose}: {sum(calls.values())} {op} over {axis} ({ranks} ranks){when}: "
+                   f"payload {fmt_bytes(sum(c.payload_bytes * c.calls for c in cs))}, wire "
+                   f"{fmt_bytes(sum(c.wire_bytes * c.calls for c in cs))} ({how})")
+    if not run.engine:
+        out.append("  engine: none (dp = 1)")
+    return out + _trainer_lines(own) + _total_lines(run)
