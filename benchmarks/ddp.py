@@ -32,16 +32,12 @@ import argparse
 import datetime
 import json
 import os
-import resource
-import queue
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -53,6 +49,7 @@ from loomtrain.parallel.data import DataParallel
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.trainer import train_step
+from worlds import World, free_port, peak_rss_bytes, rss_bytes
 
 WORLD = 2
 ENGINES = ("loomtrain", "torch_ddp")
@@ -79,16 +76,6 @@ def wrap(engine: str, model: nn.Module, mesh, bucket_mb: float):
     ddp = TorchDDP(model, process_group=mesh.group("dp"), bucket_cap_mb=bucket_mb,
                    gradient_as_bucket_view=True)
     return ddp, 1.0 / mesh.size("dp")
-
-
-def rss_bytes() -> int:
-    """Resident set size now (Linux /proc/self/statm, in pages)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _global_loss(loss_sum: torch.Tensor, global_tokens: float, mesh) -> float:
@@ -163,67 +150,27 @@ def _rank_main(rank: int, engine: str, port: int, cfg_dict: dict, warmup: int,
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class World:
+def start_world(engine: str, cfg_dict: dict, warmup: int, timeout_s: float) -> World:
     """One engine's world of WORLD spawned ranks, idle (blocked on a queue) between rounds, so
     the two worlds never compute at the same time and each process holds one engine only."""
+    world = World(engine, WORLD, _rank_main, (engine, free_port(), cfg_dict, warmup), timeout_s)
+    try:
+        world.first_step_loss = world.collect()[0]["first_step_loss"]
+    except BaseException:
+        world.kill()
+        raise
+    return world
 
-    def __init__(self, engine: str, cfg_dict: dict, warmup: int, timeout_s: float):
-        ctx = mp.get_context("spawn")
-        self.engine, self.timeout_s = engine, timeout_s
-        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
-        self.results = ctx.Queue()
-        self.procs = mp.start_processes(
-            _rank_main, args=(engine, free_port(), cfg_dict, warmup, self.commands, self.results),
-            nprocs=WORLD, join=False, start_method="spawn")
-        try:
-            self.first_step_loss = self._collect()["first_step_loss"]
-        except BaseException:
-            self.kill()
-            raise
 
-    def _collect(self) -> dict:
-        """Rank 0's result, peak memory the max over ranks; fails if a rank dies or hangs."""
-        got: dict[int, dict] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while len(got) < WORLD:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.engine}: no result within {self.timeout_s} s")
-            try:
-                rank, result = self.results.get(timeout=1.0)
-                got[rank] = result
-            except queue.Empty:
-                self.procs.join(timeout=0.01)  # raises if a rank failed
-        out = dict(got[0])
-        if "peak_mem_bytes" in out:
-            out["cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in got.values())
-            out["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in got.values())
-            out["peak_mem_over_wrap_bytes"] = max(r["peak_mem_bytes"] - r["rss_before_wrap_bytes"]
-                                                  for r in got.values())
-        return out
-
-    def round(self, steps: int) -> dict:
-        for q in self.commands:
-            q.put(steps)
-        return self._collect()
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        deadline = time.monotonic() + self.timeout_s
-        while not self.procs.join(timeout=1.0):  # one call returns after any rank exits
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.engine}: ranks did not exit within {self.timeout_s} s")
-
-    def kill(self) -> None:
-        for proc in self.procs.processes:
-            if proc.is_alive():
-                proc.kill()
+def round_figures(world: World, steps: int) -> dict:
+    """Rank 0's figures of one timed round, peak memory the max over ranks."""
+    got = world.command(steps)
+    out = dict(got[0])
+    out["cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in got.values())
+    out["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in got.values())
+    out["peak_mem_over_wrap_bytes"] = max(r["peak_mem_bytes"] - r["rss_before_wrap_bytes"]
+                                          for r in got.values())
+    return out
 
 
 def summarize(rounds: dict[str, list[dict]], first_loss: dict[str, float], cfg_dict: dict,
@@ -312,11 +259,11 @@ def main(argv=None) -> dict:
     worlds: dict[str, World] = {}
     try:
         for engine in ENGINES:  # one after the other: set-up and warm-up never overlap
-            worlds[engine] = World(engine, cfg_dict, args.warmup, args.timeout_s)
+            worlds[engine] = start_world(engine, cfg_dict, args.warmup, args.timeout_s)
         rounds: dict[str, list[dict]] = {e: [] for e in ENGINES}
         for i in range(args.rounds):
             for engine in ENGINES if i % 2 == 0 else ENGINES[::-1]:
-                r = worlds[engine].round(args.steps)
+                r = round_figures(worlds[engine], args.steps)
                 rounds[engine].append(r)
                 print(f"round {i + 1}/{args.rounds} {engine:>9}: {r['tokens_per_s']:8.1f} tok/s, "
                       f"step {r['step_s'] * 1e3:6.1f} ms, peak {r['peak_mem_bytes'] / 2**20:6.1f} "

@@ -47,9 +47,6 @@ import ctypes
 import datetime
 import json
 import os
-import queue
-import resource
-import socket
 import statistics
 import sys
 import time
@@ -58,7 +55,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -77,6 +73,7 @@ from loomtrain.train.config import config_from_dict
 from loomtrain.train.dryrun import activation_bytes
 from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.trainer import train_step
+from worlds import World, free_port, peak_rss_bytes, rss_bytes
 
 MODEL = {"d_model": 512, "n_layers": 16, "n_heads": 8, "seq_len": 128, "vocab_size": 256}
 SMALL_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32, "vocab_size": 256}
@@ -119,10 +116,11 @@ def formula_mem_bytes(stage: int, padded: list[int], root_padded: int, largest_g
                 (engine.py, communication.py):
                 stage 0  nothing: the buckets are the persistent gradients, reduced in place.
                 stage 1  block k's reduce-scatter runs in place in the fp32 accumulator; the
-                         ring (comm/ring.py) holds two receive chunks, 2U/L.
+                         ring (comm/ring.py) holds min(2, L-1) receive chunks of U/L.
                 stage 2  block k-1's fresh gradient buffer U; block k's buffer under
-                         reduction U, its fp32 shard output U/L and the ring's chunks 2U/L;
-                         with C > 1 block k+1's shard, still in its replica all-reduce, U/L.
+                         reduction U, its fp32 shard output U/L and the ring's spare chunks,
+                         min(2, L-2) x U/L (its last step receives into the output); with
+                         C > 1 block k+1's shard, still in its replica all-reduce, U/L.
                 stage 3  as stage 2, plus the root unit (gathered from the start of forward
                          to the end of backward) and the gathered blocks: the one computing and
                          `prefetch` ahead, (1 + prefetch) U.
@@ -137,8 +135,9 @@ def formula_mem_bytes(stage: int, padded: list[int], root_padded: int, largest_g
     ranks = 1 if stage == 0 else shard_ranks
     persistent = zero_memory(padded + [root_padded], stage, ranks, ranks, ADAMW_STATES).total_bytes
     unit = 4 * max(padded)
-    grad_transient = {0: 0, 1: 2 * unit // ranks,
-                      2: 2 * unit + 3 * unit // ranks + (unit // ranks if replica_ranks > 1 else 0)}
+    ring_chunks = {1: max(0, min(2, ranks - 1)), 2: max(0, min(2, ranks - 2))}  # ring.py spares
+    grad_transient = {0: 0, 1: ring_chunks[1] * unit // ranks,
+                      2: 2 * unit + (1 + ring_chunks[2] + (replica_ranks > 1)) * unit // ranks}
     backward = grad_transient[min(stage, 2)]
     if stage == 3:
         backward += 4 * root_padded + (1 + prefetch) * unit
@@ -227,16 +226,6 @@ def wrap(engine: Engine, model: nn.Module, mesh, cfg):
     model, optimizer = shard(model, optimizer, mesh, engine.stage,
                              hierarchical=engine.hierarchical, prefetch=cfg.parallel.prefetch)
     return model, optimizer, 1.0
-
-
-def rss_bytes() -> int:
-    """Resident set size now (Linux /proc/self/statm, in pages)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def reset_peak_rss() -> bool:
@@ -376,77 +365,29 @@ def _rank_main(rank: int, engine: Engine, port: int, cfg_dict: dict, warmup: int
 # --- the worlds, from the parent ---------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class World:
+def start_world(engine: Engine, cfg_dict: dict, args) -> World:
     """One engine's world of spawned ranks, idle (blocked on a queue) between commands."""
+    return World(engine.name, engine.world, _rank_main,
+                 (engine, free_port(), cfg_dict, args.warmup, args.mmap_threshold_kib),
+                 args.timeout_s)
 
-    def __init__(self, engine: Engine, cfg_dict: dict, args):
-        ctx = mp.get_context("spawn")
-        self.engine, self.timeout_s = engine, args.timeout_s
-        self.commands = [ctx.SimpleQueue() for _ in range(engine.world)]
-        self.results = ctx.Queue()
-        self.procs = mp.start_processes(
-            _rank_main, args=(engine, free_port(), cfg_dict, args.warmup,
-                              args.mmap_threshold_kib, self.commands, self.results),
-            nprocs=engine.world, join=False, start_method="spawn")
 
-    def started(self) -> float:
-        """Wait for set-up and warm-up; returns the first step's loss."""
-        return self._collect()[0]["first_step_loss"]
-
-    def _collect(self) -> dict[int, dict]:
-        """Every rank's result; fails if a rank dies or hangs."""
-        got: dict[int, dict] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while len(got) < self.engine.world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.engine.name}: no result within {self.timeout_s} s")
-            try:
-                rank, result = self.results.get(timeout=1.0)
-                got[rank] = result
-            except queue.Empty:
-                self.procs.join(timeout=0.01)  # raises if a rank failed
-        return got
-
-    def command(self, kind: str, arg: int) -> dict[int, dict]:
-        for q in self.commands:
-            q.put((kind, arg))
-        return self._collect()
-
-    def round(self, steps: int) -> dict:
-        """Rank 0's figures; memory and bytes the max over ranks. Peak: of the whole process
-        (set-up or steps); growth: over the RSS just before the model was built."""
-        by_rank = self.command("round", steps)
-        got, out = by_rank.values(), dict(by_rank[0])
-        out["cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in got)
-        for r in got:
-            r["peak_mem_bytes"] = max(r["setup_peak_mem_bytes"], r["step_peak_mem_bytes"])
-        for key in ("peak_mem_bytes", "socket_bytes_per_step", "wire_bytes_per_step",
-                    "payload_bytes_per_step"):
-            out[key] = max(r[key] for r in got)
-        for key in ("", "setup_", "step_"):
-            out[f"{key}mem_growth_bytes"] = max(
-                r[f"{key}peak_mem_bytes"] - r["rss_before_model_bytes"] for r in got)
-        out["peak_reset"] = all(r["peak_reset"] for r in got)
-        return out
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        deadline = time.monotonic() + self.timeout_s
-        while not self.procs.join(timeout=1.0):  # one call returns after any rank exits
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.engine.name}: ranks did not exit in {self.timeout_s} s")
-
-    def kill(self) -> None:
-        for proc in self.procs.processes:
-            if proc.is_alive():
-                proc.kill()
+def round_figures(world: World, steps: int) -> dict:
+    """Rank 0's figures; memory and bytes the max over ranks. Peak: of the whole process
+    (set-up or steps); growth: over the RSS just before the model was built."""
+    by_rank = world.command(("round", steps))
+    got, out = by_rank.values(), dict(by_rank[0])
+    out["cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in got)
+    for r in got:
+        r["peak_mem_bytes"] = max(r["setup_peak_mem_bytes"], r["step_peak_mem_bytes"])
+    for key in ("peak_mem_bytes", "socket_bytes_per_step", "wire_bytes_per_step",
+                "payload_bytes_per_step"):
+        out[key] = max(r[key] for r in got)
+    for key in ("", "setup_", "step_"):
+        out[f"{key}mem_growth_bytes"] = max(
+            r[f"{key}peak_mem_bytes"] - r["rss_before_model_bytes"] for r in got)
+    out["peak_reset"] = all(r["peak_reset"] for r in got)
+    return out
 
 
 def run_worlds(engines, cfg_dict: dict, args, rounds: int, start: float, timeline: bool):
@@ -456,13 +397,13 @@ def run_worlds(engines, cfg_dict: dict, args, rounds: int, start: float, timelin
     worlds: dict[str, World] = {}
     try:
         for engine in engines:
-            worlds[engine.name] = World(engine, cfg_dict, args)
-        first = {name: w.started() for name, w in worlds.items()}
+            worlds[engine.name] = start_world(engine, cfg_dict, args)
+        first = {name: w.collect()[0]["first_step_loss"] for name, w in worlds.items()}
         names = [e.name for e in engines]
         done: dict[str, list[dict]] = {name: [] for name in names}
         for i in range(rounds):
             for name in names if i % 2 == 0 else names[::-1]:
-                r = worlds[name].round(args.steps)
+                r = round_figures(worlds[name], args.steps)
                 done[name].append(r)
                 print(f"world {engines[0].world} round {i + 1}/{rounds} {name:>19}: "
                       f"{r['tokens_per_s']:7.1f} tok/s, step {r['step_s']:5.2f} s, growth "
@@ -470,7 +411,7 @@ def run_worlds(engines, cfg_dict: dict, args, rounds: int, start: float, timelin
                       f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         timelines = {}
         for prefetch in (1, 0, 0, 1) if timeline else ():  # each twice, in ABBA order
-            record = worlds["stage3"].command("timeline", prefetch)[0]
+            record = worlds["stage3"].command(("timeline", prefetch))[0]
             if prefetch not in timelines or record["step_s"] < timelines[prefetch]["step_s"]:
                 timelines[prefetch] = record  # the less disturbed by the machine's other load
     except BaseException:

@@ -144,6 +144,44 @@ def test_live_bytes_match_the_formula(world, stage, kw, rpn):
 
 
 
+def _saved_bytes(model, x, exclude=()) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct storages autograd keeps for backward after a forward, leaving out
+    the storages of the tensors in `exclude` (what is allocated now: a freed buffer counts 0),
+    and the loss."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = token_loss_sum(model(x), x)
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    return _storages([t for t in saved if t.untyped_storage().data_ptr() not in skip]), loss
+
+
+def _forward_holds_case(rank, world, prefetch):
+    mesh = build_mesh({"dp": world})
+    torch.manual_seed(0)
+    model = GPT(51, 16, 32, 6, 2)  # 6 blocks of 12 704 parameters each
+    reference = GPT(51, 16, 32, 6, 2)
+    x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(rank))
+    activations, _ = _saved_bytes(reference, x, exclude=list(reference.parameters()))
+    engine, _ = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh, 3, prefetch=prefetch)
+    got, loss = _saved_bytes(engine, x)
+    loss.backward()  # the released buffers are gathered again before backward reads them
+    finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    block = max(u.layout.padded for u in engine.units) * 4
+    return got, activations, block, engine.root.layout.padded * 4, finite
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_stage3_forward_keeps_no_released_unit_alive(prefetch):
+    """After forward, autograd's saved tensors hold the activations and, of the parameters, at
+    most the root unit and the gathered blocks (1 + prefetch): a released block's buffer is
+    freed even where autograd saved a view of its weights (a linear layer saves weight.t())."""
+    for got, activations, block, root, finite in run_world(_forward_holds_case, 2, prefetch,
+                                                           timeout_s=120):
+        assert activations < got <= activations + root + (1 + prefetch) * block, \
+            (got, activations, block, root)
+        assert finite
+
+
 def _wire_case(rank, world, stage, dtype):
     """One step of a model whose units are all >= 256 KiB (so reduce-scatters run as rings,
     (N-1)/N x S, not as gloo's all-reduce); returns the dp wire bytes by op and the units."""

@@ -48,14 +48,18 @@ def ring_reduce_scatter(output, input, *, ranks, me, group, tag, op="sum"):
     result = output.view(-1)
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
     reduce = _REDUCE[op]
-    buffers = (torch.empty_like(result), torch.empty_like(result))
+    # The last step receives straight into `result`, unless `result` is my own chunk of
+    # `input` (an in-place reduce-scatter), whose values that step still has to add. The other
+    # steps alternate two spare chunks: one on the wire while the other receives.
+    in_place = result.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+    spares = [torch.empty_like(result) for _ in range(min(2, n - 1 if in_place else n - 2))]
     outgoing = chunks[(me - 1) % n]
     for step in range(n - 1):
-        incoming = buffers[step % 2]  # the other buffer is `outgoing`, still on the wire
+        last = step == n - 2
+        incoming = result if last and not in_place else spares[step % 2]
         send = dist.isend(outgoing, dst=right, group=group, tag=tag)
         recv = dist.irecv(incoming, src=left, group=group, tag=tag)
         recv.wait()
-        last = step == n - 2
         # this reduction overlaps the send posted above
         reduce(incoming, chunks[(me - 2 - step) % n], out=result if last else incoming)
         send.wait()

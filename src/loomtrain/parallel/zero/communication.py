@@ -99,9 +99,9 @@ class ReductionQueue:
 
 
 def start_gather(unit: FlatUnit, mesh, timeline=None):
-    """Stage 3: all-gather the unit from every shard rank into a new buffer; returns
+    """Stage 3: all-gather the unit from every shard rank into its gather buffer; returns
     (buffer, pending op)."""
-    full = torch.empty(unit.layout.padded, dtype=unit.store.dtype, device=unit.store.device)
+    full = unit.gather_buffer()
     t0 = time.perf_counter()
     pending = comm.all_gather(full, unit.store, mesh, unit.plan.shard_axis, async_op=True)
     if timeline is not None:

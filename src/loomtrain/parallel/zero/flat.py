@@ -91,7 +91,8 @@ class FlatUnit:
         else:
             self.grad = torch.zeros(self.master.shape, dtype=torch.float32, device=plan.host,
                                     pin_memory=_pin(plan))
-        self.full: torch.Tensor | None = None  # stage 3: the gathered unit
+        self.full: torch.Tensor | None = None  # stage 3: the gathered unit, while in use
+        self._gathered: torch.Tensor | None = None  # its buffer; no storage while released
         self.compute_grad: torch.Tensor | None = None  # this backward's gradient buffer
         self._empty = torch.empty(0, dtype=dtype, device=device)
         if self.sharded_params:
@@ -116,10 +117,28 @@ class FlatUnit:
         for p, slot in zip(self.params, self.layout.slots):
             p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
+    def gather_buffer(self) -> torch.Tensor:
+        """Stage 3: the unit's one gathered buffer, its storage (re)allocated to full size."""
+        if self._gathered is None:
+            self._gathered = torch.empty(self.layout.padded, dtype=self.store.dtype,
+                                         device=self.store.device)
+        storage = self._gathered.untyped_storage()
+        nbytes = self.layout.padded * self._gathered.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self._gathered
+
     def release(self) -> None:
-        """Stage 3: drop the gathered buffer; the parameters become empty until the next gather."""
+        """Stage 3: free the gathered buffer; the parameters become empty until the next gather.
+
+        The buffer's storage is resized to nothing rather than dropped (as FSDP does): autograd
+        may have saved views of the parameters (`weight.t()` in a linear layer), and a dropped
+        buffer would live on in them until backward. The next gather refills the same storage,
+        so those views hold the right values again when backward reads them."""
         for p in self.params:
             p.data = self._empty
+        if self._gathered is not None:
+            self._gathered.untyped_storage().resize_(0)
         self.full = None
 
     def use_gathered(self, full: torch.Tensor) -> None:

@@ -1,0 +1,77 @@
+"""What the benchmarks that compare engines share: one world of spawned gloo ranks per engine,
+idle between commands, and the process measurements they read.
+
+Each engine trains in its own world, one engine per process, so peak resident memory can be
+told apart; the worlds take turns, the idle ones blocked on a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import resource
+import socket
+import time
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_bytes() -> int:
+    """Resident set size now (Linux /proc/self/statm, in pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class World:
+    """`nprocs` spawned ranks running `target(rank, *args, commands, results)`: the rank reads
+    its commands from `commands[rank]` (None: stop) and puts `(rank, result)` on `results`."""
+
+    def __init__(self, name: str, nprocs: int, target, args: tuple, timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self.name, self.nprocs, self.timeout_s = name, nprocs, timeout_s
+        self.commands = [ctx.SimpleQueue() for _ in range(nprocs)]
+        self.results = ctx.Queue()
+        self.procs = mp.start_processes(target, args=(*args, self.commands, self.results),
+                                        nprocs=nprocs, join=False, start_method="spawn")
+
+    def collect(self) -> dict[int, dict]:
+        """Every rank's next result; fails if a rank dies or nothing comes within the timeout."""
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < self.nprocs:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: no result within {self.timeout_s} s")
+            try:
+                rank, result = self.results.get(timeout=1.0)
+                got[rank] = result
+            except queue.Empty:
+                self.procs.join(timeout=0.01)  # raises if a rank failed
+        return got
+
+    def command(self, command) -> dict[int, dict]:
+        for q in self.commands:
+            q.put(command)
+        return self.collect()
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.procs.join(timeout=1.0):  # one call returns after any rank exits
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: ranks did not exit within {self.timeout_s} s")
+
+    def kill(self) -> None:
+        for proc in self.procs.processes:
+            if proc.is_alive():
+                proc.kill()
