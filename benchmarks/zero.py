@@ -100,7 +100,7 @@ WORLD4 = (Engine("stage3_flat", 4, 3, ranks_per_node=2),
 
 def formula_mem_bytes(stage: int, padded: list[int], root_padded: int, largest_group: int,
                       shard_ranks: int, replica_ranks: int, prefetch: int,
-                      activations: int) -> dict[str, int]:
+                      activations: int, accumulation: int = 1) -> dict[str, int]:
     """Peak bytes of one rank's training state in fp32 with AdamW: persistent + max(backward, step).
 
     `padded`: every block unit's flat length, `root_padded` the root unit's (stage 0: the
@@ -117,10 +117,14 @@ def formula_mem_bytes(stage: int, padded: list[int], root_padded: int, largest_g
                 stage 0  nothing: the buckets are the persistent gradients, reduced in place.
                 stage 1  block k's reduce-scatter runs in place in the fp32 accumulator; the
                          ring (comm/ring.py) holds min(2, L-1) receive chunks of U/L.
-                stage 2  block k-1's fresh gradient buffer U; block k's buffer under
-                         reduction U, its fp32 shard output U/L and the ring's spare chunks,
-                         min(2, L-2) x U/L (its last step receives into the output); with
-                         C > 1 block k+1's shard, still in its replica all-reduce, U/L.
+                stage 2  block k-1's gradient buffer U (touched as its gradients arrive);
+                         block k's buffer under reduction U (freed when the op completes) and
+                         the ring's spare chunks, min(2, L-2) x U/L (its last step receives
+                         into the output). With one micro-batch per step the reduce-scatter
+                         writes into the zeroed gradient shard and, with C > 1, the replica
+                         all-reduce runs in place there; with more, the later micro-batches
+                         add a shard output U/L, and with C > 1 block k+1's, still in its
+                         replica all-reduce, U/L.
                 stage 3  as stage 2, plus the root unit (gathered from the start of forward
                          to the end of backward) and the gathered blocks: the one computing and
                          `prefetch` ahead, (1 + prefetch) U.
@@ -137,7 +141,8 @@ def formula_mem_bytes(stage: int, padded: list[int], root_padded: int, largest_g
     unit = 4 * max(padded)
     ring_chunks = {1: max(0, min(2, ranks - 1)), 2: max(0, min(2, ranks - 2))}  # ring.py spares
     grad_transient = {0: 0, 1: ring_chunks[1] * unit // ranks,
-                      2: 2 * unit + (1 + ring_chunks[2] + (replica_ranks > 1)) * unit // ranks}
+                      2: 2 * unit + (ring_chunks[2] + (1 + (replica_ranks > 1)) * (accumulation > 1))
+                      * unit // ranks}
     backward = grad_transient[min(stage, 2)]
     if stage == 3:
         backward += 4 * root_padded + (1 + prefetch) * unit
@@ -166,7 +171,8 @@ def model_numbers(model_cfg, multiple: int) -> dict:
                                  sum(p.numel() for p in params if p.dim() < 2))}
 
 
-def engine_formula(engine: Engine, model_cfg, micro_batch: int, prefetch: int) -> dict:
+def engine_formula(engine: Engine, model_cfg, train: dict, prefetch: int) -> dict:
+    micro_batch = train["micro_batch"]
     shard_ranks = engine.ranks_per_node if engine.hierarchical else engine.world
     replica_ranks = engine.world // shard_ranks
     if engine.stage == 0:
@@ -176,7 +182,8 @@ def engine_formula(engine: Engine, model_cfg, micro_batch: int, prefetch: int) -
         n = model_numbers(model_cfg, engine.world)
         padded, root = n["padded"], n["root_padded"]
     return formula_mem_bytes(engine.stage, padded, root, n["largest_group"], shard_ranks,
-                             replica_ranks, prefetch, activation_bytes(model_cfg, micro_batch))
+                             replica_ranks, prefetch, activation_bytes(model_cfg, micro_batch),
+                             train["global_batch"] // (engine.world * micro_batch))
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -461,7 +468,7 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
     prefetch = cfg2["parallel"]["prefetch"]
 
     def formula(engine, cfg):
-        return engine_formula(engine, model_cfg, cfg["train"]["micro_batch"], prefetch)
+        return engine_formula(engine, model_cfg, cfg["train"], prefetch)
 
     fig = {e.name: engine_figures(rounds[e.name], formula(e, cfg2) if e.stage is not None else None)
            for e in WORLD2}
@@ -486,7 +493,7 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
         rounds4, first4, _ = w4
         model4 = config_from_dict(cfg4).model
         hier = {e.name: engine_figures(rounds4[e.name], engine_formula(
-            e, model4, cfg4["train"]["micro_batch"], prefetch)) for e in WORLD4}
+            e, model4, cfg4["train"], prefetch)) for e in WORLD4}
         for e in WORLD4:
             hier[e.name]["first_step_loss"] = first4[e.name]
             losses[e.name] = (first4[e.name], hier[e.name]["last_step_loss"])

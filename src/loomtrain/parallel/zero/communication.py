@@ -29,6 +29,11 @@ from loomtrain import comm
 from loomtrain.parallel.zero.flat import FlatUnit
 
 
+# Sources at least this large are freed by a completion callback (comm's ring ops complete on
+# their own thread, so no watcher thread is started; gloo's smaller native ops would need one).
+FREE_ON_COMPLETION_BYTES = 1 << 20
+
+
 class GradReduction:
     """One unit's gradient in flight: reduce-scatter over the shard axis, then the replica
     step, then added into the unit's `grad`. `advance()` does one blocking phase."""
@@ -40,12 +45,26 @@ class GradReduction:
         lo, hi = unit.shard
         in_place = unit.acc is not None and self.source is unit.acc
         # stage 1 reduces in place (the shard is a view of the fp32 accumulator); otherwise a
-        # shard-sized output, so the full-size source can be freed once the op is done
-        self.shard = self.source[lo:hi] if in_place else torch.empty(hi - lo, dtype=torch.float32,
-                                                                      device=source.device)
+        # shard-sized output, so the full-size source can be freed once the op is done: the
+        # unit's `grad` itself when it holds nothing yet and is exactly my shard (no replica
+        # reduce-scatter, no host copy), else a new one added into `grad` at the end
+        if in_place:
+            self.shard = self.source[lo:hi]
+        elif (unit.grad_is_zero and not plan.optimizer_over_replicas
+              and unit.grad.device == source.device and unit.grad.numel() == hi - lo):
+            self.shard = unit.grad
+            unit.grad_is_zero = False
+        else:
+            self.shard = torch.empty(hi - lo, dtype=torch.float32, device=source.device)
         self.phase = "shard"
         self.pending = self._start("reduce_scatter", lambda: comm.reduce_scatter(
             self.shard, self.source, mesh, plan.shard_axis, async_op=True))
+        if not in_place and self.source.numel() * 4 >= FREE_ON_COMPLETION_BYTES:
+            # the full-size source is freed the moment the reduce-scatter completes, not when
+            # the queue next advances (one unit's backward later): without this, every unit's
+            # backward ran beside the previous unit's whole gradient (+1 unit at the peak)
+            storage = self.source.untyped_storage()
+            self.pending.when_done(lambda _t: storage.resize_(0))
 
     def _start(self, what: str, issue):
         t0 = time.perf_counter()

@@ -60,6 +60,7 @@ class ShardedDataParallel(nn.Module):
         self._gathers: dict[FlatUnit, tuple] = {}
         self._backward_started: set[FlatUnit] = set()
         self._unit_of = {p: u for u in self.all_units for p in u.params}
+        self._index_in_unit = {p: i for u in self.all_units for i, p in enumerate(u.params)}
         module.register_forward_pre_hook(self._root_pre_forward)
         module.register_forward_hook(self._root_post_forward)
         for u in units:
@@ -175,6 +176,7 @@ class ShardedDataParallel(nn.Module):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         u = self._unit_of[p]
         self._queue_finish()  # in case no output hook fired (parameters used outside a unit)
+        u.take_grad(self._index_in_unit[p])
         u.ready += 1
         if u.ready == len(u.params):
             self._launch_ready()

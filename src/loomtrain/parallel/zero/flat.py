@@ -91,6 +91,7 @@ class FlatUnit:
         else:
             self.grad = torch.zeros(self.master.shape, dtype=torch.float32, device=plan.host,
                                     pin_memory=_pin(plan))
+        self.grad_is_zero = True  # `grad` holds nothing yet: a reduction may write straight into it
         self.full: torch.Tensor | None = None  # stage 3: the gathered unit, while in use
         self._gathered: torch.Tensor | None = None  # its buffer; no storage while released
         self.compute_grad: torch.Tensor | None = None  # this backward's gradient buffer
@@ -146,32 +147,66 @@ class FlatUnit:
         self.point_params_at(full)
 
     def grad_buffer(self) -> torch.Tensor:
-        """The buffer this backward accumulates the unit's gradients into (`.grad` are views of
-        it): stage 1 in fp32 accumulates straight into `acc`; otherwise a fresh zeroed buffer in
-        the compute dtype, freed once reduced. A gradient autograd already made is moved in."""
+        """The buffer this backward collects the unit's gradients into (`.grad` become views of
+        it): stage 1 in fp32 accumulates straight into `acc`, whose views `.grad` always are;
+        otherwise a fresh buffer in the compute dtype, freed once reduced. The fresh buffer is
+        not zeroed: each gradient is copied into its slot when autograd delivers it
+        (`take_grad`), so its memory is touched as the backward goes, as autograd's own
+        gradients would be, and `collect_grads` zeroes the slots nothing was written to."""
         if self.compute_grad is None:
             if self.acc is not None and self.plan.compute_dtype == torch.float32:
                 self.compute_grad = self.acc
+                for p, slot in zip(self.params, self.layout.slots):
+                    view = self._slot_view(slot)
+                    if p.shape != view.shape:
+                        continue  # freed (stage 3, a unit that was not gathered): nothing to point at
+                    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+                    p.grad = view
             else:
-                self.compute_grad = torch.zeros(self.layout.padded, dtype=self.plan.compute_dtype,
+                self.compute_grad = torch.empty(self.layout.padded, dtype=self.plan.compute_dtype,
                                                 device=self._empty.device)
-            for p, slot in zip(self.params, self.layout.slots):
-                view = self.compute_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                if p.shape != view.shape:
-                    continue  # freed (stage 3, a unit that was not gathered): nothing to point at
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+                self._written = [False] * len(self.params)
+                for i, p in enumerate(self.params):
+                    if p.grad is not None:  # a gradient autograd already made is moved in
+                        self.take_grad(i)
         return self.compute_grad
 
+    def _slot_view(self, slot) -> torch.Tensor:
+        return self.compute_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def take_grad(self, i: int) -> None:
+        """Parameter i's `.grad` just changed: move it into its slot of the buffer (copied the
+        first time, added after) and make `.grad` the slot's view, so that any further
+        accumulation in this backward goes straight into the buffer."""
+        p, slot = self.params[i], self.layout.slots[i]
+        if self.compute_grad is None:
+            self.grad_buffer()
+        view = self._slot_view(slot)
+        if self.compute_grad is self.acc or p.grad is None or p.grad.data_ptr() == view.data_ptr():
+            return
+        if self._written[i]:
+            view.add_(p.grad)
+        else:
+            view.copy_(p.grad)
+            self._written[i] = True
+        p.grad = view
+
     def collect_grads(self) -> torch.Tensor:
-        """The unit's gradient of this backward as one flat buffer; parameters whose `.grad` was
-        replaced (set to None by the user, or a fresh tensor) are copied in, unused ones add 0."""
+        """The unit's gradient of this backward as one flat buffer; a `.grad` the user replaced
+        with a fresh tensor is copied in, and slots no gradient reached (unused parameters, the
+        padding) are zeroed."""
         buffer = self.grad_buffer()
-        for p, slot in zip(self.params, self.layout.slots):
+        fresh = buffer is not self.acc
+        for i, (p, slot) in enumerate(zip(self.params, self.layout.slots)):
             view = buffer[slot.offset:slot.offset + slot.numel]
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad.reshape(-1))
+            elif fresh and not self._written[i]:
+                view.zero_()
+        if fresh:
+            end = max((s.offset + s.numel for s in self.layout.slots), default=0)
+            buffer[end:].zero_()
         return buffer
 
     def drop_grads(self) -> None:
@@ -188,6 +223,7 @@ class FlatUnit:
         reduction happened in place in `grad` itself)."""
         if reduced.data_ptr() != self.grad.data_ptr():
             self.grad.add_(reduced.to(self.grad.device))
+        self.grad_is_zero = False
 
 
 def _pin(plan: ShardPlan) -> bool:

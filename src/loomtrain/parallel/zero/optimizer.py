@@ -85,5 +85,6 @@ class ShardedOptimizer:
         (`set_to_none` is accepted for compatibility and has no effect.)"""
         for u in self.engine.all_units:
             u.grad.zero_()
+            u.grad_is_zero = True
             if u.acc is not None:
                 u.acc.zero_()
