@@ -23,13 +23,14 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        b, t, _ = x.shape
+        # the head width from qkv's output, so a tensor-parallel qkv (a slice of the heads) works
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, -1).unbind(2)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=True, dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLPBlock(nn.Module):

@@ -1,0 +1,114 @@
+"""Tensor parallelism (issue 4, first increment): the Megatron column/row split of the GPT's
+attention and MLP and of a user's model through a plan, against the unsplit model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness import run_world
+from loomtrain.mesh import build_mesh
+from loomtrain.models import GPT, token_loss_sum
+from loomtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, parallelize_tensor
+
+N_LAYERS = 2
+
+
+def _gpt_case(rank, world):
+    mesh = build_mesh({"tp": world})
+    torch.manual_seed(0)
+    reference = GPT(61, 16, 32, N_LAYERS, 4)
+    model = GPT(61, 16, 32, N_LAYERS, 4)
+    model.load_state_dict(reference.state_dict())
+    parallelize_tensor(model, mesh)
+    x = torch.randint(0, 60, (3, 16), generator=torch.Generator().manual_seed(1))
+    ref_loss = token_loss_sum(reference(x), x)
+    ref_loss.backward()
+    mesh.meter.take()
+    loss = token_loss_sum(model(x), x)
+    forward_reduces = mesh.meter.counts[("tp", "all_reduce")].calls
+    loss.backward()
+    reduces = mesh.meter.counts[("tp", "all_reduce")].calls
+    ref = dict(reference.named_parameters())
+    d, hidden = 32, 128
+    mine = torch.arange(rank * d // world, (rank + 1) * d // world)
+    mine_hidden = torch.arange(rank * hidden // world, (rank + 1) * hidden // world)
+    qkv_rows = torch.cat([mine + j * d for j in range(3)])
+    worst = 0.0
+    for name, p in model.named_parameters():
+        want = ref[name].grad
+        if "attn.qkv" in name:
+            want = want[qkv_rows]
+        elif name.endswith("attn.proj.weight"):
+            want = want[:, mine]
+        elif "mlp.fc" in name:
+            want = want[mine_hidden]
+        elif name.endswith("mlp.proj.weight"):
+            want = want[:, mine_hidden]
+        worst = max(worst, float((p.grad - want).abs().max() / want.abs().max()))
+    return abs(float(loss) - float(ref_loss)) / float(ref_loss), worst, forward_reduces, reduces
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_split_matches_the_unsplit_model_with_one_all_reduce_per_pair(world):
+    for loss_diff, grad_diff, forward_reduces, reduces in run_world(_gpt_case, world, timeout_s=120):
+        assert loss_diff < 1e-6 and grad_diff < 1e-5, (loss_diff, grad_diff)
+        # one all-reduce per attention and per MLP in forward, and one each in backward
+        assert forward_reduces == 2 * N_LAYERS and reduces == 4 * N_LAYERS
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 8)
+        self.down = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _plan_case(rank, world):
+    mesh = build_mesh({"tp": world})
+    torch.manual_seed(0)
+    reference = TwoLayer()
+    model = parallelize_tensor(copy.deepcopy(reference), mesh, plan={"up": "column", "down": "row"})
+    kinds = type(model.up), type(model.down)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    out, expected = model(x), reference(x)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    cols = torch.arange(rank * 8 // world, (rank + 1) * 8 // world)
+    return (kinds == (ColumnParallelLinear, RowParallelLinear),
+            torch.allclose(out, expected, atol=1e-6),
+            torch.allclose(model.up.weight.grad, reference.up.weight.grad[cols], atol=1e-6),
+            torch.allclose(model.down.weight.grad, reference.down.weight.grad[:, cols], atol=1e-6),
+            torch.allclose(model.down.bias.grad, reference.down.bias.grad, atol=1e-6))
+
+
+def test_a_users_model_split_by_a_plan_matches():
+    for checks in run_world(_plan_case, 2, timeout_s=120):
+        assert all(checks), checks
+
+
+def _refusals(rank, world):
+    mesh = build_mesh({"tp": world})
+    messages = []
+    for make, plan in ((lambda: GPT(61, 16, 24, 1, 3), None),            # 3 heads over 2 ranks
+                       (lambda: TwoLayer(), None),                        # no plan, not a GPT
+                       (lambda: TwoLayer(), {"up": "diagonal"}),
+                       (lambda: nn.Sequential(nn.ReLU()), {"0": "row"})):
+        with pytest.raises(ValueError) as err:
+            parallelize_tensor(make(), mesh, plan)
+        messages.append(str(err.value))
+    return messages
+
+
+def test_bad_splits_are_refused_with_the_reason():
+    messages = run_world(_refusals, 2, timeout_s=60)[0]
+    assert "heads = 3 is not divisible by the tensor-parallel size 2" in messages[0]
+    assert "needs a plan" in messages[1]
+    assert "'diagonal'" in messages[2]
+    assert "not an nn.Linear" in messages[3]
