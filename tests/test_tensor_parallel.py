@@ -11,8 +11,9 @@ import torch.nn as nn
 
 from harness import run_world
 from loomtrain.mesh import build_mesh
-from loomtrain.models import GPT, token_loss_sum
-from loomtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, parallelize_tensor
+from loomtrain.models import GPT, IGNORE_INDEX, token_loss_sum
+from loomtrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, parallelize_tensor,
+                                       vocab_parallel_loss_sum)
 
 N_LAYERS = 2
 
@@ -112,3 +113,34 @@ def test_bad_splits_are_refused_with_the_reason():
     assert "needs a plan" in messages[1]
     assert "'diagonal'" in messages[2]
     assert "not an nn.Linear" in messages[3]
+
+
+def _vocab_case(rank, world):
+    mesh = build_mesh({"tp": world})
+    torch.manual_seed(0)
+    reference = GPT(64, 16, 32, 1, 4)
+    model = parallelize_tensor(copy.deepcopy(reference), mesh, vocab_parallel=True)
+    x = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    y = x.roll(-1, dims=1)
+    y[:, -1] = IGNORE_INDEX  # ignored targets count nothing
+    y[0, :world] = torch.arange(world) * (64 // world)  # the first row of every rank's range
+    ref_loss = token_loss_sum(reference(x), y)
+    ref_loss.backward()
+    mesh.meter.take()
+    logits = model(x)
+    loss = vocab_parallel_loss_sum(logits, y, model.head)
+    loss.backward()
+    rows = slice(rank * 64 // world, (rank + 1) * 64 // world)
+    emb_grad, ref_emb_grad = model.tok_emb.weight.grad, reference.tok_emb.weight.grad[rows]
+    return (tuple(logits.shape), abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+            float((emb_grad - ref_emb_grad).abs().max() / ref_emb_grad.abs().max()),
+            float((model.ln_f.weight.grad - reference.ln_f.weight.grad).abs().max()),
+            model.head.weight is model.tok_emb.weight)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_embedding_head_and_loss_match_the_full_vocabulary(world):
+    for shape, loss_diff, emb_diff, ln_diff, tied in run_world(_vocab_case, world, timeout_s=120):
+        assert shape == (3, 16, 64 // world)  # no rank ever holds the full logits
+        assert loss_diff < 1e-6 and emb_diff < 1e-5 and ln_diff < 1e-6, (loss_diff, emb_diff, ln_diff)
+        assert tied

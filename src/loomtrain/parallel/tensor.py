@@ -10,9 +10,9 @@ Everything outside the pairs (layer norms, embeddings, the biases added after a 
 replicated on the tp ranks; their inputs and the gradients reaching them are the same on
 every tp rank (the all-reduces make them so), so their gradients agree without any sync.
 
-Status (issue 4, first increment): the linear layers, the GPT's attention and MLP, and
-user plans that name column/row submodules. Not yet: vocab-parallel embedding and
-cross-entropy, sequence parallelism, the trainer's `parallel.tp`, decoding.
+Status (issue 4, first increment): the linear layers, the GPT's attention and MLP, user
+plans that name column/row submodules, the vocabulary-parallel embedding, tied head and
+cross-entropy. Not yet: sequence parallelism, the trainer's `parallel.tp`, decoding.
 """
 
 from __future__ import annotations
@@ -90,6 +90,80 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + V/tp) of the embedding table: a token outside my range looks up
+    zeros, and the all-reduce over tp sums the one rank's row that holds it."""
+
+    def __init__(self, embedding: nn.Embedding, mesh, axis: str = "tp"):
+        super().__init__()
+        self.mesh, self.axis = mesh, axis
+        parts, rank = mesh.size(axis), mesh.local_rank(axis)
+        rows = _split(embedding.num_embeddings, parts, "the vocabulary size")
+        self.start, self.stop = rank * rows, (rank + 1) * rows
+        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.stop].clone())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.stop)
+        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        return _ReduceFromTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.mesh, self.axis)
+
+
+class VocabParallelHead(nn.Module):
+    """The output head over my vocabulary range (tied to `embedding`'s rows): returns my
+    slice of the logits, (..., V/tp); `vocab_parallel_loss_sum` takes it from there."""
+
+    def __init__(self, embedding: VocabParallelEmbedding):
+        super().__init__()
+        self.weight = embedding.weight  # tied
+        self.mesh, self.axis, self.start = embedding.mesh, embedding.axis, embedding.start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_CopyToTP.apply(x, self.mesh, self.axis), self.weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy summed over tokens from vocabulary-sharded logits: three all-reduces of
+    one number per token (max, sum of exponentials, target logit), never the full logits."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, ignore_index, mesh, axis):
+        logits = logits.float()
+        width = logits.shape[-1]
+        peak = logits.max(dim=-1).values
+        comm.all_reduce(peak, mesh, axis, op="max")
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        comm.all_reduce(total, mesh, axis)
+        local = targets - start
+        mine = (local >= 0) & (local < width)
+        target = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+        target = target.masked_fill(~mine, 0.0)
+        comm.all_reduce(target, mesh, axis)
+        valid = targets != ignore_index
+        loss = (total.log() - target).masked_fill(~valid, 0.0)
+        ctx.save_for_backward(exp, total, local, mine, valid)
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, total, local, mine, valid = ctx.saved_tensors
+        softmax = exp / total.unsqueeze(-1)  # d loss / d logits = softmax - one_hot(target)
+        hit = (mine & valid).unsqueeze(-1)
+        index = local.clamp(0, softmax.shape[-1] - 1).unsqueeze(-1)
+        softmax.scatter_add_(-1, index, -hit.to(softmax.dtype))
+        softmax.mul_(valid.unsqueeze(-1).to(softmax.dtype) * grad)
+        return softmax, None, None, None, None, None
+
+
+def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, head: VocabParallelHead,
+                            ignore_index: int = -100) -> torch.Tensor:
+    """`token_loss_sum` for the logits slice a `VocabParallelHead` returns (the same on every
+    tp rank)."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, head.start, ignore_index,
+                                            head.mesh, head.axis)
+
+
 def _contiguous(n: int, rank: int, parts: int, what: str) -> torch.Tensor:
     size = _split(n, parts, what)
     return torch.arange(rank * size, (rank + 1) * size)
@@ -108,7 +182,7 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = None,
-                       axis: str = "tp") -> nn.Module:
+                       axis: str = "tp", vocab_parallel: bool = False) -> nn.Module:
     """Split `model` over the `axis` ranks in place and return it.
 
     Without `plan` the model must be loomtrain's GPT: every block's attention (heads split)
@@ -116,6 +190,10 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     "column" or "row" for any model whose nn.Linear layers pair up that way (a column layer's
     output features, a row layer's input features split in contiguous ranges); the model's
     own code must work on the local widths.
+
+    `vocab_parallel` (GPT only) also splits the token embedding and the tied head over the
+    vocabulary: the model then returns each rank's slice of the logits, for
+    `vocab_parallel_loss_sum(logits, targets, model.head)`.
     """
     parts, rank = mesh.size(axis), mesh.local_rank(axis)
     if parts == 1:
@@ -137,6 +215,9 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
             mine = _contiguous(hidden, rank, parts, "the MLP's hidden width")
             mlp.fc = ColumnParallelLinear(mlp.fc, mine, mesh, axis)
             mlp.proj = RowParallelLinear(mlp.proj, mine, mesh, axis)
+        if vocab_parallel:
+            model.tok_emb = VocabParallelEmbedding(model.tok_emb, mesh, axis)
+            model.head = VocabParallelHead(model.tok_emb)
         return model
     for kind in plan.values():
         if kind not in ("column", "row"):
@@ -157,4 +238,5 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     return model
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "parallelize_tensor"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "VocabParallelHead", "parallelize_tensor", "vocab_parallel_loss_sum"]
