@@ -13,6 +13,7 @@ from harness import run_world
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, IGNORE_INDEX, token_loss_sum
 from loomtrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, parallelize_tensor,
+                                       sync_sequence_parallel_grads,
                                        vocab_parallel_loss_sum)
 
 N_LAYERS = 2
@@ -144,3 +145,48 @@ def test_vocab_parallel_embedding_head_and_loss_match_the_full_vocabulary(world)
         assert shape == (3, 16, 64 // world)  # no rank ever holds the full logits
         assert loss_diff < 1e-6 and emb_diff < 1e-5 and ln_diff < 1e-6, (loss_diff, emb_diff, ln_diff)
         assert tied
+
+
+def _sequence_case(rank, world):
+    mesh = build_mesh({"tp": world})
+    torch.manual_seed(0)
+    reference = GPT(64, 16, 32, N_LAYERS, 4)
+    model = parallelize_tensor(copy.deepcopy(reference), mesh, vocab_parallel=True,
+                               sequence_parallel=True)
+    seen = []
+    model.blocks[0].ln1.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    x = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    ref_loss = token_loss_sum(reference(x), x)
+    ref_loss.backward()
+    mesh.meter.take()
+    loss = vocab_parallel_loss_sum(model(x), x, model.head)
+    loss.backward()
+    sync_sequence_parallel_grads(model, mesh)
+    calls = {op: c.calls for (axis, op), c in mesh.meter.counts.items() if axis == "tp"}
+    ref = dict(reference.named_parameters())
+    mine = torch.arange(rank * 32 // world, (rank + 1) * 32 // world)
+    checks = {
+        "ln1": model.blocks[0].ln1.weight.grad - ref["blocks.0.ln1.weight"].grad,
+        "ln_f": model.ln_f.bias.grad - ref["ln_f.bias"].grad,
+        "proj.bias": model.blocks[1].attn.proj.bias.grad - ref["blocks.1.attn.proj.bias"].grad,
+        "qkv": model.blocks[1].attn.qkv.weight.grad
+               - ref["blocks.1.attn.qkv.weight"].grad[torch.cat([mine + j * 32 for j in range(3)])],
+        "pos": model.pos_emb.weight.grad - ref["pos_emb.weight"].grad,
+        "tok": model.tok_emb.weight.grad - ref["tok_emb.weight"].grad[rank * 64 // world:(rank + 1) * 64 // world],
+    }
+    worst = {k: float(v.abs().max()) for k, v in checks.items()}
+    return seen[0], abs(loss.item() - ref_loss.item()) / ref_loss.item(), worst, calls
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_matches_and_trades_all_reduces_for_gathers_and_scatters(world):
+    for ln_input, loss_diff, worst, calls in run_world(_sequence_case, world, timeout_s=120):
+        assert ln_input == (3, 16 // world, 32)  # layer norms see 1/tp of the sequence
+        assert loss_diff < 1e-6, loss_diff
+        assert max(worst.values()) < 1e-5, worst
+        # per block: 2 all-gathers and 2 reduce-scatters forward, the same backward, plus the
+        # embedding's split/gather and the head's gather
+        assert calls["reduce_scatter"] == 4 * N_LAYERS + 1
+        assert calls["all_gather"] == 4 * N_LAYERS + 2
+        # left as all-reduces: the embedding lookup, the loss's three, the gradient sync
+        assert calls["all_reduce"] == 5, calls

@@ -23,9 +23,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # the head width from qkv's output, so a tensor-parallel qkv (a slice of the heads) works
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, -1).unbind(2)
+        qkv = self.qkv(x)
+        # shapes from qkv's output, so a tensor-parallel qkv works: a slice of the heads, and
+        # under sequence parallelism the whole sequence gathered from a chunk of it
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).unbind(2)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=True, dropout_p=self.dropout if self.training else 0.0,

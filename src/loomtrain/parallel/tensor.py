@@ -12,7 +12,8 @@ every tp rank (the all-reduces make them so), so their gradients agree without a
 
 Status (issue 4, first increment): the linear layers, the GPT's attention and MLP, user
 plans that name column/row submodules, the vocabulary-parallel embedding, tied head and
-cross-entropy. Not yet: sequence parallelism, the trainer's `parallel.tp`, decoding.
+cross-entropy, Megatron sequence parallelism. Not yet: the trainer's `parallel.tp`,
+composition with dp/ZeRO, decoding.
 """
 
 from __future__ import annotations
@@ -26,33 +27,69 @@ import torch.nn.functional as F
 from loomtrain import comm
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient backward (Megatron's `f`)."""
+def _gather_seq(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
+    """(b, t/N, ...) on each rank -> (b, t, ...), chunks in rank order along dim 1."""
+    n = mesh.size(axis)
+    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, x.contiguous(), mesh, axis)
+    return out.movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
 
-    @staticmethod
-    def forward(ctx, x, mesh, axis):
+
+def _scatter_seq(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
+    """(b, t, ...) partial sums on each rank -> my (b, t/N, ...) chunk of their sum."""
+    n = mesh.size(axis)
+    chunks = x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]).movedim(1, 0).contiguous()
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, chunks, mesh, axis)
+    return out
+
+
+def _summed(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce(out, mesh, axis)
+    return out
+
+
+def _my_chunk(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
+    return x.chunk(mesh.size(axis), dim=1)[mesh.local_rank(axis)].contiguous()
+
+
+def _conjugate(name: str, forward, backward, doc: str):
+    """An autograd function of (x, mesh, axis) doing `forward` and, on the gradient,
+    `backward` (each a function of (tensor, mesh, axis))."""
+
+    def fwd(ctx, x, mesh, axis):
         ctx.mesh, ctx.axis = mesh, axis
-        return x.view_as(x)
+        return forward(x, mesh, axis)
 
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, ctx.mesh, ctx.axis)
-        return grad, None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.mesh, ctx.axis), None, None
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": doc, "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce forward; identity backward (Megatron's `g`)."""
+_CopyToTP = _conjugate("_CopyToTP", lambda x, _m, _a: x.view_as(x), _summed,
+                       "Identity forward; all-reduce of the gradient backward (Megatron's `f`).")
+_ReduceFromTP = _conjugate("_ReduceFromTP", _summed, lambda g, _m, _a: g,
+                           "All-reduce forward; identity backward (Megatron's `g`).")
+_GatherFromSP = _conjugate("_GatherFromSP", _gather_seq, _scatter_seq,
+                           "Sequence parallel: all-gather the sequence forward, reduce-scatter back.")
+_ScatterToSP = _conjugate("_ScatterToSP", _scatter_seq, _gather_seq,
+                          "Sequence parallel: reduce-scatter the sequence forward, all-gather back.")
+_SplitSeq = _conjugate("_SplitSeq", _my_chunk, _gather_seq,
+                       "Keep my chunk of a replicated (b, t, ...) tensor; all-gather the gradient.")
 
-    @staticmethod
-    def forward(ctx, x, mesh, axis):
-        out = x.contiguous().clone()
-        comm.all_reduce(out, mesh, axis)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
+class SequenceSplit(nn.Module):
+    """After `inner`: keep my sequence chunk (enters a sequence-parallel region)."""
+
+    def __init__(self, inner: nn.Module, mesh, axis: str):
+        super().__init__()
+        self.inner, self.mesh, self.axis = inner, mesh, axis
+
+    def forward(self, x):
+        return _SplitSeq.apply(self.inner(x), self.mesh, self.axis)
 
 
 def _split(n: int, parts: int, what: str) -> int:
@@ -65,28 +102,32 @@ def _split(n: int, parts: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """The rows `rows` (output features) of `linear`; the input is replicated."""
 
-    def __init__(self, linear: nn.Linear, rows: torch.Tensor, mesh, axis: str = "tp"):
+    def __init__(self, linear: nn.Linear, rows: torch.Tensor, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.mesh, self.axis = mesh, axis
+        self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[rows].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToTP.apply(x, self.mesh, self.axis), self.weight, self.bias)
+        enter = _GatherFromSP if self.sequence_parallel else _CopyToTP
+        return F.linear(enter.apply(x, self.mesh, self.axis), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """The columns `cols` (input features) of `linear`; the partial outputs are all-reduced,
     then the (replicated) bias is added once."""
 
-    def __init__(self, linear: nn.Linear, cols: torch.Tensor, mesh, axis: str = "tp"):
+    def __init__(self, linear: nn.Linear, cols: torch.Tensor, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.mesh, self.axis = mesh, axis
+        self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
         self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.mesh, self.axis)
+        leave = _ScatterToSP if self.sequence_parallel else _ReduceFromTP
+        y = leave.apply(F.linear(x, self.weight), self.mesh, self.axis)
         return y if self.bias is None else y + self.bias
 
 
@@ -112,13 +153,15 @@ class VocabParallelHead(nn.Module):
     """The output head over my vocabulary range (tied to `embedding`'s rows): returns my
     slice of the logits, (..., V/tp); `vocab_parallel_loss_sum` takes it from there."""
 
-    def __init__(self, embedding: VocabParallelEmbedding):
+    def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False):
         super().__init__()
         self.weight = embedding.weight  # tied
         self.mesh, self.axis, self.start = embedding.mesh, embedding.axis, embedding.start
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToTP.apply(x, self.mesh, self.axis), self.weight)
+        enter = _GatherFromSP if self.sequence_parallel else _CopyToTP
+        return F.linear(enter.apply(x, self.mesh, self.axis), self.weight)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -182,7 +225,8 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = None,
-                       axis: str = "tp", vocab_parallel: bool = False) -> nn.Module:
+                       axis: str = "tp", vocab_parallel: bool = False,
+                       sequence_parallel: bool = False) -> nn.Module:
     """Split `model` over the `axis` ranks in place and return it.
 
     Without `plan` the model must be loomtrain's GPT: every block's attention (heads split)
@@ -194,6 +238,13 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     `vocab_parallel` (GPT only) also splits the token embedding and the tied head over the
     vocabulary: the model then returns each rank's slice of the logits, for
     `vocab_parallel_loss_sum(logits, targets, model.head)`.
+
+    `sequence_parallel` (GPT, with `vocab_parallel`): Megatron's sequence parallelism
+    (Korthikanti et al., arXiv 2205.05198). Between the column/row pairs (layer norms,
+    residuals, dropout) each rank keeps its 1/tp of the sequence; a column layer all-gathers
+    the sequence and a row layer reduce-scatters it, in place of the two all-reduces (the
+    same bytes). Parameters used on the local sequence only (layer norms, row biases) get
+    partial gradients: call `sync_sequence_parallel_grads(model)` before the optimizer step.
     """
     parts, rank = mesh.size(axis), mesh.local_rank(axis)
     if parts == 1:
@@ -203,21 +254,36 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
         if not isinstance(model, GPT):
             raise ValueError(f"parallelize_tensor needs a plan for {type(model).__name__} "
                              "(names of its column- and row-parallel nn.Linear layers)")
+        if sequence_parallel and not vocab_parallel:
+            raise ValueError("sequence_parallel needs vocab_parallel: the head must take the "
+                             "gathered sequence as a vocabulary-parallel layer")
+        if sequence_parallel:
+            _split(model.seq_len, parts, "the sequence length")
+        sp = sequence_parallel
         for block in model.blocks:
             attn, mlp = block.attn, block.mlp
             d = attn.proj.in_features
             attn.qkv = ColumnParallelLinear(attn.qkv, _qkv_rows(d, attn.n_heads, rank, parts),
-                                            mesh, axis)
+                                            mesh, axis, sp)
             attn.proj = RowParallelLinear(attn.proj, _contiguous(d, rank, parts, "d_model"),
-                                          mesh, axis)
+                                          mesh, axis, sp)
             attn.n_heads //= parts
             hidden = mlp.fc.out_features
             mine = _contiguous(hidden, rank, parts, "the MLP's hidden width")
-            mlp.fc = ColumnParallelLinear(mlp.fc, mine, mesh, axis)
-            mlp.proj = RowParallelLinear(mlp.proj, mine, mesh, axis)
+            mlp.fc = ColumnParallelLinear(mlp.fc, mine, mesh, axis, sp)
+            mlp.proj = RowParallelLinear(mlp.proj, mine, mesh, axis, sp)
+            if sp:
+                for p in (*block.ln1.parameters(), *block.ln2.parameters(),
+                          attn.proj.bias, mlp.proj.bias):
+                    if p is not None:
+                        p.sequence_parallel = True
         if vocab_parallel:
             model.tok_emb = VocabParallelEmbedding(model.tok_emb, mesh, axis)
-            model.head = VocabParallelHead(model.tok_emb)
+            model.head = VocabParallelHead(model.tok_emb, sp)
+        if sp:
+            model.drop = SequenceSplit(model.drop, mesh, axis)
+            for p in model.ln_f.parameters():
+                p.sequence_parallel = True
         return model
     for kind in plan.values():
         if kind not in ("column", "row"):
@@ -238,5 +304,20 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     return model
 
 
+def sync_sequence_parallel_grads(model: nn.Module, mesh, axis: str = "tp") -> None:
+    """Sum over tp the gradients of the parameters that saw only the local sequence (layer
+    norms and row biases under sequence parallelism), as Megatron does before the step."""
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, mesh, axis)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelHead", "parallelize_tensor", "vocab_parallel_loss_sum"]
+           "VocabParallelHead", "parallelize_tensor", "sync_sequence_parallel_grads",
+           "vocab_parallel_loss_sum"]
