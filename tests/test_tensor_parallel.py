@@ -105,6 +105,9 @@ def _refusals(rank, world):
         with pytest.raises(ValueError) as err:
             parallelize_tensor(make(), mesh, plan)
         messages.append(str(err.value))
+    with pytest.raises(ValueError) as err:
+        parallelize_tensor(TwoLayer(), mesh, {"up": "column"}, sequence_parallel=True)
+    messages.append(str(err.value))
     return messages
 
 
@@ -114,6 +117,7 @@ def test_bad_splits_are_refused_with_the_reason():
     assert "needs a plan" in messages[1]
     assert "'diagonal'" in messages[2]
     assert "not an nn.Linear" in messages[3]
+    assert "GPT only" in messages[4]
 
 
 def _vocab_case(rank, world):

@@ -285,6 +285,9 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
             for p in model.ln_f.parameters():
                 p.sequence_parallel = True
         return model
+    if vocab_parallel or sequence_parallel:
+        raise ValueError("vocab_parallel and sequence_parallel are built for loomtrain's GPT "
+                         "only; a plan splits nn.Linear layers into column/row pairs")
     for kind in plan.values():
         if kind not in ("column", "row"):
             raise ValueError(f"tensor-parallel plan: {kind!r} is not 'column' or 'row'")
