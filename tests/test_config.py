@@ -75,8 +75,8 @@ def test_impossible_values(capsys, args, expected):
 
 
 # Refused today because they are not implemented yet; each row moves to the valid side when
-# its issue lands (tp: 4, pp: 5, cp: 6), and its test then belongs to that feature.
-@pytest.mark.parametrize("key,value", [("tp", 2), ("pp", 2), ("cp", 2)])
+# its issue lands (pp: 5, cp: 6), and its test then belongs to that feature.
+@pytest.mark.parametrize("key,value", [("pp", 2), ("cp", 2)])
 def test_unsupported_parallelism(capsys, key, value):
     err = _refused(capsys, ["train", "--dry-run", "--nproc", "4", "--set", f"parallel.{key}={value}"])
     assert f"parallel.{key}={value} is not supported yet" in err
@@ -96,6 +96,23 @@ def test_unsupported_parallelism(capsys, key, value):
     (["--set", "train.precision=fp16"], "train.precision: Input should be 'fp32' or 'bf16'"),
 ])
 def test_zero_options_that_need_zero(capsys, args, expected):
+    assert expected in _refused(capsys, ["train", "--dry-run", *args])
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--set", "parallel.tp=2", "--set", "model.n_heads=3", "--set", "model.d_model=48"],
+     "parallel.tp=2 must divide model.n_heads = 3"),
+    (["--set", "parallel.tp=2", "--set", "model.vocab_size=255"],
+     "parallel.tp=2 must divide model.vocab_size = 255"),
+    (["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true", "--set", "model.seq_len=33"],
+     "parallel.tp=2 must divide model.seq_len = 33"),
+    (["--set", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true splits the GPT's layer norms over the tensor-parallel ranks; it "
+     "needs parallel.tp > 1"),
+    (["--nproc", "4", "--set", "parallel.tp=2", "--set", "parallel.dp=3"],
+     "dp*tp*pp*cp = 3*2*1*1 = 6 must equal parallel.nproc=4"),
+])
+def test_tensor_parallel_sizes_that_do_not_split(capsys, args, expected):
     assert expected in _refused(capsys, ["train", "--dry-run", *args])
 
 

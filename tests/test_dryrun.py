@@ -26,7 +26,8 @@ from loomtrain.train.metrics import read_metrics
 from loomtrain.train.optim import build_optimizer
 
 
-def saved_activation_bytes(model: torch.nn.Module, vocab_size: int, b: int, t: int) -> int:
+def saved_activation_bytes(model: torch.nn.Module, vocab_size: int, b: int, t: int,
+                           loss_sum=token_loss_sum) -> int:
     """Bytes of the distinct storages autograd saves in one forward (parameters excluded),
     measured with saved_tensors_hooks; backward then runs to show the graph is complete.
     Storages stay alive until backward, so a data pointer is never reused in between."""
@@ -43,7 +44,7 @@ def saved_activation_bytes(model: torch.nn.Module, vocab_size: int, b: int, t: i
     idx = torch.randint(0, vocab_size, (b, t), generator=g)
     targets = torch.randint(0, vocab_size, (b, t), generator=g)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        loss = token_loss_sum(model(idx), targets)
+        loss = loss_sum(model(idx), targets)
     loss.backward()
     return sum(seen.values())
 
@@ -392,13 +393,22 @@ CASES = {
         ("stage 1", {"model": WIDE, "parallel": {"zero_stage": 1}}),
         ("stage 2", {"model": WIDE, "parallel": {"zero_stage": 2}}),
         ("stage 3 bf16, prefetch 2", {"model": WIDE, "parallel": {"zero_stage": 3, "prefetch": 2},
-                                      "train": {"precision": "bf16"}})],
+                                      "train": {"precision": "bf16"}}),
+        ("tp 2", {"parallel": {"tp": 2}, "train": {"global_batch": 4}}),
+        ("tp 2, sequence parallel, bf16", {"parallel": {"tp": 2, "sequence_parallel": True},
+                                           "train": {"global_batch": 4, "precision": "bf16"}}),
+        ("MLP model, tp 2", {"model": {"name": "mlp"}, "parallel": {"tp": 2},
+                             "train": {"global_batch": 4}})],
     # d_model 34: blocks padded to a multiple of 4 (as in test_zero_estimate_lays_out_the_real_units)
     4: [("hierarchical stage 2, optimizer per node",
          {"model": {"d_model": 34}, "parallel": {"zero_stage": 2, "hierarchical": True}}),
         ("hierarchical stage 3, optimizer over dp, offloaded",
          {"model": {"d_model": 34}, "parallel": {"zero_stage": 3, "hierarchical": True,
-                                                 "optimizer_shard": "dp", "offload_optimizer": True}})],
+                                                 "optimizer_shard": "dp", "offload_optimizer": True}}),
+        ("tp 2 x dp 2, sequence parallel, stage 3",
+         {"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 3},
+          "train": {"global_batch": 8}}),
+        ("tp 2 x dp 2, data parallel", {"parallel": {"tp": 2}, "train": {"global_batch": 8}})],
 }
 
 
@@ -421,7 +431,42 @@ def test_predicted_collectives_match_the_meter(tiny, tmp_path, world):
         est = dryrun.estimate(cfg)
         expected = [_per_op(est.collectives, validation=False), _per_op(est.collectives, validation=True)]
         assert [r["comm_bytes"] for r in records] == expected, label
+        assert (cfg.parallel.tp > 1) == any(c.axis == "tp" for c in est.collectives), label
     stage1 = dryrun.estimate(cfgs[2]) if world == 2 else None
     if stage1 is not None:  # the ring and the native reduce-scatter were both predicted
         assert {c.algorithm for c in stage1.engine if c.op == "reduce_scatter"} == \
             {"ring_reduce_scatter", "ring_all_reduce"}
+
+
+# --- tensor parallel: activations per rank ---------------------------------------------------
+
+
+def _tp_saved_bytes(rank, world, cases):
+    from loomtrain.mesh import build_mesh
+    from loomtrain.parallel import apply_tensor_parallel
+
+    mesh = build_mesh({"tp": world})
+    out = []
+    for cfg in cases:
+        torch.manual_seed(0)
+        model, loss_sum = apply_tensor_parallel(build_model(cfg.model), mesh, cfg)
+        out.append(saved_activation_bytes(model, cfg.model.vocab_size, cfg.train.micro_batch,
+                                          cfg.model.seq_len, loss_sum))
+    return out
+
+
+def test_tensor_parallel_activation_formula_matches_saved_tensors(tiny):
+    from loomtrain.parallel.tensor_estimate import tensor_activation_bytes
+
+    cases = [tiny(model={"d_model": 48, "n_heads": 4, "n_layers": 2}, parallel={"nproc": 2, "tp": 2},
+                  train={"micro_batch": 3, "global_batch": 6}),
+             tiny(model={"d_model": 48, "n_heads": 4, "n_layers": 2},
+                  parallel={"nproc": 2, "tp": 2, "sequence_parallel": True},
+                  train={"micro_batch": 3, "global_batch": 6}),
+             tiny(model={"name": "mlp", "d_model": 48}, parallel={"nproc": 2, "tp": 2})]
+    measured = run_world(_tp_saved_bytes, 2, cases, timeout_s=120)[0]
+    for cfg, got in zip(cases, measured):
+        p = cfg.parallel
+        want = tensor_activation_bytes(cfg.model, cfg.train.micro_batch, p.tp, p.sequence_parallel)
+        assert abs(got - want) <= TOLERANCE * want, (cfg.model.name, p.sequence_parallel, got, want)
+    assert measured[1] < measured[0]  # sequence parallel keeps less

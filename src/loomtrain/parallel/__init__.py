@@ -1,8 +1,10 @@
 """Parallel strategies, each a function over one mesh axis; `parallelize` composes them.
 
-Order (TorchTitan's): tensor parallel, pipeline split and context parallel come first as
-they land (issues 4-6); data parallel or ZeRO over the dp axis last, since it shards whatever
-parameters the other axes left on this rank.
+Order (TorchTitan's): tensor parallel first, then (as they land) the pipeline split and
+context parallel (issues 5-6); data parallel or ZeRO over the dp axis last, since it shards
+whatever parameters the other axes left on this rank. The optimizer is built after tensor
+parallelism (which makes new, smaller parameters) and before the dp engine (ZeRO rebuilds it
+over its shard).
 """
 
 from __future__ import annotations
@@ -10,25 +12,50 @@ from __future__ import annotations
 import torch
 
 from loomtrain.errors import ConfigError
+from loomtrain.models import token_loss_sum
 
 
-def parallelize(model, optimizer, mesh, cfg):
-    """(model, optimizer) wrapped for `cfg` (the whole Config): DataParallel for ZeRO stage 0
-    in fp32, else the sharded engine (stage 0 with bf16 runs there too: it shards nothing)."""
+def parallelize(model, mesh, cfg, make_optimizer):
+    """(model, optimizer, loss_sum) for `cfg` (the whole Config). `make_optimizer(model)`
+    builds the optimizer; `loss_sum(logits, targets)` is the token-summed cross-entropy of
+    what the wrapped model returns (a slice of the vocabulary under tensor parallelism)."""
+    model, loss_sum = apply_tensor_parallel(model, mesh, cfg)
+    optimizer = make_optimizer(model)
     from loomtrain.parallel.data import apply_data_parallel
     from loomtrain.parallel.zero import shard
 
     p = cfg.parallel
     if p.zero_stage == 0 and cfg.train.precision == "fp32":
-        return apply_data_parallel(model, mesh, p), optimizer
+        return apply_data_parallel(model, mesh, p), optimizer, loss_sum
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     try:
-        return shard(model, optimizer, mesh, p.zero_stage, hierarchical=p.hierarchical,
-                     optimizer_shard=p.optimizer_shard, prefetch=p.prefetch,
-                     offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
-                     units=list(p.shard_units) or None)
+        model, optimizer = shard(model, optimizer, mesh, p.zero_stage, hierarchical=p.hierarchical,
+                                 optimizer_shard=p.optimizer_shard, prefetch=p.prefetch,
+                                 offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
+                                 units=list(p.shard_units) or None)
     except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
+    return model, optimizer, loss_sum
+
+
+# the MLP model's blocks split Megatron-style; its head and embedding stay whole
+MLP_PLAN = {"blocks.*.fc": "column", "blocks.*.proj": "row"}
+
+
+def apply_tensor_parallel(model, mesh, cfg):
+    """The tp-axis strategy: the GPT split with a vocabulary-parallel embedding, head and loss
+    (and, with `parallel.sequence_parallel`, Megatron's sequence parallelism); the MLP model
+    through `MLP_PLAN`. Returns (model, loss_sum)."""
+    from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_sum
+
+    if cfg.parallel.tp == 1:
+        return model, token_loss_sum
+    if cfg.model.name == "mlp":
+        return parallelize_tensor(model, mesh, plan=MLP_PLAN), token_loss_sum
+    model = parallelize_tensor(model, mesh, vocab_parallel=True,
+                               sequence_parallel=cfg.parallel.sequence_parallel)
+    head = model.head
+    return model, lambda logits, targets: vocab_parallel_loss_sum(logits, targets, head)
 
 
 def check_units(cfg) -> None:

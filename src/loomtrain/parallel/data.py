@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loomtrain import comm
+from loomtrain.parallel.placement import placement_of
 
 # The hook that runs at the end of backward: the same engine callback DDP and FSDP use.
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -116,6 +117,22 @@ def _broadcast_chunk(same: list[torch.Tensor], mesh, axis: str) -> None:
             t.copy_(src)
 
 
+def grad_norm(split: list[torch.Tensor], replicated: list[torch.Tensor], mesh, axis: str) -> torch.Tensor:
+    """The global 2-norm of a gradient held in pieces. `axis` is the group whose ranks hold
+    different pieces of the same tensors (ZeRO's shard axis; "self" when every dp rank holds
+    all of them). Over tp, tensor-parallel pieces (`split`) differ and are summed, while
+    `replicated` ones are the same on every tp rank: each tp rank adds 1/tp of their square,
+    so one number is all-reduced over each of `axis` and tp."""
+    square = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    for grads, weight in ((split, 1.0), (replicated, 1.0 / mesh.size("tp"))):
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).float().to(mesh.device)
+            square = square + norms.square().sum() * weight
+    comm.all_reduce(square, mesh, axis)
+    comm.all_reduce(square, mesh, "tp")
+    return square.sqrt()
+
+
 class DataParallel(nn.Module):
     """`model = DataParallel(model, mesh)`; then `loss.backward(); optimizer.step()` as usual.
 
@@ -157,11 +174,18 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the (already reduced, replicated) gradients; returns the total norm before clipping."""
+        """Clip the (already reduced, replicated) gradients; returns the total norm before
+        clipping (of the whole model's gradient, also when tensor parallelism split it)."""
         params = [p for b in self.buckets for p in b.params]
+        if self.mesh.size("tp") == 1:
+            if max_norm > 0:
+                return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            return nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        split = [p.grad for p in params if placement_of(p) is not None]
+        total = grad_norm(split, [p.grad for p in params if placement_of(p) is None], self.mesh, "self")
         if max_norm > 0:
-            return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
 
     @property
     def gradient_bytes(self) -> int:
@@ -213,4 +237,5 @@ def apply_data_parallel(model: nn.Module, mesh, cfg) -> DataParallel:
     return DataParallel(model, mesh, "dp", cfg.bucket_mb, gradient_reduce="sum")
 
 
-__all__ = ["Bucket", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets"]
+__all__ = ["Bucket", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets",
+           "grad_norm"]

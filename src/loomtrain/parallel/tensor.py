@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loomtrain import comm
+from loomtrain.parallel.placement import Placement
 
 
 def _gather_seq(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
@@ -92,6 +93,33 @@ class SequenceSplit(nn.Module):
         return _SplitSeq.apply(self.inner(x), self.mesh, self.axis)
 
 
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A layer norm that sees only my chunk of the sequence: its weight and bias enter through
+    Megatron's `f` (identity forward, all-reduce of the gradient over tp), so their gradients
+    are whole sums on every tp rank when backward returns, whatever engine runs the step.
+    (Megatron instead all-reduces these gradients in one bucket after backward; one small
+    all-reduce per parameter inside backward keeps the dp/ZeRO engines unaware of tp.)"""
+
+    def __init__(self, norm: nn.LayerNorm, mesh, axis: str):
+        super().__init__(norm.normalized_shape, norm.eps, norm.elementwise_affine,
+                         bias=norm.bias is not None)
+        self.mesh, self.axis = mesh, axis
+        self.weight, self.bias = norm.weight, norm.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def synced(p):
+            return None if p is None else _CopyToTP.apply(p, self.mesh, self.axis)
+        return F.layer_norm(x, self.normalized_shape, synced(self.weight), synced(self.bias), self.eps)
+
+
+def _piece(full: torch.Tensor, dim: int, index: torch.Tensor) -> nn.Parameter:
+    """The parameter holding `full`'s entries `index` along `dim`, marked with its placement
+    (checkpoints save it as part of the full tensor; gradient norms count it on one rank)."""
+    p = nn.Parameter(full.detach().index_select(dim, index).clone())
+    p.tp_placement = Placement.of_index(tuple(full.shape), dim, index)
+    return p
+
+
 def _split(n: int, parts: int, what: str) -> int:
     if n % parts:
         raise ValueError(f"{what} = {n} is not divisible by the tensor-parallel size {parts}; "
@@ -106,8 +134,8 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[rows].clone())
+        self.weight = _piece(linear.weight, 0, rows)
+        self.bias = None if linear.bias is None else _piece(linear.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         enter = _GatherFromSP if self.sequence_parallel else _CopyToTP
@@ -122,13 +150,17 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.weight = _piece(linear.weight, 1, cols)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leave = _ScatterToSP if self.sequence_parallel else _ReduceFromTP
         y = leave.apply(F.linear(x, self.weight), self.mesh, self.axis)
-        return y if self.bias is None else y + self.bias
+        if self.bias is None:
+            return y
+        # under sequence parallelism the bias meets my sequence chunk only: sum its gradient
+        return y + (_CopyToTP.apply(self.bias, self.mesh, self.axis) if self.sequence_parallel
+                    else self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -141,7 +173,7 @@ class VocabParallelEmbedding(nn.Module):
         parts, rank = mesh.size(axis), mesh.local_rank(axis)
         rows = _split(embedding.num_embeddings, parts, "the vocabulary size")
         self.start, self.stop = rank * rows, (rank + 1) * rows
-        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.stop].clone())
+        self.weight = _piece(embedding.weight, 0, torch.arange(self.start, self.stop))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.stop)
@@ -243,8 +275,8 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     (Korthikanti et al., arXiv 2205.05198). Between the column/row pairs (layer norms,
     residuals, dropout) each rank keeps its 1/tp of the sequence; a column layer all-gathers
     the sequence and a row layer reduce-scatters it, in place of the two all-reduces (the
-    same bytes). Parameters used on the local sequence only (layer norms, row biases) get
-    partial gradients: call `sync_sequence_parallel_grads(model)` before the optimizer step.
+    same bytes). Parameters used on the local sequence only (layer norms, row biases) sum
+    their gradients over tp inside backward (`SequenceParallelLayerNorm`).
     """
     parts, rank = mesh.size(axis), mesh.local_rank(axis)
     if parts == 1:
@@ -273,17 +305,14 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
             mlp.fc = ColumnParallelLinear(mlp.fc, mine, mesh, axis, sp)
             mlp.proj = RowParallelLinear(mlp.proj, mine, mesh, axis, sp)
             if sp:
-                for p in (*block.ln1.parameters(), *block.ln2.parameters(),
-                          attn.proj.bias, mlp.proj.bias):
-                    if p is not None:
-                        p.sequence_parallel = True
+                block.ln1 = SequenceParallelLayerNorm(block.ln1, mesh, axis)
+                block.ln2 = SequenceParallelLayerNorm(block.ln2, mesh, axis)
         if vocab_parallel:
             model.tok_emb = VocabParallelEmbedding(model.tok_emb, mesh, axis)
             model.head = VocabParallelHead(model.tok_emb, sp)
         if sp:
             model.drop = SequenceSplit(model.drop, mesh, axis)
-            for p in model.ln_f.parameters():
-                p.sequence_parallel = True
+            model.ln_f = SequenceParallelLayerNorm(model.ln_f, mesh, axis)
         return model
     if vocab_parallel or sequence_parallel:
         raise ValueError("vocab_parallel and sequence_parallel are built for loomtrain's GPT "
@@ -307,20 +336,6 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     return model
 
 
-def sync_sequence_parallel_grads(model: nn.Module, mesh, axis: str = "tp") -> None:
-    """Sum over tp the gradients of the parameters that saw only the local sequence (layer
-    norms and row biases under sequence parallelism), as Megatron does before the step."""
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, mesh, axis)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelHead", "parallelize_tensor", "sync_sequence_parallel_grads",
+           "VocabParallelHead", "SequenceParallelLayerNorm", "parallelize_tensor",
            "vocab_parallel_loss_sum"]

@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
 from loomtrain import comm
 from loomtrain.errors import CheckpointError
 from loomtrain.parallel.zero import ShardedDataParallel
-from loomtrain.parallel.zero.state import FlatShard, load_zero_state, zero_state
+from loomtrain.parallel.placement import Boxes, placement_of
+from loomtrain.parallel.zero.state import load_zero_state, zero_state
 
 PARTIAL, TRASH = ".partial", ".trash"
 _META = "loom.json"
@@ -142,8 +143,25 @@ def training_state(model, optimizer, for_saving: bool = True) -> dict:
     parallel/zero/state.py, so checkpoints load across engines, stages and rank counts."""
     if isinstance(model, ShardedDataParallel):
         return zero_state(model, optimizer, for_saving)
-    model_sd, optim_sd = get_state_dict(getattr(model, "module", model), optimizer)
+    module = getattr(model, "module", model)
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    # tensor-parallel pieces go in as boxes of the full tensors (parallel/placement.py)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        placement = placement_of(p)
+        if placement is None:
+            continue
+        model_sd[name] = Boxes.whole(model_sd[name]).placed(placement)
+        for key, value in optim_sd["state"].get(name, {}).items():
+            if torch.is_tensor(value) and value.shape == p.shape:
+                optim_sd["state"][name][key] = Boxes.whole(value).placed(placement)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _unboxed(tree):
+    """The state dict with every `Boxes` replaced by the local tensor its views filled."""
+    if isinstance(tree, dict):
+        return {k: _unboxed(v) for k, v in tree.items()}
+    return tree.local if isinstance(tree, Boxes) else tree
 
 
 def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -211,13 +229,13 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
 
 
 def _lookup(state_dict: dict, index):
-    """A ZeRO shard's box by its offset, or None for anything else (DCP's own lookup)."""
+    """A sharded tensor's box by its offset, or None for anything else (DCP's own lookup)."""
     value = state_dict.get(index.fqn)
-    return value.__get_tensor_shard__(index) if isinstance(value, FlatShard) else None
+    return value.__get_tensor_shard__(index) if isinstance(value, Boxes) else None
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """DCP's default, plus the boxes of ZeRO shards (parallel/zero/state.py)."""
+    """DCP's default, plus the boxes of sharded tensors (parallel/placement.py)."""
 
     def lookup_object(self, index):
         found = _lookup(self.state_dict, index)
@@ -245,7 +263,7 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         """DCP's own, less its first call, `_init_state_dict`: that materializes meta-device
         tensors (there are none here) and replaces every value of a type it does not know,
-        such as a ZeRO `FlatShard`, by None (torch 2.13, planner_helpers.py)."""
+        such as a sharded `Boxes`, by None (torch 2.13, planner_helpers.py)."""
         self.original_state_dict = state_dict
         if self.flatten_sharded_tensors:
             state_dict = _flatten_sharded_tensors(state_dict)
@@ -322,8 +340,10 @@ def load(path: Path, model, optimizer, mesh) -> dict:
         if zero:
             load_zero_state(model, optimizer, state)
         else:
-            set_state_dict(getattr(model, "module", model), optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+            set_state_dict(getattr(model, "module", model), optimizer,
+                           model_state_dict=_unboxed(state["model"]),
+                           optim_state_dict=_unboxed(state["optim"]),
+                           options=StateDictOptions(strict=True))
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
     for key in rng:

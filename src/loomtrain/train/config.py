@@ -85,6 +85,8 @@ class ParallelConfig(Section):
     nproc: int = Field(2, ge=1)
     dp: int | None = Field(None, ge=1)  # None: whatever nproc leaves after tp, pp and cp
     tp: int = Field(1, ge=1)
+    # tensor parallel: layer norms and dropout on 1/tp of the sequence (Megatron-style)
+    sequence_parallel: bool = False
     pp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
     zero_stage: int = Field(0, ge=0, le=3)
@@ -119,12 +121,13 @@ class Config(Section):
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
         p, t = self.parallel, self.train
-        for axis, issue in (("tp", 4), ("pp", 5), ("cp", 6)):
+        for axis, issue in (("pp", 5), ("cp", 6)):
             if getattr(p, axis) > 1:
                 raise ValueError(
                     f"parallel.{axis}={getattr(p, axis)} is not supported yet (it arrives with issue "
                     f"{issue}); use parallel.{axis}=1"
                 )
+        _check_tensor_parallel(p, self.model)
         engine = p.zero_stage > 0 or t.precision == "bf16"  # the sharded engine runs these
         for key, needs in (("hierarchical", p.zero_stage > 0), ("offload_optimizer", p.zero_stage > 0),
                            ("shard_units", engine)):
@@ -158,6 +161,25 @@ class Config(Section):
     @property
     def accumulation_steps(self) -> int:
         return self.train.global_batch // (self.parallel.dp_size * self.train.micro_batch)
+
+
+def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:
+    """tp must split whole attention heads, the vocabulary (the GPT's embedding and head are
+    vocabulary-parallel) and the MLP's hidden width; sequence parallelism splits the sequence."""
+    if p.sequence_parallel and (p.tp == 1 or m.name != "gpt"):
+        raise ValueError("parallel.sequence_parallel=true splits the GPT's layer norms over the "
+                         "tensor-parallel ranks; it needs parallel.tp > 1 and model.name=\"gpt\"")
+    if p.tp == 1:
+        return
+    sizes = {"model.mlp_ratio*model.d_model": m.mlp_ratio * m.d_model}
+    if m.name == "gpt":
+        sizes = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size, **sizes}
+    if p.sequence_parallel:
+        sizes["model.seq_len"] = m.seq_len
+    for key, n in sizes.items():
+        if n % p.tp:
+            raise ValueError(f"parallel.tp={p.tp} must divide {key} = {n} (tensor parallelism "
+                             f"splits it evenly); choose parallel.tp among its divisors")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
+from loomtrain.parallel.tensor_estimate import tensor_activation_bytes, tensor_collectives
 from loomtrain.parallel.zero import ROOT
 from loomtrain.parallel.zero.estimate import (
     FP32_BYTES,
@@ -198,6 +199,7 @@ def _build_on_fake_backend(cfg) -> _Built:
 
     from loomtrain.mesh import build_mesh
     from loomtrain.models import build_model
+    from loomtrain.parallel import apply_tensor_parallel
     from loomtrain.parallel.data import apply_data_parallel, broadcast_state
 
     assert not dist.is_initialized(), "the dry run builds its own (fake) process group"
@@ -212,6 +214,7 @@ def _build_on_fake_backend(cfg) -> _Built:
             raise ConfigError(f"parallel.ranks_per_node={p.ranks_per_node}: {err}") from None
         with torch.device("meta"):
             model = build_model(cfg.model)
+        model, _ = apply_tensor_parallel(model, mesh, cfg)  # this rank's pieces, as parallelize
         buckets, zero = [], None
         if uses_zero(cfg):
             zero = _zero_layout(model, mesh, cfg)
@@ -252,24 +255,30 @@ class DryRun:
 def estimate(cfg) -> DryRun:
     """Everything `loom train --dry-run` reports, as numbers."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    # the estimates below model the dp axis only; the config refuses the rest today
-    assert p.tp == p.pp == p.cp == 1, "dry-run estimates need updating"
+    # the estimates below model the dp and tp axes; the config refuses the rest today
+    assert p.pp == p.cp == 1, "dry-run estimates need updating"
     data = _check_data(cfg)
     built = _build_on_fake_backend(cfg)
     states = optimizer_states(t.optimizer, t.beta1)
     own = trainer_collectives(p.nproc, p.dp_size, cfg.run.log_every, cfg.run.eval_every)
     z = built.zero
+    c = FP32_BYTES if z is None else compute_bytes(z.plan)
+    if p.tp > 1:
+        activations = tensor_activation_bytes(m, t.micro_batch, p.tp, p.sequence_parallel, c)
+    else:
+        activations = activation_bytes(m, t.micro_batch, c)
+    # trainer.evaluate: every rank runs ceil(eval_batches / dp) forwards, so that ZeRO-3's
+    # gathers (and the tp collectives) match on every rank
+    forwards = -(-cfg.run.eval_batches // p.dp_size)
     if z is None:
-        memory = memory_per_rank(built.parameters, states, activation_bytes(m, t.micro_batch))
+        memory = memory_per_rank(built.parameters, states, activations)
         engine = gradient_all_reduces(built.buckets, p.dp_size)
         evals = []
     else:
-        activations = activation_bytes(m, t.micro_batch, compute_bytes(z.plan))
         memory = zero_memory_per_rank(z.plan, z.units, z.root, states, activations, p.prefetch)
         engine = zero_collectives(z.plan, z.units, z.root, cfg.accumulation_steps)
-        # trainer.evaluate: every rank runs ceil(eval_batches / dp) forwards, so that ZeRO-3's
-        # gathers match on every rank
-        forwards = -(-cfg.run.eval_batches // p.dp_size)
         evals = zero_eval_gathers(z.plan, z.units, z.root, forwards, cfg.run.eval_every)
+    engine = engine + tensor_collectives(m, t.micro_batch, p.tp, p.sequence_parallel,
+                                         cfg.accumulation_steps, c, forwards, cfg.run.eval_every)
     return DryRun(data, built.layout, built.parameters, built.buckets, z,
                   built.broadcast_wire_bytes, memory, engine, engine + own + evals)

@@ -32,7 +32,7 @@ def dry_run(cfg) -> str:
         "",
         *(_memory_lines(est, cfg) if est.zero is None else _zero_memory_lines(est, cfg)),
         "",
-        *(_collective_lines(est, cfg) if est.zero is None else _zero_collective_lines(est, cfg)),
+        *(_collective_lines(est, cfg) if est.zero is None and p.tp == 1 else _grouped_collective_lines(est, cfg)),
     ]
     return "\n".join(lines)
 
@@ -163,8 +163,9 @@ def _how(op: str, algorithm: str) -> str:
     return _HOW[algorithm]
 
 
-def _zero_collective_lines(run: DryRun, cfg) -> list[str]:
-    """The engine's collectives grouped by what they do, then the trainer's own."""
+def _grouped_collective_lines(run: DryRun, cfg) -> list[str]:
+    """The engine's collectives (ZeRO's, data parallel's and tensor parallel's) grouped by what
+    they do, then the trainer's own."""
     a = cfg.accumulation_steps
     out = [f"collectives per optimizer step (wire bytes: what one rank sends; S = payload of "
            f"one call; A = {a} micro-batch(es)):"]

@@ -61,14 +61,15 @@ def _batches(sampler, cfg: Config, mesh, step: int, device):
     return out
 
 
-def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float):
+def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float,
+               loss_fn=token_loss_sum):
     """Forward/backward over the micro-batches, clip, step. Returns (local loss sum, grad norm,
     stepped). The loss of every micro-batch is divided by the global token count."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            loss = token_loss_sum(model(x), y)
+            loss = loss_fn(model(x), y)
             (loss / global_tokens).backward()
         loss_sum += loss.detach()
     grad_norm = model.clip_grad_norm_(grad_clip)
@@ -80,7 +81,7 @@ def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float
 
 
 @torch.no_grad()
-def evaluate(model, sampler, cfg: Config, mesh, device) -> float:
+def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> float:
     """Mean validation loss per token over the fixed validation set, dealt to the dp ranks.
 
     Every rank runs the same number of forwards: a ZeRO-3 forward gathers parameters, a
@@ -93,7 +94,7 @@ def evaluate(model, sampler, cfg: Config, mesh, device) -> float:
     for i in range(rounds):
         x, y = sampler.batch(mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0])
         x, y = x.to(device), y.to(device)
-        loss = token_loss_sum(model(x), y).double()
+        loss = loss_fn(model(x), y).double()
         if i < len(mine):
             total[0] += loss
             total[1] += (y != IGNORE_INDEX).sum()
@@ -142,9 +143,11 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1)
     model = build_model(cfg.model).to(device)
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    # the strategies take the model and its optimizer and return both wrapped (ZeRO rebuilds
-    # the optimizer over this rank's shard); the checkpoint then loads into the wrapped pair
-    model, optimizer = parallelize(model, build_optimizer(model, cfg.train), mesh, cfg)
+    # the strategies take the model and return it wrapped with its optimizer (built after
+    # tensor parallelism, rebuilt by ZeRO over this rank's shard) and the loss its outputs
+    # need; the checkpoint then loads into the wrapped pair
+    model, optimizer, loss_sum_fn = parallelize(model, mesh, cfg,
+                                             lambda m: build_optimizer(m, cfg.train))
     start = 0
     if resume is not None:
         start = checkpoint.load(resume, model, optimizer, mesh)["step"]
@@ -176,8 +179,8 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             lr = lr_at(step, cfg.train)
             set_lr(optimizer, lr)
             timeline = _start_timeline(model, step, cfg)
-            loss_sum, grad_norm, stepped = train_step(model, optimizer, batches,
-                                                      global_tokens, cfg.train.grad_clip)
+            loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, global_tokens,
+                                                      cfg.train.grad_clip, loss_sum_fn)
             if timeline is not None:
                 _write_timeline(model, timeline, run_dir, step, mesh)
             nonfinite = 0 if stepped else nonfinite + 1
@@ -197,7 +200,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                               window_steps * tokens_per_step / (time.perf_counter() - window_t0))
                 loss = rec["loss"]
                 if is_eval:
-                    rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device)
+                    rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device, loss_sum_fn)
                 log.record(rec)
                 window_t0, window_steps = time.perf_counter(), 0
             log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))

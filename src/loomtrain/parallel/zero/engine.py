@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from loomtrain import comm
+from loomtrain.parallel.data import grad_norm
+from loomtrain.parallel.placement import placement_of
 from loomtrain.parallel.zero.communication import GradReduction, ReductionQueue, start_gather
 from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
 
@@ -223,16 +224,26 @@ class ShardedDataParallel(nn.Module):
         all-reduce over the group those ranges tile adds them up (the norm torch's
         `clip_grad_norm_` computes on the whole gradient, up to summation order)."""
         grads = [u.grad for u in self.all_units if u.grad.numel()]
-        local = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads)).to(self.mesh.device)
-            local = norms.square().sum()
-        comm.all_reduce(local, self.mesh, self.plan.optimizer_axis)
-        total = local.sqrt()
+        if self.mesh.size("tp") > 1:  # tensor-parallel pieces count on every tp rank
+            total = grad_norm(*self._grad_pieces(), self.mesh, self.plan.optimizer_axis)
+        else:
+            total = grad_norm([], grads, self.mesh, self.plan.optimizer_axis)
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
+
+    def _grad_pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensor-parallel, replicated) views of my gradient shards, parameter by parameter."""
+        split, replicated = [], []
+        for u in self.all_units:
+            lo, hi = u.optimizer_range
+            for piece in u.layout.slices(lo, hi):
+                at = piece.unit_offset - lo
+                param = u.params[u.layout.slots.index(piece.slot)]
+                kind = split if placement_of(param) is not None else replicated
+                kind.append(u.grad[at:at + piece.numel])
+        return split, replicated
 
     @property
     def parameters_total(self) -> int:

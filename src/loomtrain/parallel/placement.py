@@ -1,0 +1,126 @@
+"""Where a rank's piece of a tensor sits in the full tensor, for checkpoints any layout reads.
+
+A checkpoint is written in the layout of the unsharded model: every tensor under its own name
+and full shape. A rank that holds only part of a tensor presents that part to
+torch.distributed.checkpoint (DCP) as *boxes*: rectangular blocks with their offsets in the
+full tensor. DCP stores each box as a chunk and, on load, reads for each rank whatever part
+of the saved chunks overlaps the boxes that rank asks for. So a run can resume under another
+layout (tp 2 -> tp 1, ZeRO stage 3 on 4 ranks -> data parallel on 2), and `loom export`
+consolidates any checkpoint.
+
+Two kinds of parts compose here:
+- ZeRO keeps a contiguous row-major range of a (local) parameter: `flat_range_boxes`
+  (zero/layout.py) tiles it with boxes;
+- tensor parallelism keeps a slice along one dimension, possibly in several runs (a fused
+  qkv keeps the same head range in each of the q, k and v thirds): a `Placement`, attached to
+  the parameter as `p.tp_placement`, maps local index runs to full ones.
+A ZeRO shard of a tensor-parallel parameter is first boxed in local coordinates, then every
+box is cut at the runs and moved to full coordinates (`Boxes.placed`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A local tensor that is a slice of a tensor of `shape` along `dim`: local indices
+    [local_start, local_start + length) are full indices [full_start, ...) for each run."""
+
+    shape: tuple[int, ...]
+    dim: int
+    runs: tuple[tuple[int, int, int], ...]  # (full_start, local_start, length)
+
+    @staticmethod
+    def of_index(shape: tuple[int, ...], dim: int, index: torch.Tensor) -> "Placement":
+        """The placement of `full.index_select(dim, index)` (index increasing)."""
+        runs, values = [], index.tolist()
+        for local, full in enumerate(values):
+            if runs and runs[-1][0] + runs[-1][2] == full:
+                runs[-1][2] += 1
+            else:
+                runs.append([full, local, 1])
+        return Placement(tuple(shape), dim, tuple(tuple(r) for r in runs))
+
+
+Box = tuple[torch.Size, torch.Size, torch.Tensor]  # (offsets, sizes, view of the values)
+
+
+class Boxes:
+    """Part of a tensor of full `shape`, as boxes with views of the values. Implements the
+    three methods DCP's planners ask of a sharded value; `local` is the tensor the views look
+    into (checkpoint loading hands it back to torch's state-dict helpers)."""
+
+    def __init__(self, shape, boxes: list[Box], local: torch.Tensor | None = None):
+        self.shape, self.boxes, self.local = torch.Size(shape), boxes, local
+
+    @staticmethod
+    def flat_range(flat: torch.Tensor, shape, start: int) -> "Boxes":
+        """Elements [start, start + flat.numel()) (row-major) of a tensor of `shape`, held by
+        the 1-D `flat` (a ZeRO shard of a parameter)."""
+        from loomtrain.parallel.zero.layout import flat_range_boxes  # zero/ imports this module
+
+        boxes, at = [], 0
+        for offsets, sizes in flat_range_boxes(tuple(shape), start, start + flat.numel()):
+            n = math.prod(sizes)
+            boxes.append((torch.Size(offsets), torch.Size(sizes), flat[at:at + n].view(sizes)))
+            at += n
+        return Boxes(shape, boxes, flat)
+
+    @staticmethod
+    def whole(tensor: torch.Tensor) -> "Boxes":
+        return Boxes(tensor.shape, [(torch.Size([0] * tensor.dim()), tensor.shape, tensor)], tensor)
+
+    def placed(self, placement: Placement | None) -> "Boxes":
+        """These boxes (in local coordinates) in the full tensor's coordinates."""
+        if placement is None:
+            return self
+        d, out = placement.dim, []
+        for offsets, sizes, view in self.boxes:
+            lo, hi = offsets[d], offsets[d] + sizes[d]
+            for full_start, local_start, length in placement.runs:
+                a, b = max(lo, local_start), min(hi, local_start + length)
+                if a >= b:
+                    continue
+                at = list(offsets)
+                at[d] = a - local_start + full_start
+                size = list(sizes)
+                size[d] = b - a
+                out.append((torch.Size(at), torch.Size(size), view.narrow(d, a - lo, b - a)))
+        return Boxes(placement.shape, out, self.local)
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                              properties=TensorProperties.create_from_tensor(view), size=self.shape))
+                for offsets, sizes, view in self.boxes]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for offsets, sizes, _ in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, _, view in self.boxes:
+            if offsets == index.offset:
+                return view
+        raise ValueError(f"{index.fqn}: no box at offset {index.offset}")
+
+
+def placement_of(tensor) -> Placement | None:
+    return getattr(tensor, "tp_placement", None)
+
+
+__all__ = ["Box", "Boxes", "Placement", "placement_of"]

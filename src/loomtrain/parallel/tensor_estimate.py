@@ -1,0 +1,111 @@
+"""What tensor parallelism costs per rank: the collectives of one optimizer step and the
+activations of one micro-batch, as pure functions of the config's numbers (the dry run prints
+them; tests/test_tensor_training.py and tests/test_dryrun.py hold them to the meter and to the
+tensors autograd saves).
+
+b = micro-batch, s = sequence length, h = d_model, r = mlp_ratio, L = layers, N = tp,
+c = compute bytes; S = b s h c, one activation.
+"""
+
+from __future__ import annotations
+
+from loomtrain.parallel.zero.estimate import Collective, metered
+
+FP32_BYTES = 4
+
+
+def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, accumulation: int,
+                       compute_bytes: int, eval_forwards: int = 0, eval_every: int = 1) -> list[Collective]:
+    """The tp-axis collectives of one step of `accumulation` micro-batches, in the layout
+    `loomtrain.parallel.apply_tensor_parallel` builds, then the evaluation forwards.
+
+    GPT (vocabulary-parallel embedding, head and loss; Megatron, Shoeybi et al. section 3):
+    forward: the embedding's all-reduce (S), 2 per layer after the row-parallel proj layers
+    (S), the loss's 3 (max, sum of exponentials, target logit: b s fp32 each); backward: 2 per
+    layer before the column-parallel qkv and fc (S), 1 before the head (S). Sequence
+    parallel (Korthikanti et al., section 4.2.2): each per-layer all-reduce becomes an
+    all-gather before the column layer and a reduce-scatter after the row layer (and the
+    reverse in backward), the head all-gathers the sequence (reduce-scatter backward), the
+    sequence split after the embedding all-gathers its gradient, and backward all-reduces the
+    gradients of the 6 h-sized tensors per layer that saw one sequence chunk (2 layer norms, 2
+    row biases) and of the final norm (2 h). MLP model (blocks' fc column, proj row): 1 per
+    layer forward and 1 backward. After backward: the gradient norm's 4-byte all-reduce.
+    """
+    if tp == 1:
+        return []
+    b, s, h, layers, c = micro_batch, m.seq_len, m.d_model, m.n_layers, compute_bytes
+    act, tokens = b * s * h * c, b * s * FP32_BYTES
+    a = accumulation
+
+    def op(purpose, name, payload, calls):
+        return metered(purpose, name, "tp", tp, payload, calls)
+
+    if m.name == "mlp":
+        forward = [op("MLP outputs (row-parallel proj)", "all_reduce", act, layers)]
+        backward = [op("MLP input gradients (column-parallel fc)", "all_reduce", act, layers)]
+    elif not sequence_parallel:
+        forward = [op("embedding lookup (vocabulary-parallel)", "all_reduce", act, 1),
+                   op("attention and MLP outputs (row-parallel proj)", "all_reduce", act, 2 * layers),
+                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
+        backward = [op("attention and MLP input gradients (column-parallel)", "all_reduce", act,
+                       2 * layers),
+                    op("head input gradient", "all_reduce", act, 1)]
+    else:
+        forward = [op("embedding lookup (vocabulary-parallel)", "all_reduce", act, 1),
+                   op("sequence all-gather before qkv, fc and the head", "all_gather", act,
+                      2 * layers + 1),
+                   op("sequence reduce-scatter after proj", "reduce_scatter", act, 2 * layers),
+                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
+        backward = [op("gradient reduce-scatter (the all-gathers' backward)", "reduce_scatter",
+                       act, 2 * layers + 1),
+                    op("gradient all-gather (the reduce-scatters' and split's backward)",
+                       "all_gather", act, 2 * layers + 1)]
+        backward += [op("layer-norm and row-bias gradients (one sequence chunk each)",
+                        "all_reduce", h * c, 6 * layers + 2)]
+    out = [_times(x, a) for x in forward + backward]
+    out.append(op("gradient norm over tp", "all_reduce", FP32_BYTES, 1))
+    if eval_forwards:
+        out += [_times(x, eval_forwards, eval_every, "validation ") for x in forward]
+    return out
+
+
+def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: bool,
+                            compute_bytes: int = FP32_BYTES) -> int:
+    """Bytes autograd saves in one forward of the tp-split model plus its loss, per rank
+    (dropout 0; the single-process counts are train/dryrun.py's, tensor by tensor).
+
+    GPT, per token and layer (c bytes): the inputs of both layer norms h each and their
+    stats 4, the layer norms' outputs as the column layers keep them h each, qkv 3h/N,
+    attention output h/N, fc and GELU outputs rh/N each; fp32: the attention log-sum-exp
+    (heads/N). Sequence parallel keeps the layer-norm inputs and stats for s/N tokens only,
+    but the column layers keep their gathered (whole-sequence) inputs: Megatron gathers again
+    in backward instead, which loomtrain does not do yet. Once per token: the final norm's
+    input h (h/N with sequence parallel) and stats 2 (2/N), its output as the head keeps it
+    h; the vocabulary-parallel loss's exponentials (V/N) and total (fp32), target index
+    (int64) and 2 masks (bool), the embedding's masked index (int64) and mask (bool); int64
+    positions once per position. MLP model: per layer the layer norm's input, stats and
+    output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit model.
+    """
+    from loomtrain.train.dryrun import INDEX_BYTES, mlp_activation_bytes
+
+    b, t, h, r, n, c = micro_batch, m.seq_len, m.d_model, m.mlp_ratio, tp, compute_bytes
+    if m.name == "mlp":
+        unsplit = mlp_activation_bytes(b, t, h, m.n_layers, r, m.vocab_size, c)
+        return unsplit - c * b * t * m.n_layers * 2 * r * h * (n - 1) // n
+    if sequence_parallel:
+        layer = 2 * h + 2 * h / n + 4 * h / n + 2 * r * h / n + 4 / n
+        once = h / n + 2 / n + h
+    else:
+        layer = 4 * h + 4 * h / n + 2 * r * h / n + 4
+        once = 2 * h + 2
+    fp32 = m.n_layers * m.n_heads / n + m.vocab_size / n + 1
+    per_token = c * (m.n_layers * layer + once) + FP32_BYTES * fp32 + 2 * INDEX_BYTES + 3
+    return round(b * t * per_token) + INDEX_BYTES * t
+
+
+def _times(c: Collective, calls: int, every: int = 1, prefix: str = "") -> Collective:
+    return Collective(prefix + c.purpose, c.op, c.axis, c.ranks, c.payload_bytes, c.wire_bytes,
+                      every, c.calls * calls, c.algorithm, c.unit)
+
+
+__all__ = ["tensor_activation_bytes", "tensor_collectives"]

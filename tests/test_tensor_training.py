@@ -1,0 +1,169 @@
+"""Tensor parallelism in the trainer (`parallel.tp`, `parallel.sequence_parallel`): the
+single-process oracle alone and composed with data parallel and ZeRO, checkpoints that
+reload under another layout, activation memory and wire bytes against the formulas."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from safetensors import safe_open
+
+from conftest import tiny_tree
+from harness import run_world
+from loomtrain.cli import main
+from loomtrain.comm import wire_bytes
+from loomtrain.mesh import build_mesh
+from loomtrain.models import GPT, token_loss_sum
+from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_sum
+from loomtrain.train import checkpoint, trainer
+from loomtrain.train.config import config_from_dict
+from loomtrain.train.metrics import read_metrics
+from test_zero import _curves, _train_many
+
+TP_ORACLE = {  # world -> configurations checked against the single-process run
+    2: [{"tp": 2}, {"tp": 2, "sequence_parallel": True}],
+    4: [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "zero_stage": 1},
+        {"tp": 2, "zero_stage": 2}, {"tp": 2, "sequence_parallel": True, "zero_stage": 3}],
+}
+
+
+def _metric_curves(tmp_path, corpus, world, parallels, model, name):
+    trees = [tiny_tree(tmp_path, corpus, model={"name": model},
+                       parallel={"nproc": world, **p}) for p in parallels]
+    run_world(_train_many, world, trees, str(tmp_path / name), timeout_s=280)
+    return [read_metrics(tmp_path / name / f"run{i}") for i in range(len(trees))]
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_oracle_tensor_parallel_alone_and_with_dp_and_zero(tmp_path, corpus, model):
+    reference = _metric_curves(tmp_path, corpus, 1, [{}], model, "ref")[0]
+    assert len(reference) == 20 and reference[-1]["loss"] < reference[0]["loss"] - 0.3
+    for world, configs in TP_ORACLE.items():
+        if model == "mlp":  # sequence parallelism is the GPT's: the MLP runs the plain splits
+            configs = [{k: v for k, v in c.items() if k != "sequence_parallel"} for c in configs]
+        runs = _metric_curves(tmp_path, corpus, world, configs, model, f"w{world}")
+        for cfg, records in zip(configs, runs):
+            # fp32 sums in another order (partial products all-reduced, the vocabulary-split
+            # softmax, shard-wise norms) differ in the last bits: ~1e-7 after 20 AdamW steps
+            for key in ("loss", "grad_norm"):
+                rel = max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(records, reference))
+                assert rel < 1e-4, (world, cfg, key, rel)
+
+
+def test_checkpoints_reload_under_another_layout_and_export(tmp_path, corpus):
+    """tp2 x dp2 ZeRO-3 with sequence parallel saves at step 10 (of 20: the learning-rate
+    schedule spans 20); single process and tp2 (no ZeRO) resume from it and follow the uninterrupted single-process curve; a tp checkpoint
+    consolidates to the unsplit model's full tensors."""
+    reference = _curves(tmp_path, corpus, 1, [{}], name="ref")[0]
+    saving = {"tp": 2, "sequence_parallel": True, "zero_stage": 3}
+    tree = tiny_tree(tmp_path, corpus, parallel={"nproc": 4, **saving}, checkpoint={"every": 10})
+    run_world(_train_many, 4, [tree], str(tmp_path / "save"), timeout_s=200)
+    saved = tmp_path / "save" / "run0"
+    full = checkpoint.load_model_state(checkpoint.list_checkpoints(saved)[-1])
+    gpt = GPT(256, 32, 32, 2, 2)
+    assert {k: tuple(v.shape) for k, v in full.items()} == {
+        k: tuple(v.shape) for k, v in gpt.state_dict().items()}
+    for nproc, parallel in ((1, {}), (2, {"tp": 2})):
+        resumed = tmp_path / f"resume{nproc}"
+        resumed.mkdir()
+        for item in saved.iterdir():  # the run folder as the saving run left it
+            target = resumed / item.name
+            shutil.copytree(item, target) if item.is_dir() else shutil.copy(item, target)
+        shutil.rmtree(checkpoint.step_dir(resumed, 20))  # resume from step 10
+        tree = tiny_tree(tmp_path, corpus, parallel={"nproc": nproc, **parallel})
+        run_world(_resume, nproc, tree, str(resumed), timeout_s=200)
+        losses = [r["loss"] for r in read_metrics(resumed)]
+        assert len(losses) == 20
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[10:], reference[10:]))
+        assert rel < 1e-4, (nproc, parallel, rel)
+    trainer.write_config(saved, config_from_dict(tree))  # as `loom train` does
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(saved), "--out", str(out)]) == 0
+    with safe_open(str(out), "pt") as f:
+        assert json.loads(f.metadata()["loomtrain.model_config"])["d_model"] == 32
+        assert torch.equal(f.get_tensor("blocks.1.attn.qkv.weight"),
+                           checkpoint.load_model_state(
+                               checkpoint.list_checkpoints(saved)[-1])["blocks.1.attn.qkv.weight"])
+
+
+def _resume(rank, world, tree, run_dir):
+    from pathlib import Path
+
+    from loomtrain.train.launch import init_distributed
+
+    cfg = config_from_dict(tree)
+    latest = checkpoint.list_checkpoints(Path(run_dir))[-1]
+    trainer._loop(cfg, Path(run_dir), latest, init_distributed(cfg), trainer.StopFlag())
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves for backward while `fn()` runs."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def _activation_case(rank, world):
+    mesh = build_mesh({"tp": world})
+    torch.manual_seed(0)
+    reference = GPT(64, 64, 64, 2, 4)
+    x = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for sp in (False, True):
+        model = parallelize_tensor(copy.deepcopy(reference), mesh, vocab_parallel=True,
+                                   sequence_parallel=sp)
+        out[sp] = _saved_bytes(lambda: vocab_parallel_loss_sum(model(x), x, model.head))[0]
+    out["single"] = _saved_bytes(lambda: token_loss_sum(reference(x), x))[0]
+    return out
+
+
+def test_sequence_parallel_saves_activation_memory():
+    for r in run_world(_activation_case, 2, timeout_s=120):
+        assert r[True] < r[False] < r["single"], r
+
+
+def _wire_case(rank, world, b, t, d, sp):
+    """Wire bytes on tp of one forward and one backward, for 1 and for 2 layers."""
+    mesh = build_mesh({"tp": world})
+    out = []
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        model = parallelize_tensor(GPT(64, t, d, layers, 4), mesh, vocab_parallel=sp,
+                                   sequence_parallel=sp)
+        x = torch.randint(0, 64, (b, t))
+        mesh.meter.take()
+        loss = (vocab_parallel_loss_sum(model(x), x, model.head) if sp
+                else token_loss_sum(model(x), x))
+        forward = mesh.meter.take()
+        loss.backward()
+        out.append((forward["total"], mesh.meter.take()["total"]))
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_wire_bytes_per_layer_match_megatron(sp):
+    """Megatron (Shoeybi et al., section 3): per layer, 2 all-reduces forward (after attention
+    and after the MLP) and 2 backward (before qkv and before fc) of the b x s x h activation;
+    a ring all-reduce of S bytes sends 2(N-1)/N x S. Sequence parallel (Korthikanti et al.,
+    section 4.2.2): each becomes an all-gather and a reduce-scatter, (N-1)/N x S each, and
+    backward also sums the gradients of the 2 layer norms and 2 row biases (6 x h floats).
+    The activation is 256 KiB, where comm/ runs reduce-scatter as a ring (a smaller one runs
+    as gloo's all-reduce and sends twice as much, docs/comm.md). Layer 2 minus layer 1 leaves
+    out the embedding, head and loss."""
+    world, b, t, d = 2, 4, 64, 256
+    (fwd1, bwd1), (fwd2, bwd2) = run_world(_wire_case, world, b, t, d, sp, timeout_s=120)[0]
+    activation = wire_bytes("ring_all_reduce", b * t * d * 4, world)
+    norms_and_biases = wire_bytes("ring_all_reduce", 6 * d * 4, world) if sp else 0
+    assert fwd2 - fwd1 == 2 * activation
+    assert bwd2 - bwd1 == 2 * activation + norms_and_biases
