@@ -7,6 +7,7 @@ told apart; the worlds take turns, the idle ones blocked on a queue.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import resource
@@ -75,3 +76,17 @@ class World:
         for proc in self.procs.processes:
             if proc.is_alive():
                 proc.kill()
+
+
+@contextlib.contextmanager
+def closing_worlds(worlds: dict[str, World]):
+    """Close every world of `worlds` (filled inside the block) at its end; on any error kill
+    them all instead, so that a failed or hung world never outlives the run."""
+    try:
+        yield worlds
+    except BaseException:
+        for world in worlds.values():
+            world.kill()
+        raise
+    for world in worlds.values():
+        world.close()
