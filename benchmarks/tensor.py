@@ -13,8 +13,8 @@ Engines:
 - `loomtrain`: `parallelize_tensor(model, mesh)`: attention's qkv and the MLP's fc column-
   parallel, their proj row-parallel; embedding, head and layer norms replicated.
 - `loomtrain_vocab`: also `vocab_parallel=True`, loss `vocab_parallel_loss_sum`.
-- `loomtrain_sp`: also `sequence_parallel=True`, and `sync_sequence_parallel_grads` before
-  the step.
+- `loomtrain_sp`: also `sequence_parallel=True` (the layer norms' and row biases' gradients
+  are summed over tp inside backward).
 - `torch_tp`: torch's `parallelize_module` on `mesh.device_mesh["tp"]`, ColwiseParallel for
   each block's attn.qkv and mlp.fc, RowwiseParallel for attn.proj and mlp.proj (DTensor
   parameters; the outputs of the row layers are replicated plain tensors). The GPT's fused
@@ -68,8 +68,7 @@ from loomtrain.comm.collectives import choose_impl
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
-from loomtrain.parallel.tensor import (parallelize_tensor, sync_sequence_parallel_grads,
-                                       vocab_parallel_loss_sum)
+from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_sum
 from worlds import World, closing_worlds, free_port
 
 WORLD = 2  # = tp
@@ -170,8 +169,6 @@ class Trainer:
             x, y = self._batch(self.step)
             loss = self.loss_sum(self.model(x), y) / y.numel()
             loss.backward()
-            if self.engine == "loomtrain_sp":
-                sync_sequence_parallel_grads(self.model, self.mesh)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
@@ -242,8 +239,9 @@ def expected_tp_ops(engine: str, model_cfg: dict, batch: int,
     and the loss's three all-reduces of one fp32 number per token (max, sum of exponentials,
     target logit). `loomtrain_sp` replaces every all-reduce of S by an all-gather and a
     reduce-scatter of payload S, the head too, and adds the all-gather of the sequence split's
-    gradient after the embedding and the all-reduce of the layer norms' and row biases'
-    gradients (`sync_sequence_parallel_grads`: 2 x 2h per layer norm, h per row bias).
+    gradient after the embedding and one all-reduce per tensor of the layer norms' and row
+    biases' gradients inside backward (2 x 2h per block's layer norms, h per row bias, 2h for
+    the final norm: 6 per block and 2).
     """
     b, s, h, layers = batch, model_cfg["seq_len"], model_cfg["d_model"], model_cfg["n_layers"]
     act, per_token = 4 * b * s * h, 4 * b * s
@@ -252,9 +250,8 @@ def expected_tp_ops(engine: str, model_cfg: dict, batch: int,
     loss = [("all_reduce", per_token, 3)]
     if engine == "loomtrain_vocab":
         return [("all_reduce", act, 4 * layers + 2)] + loss
-    sync = 4 * (layers * (2 * 2 * h + 2 * h) + 2 * h)  # + ln_f
     return [("all_gather", act, 4 * layers + 2), ("reduce_scatter", act, 4 * layers + 1),
-            ("all_reduce", act, 1), ("all_reduce", sync, 1)] + loss
+            ("all_reduce", act, 1), ("all_reduce", 4 * h, 6 * layers + 2)] + loss
 
 
 def expected_tp_wire_bytes(engine: str, model_cfg: dict, batch: int, tp: int) -> dict:
