@@ -1,4 +1,4 @@
-"""The `loom` command: `loom train | report | export`.
+"""The `loom` command: `loom train | report | export | generate`.
 
 User errors (config, data, checkpoints) print one paragraph on stderr and exit with code 2;
 nothing already written in a run folder is touched before the input is validated.
@@ -34,6 +34,20 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir")
     export.add_argument("--to", choices=["safetensors"], default="safetensors")
     export.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors)")
+
+    gen = sub.add_parser("generate", help="decode text with a run's latest checkpoint (KV cache, tensor parallel)")
+    gen.add_argument("run_dir")
+    gen.add_argument("--prompt", default="\n", help="text to continue (bytes are tokens; default a newline)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="stops earlier when the context (seq_len) is full")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens only")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (the same tokens at any --tp)")
+    gen.add_argument("--samples", type=int, default=1, help="sequences decoded together as one batch")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel processes on this machine")
+    gen.add_argument("--compress", choices=["none", "int8"], default="none",
+                     help="int8: the tp all-reduces send int8 with per-chunk scales")
+    gen.add_argument("--overlap", action="store_true",
+                     help="hide the tp all-reduces behind two nano-batches (needs --samples >= 2)")
     return parser
 
 
@@ -140,10 +154,31 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from loomtrain.inference.run_dir import GenerateRequest, run
+
+    req = GenerateRequest(args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
+                          args.top_k, args.seed, args.tp, args.compress, args.overlap, args.samples)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        result = run(req)
+    except ChildFailedError as err:
+        codes = sorted({f.exitcode for f in err.failures.values()})
+        print(f"error: a generate worker failed (exit codes {codes}); see the messages above", file=sys.stderr)
+        return 2 if 2 in codes else 1
+    print(("\n" + "-" * 40 + "\n").join(result["texts"]))
+    stopped = " (stopped: the context of seq_len={} tokens is full)".format(result["seq_len"]) \
+        if result["new_tokens"] < req.max_new_tokens else ""
+    print(f"{result['new_tokens']} new tokens per sample, {result['ms_per_token']:.2f} ms per "
+          f"token at tp={req.tp}{stopped}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    commands = {"train": cmd_train, "report": cmd_report, "export": cmd_export, "generate": cmd_generate}
     try:
-        return {"train": cmd_train, "report": cmd_report, "export": cmd_export}[args.command](args)
+        return commands[args.command](args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
