@@ -36,7 +36,8 @@ def quantize_int8(x: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, to
     """(int8 values as (chunks, chunk), fp32 scales (chunks,)) of `x` flattened, zero-padded
     to whole chunks."""
     flat = x.reshape(-1).float()
-    flat = F.pad(flat, (0, (-flat.numel()) % chunk))
+    if flat.numel() % chunk:
+        flat = F.pad(flat, (0, (-flat.numel()) % chunk))
     blocks = flat.view(-1, chunk)
     scales = blocks.abs().amax(dim=1) / 127.0
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero chunk

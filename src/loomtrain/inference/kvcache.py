@@ -43,7 +43,7 @@ class LayerKV:
 
 class KVCache:
     """The cache of a whole model: `layers[i]` goes to block i. `max_len` is the model's
-    context (its position table): decoding stops there (inference/generate.py)."""
+    context (its position table): decoding stops there (inference/decoder.py)."""
 
     def __init__(self, n_layers: int, max_len: int):
         self.max_len = max_len

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from loomtrain.errors import CheckpointError, ConfigError, UserError
-from loomtrain.inference.generate import COMPRESS, generate
+from loomtrain.inference.decoder import COMPRESS, generate
 
 BYTE_VOCAB = 256
 
