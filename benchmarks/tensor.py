@@ -198,8 +198,11 @@ class Trainer:
     def decode(self, quick: bool) -> dict:
         # --- optional decode section: benchmarks/decode.py's measure_decode, when it exists ---
         import decode  # the sibling module; only asked for when DECODE exists
-        return decode.measure_decode(self.mesh.rank, WORLD, mesh=self.mesh,
-                                     model_cfg=self.model_cfg, quick=quick)
+        m = self.model_cfg  # the training model's shape; 64 new tokens (8 with --quick)
+        return decode.measure_decode(self.mesh.rank, WORLD, mesh=self.mesh, d_model=m["d_model"],
+                                     n_layers=m["n_layers"], n_heads=m["n_heads"],
+                                     vocab=m["vocab_size"], new_tokens=8 if quick else 64,
+                                     rounds=1 if quick else 5)
 
 
 def _rank_main(rank: int, engine: str, port: int, model_cfg: dict, batch: int, seed: int,

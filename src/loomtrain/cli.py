@@ -1,4 +1,4 @@
-"""The `loom` command: `loom train | report | export`.
+"""The `loom` command: `loom train | report | export | generate`.
 
 User errors (config, data, checkpoints) print one paragraph on stderr and exit with code 2;
 nothing already written in a run folder is touched before the input is validated.
@@ -34,6 +34,21 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir")
     export.add_argument("--to", choices=["safetensors"], default="safetensors")
     export.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors)")
+
+    # defaults (None here) are GenerateRequest's, in inference/run_dir.py: the parser imports no torch
+    gen = sub.add_parser("generate", help="decode text with a run's latest checkpoint (KV cache, tensor parallel)")
+    gen.add_argument("run_dir")
+    gen.add_argument("--prompt", help="text to continue (bytes are tokens; default a newline)")
+    gen.add_argument("--max-new-tokens", type=int, help="default 64; stops earlier when the context (model.seq_len) is full")
+    gen.add_argument("--temperature", type=float, help="default 0.8; 0: greedy")
+    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens only")
+    gen.add_argument("--seed", type=int, help="sampling seed, default 0 (the same tokens at any --tp)")
+    gen.add_argument("--samples", type=int, help="sequences decoded together as one batch (default 1)")
+    gen.add_argument("--tp", type=int, help="tensor-parallel processes on this machine (default 1)")
+    gen.add_argument("--compress", choices=["none", "int8"],
+                     help="int8: the tp all-reduces send int8 with per-chunk scales (default none)")
+    gen.add_argument("--overlap", action="store_true", default=None,
+                     help="hide the tp all-reduces behind two nano-batches (needs --samples >= 2)")
     return parser
 
 
@@ -140,10 +155,31 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from loomtrain.inference.run_dir import GenerateRequest, run
+
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "run_dir")}
+    req = GenerateRequest(args.run_dir, **given)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        result = run(req)
+    except ChildFailedError as err:
+        codes = sorted({f.exitcode for f in err.failures.values()})
+        print(f"error: a generate worker failed (exit codes {codes}); see the messages above", file=sys.stderr)
+        return 2 if 2 in codes else 1
+    print(("\n" + "-" * 40 + "\n").join(result["texts"]))
+    stopped = f" (stopped: the context of seq_len={result['seq_len']} tokens is full)" \
+        if result["new_tokens"] < req.max_new_tokens else ""
+    print(f"{result['new_tokens']} new tokens per sample at tp={req.tp}, "
+          f"{result['ms_per_token']:.1f} ms per token (prefill included){stopped}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    commands = {"train": cmd_train, "report": cmd_report, "export": cmd_export, "generate": cmd_generate}
     try:
-        return {"train": cmd_train, "report": cmd_report, "export": cmd_export}[args.command](args)
+        return commands[args.command](args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -3,6 +3,11 @@
 Attention is causal softmax attention through `scaled_dot_product_attention`. The module
 returns logits; the loss (summed over tokens, normalized by the trainer) lives in
 `models/__init__.py` so every model shares it.
+
+Decoding passes a key/value cache (`loomtrain.inference.KVCache`) as `forward(idx, cache)`:
+the new tokens' positions start at the cache's length, their keys and values are appended
+to it, and their queries attend to everything cached. Without a cache (training) the
+computation is the same sequence of operations as before the cache existed.
 """
 
 from __future__ import annotations
@@ -22,17 +27,30 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """The heads' attention output before the output projection, (b, t, local width)."""
         qkv = self.qkv(x)
         # shapes from qkv's output, so a tensor-parallel qkv works: a slice of the heads, and
         # under sequence parallelism the whole sequence gathered from a chunk of it
         b, t = qkv.shape[:2]
-        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, 3, self.n_heads, -1).unbind(2))
+        mask, causal = None, True
+        if cache is not None:
+            start = cache.length
+            k, v = cache.append(k, v)
+            # from an empty cache (prefill) the plain causal path; one new token sees every
+            # cached one; t new tokens after `start` cached ones need the offset causal mask
+            causal = start == 0
+            if start and t > 1:
+                mask = torch.arange(start + t, device=x.device) <= start + torch.arange(t, device=x.device)[:, None]
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        return y.transpose(1, 2).reshape(b, t, -1)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        return self.proj(self.mix(x, cache))
 
 
 class MLPBlock(nn.Module):
@@ -41,8 +59,11 @@ class MLPBlock(nn.Module):
         self.fc = nn.Linear(d_model, ratio * d_model)
         self.proj = nn.Linear(ratio * d_model, d_model)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(self.hidden(x))
 
 
 class Block(nn.Module):
@@ -54,8 +75,8 @@ class Block(nn.Module):
         self.mlp = MLPBlock(d_model, mlp_ratio)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), cache))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -86,11 +107,21 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        assert t <= self.seq_len, f"sequence of {t} tokens exceeds seq_len={self.seq_len}"
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token plus position embeddings of `idx`, whose first token sits at position `start`."""
+        end = start + idx.shape[1]
+        assert end <= self.seq_len, f"sequence of {end} tokens exceeds seq_len={self.seq_len}"
+        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(start, end, device=idx.device)))
+
+    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        """Logits (b, t, vocab). With `cache`, `idx` continues the cached sequence (decoding)."""
+        if cache is None:
+            x = self.embed(idx)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+        x = self.embed(idx, cache.length)
+        for block, layer in zip(self.blocks, cache.layers):
+            x = block(x, layer)
+        cache.advance(idx.shape[1])
         return self.head(self.ln_f(x))

@@ -1,0 +1,155 @@
+"""`loom generate RUN_DIR`: decode text with the newest checkpoint of a `loom train` run.
+
+The checkpoint may come from any layout (any rank count, ZeRO stage): `load_model_state`
+consolidates its shards into full tensors on CPU, the GPT is built from the run's
+`config.toml` [model] section and loaded, then split over `tp` ranks with
+`parallelize_tensor`. Every rank reads the full weights before keeping its slice, which is
+fine for the models trained here and not for ones that do not fit one process's memory.
+
+Text is byte-level, as in training (data/corpus.py): a token is a byte, so a run whose
+vocabulary is not the 256 bytes cannot take a text prompt. The request is checked in the
+launching process, before any worker starts; a bad one is a `UserError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from loomtrain.errors import CheckpointError, ConfigError, UserError
+from loomtrain.inference.decoder import COMPRESS, generate
+
+BYTE_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    run_dir: str
+    prompt: str = "\n"
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int | None = None
+    seed: int = 0
+    tp: int = 1
+    compress: str = "none"
+    overlap: bool = False
+    samples: int = 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_request(req: GenerateRequest):
+    """(the [model] config, the checkpoint folder) for `req`, or a UserError naming the
+    flag, its value and what would be valid."""
+    from loomtrain.train import checkpoint
+    from loomtrain.train.config import load_config
+
+    run_dir = Path(req.run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise CheckpointError(f"generate {str(run_dir)!r}: no config.toml there; is it a loom run "
+                              "folder (made by `loom train`)?")
+    model = load_config(run_dir / "config.toml").model
+    done = checkpoint.list_checkpoints(run_dir)
+    if not done:
+        raise CheckpointError(f"generate {str(run_dir)!r}: no complete checkpoint in "
+                              f"{run_dir / 'checkpoints'}; train the run first")
+    checkpoint.verify(done[-1])
+    if model.name != "gpt":
+        raise ConfigError(f"generate decodes GPT models; {str(run_dir)!r} trained "
+                          f"model.name={model.name!r}")
+    if model.vocab_size != BYTE_VOCAB:
+        raise ConfigError(f"a text prompt is bytes, but {str(run_dir)!r} has model.vocab_size="
+                          f"{model.vocab_size} (byte-level text needs {BYTE_VOCAB}, its tokens "
+                          "came from a token file)")
+    if req.tp < 1 or model.n_heads % req.tp:
+        raise ConfigError(f"--tp {req.tp} must divide the model's heads, model.n_heads="
+                          f"{model.n_heads}: choose among {_divisors(model.n_heads)}")
+    room = model.seq_len - 1
+    size = len(req.prompt.encode("utf-8"))
+    if not 1 <= size <= room:
+        raise UserError(f"--prompt is {size} bytes; the model's context is model.seq_len="
+                        f"{model.seq_len} tokens and at least one must be left for a new "
+                        f"token: give 1 to {room} bytes")
+    for flag, value, low in (("--max-new-tokens", req.max_new_tokens, 1),
+                             ("--samples", req.samples, 1), ("--top-k", req.top_k, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value}: give at least {low}")
+    if req.temperature < 0:
+        raise UserError(f"--temperature {req.temperature}: give 0 (greedy) or more")
+    if req.compress not in COMPRESS:
+        raise UserError(f"--compress {req.compress!r}: choose one of {', '.join(COMPRESS)}")
+    if req.overlap and req.samples < 2:
+        raise UserError("--overlap splits the batch into two nano-batches, so it needs at "
+                        f"least 2 sequences: give --samples 2 or more (got {req.samples})")
+    return model, done[-1]
+
+
+def load_model(model_cfg, path: Path, mesh=None) -> torch.nn.Module:
+    """The GPT of checkpoint `path`, in eval mode, split over `mesh`'s tp axis if given."""
+    from loomtrain.models import build_model
+    from loomtrain.parallel.tensor import parallelize_tensor
+    from loomtrain.train import checkpoint
+
+    model = build_model(model_cfg)
+    checkpoint.load_model_weights(path, model)
+    if mesh is not None:
+        parallelize_tensor(model, mesh)
+    return model.eval()
+
+
+def decode(req: GenerateRequest, mesh=None) -> dict:
+    """Generate on this rank (every tp rank calls it alike): the texts and the timing."""
+    model_cfg, path = check_request(req)
+    model = load_model(model_cfg, path, mesh)
+    prompt = torch.tensor(list(req.prompt.encode("utf-8")), dtype=torch.long)
+    prompt = prompt.expand(req.samples, -1).contiguous()
+    start = time.perf_counter()
+    out = generate(model, prompt, req.max_new_tokens, temperature=req.temperature,
+                   top_k=req.top_k, seed=req.seed, compress=req.compress, overlap=req.overlap)
+    seconds = time.perf_counter() - start
+    new = out.shape[1] - prompt.shape[1]
+    return {"texts": [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out],
+            "new_tokens": new, "ms_per_token": 1e3 * seconds / new, "seq_len": model_cfg.seq_len}
+
+
+def generate_worker(request: dict) -> dict | None:
+    """Entry point of each launched process (module level, plain arguments): rank 0
+    returns what `decode` returns, the others None."""
+    import torch.distributed as dist
+
+    from loomtrain import comm
+    from loomtrain.mesh import build_mesh
+    from loomtrain.train.launch import shutdown
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    world = dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+    try:
+        mesh = build_mesh({"tp": world})
+        result = decode(GenerateRequest(**request), mesh)
+    except (UserError, comm.CollectiveError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()  # no barrier: a peer may be gone
+        sys.exit(2 if isinstance(err, UserError) else 4)
+    shutdown(mesh)
+    return result if mesh.rank == 0 else None
+
+
+def run(req: GenerateRequest) -> dict:
+    """Check `req`, then decode in this process (tp 1) or on `req.tp` launched processes."""
+    check_request(req)
+    if req.tp == 1:
+        return decode(req)
+    from loomtrain.train.launch import launch_local
+    return launch_local(req.tp, generate_worker, asdict(req))[0]
+
+
+__all__ = ["GenerateRequest", "check_request", "decode", "generate_worker", "load_model", "run"]
