@@ -51,7 +51,7 @@ def _summed(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
     F.linear output or the embedding's masked rows (autograd saves neither; `_conjugate`
     marks it dirty, so a later save would fail loudly); backward, the input gradient of the
     F.linear a `_CopyToTP` feeds. The clone this replaces was a fresh activation-sized
-    allocation per all-reduce: 1-3% of a step at d_model 384 (docs/tensor-bench.md)."""
+    allocation per all-reduce: 1-3% of a step at d_model 384 (docs/tensor.md, Measured)."""
     out = x if x.is_contiguous() else x.contiguous()
     comm.all_reduce(out, mesh, axis)
     return out
