@@ -20,19 +20,19 @@ from loomtrain.train.metrics import read_metrics
 
 def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: int) -> dict:
     """Runs `cfg` with the loss of rank `nan_rank` multiplied by NaN on the 1-based steps
-    `nan_steps` (a test-side patch of the trainer's loss), recording for every step whether
+    `nan_steps` (a test-side patch of the loss the trainer passes to its step), recording for every step whether
     the parameters and the optimizer's step counts changed."""
     steps: list[dict] = []
-    real_step, real_loss = trainer.train_step, trainer.token_loss_sum
+    real_step = trainer.train_step
 
-    def loss(logits, targets):
-        value = real_loss(logits, targets)
-        return value * math.nan if rank == nan_rank and len(steps) + 1 in nan_steps else value
+    def step(model, optimizer, batches, global_tokens, grad_clip, real_loss):
+        def loss(logits, targets):
+            value = real_loss(logits, targets)
+            return value * math.nan if rank == nan_rank and len(steps) + 1 in nan_steps else value
 
-    def step(model, optimizer, *args):
         before = [p.detach().clone() for p in model.parameters()]
         counts = [float(s["step"]) for s in optimizer.state.values()]
-        result = real_step(model, optimizer, *args)
+        result = real_step(model, optimizer, batches, global_tokens, grad_clip, loss)
         steps.append({
             "stepped": result[2],
             "params_changed": any(not torch.equal(a, p) for a, p in zip(before, model.parameters())),
@@ -40,7 +40,7 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
         })
         return result
 
-    trainer.train_step, trainer.token_loss_sum = step, loss
+    trainer.train_step = step
     stderr, error = io.StringIO(), None
     try:
         with contextlib.redirect_stderr(stderr):
@@ -48,7 +48,7 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
     except trainer.NonFiniteError as err:
         error = str(err)
     finally:
-        trainer.train_step, trainer.token_loss_sum = real_step, real_loss
+        trainer.train_step = real_step
     return {"steps": steps, "stderr": stderr.getvalue(), "error": error,
             "metrics": read_metrics(run_dir) if rank == 0 else None}
 
@@ -90,9 +90,9 @@ def test_nonfinite_steps_are_skipped_then_abort(tiny, tmp_path):
 
 _ABORT_CLI = """
 import math, sys
-from loomtrain.train import trainer
-real = trainer.token_loss_sum
-trainer.token_loss_sum = lambda logits, targets: real(logits, targets) * math.nan
+import loomtrain.parallel as parallel
+real = parallel.token_loss_sum  # the loss parallelize hands the trainer without tp
+parallel.token_loss_sum = lambda logits, targets: real(logits, targets) * math.nan
 from loomtrain.cli import main
 sys.exit(main(sys.argv[1:]))
 """
