@@ -69,7 +69,7 @@ from loomtrain.comm.meter import wire_bytes
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
 from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_sum
-from worlds import World, closing_worlds, free_port
+from worlds import World, closing_worlds, free_port, serve_commands
 
 WORLD = 2  # = tp
 MODEL = {"vocab_size": 256, "seq_len": 128, "d_model": 384, "n_layers": 4, "n_heads": 8}
@@ -219,10 +219,8 @@ def _rank_main(rank: int, engine: str, port: int, model_cfg: dict, batch: int, s
         if warmup > 1:
             trainer.train(warmup - 1)
         results.put((rank, {"first_step_loss": first_loss, "unsplit_loss": trainer.unsplit_loss}))
-        while (command := commands[rank].get()) is not None:
-            kind, arg = command
-            results.put((rank, trainer.timed_round(arg) if kind == "round"
-                         else trainer.decode(arg)))
+        serve_commands(rank, commands, results,
+                       {"round": trainer.timed_round, "decode": trainer.decode})
         comm.barrier(trainer.mesh)  # before destroy: avoids an intermittent abort (DESIGN.md)
     finally:
         dist.destroy_process_group()

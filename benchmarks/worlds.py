@@ -90,3 +90,11 @@ def closing_worlds(worlds: dict[str, World]):
         raise
     for world in worlds.values():
         world.close()
+
+
+def serve_commands(rank: int, commands, results, handlers: dict) -> None:
+    """A rank's loop: answer each (kind, arg) command from the parent with
+    `handlers[kind](arg)` until the parent sends None."""
+    while (command := commands[rank].get()) is not None:
+        kind, arg = command
+        results.put((rank, handlers[kind](arg)))

@@ -73,7 +73,7 @@ from loomtrain.train.config import config_from_dict
 from loomtrain.train.dryrun import activation_bytes
 from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.trainer import train_step
-from worlds import World, free_port, peak_rss_bytes, rss_bytes
+from worlds import World, free_port, peak_rss_bytes, rss_bytes, serve_commands
 
 MODEL = {"d_model": 512, "n_layers": 16, "n_heads": 8, "seq_len": 128, "vocab_size": 256}
 SMALL_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32, "vocab_size": 256}
@@ -360,10 +360,8 @@ def _rank_main(rank: int, engine: Engine, port: int, cfg_dict: dict, warmup: int
         if warmup > 1:
             trainer.train(warmup - 1)
         results.put((rank, {"first_step_loss": first_loss}))
-        while (command := commands[rank].get()) is not None:
-            kind, arg = command
-            results.put((rank, trainer.timed_round(arg) if kind == "round"
-                         else trainer.timeline_step(arg)))
+        serve_commands(rank, commands, results,
+                       {"round": trainer.timed_round, "timeline": trainer.timeline_step})
         comm.barrier(trainer.mesh)  # before destroy: avoids an intermittent abort (DESIGN.md)
     finally:
         dist.destroy_process_group()
