@@ -10,10 +10,9 @@ Everything outside the pairs (layer norms, embeddings, the biases added after a 
 replicated on the tp ranks; their inputs and the gradients reaching them are the same on
 every tp rank (the all-reduces make them so), so their gradients agree without any sync.
 
-Status (issue 4, first increment): the linear layers, the GPT's attention and MLP, user
-plans that name column/row submodules, the vocabulary-parallel embedding, tied head and
-cross-entropy, Megatron sequence parallelism. Not yet: the trainer's `parallel.tp`,
-composition with dp/ZeRO, decoding.
+Also here: the vocabulary-parallel embedding, tied head and cross-entropy, and Megatron
+sequence parallelism. The trainer applies these through `loomtrain.parallel.apply_tensor_parallel`
+(docs/tensor.md); decoding is in loomtrain/inference/.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ class ShardedDataParallel(nn.Module):
         self.all_units = units + ([root] if root is not None else [])
         self.launch_order = units[::-1] + ([root] if root is not None else [])
         self.timeline = None  # a loomtrain.timeline.Timeline while one step is recorded
+        self._pieces = None  # (tensor-parallel, replicated) gradient views, for the norm
         self._sync = True
         self._callback_queued = False
         self._reductions = ReductionQueue()
@@ -225,7 +226,9 @@ class ShardedDataParallel(nn.Module):
         `clip_grad_norm_` computes on the whole gradient, up to summation order)."""
         grads = [u.grad for u in self.all_units if u.grad.numel()]
         if self.mesh.size("tp") > 1:  # tensor-parallel pieces count on every tp rank
-            total = grad_norm(*self._grad_pieces(), self.mesh, self.plan.optimizer_axis)
+            if self._pieces is None:  # views of the persistent gradient shards: built once
+                self._pieces = self._grad_pieces()
+            total = grad_norm(*self._pieces, self.mesh, self.plan.optimizer_axis)
         else:
             total = grad_norm([], grads, self.mesh, self.plan.optimizer_axis)
         if max_norm > 0 and grads:
@@ -238,9 +241,10 @@ class ShardedDataParallel(nn.Module):
         split, replicated = [], []
         for u in self.all_units:
             lo, hi = u.optimizer_range
+            param_of = dict(zip(u.layout.slots, u.params))
             for piece in u.layout.slices(lo, hi):
                 at = piece.unit_offset - lo
-                param = u.params[u.layout.slots.index(piece.slot)]
+                param = param_of[piece.slot]
                 kind = split if placement_of(param) is not None else replicated
                 kind.append(u.grad[at:at + piece.numel])
         return split, replicated
