@@ -31,13 +31,12 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from loomtrain import comm
 from loomtrain.inference.shift import Request, ShiftServer
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT
-from worlds import World, free_port
+from worlds import World, free_port, tp_rank
 
 POLICIES = {"tp": "tp", "sp": "sp", "shift": None}  # forced mode, or the threshold's choice
 SMALL, LARGE = (1, 8), (8, 64)  # (requests, prompt tokens) of the trace's two group kinds
@@ -113,25 +112,12 @@ def measure_serving(rank: int, world: int, mesh=None, d_model: int = 256, n_laye
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, commands: list, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = build_mesh({"tp": world})
-        while (kwargs := commands[rank].get()) is not None:
-            results.put((rank, measure_serving(rank, world, mesh=mesh, **kwargs)))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 groups, 4 new tokens, 1 round")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    world = World("shift", 2, _rank_main, (2, free_port()), timeout_s=600)
+    world = World("shift", 2, tp_rank, (2, free_port(), measure_serving), timeout_s=600)
     try:
         result = world.command({"quick": args.quick})[0]
         world.close()
