@@ -19,6 +19,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None,
+           dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of (b, heads, t, head_dim) queries over the keys and values, after
+    appending the new ones to the layer's `cache` if given (inference/shift.py calls it on
+    head slices too)."""
+    mask, causal = None, True
+    if cache is not None:
+        start, t = cache.length, q.shape[2]
+        k, v = cache.append(k, v)
+        # from an empty cache (prefill) the plain causal path; one new token sees every
+        # cached one; t new tokens after `start` cached ones need the offset causal mask
+        causal = start == 0
+        if start and t > 1:
+            mask = torch.arange(start + t, device=q.device) <= start + torch.arange(t, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
@@ -34,19 +51,7 @@ class CausalSelfAttention(nn.Module):
         # under sequence parallelism the whole sequence gathered from a chunk of it
         b, t = qkv.shape[:2]
         q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, 3, self.n_heads, -1).unbind(2))
-        mask, causal = None, True
-        if cache is not None:
-            start = cache.length
-            k, v = cache.append(k, v)
-            # from an empty cache (prefill) the plain causal path; one new token sees every
-            # cached one; t new tokens after `start` cached ones need the offset causal mask
-            causal = start == 0
-            if start and t > 1:
-                mask = torch.arange(start + t, device=x.device) <= start + torch.arange(t, device=x.device)[:, None]
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        y = attend(q, k, v, cache, self.dropout if self.training else 0.0)
         return y.transpose(1, 2).reshape(b, t, -1)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
