@@ -42,8 +42,10 @@ against Megatron's count (`expected_tp_ops`): per layer and step, 2 all-reduces 
 activations (b x s x h fp32) forward and 2 backward, each ring all-reduce of S bytes sending
 2(N-1)/N x S. Both engines' bytes written to sockets per step are measured too (`wchar`).
 
-Later sections: `decode` (benchmarks/decode.py, when it exists, adds decode_ms_per_token) and
-`serving` are separate parts of the JSON object, measured after the training rounds.
+After the training rounds, in the plain loomtrain world: `decode_ms_per_token`
+(benchmarks/decode.py's `measure_decode`: exact, int8, overlap, torch DTensor TP) and
+`serving` (benchmarks/shift.py's `measure_serving`: tp, sp and shift on a mixed trace), both
+on the training model's shape.
 
 The last line on stdout is one JSON object (see `summarize`).
 """
@@ -57,7 +59,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,6 @@ QUICK_MODEL = {"vocab_size": 64, "seq_len": 32, "d_model": 64, "n_layers": 2, "n
 # round order: loomtrain and torch_tp are neighbours in this order and in its reverse
 ENGINES = ("loomtrain_vocab", "loomtrain_sp", "loomtrain", "torch_tp")
 LR = 1e-3
-DECODE = Path(__file__).with_name("decode.py")  # optional section, written separately
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -196,19 +196,25 @@ class Trainer:
                 "tp_calls_per_step": (meter.total("calls", axis="tp") - calls0) / steps}
 
     def decode(self, quick: bool) -> dict:
-        # --- optional decode section: benchmarks/decode.py's measure_decode, when it exists ---
-        import decode  # the sibling module; only asked for when DECODE exists
+        import decode  # the sibling modules (benchmarks/ is on sys.path when run as a script)
         m = self.model_cfg  # the training model's shape; 64 new tokens (8 with --quick)
         return decode.measure_decode(self.mesh.rank, WORLD, mesh=self.mesh, d_model=m["d_model"],
                                      n_layers=m["n_layers"], n_heads=m["n_heads"],
                                      vocab=m["vocab_size"], new_tokens=8 if quick else 64,
                                      rounds=1 if quick else 5)
 
+    def serving(self, quick: bool) -> dict:
+        import shift
+        m = self.model_cfg
+        return shift.measure_serving(self.mesh.rank, WORLD, mesh=self.mesh, d_model=m["d_model"],
+                                     n_layers=m["n_layers"], n_heads=m["n_heads"],
+                                     vocab=m["vocab_size"], quick=quick)
+
 
 def _rank_main(rank: int, engine: str, port: int, model_cfg: dict, batch: int, seed: int,
                warmup: int, commands: list, results) -> None:
     """A spawned rank: set up, report the first step's losses after warm-up, then run one
-    command at a time: ("round", steps), ("decode", quick), or None to stop."""
+    command at a time: ("round", steps), ("decode", quick), ("serving", quick), or None."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # 2 cores, 2 ranks: the same for every engine
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
@@ -220,7 +226,8 @@ def _rank_main(rank: int, engine: str, port: int, model_cfg: dict, batch: int, s
             trainer.train(warmup - 1)
         results.put((rank, {"first_step_loss": first_loss, "unsplit_loss": trainer.unsplit_loss}))
         serve_commands(rank, commands, results,
-                       {"round": trainer.timed_round, "decode": trainer.decode})
+                       {"round": trainer.timed_round, "decode": trainer.decode,
+                        "serving": trainer.serving})
         comm.barrier(trainer.mesh)  # before destroy: avoids an intermittent abort (DESIGN.md)
     finally:
         dist.destroy_process_group()
@@ -365,9 +372,8 @@ def main(argv=None) -> dict:
                       file=sys.stderr, flush=True)
         out = summarize(rounds, first, args, model_cfg)
         # --- decode section (optional): benchmarks/decode.py, when another change adds it ---
-        if DECODE.exists():
-            out["decode_ms_per_token"] = worlds["loomtrain"].command(("decode", args.quick))[0]
-        # --- serving section: to come ---
+        out["decode_ms_per_token"] = worlds["loomtrain"].command(("decode", args.quick))[0]
+        out["serving"] = worlds["loomtrain"].command(("serving", args.quick))[0]
     out["wall_s"] = time.perf_counter() - start
     print(json.dumps(out), flush=True)
     return out

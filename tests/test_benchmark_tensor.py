@@ -11,7 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "tensor.py"
 KEYS = {"loomtrain_tokens_per_s", "torch_tp_tokens_per_s", "ratio", "loomtrain_vocab_tokens_per_s",
         "loomtrain_sp_tokens_per_s", "engines", "tp_bytes", "first_step_losses",
         "unsplit_first_step_loss", "first_step_loss_max_rel_diff", "last_step_loss_max_rel_diff",
-        "config", "date", "losses_agree"}
+        "config", "date", "losses_agree", "decode_ms_per_token", "serving"}
 ENGINES = {"loomtrain", "loomtrain_vocab", "loomtrain_sp", "torch_tp"}
 
 
@@ -28,6 +28,9 @@ def test_benchmark_tensor_quick():
     assert out["first_step_loss_max_rel_diff"] < 1e-5, out["first_step_losses"]
     assert out["last_step_loss_max_rel_diff"] < 1e-5, out["engines"]
     assert out["losses_agree"]
+    assert all(out["decode_ms_per_token"][v] > 0 for v in ("exact", "compressed", "torch"))
+    for policy in ("tp", "sp", "shift"):
+        assert out["serving"][policy]["p50_latency_ms"] > 0 < out["serving"][policy]["tokens_per_s"]
     # loomtrain's meter counts what Megatron's scheme sends, op for op
     for engine in ("loomtrain", "loomtrain_vocab", "loomtrain_sp"):
         fig = out["tp_bytes"][engine]
