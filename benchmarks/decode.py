@@ -43,7 +43,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from loomtrain import comm
@@ -51,7 +50,7 @@ from loomtrain.inference import Decoder
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT
 from loomtrain.parallel.tensor import parallelize_tensor
-from worlds import World, free_port
+from worlds import World, free_port, tp_rank
 
 VARIANTS = {"exact": {}, "compressed": {"compress": "int8"}, "overlap": {"overlap": True},
             "compressed_overlap": {"compress": "int8", "overlap": True}, "torch": {}}
@@ -188,19 +187,11 @@ def measure_all_reduce(mesh, sizes_bytes=(4 << 10, 64 << 10, 1 << 20), reps: int
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, commands: list, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = build_mesh({"tp": world})
-        while (kwargs := commands[rank].get()) is not None:
-            figures = measure_decode(rank, world, mesh=mesh, **kwargs)
-            figures["all_reduce_ms"] = measure_all_reduce(mesh)
-            results.put((rank, figures))
-    finally:
-        dist.destroy_process_group()
+def decode_and_all_reduce(rank: int, world: int, mesh=None, **kwargs) -> dict:
+    """`measure_decode`, plus the two all-reduces timed alone (the command-line figures)."""
+    figures = measure_decode(rank, world, mesh=mesh, **kwargs)
+    figures["all_reduce_ms"] = measure_all_reduce(mesh)
+    return figures
 
 
 def main(argv=None) -> dict:
@@ -215,7 +206,7 @@ def main(argv=None) -> dict:
     if args.small:
         kwargs.update(d_model=32, n_layers=2, n_heads=4)
     t0 = time.perf_counter()
-    world = World("decode", 2, _rank_main, (2, free_port()), timeout_s=600)
+    world = World("decode", 2, tp_rank, (2, free_port(), decode_and_all_reduce), timeout_s=600)
     try:
         result = world.command(kwargs)[0]
         world.close()
