@@ -23,71 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loomtrain import comm
 from loomtrain.parallel.placement import Placement
-
-
-def _gather_seq(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
-    """(b, t/N, ...) on each rank -> (b, t, ...), chunks in rank order along dim 1."""
-    n = mesh.size(axis)
-    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, x.contiguous(), mesh, axis)
-    return out.movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
-
-
-def _scatter_seq(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
-    """(b, t, ...) partial sums on each rank -> my (b, t/N, ...) chunk of their sum."""
-    n = mesh.size(axis)
-    chunks = x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]).movedim(1, 0).contiguous()
-    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    comm.reduce_scatter(out, chunks, mesh, axis)
-    return out
-
-
-def _summed(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
-    """`x` summed over the axis, in place when `x` is contiguous (as Megatron's `_reduce`).
-    Safe because every caller hands over a tensor nothing else reads: forward, a row layer's
-    F.linear output or the embedding's masked rows (autograd saves neither; `_conjugate`
-    marks it dirty, so a later save would fail loudly); backward, the input gradient of the
-    F.linear a `_CopyToTP` feeds. The clone this replaces was a fresh activation-sized
-    allocation per all-reduce: 1-3% of a step at d_model 384 (docs/tensor.md, Measured)."""
-    out = x if x.is_contiguous() else x.contiguous()
-    comm.all_reduce(out, mesh, axis)
-    return out
-
-
-def _my_chunk(x: torch.Tensor, mesh, axis: str) -> torch.Tensor:
-    return x.chunk(mesh.size(axis), dim=1)[mesh.local_rank(axis)].contiguous()
-
-
-def _conjugate(name: str, forward, backward, doc: str):
-    """An autograd function of (x, mesh, axis) doing `forward` and, on the gradient,
-    `backward` (each a function of (tensor, mesh, axis))."""
-
-    def fwd(ctx, x, mesh, axis):
-        ctx.mesh, ctx.axis = mesh, axis
-        out = forward(x, mesh, axis)
-        if out is x:  # changed in place (`_summed`): autograd must know
-            ctx.mark_dirty(x)
-        return out
-
-    def bwd(ctx, grad):
-        return backward(grad, ctx.mesh, ctx.axis), None, None
-
-    return type(name, (torch.autograd.Function,), {
-        "__doc__": doc, "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
-
-
-_CopyToTP = _conjugate("_CopyToTP", lambda x, _m, _a: x.view_as(x), _summed,
-                       "Identity forward; all-reduce of the gradient backward (Megatron's `f`).")
-_ReduceFromTP = _conjugate("_ReduceFromTP", _summed, lambda g, _m, _a: g,
-                           "All-reduce forward; identity backward (Megatron's `g`).")
-_GatherFromSP = _conjugate("_GatherFromSP", _gather_seq, _scatter_seq,
-                           "Sequence parallel: all-gather the sequence forward, reduce-scatter back.")
-_ScatterToSP = _conjugate("_ScatterToSP", _scatter_seq, _gather_seq,
-                          "Sequence parallel: reduce-scatter the sequence forward, all-gather back.")
-_SplitSeq = _conjugate("_SplitSeq", _my_chunk, _gather_seq,
-                       "Keep my chunk of a replicated (b, t, ...) tensor; all-gather the gradient.")
+from loomtrain.parallel.tensor_comm import (CopyToTP, GatherFromSP, ReduceFromTP, ScatterToSP,
+                                            SplitSeq, VocabParallelCrossEntropy)
 
 
 class SequenceSplit(nn.Module):
@@ -98,7 +36,7 @@ class SequenceSplit(nn.Module):
         self.inner, self.mesh, self.axis = inner, mesh, axis
 
     def forward(self, x):
-        return _SplitSeq.apply(self.inner(x), self.mesh, self.axis)
+        return SplitSeq.apply(self.inner(x), self.mesh, self.axis)
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
@@ -116,7 +54,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def synced(p):
-            return None if p is None else _CopyToTP.apply(p, self.mesh, self.axis)
+            return None if p is None else CopyToTP.apply(p, self.mesh, self.axis)
         return F.layer_norm(x, self.normalized_shape, synced(self.weight), synced(self.bias), self.eps)
 
 
@@ -146,7 +84,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _piece(linear.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        enter = _GatherFromSP if self.sequence_parallel else _CopyToTP
+        enter = GatherFromSP if self.sequence_parallel else CopyToTP
         return F.linear(enter.apply(x, self.mesh, self.axis), self.weight, self.bias)
 
 
@@ -162,12 +100,12 @@ class RowParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leave = _ScatterToSP if self.sequence_parallel else _ReduceFromTP
+        leave = ScatterToSP if self.sequence_parallel else ReduceFromTP
         y = leave.apply(F.linear(x, self.weight), self.mesh, self.axis)
         if self.bias is None:
             return y
         # under sequence parallelism the bias meets my sequence chunk only: sum its gradient
-        return y + (_CopyToTP.apply(self.bias, self.mesh, self.axis) if self.sequence_parallel
+        return y + (CopyToTP.apply(self.bias, self.mesh, self.axis) if self.sequence_parallel
                     else self.bias)
 
 
@@ -186,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.stop)
         rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        return _ReduceFromTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.mesh, self.axis)
+        return ReduceFromTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.mesh, self.axis)
 
 
 class VocabParallelHead(nn.Module):
@@ -200,50 +138,15 @@ class VocabParallelHead(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        enter = _GatherFromSP if self.sequence_parallel else _CopyToTP
+        enter = GatherFromSP if self.sequence_parallel else CopyToTP
         return F.linear(enter.apply(x, self.mesh, self.axis), self.weight)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy summed over tokens from vocabulary-sharded logits: three all-reduces of
-    one number per token (max, sum of exponentials, target logit), never the full logits."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, ignore_index, mesh, axis):
-        logits = logits.float()
-        width = logits.shape[-1]
-        peak = logits.max(dim=-1).values
-        comm.all_reduce(peak, mesh, axis, op="max")
-        shifted = logits - peak.unsqueeze(-1)
-        exp = shifted.exp()
-        total = exp.sum(dim=-1)
-        comm.all_reduce(total, mesh, axis)
-        local = targets - start
-        mine = (local >= 0) & (local < width)
-        target = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-        target = target.masked_fill(~mine, 0.0)
-        comm.all_reduce(target, mesh, axis)
-        valid = targets != ignore_index
-        loss = (total.log() - target).masked_fill(~valid, 0.0)
-        ctx.save_for_backward(exp, total, local, mine, valid)
-        return loss.sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        exp, total, local, mine, valid = ctx.saved_tensors
-        softmax = exp / total.unsqueeze(-1)  # d loss / d logits = softmax - one_hot(target)
-        hit = (mine & valid).unsqueeze(-1)
-        index = local.clamp(0, softmax.shape[-1] - 1).unsqueeze(-1)
-        softmax.scatter_add_(-1, index, -hit.to(softmax.dtype))
-        softmax.mul_(valid.unsqueeze(-1).to(softmax.dtype) * grad)
-        return softmax, None, None, None, None, None
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, head: VocabParallelHead,
                             ignore_index: int = -100) -> torch.Tensor:
     """`token_loss_sum` for the logits slice a `VocabParallelHead` returns (the same on every
     tp rank)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, head.start, ignore_index,
+    return VocabParallelCrossEntropy.apply(logits, targets, head.start, ignore_index,
                                             head.mesh, head.axis)
 
 
