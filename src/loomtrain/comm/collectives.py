@@ -118,21 +118,24 @@ def broadcast(tensor: torch.Tensor, mesh, axis: str, src_local: int = 0, async_o
     )
 
 
-def send(tensor: torch.Tensor, mesh, axis: str, dst_local: int, async_op: bool = False):
-    """Point-to-point send to the axis member with local index `dst_local`."""
+def send(tensor: torch.Tensor, mesh, axis: str, dst_local: int, async_op: bool = False,
+         tag: int = 0):
+    """Point-to-point send to the axis member with local index `dst_local`. gloo matches a
+    send to the receive with the same `tag`; NCCL ignores tags and matches in order."""
     dst = mesh.group_ranks(axis)[dst_local]
     return _start(
         mesh, "send", axis, _nbytes(tensor), "send",
-        lambda g: dist.isend(tensor, dst=dst, group=g), async_op,
+        lambda g: dist.isend(tensor, dst=dst, group=g, tag=tag), async_op,
     )
 
 
-def recv(tensor: torch.Tensor, mesh, axis: str, src_local: int, async_op: bool = False):
+def recv(tensor: torch.Tensor, mesh, axis: str, src_local: int, async_op: bool = False,
+         tag: int = 0):
     """Point-to-point receive from the axis member with local index `src_local` (sends nothing)."""
     src = mesh.group_ranks(axis)[src_local]
     mesh.meter.last_op = f"recv on {axis} ({_nbytes(tensor)} bytes)"
     try:
-        work = dist.irecv(tensor, src=src, group=mesh.group(axis))
+        work = dist.irecv(tensor, src=src, group=mesh.group(axis), tag=tag)
     except RuntimeError as err:
         raise _fail(mesh, "recv", axis, err) from None
     pending = Pending(work, mesh, "recv", axis)

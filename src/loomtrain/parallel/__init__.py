@@ -1,7 +1,7 @@
 """Parallel strategies, each a function over one mesh axis; `parallelize` composes them.
 
-Order (TorchTitan's): tensor parallel first, then (as they land) the pipeline split and
-context parallel (issues 5-6); data parallel or ZeRO over the dp axis last, since it shards
+Order (TorchTitan's): tensor parallel first, then the pipeline split (this rank keeps its
+stages) and (as it lands) context parallel (issue 6); data parallel or ZeRO over the dp axis last, since it shards
 whatever parameters the other axes left on this rank. The optimizer is built after tensor
 parallelism (which makes new, smaller parameters) and before the dp engine (ZeRO rebuilds it
 over its shard).
@@ -20,6 +20,10 @@ def parallelize(model, mesh, cfg, make_optimizer):
     builds the optimizer; `loss_sum(logits, targets)` is the token-summed cross-entropy of
     what the wrapped model returns (a slice of the vocabulary under tensor parallelism)."""
     model, loss_sum = apply_tensor_parallel(model, mesh, cfg)
+    if cfg.parallel.pp > 1:
+        from loomtrain.parallel.pipeline import apply_pipeline
+
+        model = apply_pipeline(model, mesh, cfg)
     optimizer = make_optimizer(model)
     from loomtrain.parallel.data import apply_data_parallel
     from loomtrain.parallel.zero import shard

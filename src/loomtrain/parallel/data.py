@@ -117,20 +117,36 @@ def _broadcast_chunk(same: list[torch.Tensor], mesh, axis: str) -> None:
             t.copy_(src)
 
 
-def grad_norm(split: list[torch.Tensor], replicated: list[torch.Tensor], mesh, axis: str) -> torch.Tensor:
-    """The global 2-norm of a gradient held in pieces. `axis` is the group whose ranks hold
+def norm_weight(p: torch.Tensor, mesh) -> float:
+    """What the square of `p`'s gradient counts for in the global norm, on each rank holding
+    it: a tensor-parallel piece counts whole, a tensor replicated over tp for 1/tp; a
+    parameter held by several pipeline stages (a tied embedding) for 1/`pp_copies`."""
+    weight = 1.0 if placement_of(p) is not None else 1.0 / mesh.size("tp")
+    return weight / getattr(p, "pp_copies", 1)
+
+
+def grad_norm(groups: list[tuple[list[torch.Tensor], float]], mesh, axis: str) -> torch.Tensor:
+    """The global 2-norm of a gradient held in pieces: `groups` pairs gradient tensors with
+    the weight of their squares (`norm_weight`). `axis` is the group whose ranks hold
     different pieces of the same tensors (ZeRO's shard axis; "self" when every dp rank holds
-    all of them). Over tp, tensor-parallel pieces (`split`) differ and are summed, while
-    `replicated` ones are the same on every tp rank: each tp rank adds 1/tp of their square,
-    so one number is all-reduced over each of `axis` and tp."""
+    all of them); tp and pp ranks hold different pieces too. One number is all-reduced over
+    each of `axis`, tp and pp (sizes of 1 cost nothing)."""
     square = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    for grads, weight in ((split, 1.0), (replicated, 1.0 / mesh.size("tp"))):
+    for grads, weight in groups:
         if grads:
             norms = torch.stack(torch._foreach_norm(grads)).float().to(mesh.device)
             square = square + norms.square().sum() * weight
-    comm.all_reduce(square, mesh, axis)
-    comm.all_reduce(square, mesh, "tp")
+    for group in (axis, "tp", "pp"):
+        comm.all_reduce(square, mesh, group)
     return square.sqrt()
+
+
+def weighted_groups(items, mesh) -> list[tuple[list[torch.Tensor], float]]:
+    """[(gradients, weight), ...] from (parameter, gradient) pairs, grouped by `norm_weight`."""
+    groups: dict[float, list[torch.Tensor]] = {}
+    for p, g in items:
+        groups.setdefault(norm_weight(p, mesh), []).append(g)
+    return list((grads, w) for w, grads in groups.items())
 
 
 class DataParallel(nn.Module):
@@ -177,15 +193,19 @@ class DataParallel(nn.Module):
         """Clip the (already reduced, replicated) gradients; returns the total norm before
         clipping (of the whole model's gradient, also when tensor parallelism split it)."""
         params = [p for b in self.buckets for p in b.params]
-        if self.mesh.size("tp") == 1:
+        if self.mesh.size("tp") == 1 and self.mesh.size("pp") == 1:
             if max_norm > 0:
                 return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
             return nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        split = [p.grad for p in params if placement_of(p) is not None]
-        total = grad_norm(split, [p.grad for p in params if placement_of(p) is None], self.mesh, "self")
+        total = grad_norm(weighted_groups(((p, p.grad) for p in params), self.mesh), self.mesh, "self")
         if max_norm > 0:
             nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
+
+    def sync_gradients(self) -> None:
+        """Reduce the gradients accumulated under `no_sync()` now, outside any backward (the
+        pipeline runtime's end of step: its backward passes run stage by stage)."""
+        self._finish()
 
     @property
     def gradient_bytes(self) -> int:
@@ -238,4 +258,4 @@ def apply_data_parallel(model: nn.Module, mesh, cfg) -> DataParallel:
 
 
 __all__ = ["Bucket", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets",
-           "grad_norm"]
+           "grad_norm", "norm_weight", "weighted_groups"]

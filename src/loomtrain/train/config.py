@@ -88,6 +88,14 @@ class ParallelConfig(Section):
     # tensor parallel: layer norms and dropout on 1/tp of the sequence (Megatron-style)
     sequence_parallel: bool = False
     pp: int = Field(1, ge=1)
+    # pipeline (pp > 1): docs/pipeline.md
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "optimal", "async"] = "1f1b"
+    microbatches: int | None = Field(None, ge=1)  # None: global_batch / (dp * micro_batch)
+    virtual_stages: int = Field(1, ge=1)  # stages per rank (interleaved: 2 or more)
+    recompute: Literal["none", "full", "selective"] = "none"
+    offload_activations: float = Field(0.0, ge=0.0, le=1.0)  # fraction of stashed activations
+    pipeline_balance: Literal["params", "time"] = "params"  # what stages are balanced by
+    split_points: list[int] = []  # first layer of stages 1.. (layers: embed, blocks, head)
     cp: int = Field(1, ge=1)
     zero_stage: int = Field(0, ge=0, le=3)
     hierarchical: bool = False  # ZeRO: shard inside the node, reduce across nodes in two levels
@@ -121,7 +129,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
         p, t = self.parallel, self.train
-        for axis, issue in (("pp", 5), ("cp", 6)):
+        for axis, issue in (("cp", 6),):
             if getattr(p, axis) > 1:
                 raise ValueError(
                     f"parallel.{axis}={getattr(p, axis)} is not supported yet (it arrives with issue "
@@ -156,11 +164,61 @@ class Config(Section):
                 f"train.global_batch={t.global_batch} must be divisible by dp*micro_batch = "
                 f"{p.dp_size}*{t.micro_batch} = {per_rank}"
             )
+        _check_pipeline(p, self.model, t)
         return self
 
     @property
     def accumulation_steps(self) -> int:
         return self.train.global_batch // (self.parallel.dp_size * self.train.micro_batch)
+
+
+def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
+    """The pipeline keys: a schedule's own rules, what pp composes with, and a split that
+    gives every stage at least one layer (the model's layers: embed, blocks, head)."""
+    if p.pp == 1:
+        changed = [k for k in ("microbatches", "recompute", "offload_activations", "split_points",
+                               "virtual_stages") if k in p.model_fields_set
+                   and getattr(p, k) != ParallelConfig.model_fields[k].default]
+        if changed:
+            raise ValueError(f"parallel.{changed[0]} is a pipeline setting: it needs parallel.pp > 1")
+        return
+    micro = t.global_batch // (p.dp_size * t.micro_batch)
+    if p.microbatches is not None and p.microbatches != micro:
+        raise ValueError(
+            f"parallel.microbatches={p.microbatches} must equal train.global_batch / (dp * "
+            f"train.micro_batch) = {t.global_batch}/({p.dp_size}*{t.micro_batch}) = {micro}; "
+            f"set train.micro_batch={max(1, t.global_batch // (p.dp_size * p.microbatches))} "
+            "(or leave parallel.microbatches unset)")
+    for key, allowed in (("tp", 1), ("cp", 1)):
+        if getattr(p, key) != allowed:
+            raise ValueError(f"parallel.pp={p.pp} with parallel.{key}={getattr(p, key)} is not "
+                             f"supported yet: the pipeline composes with dp and ZeRO-1")
+    if p.zero_stage > 1 or t.precision != "fp32":
+        raise ValueError(f"parallel.pp={p.pp} runs in fp32 with parallel.zero_stage 0 or 1 "
+                         f"(got zero_stage={p.zero_stage}, train.precision={t.precision!r}): "
+                         "stages 2-3 would reduce or gather on every micro-batch of the schedule")
+    if p.schedule == "interleaved":
+        if p.virtual_stages < 2 or micro % p.pp:
+            raise ValueError(
+                f'parallel.schedule="interleaved" needs parallel.virtual_stages >= 2 (got '
+                f"{p.virtual_stages}) and micro-batches divisible by parallel.pp={p.pp} (got {micro})")
+    elif p.virtual_stages != 1:
+        raise ValueError(f"parallel.virtual_stages={p.virtual_stages} is for "
+                         f'parallel.schedule="interleaved" (got {p.schedule!r}); set it to 1')
+    if p.recompute == "selective" and m.name != "gpt":
+        raise ValueError('parallel.recompute="selective" recomputes the GPT\'s attention; '
+                         f'model.name={m.name!r} has none: use "full"')
+    layers, stages = m.n_layers + 2, p.pp * p.virtual_stages
+    if p.split_points:
+        points = [0, *p.split_points, layers]
+        if len(p.split_points) != stages - 1 or any(a >= b for a, b in zip(points, points[1:])):
+            raise ValueError(
+                f"parallel.split_points={p.split_points} must be {stages - 1} increasing layer "
+                f"indices between 1 and {layers - 1} (the model has {layers} layers: embed, "
+                f"{m.n_layers} blocks, head; pp*virtual_stages = {stages} stages)")
+    elif stages > layers:
+        raise ValueError(f"parallel.pp*virtual_stages = {stages} stages exceed the model's "
+                         f"{layers} layers (embed, {m.n_layers} blocks, head)")
 
 
 def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:

@@ -27,6 +27,7 @@ from loomtrain.data import WindowSampler, eval_samples, load_corpus, rank_sample
 from loomtrain.errors import UserError
 from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
 from loomtrain.parallel import parallelize
+from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
 from loomtrain.train.config import Config, config_from_dict, config_to_toml
@@ -65,7 +66,12 @@ def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float
                loss_fn=token_loss_sum):
     """Forward/backward over the micro-batches, clip, step. Returns (local loss sum, grad norm,
     stepped). The loss of every micro-batch is divided by the global token count."""
-    loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
+    runtime = runtime_of(model)
+    if runtime is not None:  # the schedule runs every micro-batch's forward and backward
+        loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
+        batches = []
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
@@ -91,14 +97,16 @@ def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     total = torch.zeros(2, dtype=torch.float64, device=device)
     mine = eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, mesh.local_rank("dp"), mesh.size("dp"))
     rounds = -(-cfg.run.eval_batches // mesh.size("dp"))
+    runtime = runtime_of(model)
     for i in range(rounds):
         x, y = sampler.batch(mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0])
         x, y = x.to(device), y.to(device)
-        loss = loss_fn(model(x), y).double()
-        if i < len(mine):
-            total[0] += loss
+        out = runtime.forward_only(model, x) if runtime is not None else model(x)
+        if i < len(mine) and out is not None:  # under pp, the last stage has the output
+            total[0] += loss_fn(out, y).double()
             total[1] += (y != IGNORE_INDEX).sum()
     comm.all_reduce(total, mesh, "dp")
+    comm.all_reduce(total, mesh, "pp")
     model.train()
     return float(total[0] / total[1])
 
@@ -115,8 +123,10 @@ def _control(batches, stop: StopFlag, mesh) -> tuple[float, bool]:
 
 def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, stepped: bool,
             mesh, tokens_per_s: float) -> dict:
-    """One metrics.jsonl record; the loss all-reduce happens only on logged steps."""
+    """One metrics.jsonl record; the loss all-reduce happens only on logged steps (over pp
+    too: the pipeline's last stage holds the loss)."""
     comm.all_reduce(loss_sum, mesh, "dp")
+    comm.all_reduce(loss_sum, mesh, "pp")
     rec = {"step": done, "loss": float(loss_sum) / global_tokens, "lr": lr,
            "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
            "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(mesh.device)}

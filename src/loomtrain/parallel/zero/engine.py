@@ -35,8 +35,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from loomtrain.parallel.data import grad_norm
-from loomtrain.parallel.placement import placement_of
+from loomtrain.parallel.data import grad_norm, norm_weight
 from loomtrain.parallel.zero.communication import GradReduction, ReductionQueue, start_gather
 from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
 
@@ -225,29 +224,34 @@ class ShardedDataParallel(nn.Module):
         all-reduce over the group those ranges tile adds them up (the norm torch's
         `clip_grad_norm_` computes on the whole gradient, up to summation order)."""
         grads = [u.grad for u in self.all_units if u.grad.numel()]
-        if self.mesh.size("tp") > 1:  # tensor-parallel pieces count on every tp rank
+        if self.mesh.size("tp") > 1 or self.mesh.size("pp") > 1:  # pieces weigh differently
             if self._pieces is None:  # views of the persistent gradient shards: built once
                 self._pieces = self._grad_pieces()
-            total = grad_norm(*self._pieces, self.mesh, self.plan.optimizer_axis)
+            total = grad_norm(self._pieces, self.mesh, self.plan.optimizer_axis)
         else:
-            total = grad_norm([], grads, self.mesh, self.plan.optimizer_axis)
+            total = grad_norm([(grads, 1.0)], self.mesh, self.plan.optimizer_axis)
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
 
-    def _grad_pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tensor-parallel, replicated) views of my gradient shards, parameter by parameter."""
-        split, replicated = [], []
+    def _grad_pieces(self) -> list[tuple[list[torch.Tensor], float]]:
+        """Views of my gradient shards, parameter by parameter, grouped by `norm_weight`."""
+        groups: dict[float, list[torch.Tensor]] = {}
         for u in self.all_units:
             lo, hi = u.optimizer_range
             param_of = dict(zip(u.layout.slots, u.params))
             for piece in u.layout.slices(lo, hi):
                 at = piece.unit_offset - lo
-                param = param_of[piece.slot]
-                kind = split if placement_of(param) is not None else replicated
-                kind.append(u.grad[at:at + piece.numel])
-        return split, replicated
+                weight = norm_weight(param_of[piece.slot], self.mesh)
+                groups.setdefault(weight, []).append(u.grad[at:at + piece.numel])
+        return [(grads, w) for w, grads in groups.items()]
+
+    def sync_gradients(self) -> None:
+        """Stage 1: reduce the gradients accumulated under `no_sync()` now, outside any
+        backward (the pipeline runtime's end of step)."""
+        assert self.plan.stage == 1, "stages 2-3 reduce every backward: nothing waits"
+        self._finish()
 
     @property
     def parameters_total(self) -> int:

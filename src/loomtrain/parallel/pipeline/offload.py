@@ -1,0 +1,151 @@
+"""Stashed activations of the micro-batches in flight: counted, and moved to host memory and
+back for the ones a schedule offloads (the PipeOffload idea, arXiv 2503.01328: offload what
+waits longest before its backward, reload it just before).
+
+A forward runs inside `stash.saving(key)`: autograd's saved-tensor hooks hand every tensor
+it saves for backward (parameters excepted: they are not activations) to the stash, which
+keeps it in a `Saved` record and gives autograd the record instead. `offload(key)` copies a
+pair's tensors into host buffers on a copy thread and drops the device tensors;
+`reload(key)` copies them back, also asynchronously; the backward's unpack hook waits for
+its tensor only if the copy has not finished. On a GPU the host buffers are pinned and the
+copies run on a side stream; on a CPU the "device" is host memory too, but the copy is still
+real (a separate buffer, the original freed), so the bytes live on the device are measured
+the same way.
+
+`live_bytes` counts the activation bytes on the device now (a saved tensor's own bytes:
+views of one storage that autograd saves separately, such as q, k and v, add up to it);
+`peak_bytes` its maximum since `reset_peak()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Saved:
+    __slots__ = ("tensor", "host", "copy", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.host, self.copy = tensor, None, None
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+
+class ActivationStash:
+    def __init__(self, params, device: torch.device):
+        self.device = device
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._pairs: dict[tuple[int, int], list[Saved]] = {}
+        self._offloaded: set[tuple[int, int]] = set()
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="offload")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._lock = threading.Lock()
+        self.live_bytes = self.peak_bytes = 0
+
+    # --- accounting -------------------------------------------------------------------------
+
+    def _add(self, nbytes: int) -> None:
+        with self._lock:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    # --- saving -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def saving(self, key: tuple[int, int], inputs=()):
+        """Autograd's saved tensors of the forward run inside go to pair `key`; `inputs`
+        (the received stage input, kept for backward anyway) count too."""
+        saved = self._pairs.setdefault(key, [])
+        for t in inputs:
+            if t.is_floating_point():
+                saved.append(Saved(t))
+                self._add(saved[-1].nbytes)
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() in self._param_storages or t.device != self.device:
+                return t  # a weight (or a CPU index tensor): not an activation
+            record = Saved(t)
+            saved.append(record)
+            self._add(record.nbytes)
+            return record
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _unpack(self, record):
+        if not isinstance(record, Saved):
+            return record
+        if record.copy is not None:  # a copy in flight (out or in): let it finish
+            record.copy.result()
+            record.copy = None
+        if record.tensor is None:  # offloaded and never reloaded: bring it back now
+            self._reload_one(record)
+        return record.tensor
+
+    def release(self, key: tuple[int, int]) -> None:
+        """The pair's backward is done: its activations are garbage (the graph held them)."""
+        for record in self._pairs.pop(key, []):
+            if record.copy is not None:
+                record.copy.result()
+            if record.tensor is not None:
+                self._add(-record.nbytes)
+            record.tensor = record.host = None
+        self._offloaded.discard(key)
+
+    # --- offload and reload -----------------------------------------------------------------
+
+    def offload(self, key: tuple[int, int]) -> None:
+        """Start copying pair `key`'s activations to host memory; each device tensor is
+        dropped (and counted off) when its copy is done."""
+        self._offloaded.add(key)
+        for record in self._pairs.get(key, []):
+            record.copy = self._submit(self._copy_out, record)
+
+    def reload(self, key: tuple[int, int]) -> None:
+        """Start copying pair `key`'s activations back to the device."""
+        if key not in self._offloaded:
+            return
+        self._offloaded.discard(key)
+        for record in self._pairs.get(key, []):
+            if record.copy is not None:
+                record.copy.result()  # its copy-out first
+            self._add(record.nbytes)
+            record.copy = self._submit(self._copy_in, record)
+
+    def _submit(self, fn, record: Saved) -> Future:
+        return self._copier.submit(fn, record)
+
+    def _copy_out(self, record: Saved) -> None:
+        t = record.tensor
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._stream is not None)
+        with self._on_stream():
+            host.copy_(t, non_blocking=self._stream is not None)
+            self._synchronize()
+        record.host, record.tensor = host, None
+        self._add(-record.nbytes)
+
+    def _copy_in(self, record: Saved) -> None:
+        with self._on_stream():
+            tensor = record.host.to(self.device, non_blocking=self._stream is not None, copy=True)
+            self._synchronize()
+        record.tensor, record.host = tensor, None
+
+    def _reload_one(self, record: Saved) -> None:
+        self._add(record.nbytes)
+        self._copy_in(record)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)

@@ -1,0 +1,302 @@
+"""Executes a pipeline schedule on this rank: the actions of `schedule.actions[rank]` in order.
+
+F(m, s)   stage s's forward of micro-batch m on the input received for it (micro-batch m's
+          tokens on stage 0), under the stash's saved-tensor hooks; the last stage computes
+          the loss (token-summed, divided by the step's global token count).
+B(m, s)   backward from the loss, or from the output gradient received for it.
+I / W     zero-bubble's split backward: I runs the backward with every `nn.Linear`'s weight
+          gradient deferred (`DeferredWeightGrads`: the matmul dW = dy^T x is kept, not done),
+          so the input gradient reaches the previous stage sooner; W does the deferred
+          matmuls. Other parameters (norms, embeddings) get their small gradients in I.
+SEND/RECV point to point over the pp axis with `isend`/`irecv`: a receive is posted at its
+          RECV action and waited for by the compute that needs it (the wait is recorded);
+          sends are waited for at the end of the step. Tags name the tensor, so gloo matches
+          by tag; schedules also keep every pair's order (NCCL matches in order).
+OFFLOAD / RELOAD  the stash's asynchronous copies to host memory and back (offload.py).
+
+Recomputation: a (micro-batch, stage) in `schedule.recompute`, or every one with
+`recompute="full"`, runs its forward under non-reentrant activation checkpointing (only the
+stage input is kept; the forward runs again inside its backward); `recompute="selective"` is
+applied to the model (the GPT's attention core) before the runtime sees it.
+
+All backward passes run inside the dp engine's `no_sync()`; the engine reduces the
+accumulated gradients once after the last (`sync_gradients`), then a parameter held by two
+pipeline ranks (the tied embedding and head) has its gradient summed over pp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from loomtrain import comm
+from loomtrain.parallel.pipeline import schedules as S
+from loomtrain.parallel.pipeline.offload import ActivationStash
+
+_ACT, _GRAD, _EVAL = 0, 1, 2  # what a message carries, in its tag
+
+
+class DeferredWeightGrads:
+    """While `deferring(key)` is active, linear layers patched by `defer_linear_weights` skip
+    their weight and bias gradients in backward and leave a closure computing them under
+    `key`; `run(key)` computes and accumulates them into `.grad`."""
+
+    def __init__(self):
+        self.key = None
+        self.pending: dict = {}
+
+    @contextlib.contextmanager
+    def deferring(self, key):
+        self.key = key
+        self.pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self.key = None
+
+    @torch.no_grad()
+    def run(self, key) -> None:
+        for weight, bias, x, dy in self.pending.pop(key, []):
+            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+            _accumulate(weight, dy2.t() @ x2)
+            if bias is not None:
+                _accumulate(bias, dy2.sum(0))
+
+
+def _accumulate(p: nn.Parameter, grad: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = grad
+    else:
+        p.grad.add_(grad)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        # the parameters themselves: a saved tensor unpacks as another tensor object, and
+        # the deferred gradient must land in the parameter's own .grad
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        if ctx.store.key is not None:
+            ctx.store.pending[ctx.store.key].append((ctx.weight, ctx.bias, x, dy))
+            return dx, None, None, None
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dw = dy2.t() @ x2 if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.bias is not None and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+def _deferrable_forward(module: nn.Linear, store: DeferredWeightGrads, x: torch.Tensor):
+    return _Linear.apply(x, module.weight, module.bias, store)
+
+
+def defer_linear_weights(module: nn.Module, store: DeferredWeightGrads) -> int:
+    """Patch every plain `nn.Linear` of `module` to defer its weight gradient into `store`
+    (subclasses, such as the tensor-parallel layers, keep their own backward). Returns how
+    many were patched."""
+    n = 0
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.forward = partial(_deferrable_forward, m, store)
+            n += 1
+    return n
+
+
+class PipelineRuntime:
+    """One rank's executor of `schedule` for the stages of `module` (a PipelineModule)."""
+
+    def __init__(self, module, mesh, schedule: S.Schedule, shapes, shared, recompute: str = "none"):
+        self.module, self.mesh, self.schedule = module, mesh, schedule
+        self.rank, self.pp = mesh.local_rank("pp"), mesh.size("pp")
+        self.last = schedule.stages - 1
+        self.shapes = shapes  # stage s's output (shape, dtype), for a micro-batch
+        self.recompute = recompute
+        self.actions = schedule.actions[self.rank]
+        self.deferred = DeferredWeightGrads()
+        if any(a.kind == S.I for a in self.actions):
+            defer_linear_weights(module, self.deferred)
+        self.stash = ActivationStash(module.parameters(), mesh.device)
+        self.spans: list[dict] | None = None  # per-action spans while a step is recorded
+        # parameters held on several pp ranks, in one order everywhere: (local or None, shape)
+        self.shared = shared
+
+    # --- one training step ------------------------------------------------------------------
+
+    def train_step(self, model, batches, global_tokens: float, loss_fn) -> torch.Tensor:
+        """Runs the schedule over `batches` (one (x, y) per micro-batch) through `model` (the
+        dp-wrapped PipelineModule); gradients end summed over dp and over the pp copies of
+        shared parameters. Returns this rank's token-summed loss (zero off the last stage)."""
+        if len(batches) != self.schedule.microbatches:
+            raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
+                             f"the step {len(batches)}")
+        self._step = _StepState(model, batches, global_tokens, loss_fn, self.mesh.device)
+        self.stash.reset_peak()
+        run = {S.F: self._forward, S.B: self._backward, S.I: self._backward, S.W: self._weights,
+               S.SEND_F: self._send, S.SEND_B: self._send, S.RECV_F: self._recv,
+               S.RECV_B: self._recv, S.OFFLOAD: self._offload, S.RELOAD: self._reload}
+        with model.no_sync():
+            for action in self.actions:
+                run[action.kind](action)
+        state, self._step = self._step, None
+        for pending, _ in state.sends:
+            pending.wait()
+        t0 = time.perf_counter()
+        model.sync_gradients()
+        self._sum_shared()
+        self._span("compute", "SYNC", "sync", t0)
+        return state.loss_sum
+
+    def _sum_shared(self) -> None:
+        for p, shape in self.shared:  # the pp ranks without a copy add zeros
+            grad = p.grad if p is not None else torch.zeros(shape, device=self.mesh.device)
+            comm.all_reduce(grad, self.mesh, "pp")
+
+    # --- actions ----------------------------------------------------------------------------
+
+    def _forward(self, a: S.Action) -> None:
+        st, key = self._step, (a.microbatch, a.stage)
+        x = st.batches[a.microbatch][0] if a.stage == 0 else self._received(st.recv_f, key)
+        if a.stage > 0:
+            x.requires_grad_(True)
+            st.inputs[key] = x
+        t0 = time.perf_counter()
+        full = self.recompute == "full" or key in self.schedule.recompute
+        with self.stash.saving(key, [x] if a.stage > 0 else []):
+            if full:
+                out = checkpoint(st.model, x, a.stage, use_reentrant=False)
+            else:
+                out = st.model(x, a.stage)
+            if a.stage == self.last:
+                loss = st.loss_fn(out, st.batches[a.microbatch][1])
+                st.loss_sum += loss.detach()
+                out = loss / st.global_tokens
+        st.outputs[key] = out
+        self._span("compute", S.F, str(a), t0)
+
+    def _backward(self, a: S.Action) -> None:
+        st, key = self._step, (a.microbatch, a.stage)
+        grad = None if a.stage == self.last else self._received(st.recv_b, key)
+        t0 = time.perf_counter()
+        out = st.outputs.pop(key)
+        context = self.deferred.deferring(key) if a.kind == S.I else contextlib.nullcontext()
+        with context:
+            torch.autograd.backward(out, grad)
+        if a.stage > 0:
+            st.grads[key] = st.inputs.pop(key).grad
+        if a.kind == S.B:
+            self.stash.release(key)
+        self._span("compute", a.kind, str(a), t0)
+
+    def _weights(self, a: S.Action) -> None:
+        t0 = time.perf_counter()
+        key = (a.microbatch, a.stage)
+        self.deferred.run(key)
+        self.stash.release(key)
+        self._span("compute", S.W, str(a), t0)
+
+    def _send(self, a: S.Action) -> None:
+        st, key = self._step, (a.microbatch, a.stage)
+        if a.kind == S.SEND_F:
+            tensor, to, what = st.outputs[key].detach(), a.stage + 1, _ACT
+        else:
+            tensor, to, what = st.grads.pop(key), a.stage - 1, _GRAD
+        tensor = tensor.contiguous()
+        issued = time.perf_counter()
+        pending = comm.send(tensor, self.mesh, "pp", S.stage_rank(to, self.pp), async_op=True,
+                            tag=self._tag(what, a.microbatch, to if what == _ACT else a.stage))
+        st.sends.append((pending, tensor))  # the tensor must live until the send completes
+        self._track(pending, a, issued)
+
+    def _recv(self, a: S.Action) -> None:
+        st, key = self._step, (a.microbatch, a.stage)
+        if a.kind == S.RECV_F:
+            (shape, dtype), frm, what, table = self.shapes[a.stage - 1], a.stage - 1, _ACT, st.recv_f
+        else:
+            (shape, dtype), frm, what, table = self.shapes[a.stage], a.stage + 1, _GRAD, st.recv_b
+        buffer = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+        issued = time.perf_counter()
+        pending = comm.recv(buffer, self.mesh, "pp", S.stage_rank(frm, self.pp), async_op=True,
+                            tag=self._tag(what, a.microbatch, a.stage if what == _ACT else frm))
+        table[key] = (buffer, pending)
+        self._track(pending, a, issued)
+
+    def _offload(self, a: S.Action) -> None:
+        t0 = time.perf_counter()
+        self.stash.offload((a.microbatch, a.stage))
+        self._span("copy", S.OFFLOAD, str(a), t0)
+
+    def _reload(self, a: S.Action) -> None:
+        t0 = time.perf_counter()
+        self.stash.reload((a.microbatch, a.stage))
+        self._span("copy", S.RELOAD, str(a), t0)
+
+    def _received(self, table: dict, key) -> torch.Tensor:
+        buffer, pending = table.pop(key)
+        t0 = time.perf_counter()
+        pending.wait()
+        if time.perf_counter() - t0 > 20e-6:
+            self._span("compute", "WAIT", f"wait {key[0]}.{key[1]}", t0)
+        return buffer
+
+    def _tag(self, what: int, microbatch: int, stage: int) -> int:
+        """A message's tag: what it carries, for which micro-batch, into which stage (an
+        activation is named by its receiving stage, a gradient by its sending stage)."""
+        return (what * self.schedule.stages + stage) * max(self.schedule.microbatches, 1) + microbatch
+
+    # --- timeline ---------------------------------------------------------------------------
+
+    def _span(self, lane: str, kind: str, name: str, t0: float) -> None:
+        if self.spans is not None:
+            self.spans.append({"lane": lane, "kind": kind, "name": name, "start_s": t0,
+                               "end_s": time.perf_counter()})
+
+    def _track(self, pending, a: S.Action, issued: float) -> None:
+        if self.spans is not None:
+            spans = self.spans
+            pending.when_done(lambda done: spans.append(
+                {"lane": "comm", "kind": a.kind, "name": str(a), "start_s": issued, "end_s": done}))
+
+    # --- forward only (evaluation) ----------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_only(self, model, x: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for `x` on the rank of the last stage (None elsewhere): stage
+        after stage, each rank's stages in turn, blocking sends and receives."""
+        out = None
+        for stage in range(self.schedule.stages):
+            if S.stage_rank(stage, self.pp) != self.rank:
+                continue
+            if stage > 0:
+                shape, dtype = self.shapes[stage - 1]
+                x = torch.empty((x.shape[0], *shape[1:]), dtype=dtype, device=self.mesh.device)
+                comm.recv(x, self.mesh, "pp", S.stage_rank(stage - 1, self.pp),
+                          tag=self._tag(_EVAL, 0, stage))
+            out = model(x, stage)
+            if stage < self.last:
+                comm.send(out.contiguous(), self.mesh, "pp", S.stage_rank(stage + 1, self.pp),
+                          tag=self._tag(_EVAL, 0, stage + 1))
+        return out if self.rank == S.stage_rank(self.last, self.pp) else None
+
+
+class _StepState:
+    def __init__(self, model, batches, global_tokens, loss_fn, device):
+        self.model, self.batches, self.global_tokens, self.loss_fn = model, batches, global_tokens, loss_fn
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.inputs: dict = {}  # (m, s) -> the received input, whose .grad goes back
+        self.outputs: dict = {}  # (m, s) -> what backward starts from (output or loss)
+        self.grads: dict = {}  # (m, s) -> gradient of the input, to send
+        self.recv_f: dict = {}  # (m, s) -> (buffer, pending) of an input on its way
+        self.recv_b: dict = {}  # (m, s) -> (buffer, pending) of an output gradient
+        self.sends: list = []

@@ -1,0 +1,172 @@
+"""The model cut into pipeline stages: a sequence of layers, split into contiguous runs.
+
+A model is seen as a sequence of `Layer`s, each owning some of its modules and computing
+`y = run(model, x)`. The GPT and the MLP model are [embed, block 0, ..., block n-1, head]
+(the head being the final norm and the output projection); an `nn.Sequential` is its
+children; any other model may say `pipeline_layers()` itself. `balance` cuts the sequence
+into `k` contiguous stages minimizing the largest stage cost (the linear-partition problem,
+solved exactly by dynamic programming), the cost being a layer's parameter count or its
+measured forward+backward time; explicit split points may be given instead.
+
+Each rank keeps only the layers of its own stages: `PipelineModule` holds the model's
+children under their own names (so state_dict keys, optimizer state and checkpoints keep the
+single-process names) with the other layers' modules removed. A parameter two stages on
+different ranks both use (the GPT's embedding, tied to its output head) lives on both; its
+gradient is summed between them after backward and it counts once in the gradient norm
+(`pp_copies`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from loomtrain.models import GPT, MLP
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    owns: tuple[str, ...]  # module paths of the model this layer computes with
+    run: Callable  # run(model, x) -> y
+
+
+def layers_of(model: nn.Module) -> list[Layer]:
+    """The model as a sequence of layers (see the module docstring)."""
+    if isinstance(model, (GPT, MLP)):
+        embed = (Layer("embed", ("tok_emb", "pos_emb", "drop"), lambda m, x: m.embed(x))
+                 if isinstance(model, GPT) else Layer("embed", ("tok_emb",), lambda m, x: m.tok_emb(x)))
+        blocks = [Layer(f"blocks.{i}", (f"blocks.{i}",), lambda m, x, i=i: m.blocks[i](x))
+                  for i in range(len(model.blocks))]
+        head = Layer("head", ("ln_f", "head"), lambda m, x: m.head(m.ln_f(x)))
+        return [embed, *blocks, head]
+    if isinstance(model, nn.Sequential):
+        return [Layer(name, (name,), lambda m, x, name=name: m._modules[name](x))
+                for name in model._modules]
+    if hasattr(model, "pipeline_layers"):
+        return list(model.pipeline_layers())
+    raise TypeError(f"cannot split a {type(model).__name__} into pipeline stages: give an "
+                    "nn.Sequential, or define pipeline_layers() returning its Layer sequence")
+
+
+def balance(costs: list[float], k: int) -> list[int]:
+    """Start indices of `k` contiguous, non-empty groups of `costs` with the smallest largest
+    group sum (ties: the earliest cut). Returns k + 1 bounds, the last being len(costs)."""
+    n = len(costs)
+    if not 1 <= k <= n:
+        raise ValueError(f"cannot cut {n} layers into {k} non-empty pipeline stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[j][i]: smallest largest sum cutting the first i layers into j groups
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for c in range(j - 1, i):
+                value = max(best[j - 1][c], prefix[i] - prefix[c])
+                if value < best[j][i] - 1e-12:
+                    best[j][i], cut[j][i] = value, c
+    bounds, i = [n], n
+    for j in range(k, 0, -1):
+        i = cut[j][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def parameter_costs(model: nn.Module, layers: list[Layer]) -> list[float]:
+    """Parameters each layer computes with (a tied one counts in every layer using it: each
+    stage holding it stores it)."""
+    modules = dict(model.named_modules())
+    costs = []
+    for layer in layers:
+        params = {id(p): p.numel() for path in layer.owns for p in modules[path].parameters()}
+        costs.append(float(sum(params.values())))
+    return costs
+
+
+def measured_costs(model: nn.Module, layers: list[Layer], sample: torch.Tensor,
+                   repeats: int = 3) -> list[float]:
+    """Each layer's forward plus backward seconds on `sample` (the first layer's input), the
+    median of `repeats` after one warm-up. The caller averages them over ranks, so that every
+    rank cuts the model at the same points."""
+    inputs, x = [], sample
+    with torch.no_grad():
+        for layer in layers:
+            inputs.append(x)
+            x = layer.run(model, x)
+    costs = []
+    for layer, x in zip(layers, inputs):
+        times = []
+        for _ in range(repeats + 1):
+            x_in = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            y = layer.run(model, x_in)
+            y.float().square().mean().backward()
+            times.append(time.perf_counter() - t0)
+        costs.append(sorted(times[1:])[len(times[1:]) // 2])
+    model.zero_grad(set_to_none=True)
+    return costs
+
+
+def stage_shapes(model: nn.Module, layers: list[Layer], bounds: list[int],
+                 sample: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of every stage's output for an input like `sample`, found on the meta
+    device (no compute, no memory)."""
+    meta = copy.deepcopy(model).to("meta")
+    x = sample.to("meta")
+    out = []
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            x = layer.run(meta, x)
+            if i + 1 in bounds[1:]:
+                out.append((x.shape, x.dtype))
+    return out
+
+
+def shared_parameters(model: nn.Module, layers: list[Layer], bounds: list[int],
+                      pp: int) -> dict[str, list[int]]:
+    """{parameter name: the pp ranks holding it} for parameters that layers on more than one
+    rank use (the GPT's tied embedding and head), under the parameter's first name."""
+    modules = dict(model.named_modules())
+    names = {id(p): n for n, p in model.named_parameters()}
+    ranks: dict[str, set[int]] = {}
+    for s in range(len(bounds) - 1):
+        for layer in layers[bounds[s]:bounds[s + 1]]:
+            for path in layer.owns:
+                for p in modules[path].parameters():
+                    ranks.setdefault(names[id(p)], set()).add(s % pp)
+    return {n: sorted(r) for n, r in ranks.items() if len(r) > 1}
+
+
+class PipelineModule(nn.Module):
+    """This rank's stages of `model`: `forward(x, stage)` runs stage `stage` (one of
+    `self.stages`). The model's children are registered here under their own names, less the
+    modules of layers on other ranks, so parameter names are the single-process ones."""
+
+    def __init__(self, model: nn.Module, layers: list[Layer], bounds: list[int], stages: list[int]):
+        super().__init__()
+        self.layers, self.bounds, self.stages = layers, bounds, list(stages)
+        kept = {path for s in stages for layer in layers[bounds[s]:bounds[s + 1]] for path in layer.owns}
+        dropped = {path for layer in layers for path in layer.owns} - kept
+        for path in sorted(dropped, key=lambda p: -p.count(".")):  # inner modules first
+            parent, _, name = path.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            owner._modules[name] = None  # named_children, state_dict, parameters skip it
+        for name, child in model._modules.items():
+            self._modules[name] = child
+        for name, p in model._parameters.items():
+            self._parameters[name] = p
+        self.__dict__["model"] = model  # layers run on it; not registered: no "model." names
+
+    def forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
+        for layer in self.layers[self.bounds[stage]:self.bounds[stage + 1]]:
+            x = layer.run(self.model, x)
+        return x
