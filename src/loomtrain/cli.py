@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="resolve the config and build the mesh without training; print layout, memory and collectives")
 
-    report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report.png")
+    report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report.png (and its timelines, if recorded)")
     report.add_argument("run_dir")
 
     export = sub.add_parser("export", help="consolidate a run's latest checkpoint into one file")
@@ -144,8 +144,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from loomtrain.report import write_report
+    from loomtrain.report import pipeline_note, write_report
     print(write_report(Path(args.run_dir)))
+    note = pipeline_note(Path(args.run_dir))
+    if note is not None:
+        print(note)
     return 0
 
 

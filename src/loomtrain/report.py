@@ -1,7 +1,9 @@
 """`loom report RUN_DIR`: one PNG of a run's metrics.jsonl (loss and validation loss,
 throughput, peak memory, communication per logged record), written to RUN_DIR/report.png,
 and, when the run recorded one (`run.timeline_step`), the step's timeline drawn from
-RUN_DIR/timeline.json into RUN_DIR/timeline.png (`write_timeline_png`, which benchmarks reuse).
+RUN_DIR/timeline.json into RUN_DIR/timeline.png (`write_timeline_png`, which benchmarks reuse),
+and, when a pipeline run recorded one, every pp rank's step from RUN_DIR/pipeline_timeline.json
+into RUN_DIR/pipeline_timeline.png (gantt.py), its bubble stated by `pipeline_note`.
 
 The records are the trainer's (train/trainer.py): `step`, `loss`, `tokens_per_s`,
 `peak_mem_bytes` and `comm_bytes` ({op: wire bytes, "total"} since the previous record) are
@@ -18,7 +20,8 @@ import os
 from pathlib import Path
 
 from loomtrain.errors import UserError
-from loomtrain.timeline import hidden_s, overlap_s
+from loomtrain.gantt import draw_pipeline_timeline, pipeline_summary
+from loomtrain.timeline import PIPELINE_TIMELINE_JSON, hidden_s, overlap_s, read_pipeline_timeline
 
 REQUIRED = ("step", "loss", "tokens_per_s", "comm_bytes", "peak_mem_bytes")
 MIB = 2**20
@@ -141,13 +144,15 @@ def _save(fig, out: Path) -> str:
 
 
 def write_report(run_dir: str | Path) -> str:
-    """Draw RUN_DIR/report.png from RUN_DIR/metrics.jsonl, and RUN_DIR/timeline.png from
-    RUN_DIR/timeline.json if there is one; returns the report's path. Both inputs are
-    validated before anything is written."""
+    """Draw RUN_DIR/report.png from RUN_DIR/metrics.jsonl, RUN_DIR/timeline.png from
+    RUN_DIR/timeline.json and RUN_DIR/pipeline_timeline.png from RUN_DIR/pipeline_timeline.json
+    where they exist; returns the report's path. All inputs are validated before anything is
+    written."""
     run_dir = Path(run_dir)
     records = load_records(run_dir)
-    timeline_json = run_dir / TIMELINE_JSON
+    timeline_json, pipeline_json = run_dir / TIMELINE_JSON, run_dir / PIPELINE_TIMELINE_JSON
     timeline = load_timeline(timeline_json) if timeline_json.is_file() else None
+    pipeline = read_pipeline_timeline(pipeline_json) if pipeline_json.is_file() else None
     finite = [r["loss"] for r in records if math.isfinite(r["loss"])]
     last = f", last loss {finite[-1]:.4f}" if finite else ""
     steps = f"steps {records[0]['step']}-{records[-1]['step']}"
@@ -155,7 +160,21 @@ def write_report(run_dir: str | Path) -> str:
     out = _save(_draw(records, title), run_dir / "report.png")
     if timeline is not None:
         _save(_draw_timeline(timeline, str(run_dir)), run_dir / "timeline.png")
+    if pipeline is not None:
+        _save(draw_pipeline_timeline(pipeline, str(run_dir)), run_dir / PIPELINE_PNG)
     return out
+
+
+PIPELINE_PNG = "pipeline_timeline.png"
+
+
+def pipeline_note(run_dir: str | Path) -> str | None:
+    """The line `loom report` prints under the report's path for a pipeline run (the chart's
+    path, the schedule and the bubble); None without a pipeline timeline."""
+    pipeline_json = Path(run_dir) / PIPELINE_TIMELINE_JSON
+    if not pipeline_json.is_file():
+        return None
+    return f"{Path(run_dir) / PIPELINE_PNG}: {pipeline_summary(read_pipeline_timeline(pipeline_json))}"
 
 
 # --- the timeline of one step ------------------------------------------------------------------
