@@ -191,8 +191,9 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             timeline = _start_timeline(model, step, cfg)
             loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, global_tokens,
                                                       cfg.train.grad_clip, loss_sum_fn)
+            bubble = None
             if timeline is not None:
-                _write_timeline(model, timeline, run_dir, step, mesh)
+                bubble = _write_timeline(model, timeline, run_dir, step, mesh, cfg)
             nonfinite = 0 if stepped else nonfinite + 1
             if not stepped:
                 log.message(f"warning: step {step + 1} skipped: non-finite loss or gradient "
@@ -209,6 +210,8 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 rec = _record(done, loss_sum, global_tokens, lr, grad_norm, stepped, mesh,
                               window_steps * tokens_per_step / (time.perf_counter() - window_t0))
                 loss = rec["loss"]
+                if bubble is not None:
+                    rec["bubble"] = bubble
                 if is_eval:
                     rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device, loss_sum_fn)
                 log.record(rec)
@@ -227,18 +230,45 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
         log.close()
 
 
-def _start_timeline(model, step: int, cfg: Config) -> Timeline | None:
-    """Step `run.timeline_step` (counted from 1) records its timeline, if the engine records."""
-    if cfg.run.timeline_step != step + 1 or not hasattr(model, "timeline"):
+def _start_timeline(model, step: int, cfg: Config):
+    """Step `run.timeline_step` (counted from 1) records its timeline, if the engine records
+    (the pipeline runtime records its actions, the ZeRO engine its units)."""
+    if cfg.run.timeline_step != step + 1:
+        return None
+    runtime = runtime_of(model)
+    if runtime is not None:
+        runtime.spans = []
+        return runtime
+    if not hasattr(model, "timeline"):
         return None
     model.timeline = Timeline()
     return model.timeline
 
 
-def _write_timeline(model, timeline: Timeline, run_dir: Path, step: int, mesh) -> None:
+def _write_timeline(model, timeline, run_dir: Path, step: int, mesh, cfg: Config) -> float | None:
+    """Writes the recorded step; returns the pipeline's measured bubble fraction (None
+    without a pipeline)."""
+    if timeline is runtime_of(model):
+        return _write_pipeline_timeline(timeline, run_dir, step, mesh, cfg)
     model.timeline = None
     if mesh.rank == 0:
         timeline.write(run_dir / "timeline.json", step=step + 1, rank=0)
+    return None
+
+
+def _write_pipeline_timeline(runtime, run_dir: Path, step: int, mesh, cfg: Config) -> float:
+    from loomtrain.parallel.pipeline.schedules import bubble_theory
+    from loomtrain.timeline import PIPELINE_TIMELINE_JSON, measured_bubble, write_pipeline_timeline
+
+    ranks = runtime.gather_spans()
+    bubble = measured_bubble(ranks)
+    s = runtime.schedule
+    theory = bubble_theory(s.name, s.pp, s.microbatches, s.virtual_stages)
+    if mesh.rank == 0:
+        write_pipeline_timeline(run_dir / PIPELINE_TIMELINE_JSON, ranks, step=step + 1, pp=s.pp,
+                                schedule=s.name, microbatches=s.microbatches,
+                                bubble_measured=bubble, bubble_theory=theory)
+    return bubble
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:

@@ -217,7 +217,7 @@ class PipelineRuntime:
         pending = comm.send(tensor, self.mesh, "pp", S.stage_rank(to, self.pp), async_op=True,
                             tag=self._tag(what, a.microbatch, to if what == _ACT else a.stage))
         st.sends.append((pending, tensor))  # the tensor must live until the send completes
-        self._track(pending, a, issued)
+        self._posted(a, issued)
 
     def _recv(self, a: S.Action) -> None:
         st, key = self._step, (a.microbatch, a.stage)
@@ -229,8 +229,7 @@ class PipelineRuntime:
         issued = time.perf_counter()
         pending = comm.recv(buffer, self.mesh, "pp", S.stage_rank(frm, self.pp), async_op=True,
                             tag=self._tag(what, a.microbatch, a.stage if what == _ACT else frm))
-        table[key] = (buffer, pending)
-        self._track(pending, a, issued)
+        table[key] = (buffer, pending, a, issued)
 
     def _offload(self, a: S.Action) -> None:
         t0 = time.perf_counter()
@@ -243,11 +242,14 @@ class PipelineRuntime:
         self._span("copy", S.RELOAD, str(a), t0)
 
     def _received(self, table: dict, key) -> torch.Tensor:
-        buffer, pending = table.pop(key)
+        """The buffer of a posted receive, once it has arrived; the compute lane records the
+        wait, the comm lane the receive from its posting to its arrival being seen here."""
+        buffer, pending, a, issued = table.pop(key)
         t0 = time.perf_counter()
         pending.wait()
         if time.perf_counter() - t0 > 20e-6:
             self._span("compute", "WAIT", f"wait {key[0]}.{key[1]}", t0)
+        self._span("comm", a.kind, str(a), issued)
         return buffer
 
     def _tag(self, what: int, microbatch: int, stage: int) -> int:
@@ -262,11 +264,33 @@ class PipelineRuntime:
             self.spans.append({"lane": lane, "kind": kind, "name": name, "start_s": t0,
                                "end_s": time.perf_counter()})
 
-    def _track(self, pending, a: S.Action, issued: float) -> None:
-        if self.spans is not None:
-            spans = self.spans
-            pending.when_done(lambda done: spans.append(
-                {"lane": "comm", "kind": a.kind, "name": str(a), "start_s": issued, "end_s": done}))
+    def _posted(self, a: S.Action, issued: float) -> None:
+        """A send's span: its posting (gloo reports a point-to-point completion only to the
+        one thread that waits for it: `is_completed()` stays False until then, and a second
+        waiter never returns, so a send's completion is not observable without blocking)."""
+        self._span("comm", a.kind, str(a), issued)
+
+    def gather_spans(self) -> list[dict]:
+        """Every pp rank's recorded spans, on every pp rank: [{"rank", "spans"}], times in
+        seconds from the earliest span of any rank (ranks on one host share the monotonic
+        clock; across hosts the offsets between clocks are not corrected). Collective over pp."""
+        spans, self.spans = self.spans or [], None
+        rows = torch.tensor([[_LANES.index(s["lane"]), _KINDS.index(s["kind"]), *_where(s["name"]),
+                              s["start_s"], s["end_s"]] for s in spans] or torch.empty(0, 6),
+                            dtype=torch.float64).reshape(-1, 6)
+        count = torch.tensor([len(rows)], dtype=torch.float64)
+        comm.all_reduce(count, self.mesh, "pp", op="max")
+        padded = torch.full((int(count), 6), -1.0, dtype=torch.float64)
+        padded[:len(rows)] = rows
+        out = torch.empty((self.pp, *padded.shape), dtype=torch.float64)
+        comm.all_gather(out, padded, self.mesh, "pp")
+        valid = out[..., 0] >= 0
+        origin = float(out[..., 4][valid].min()) if valid.any() else 0.0
+        ranks = []
+        for r in range(self.pp):
+            ranks.append({"rank": r, "spans": [_span_of(row, origin) for row in out[r].tolist()
+                                               if row[0] >= 0]})
+        return ranks
 
     # --- forward only (evaluation) ----------------------------------------------------------
 
@@ -290,6 +314,24 @@ class PipelineRuntime:
         return out if self.rank == S.stage_rank(self.last, self.pp) else None
 
 
+_LANES = ("compute", "comm", "copy")
+_KINDS = (*S.KINDS, "WAIT", "SYNC")
+
+
+def _where(name: str) -> tuple[float, float]:
+    """(micro-batch, stage) of a span's name ("F3.1", "wait 3.1"), (-1, -1) for none."""
+    tail = name.split(" ")[-1].lstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+    m, _, s = tail.partition(".")
+    return (float(m), float(s)) if m.isdigit() and s.isdigit() else (-1.0, -1.0)
+
+
+def _span_of(row: list[float], origin: float) -> dict:
+    lane, kind, m, s = _LANES[int(row[0])], _KINDS[int(row[1])], int(row[2]), int(row[3])
+    name = {"WAIT": f"wait {m}.{s}", "SYNC": "sync"}.get(kind, f"{kind}{m}.{s}")
+    return {"lane": lane, "kind": kind, "name": name, "start_s": row[4] - origin,
+            "end_s": row[5] - origin}
+
+
 class _StepState:
     def __init__(self, model, batches, global_tokens, loss_fn, device):
         self.model, self.batches, self.global_tokens, self.loss_fn = model, batches, global_tokens, loss_fn
@@ -297,6 +339,6 @@ class _StepState:
         self.inputs: dict = {}  # (m, s) -> the received input, whose .grad goes back
         self.outputs: dict = {}  # (m, s) -> what backward starts from (output or loss)
         self.grads: dict = {}  # (m, s) -> gradient of the input, to send
-        self.recv_f: dict = {}  # (m, s) -> (buffer, pending) of an input on its way
-        self.recv_b: dict = {}  # (m, s) -> (buffer, pending) of an output gradient
+        self.recv_f: dict = {}  # (m, s) -> (buffer, pending, action, posted) of an input
+        self.recv_b: dict = {}  # the same for an output gradient
         self.sends: list = []
