@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None,
@@ -43,6 +44,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
+        # selective recomputation (Korthikanti et al., arXiv 2205.05198): the attention core's
+        # saved tensors are dropped after forward and recomputed in backward
+        self.recompute_core = False
 
     def mix(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """The heads' attention output before the output projection, (b, t, local width)."""
@@ -51,7 +55,11 @@ class CausalSelfAttention(nn.Module):
         # under sequence parallelism the whole sequence gathered from a chunk of it
         b, t = qkv.shape[:2]
         q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, 3, self.n_heads, -1).unbind(2))
-        y = attend(q, k, v, cache, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if self.recompute_core and cache is None and torch.is_grad_enabled():
+            y = checkpoint(attend, q, k, v, None, dropout, use_reentrant=False)
+        else:
+            y = attend(q, k, v, cache, dropout)
         return y.transpose(1, 2).reshape(b, t, -1)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from loomtrain import comm
 from loomtrain.errors import CheckpointError
 from loomtrain.parallel.zero import ShardedDataParallel
+from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.parallel.placement import Boxes, placement_of
 from loomtrain.parallel.zero.state import load_zero_state, zero_state
 
@@ -145,6 +146,8 @@ def training_state(model, optimizer, for_saving: bool = True) -> dict:
         return zero_state(model, optimizer, for_saving)
     module = getattr(model, "module", model)
     model_sd, optim_sd = get_state_dict(module, optimizer)
+    if runtime_of(model) is not None:  # pipeline ranks hold different parameters
+        optim_sd["param_groups"] = _groups_by_name(optim_sd["param_groups"])
     # tensor-parallel pieces go in as boxes of the full tensors (parallel/placement.py)
     for name, p in module.named_parameters(remove_duplicate=False):
         placement = placement_of(p)
@@ -155,6 +158,18 @@ def training_state(model, optimizer, for_saving: bool = True) -> dict:
             if torch.is_tensor(value) and value.shape == p.shape:
                 optim_sd["state"][name][key] = Boxes.whole(value).placed(placement)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _groups_by_name(groups: list[dict]) -> dict[str, dict]:
+    """The optimizer's param groups keyed by parameter name, {name: hyperparameters}: DCP
+    keeps one copy of a key that several ranks write, and pipeline ranks' lists of groups
+    ("param_groups.0.params", ...) differ, while their parameter names do not collide."""
+    return {name: {k: v for k, v in g.items() if k != "params"} for g in groups for name in g["params"]}
+
+
+def _groups_as_list(by_name: dict[str, dict], template: list[dict]) -> list[dict]:
+    """`_groups_by_name` undone along this optimizer's own grouping (`template`)."""
+    return [{**by_name[g["params"][0]], "params": g["params"]} if g["params"] else g for g in template]
 
 
 def _unboxed(tree):
@@ -340,10 +355,13 @@ def load(path: Path, model, optimizer, mesh) -> dict:
         if zero:
             load_zero_state(model, optimizer, state)
         else:
-            set_state_dict(getattr(model, "module", model), optimizer,
-                           model_state_dict=_unboxed(state["model"]),
-                           optim_state_dict=_unboxed(state["optim"]),
-                           options=StateDictOptions(strict=True))
+            module = getattr(model, "module", model)
+            optim = _unboxed(state["optim"])
+            if isinstance(optim["param_groups"], dict):
+                optim["param_groups"] = _groups_as_list(optim["param_groups"],
+                                                        get_state_dict(module, optimizer)[1]["param_groups"])
+            set_state_dict(module, optimizer, model_state_dict=_unboxed(state["model"]),
+                           optim_state_dict=optim, options=StateDictOptions(strict=True))
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
     for key in rng:

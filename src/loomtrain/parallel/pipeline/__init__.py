@@ -63,6 +63,10 @@ def build_schedule(cfg) -> schedules.Schedule:
 
 def apply_pipeline(model, mesh, cfg) -> PipelineModule:
     """The pp-axis strategy: this rank's stages of `model`, with its runtime as `.runtime`."""
+    if cfg.parallel.recompute == "selective":
+        for m in model.modules():
+            if hasattr(m, "recompute_core"):
+                m.recompute_core = True
     module, shapes, shared = split_model(model, mesh, cfg)
     module.runtime = PipelineRuntime(module, mesh, build_schedule(cfg), shapes, shared,
                                      cfg.parallel.recompute)

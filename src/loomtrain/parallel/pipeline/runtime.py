@@ -15,13 +15,15 @@ SEND/RECV point to point over the pp axis with `isend`/`irecv`: a receive is pos
 OFFLOAD / RELOAD  the stash's asynchronous copies to host memory and back (offload.py).
 
 Recomputation: a (micro-batch, stage) in `schedule.recompute`, or every one with
-`recompute="full"`, runs its forward under non-reentrant activation checkpointing (only the
-stage input is kept; the forward runs again inside its backward); `recompute="selective"` is
-applied to the model (the GPT's attention core) before the runtime sees it.
+`recompute="full"`, runs its forward without autograd, keeping only the stage input and the
+RNG state; its backward first runs the forward again (same dropout masks) and then goes
+back through it, so the activations live only during that backward, and the stash counts
+them there. `recompute="selective"` is applied to the model (the GPT's attention core is
+checkpointed inside each block) before the runtime sees it.
 
-All backward passes run inside the dp engine's `no_sync()`; the engine reduces the
-accumulated gradients once after the last (`sync_gradients`), then a parameter held by two
-pipeline ranks (the tied embedding and head) has its gradient summed over pp.
+All backward passes run inside the dp engine's `no_sync()`; after the last, a parameter
+held by two pipeline ranks (the tied embedding and head) has its gradient summed over pp,
+then the engine reduces the accumulated gradients over dp once (`sync_gradients`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from loomtrain import comm
 from loomtrain.parallel.pipeline import schedules as S
@@ -153,8 +154,11 @@ class PipelineRuntime:
         for pending, _ in state.sends:
             pending.wait()
         t0 = time.perf_counter()
-        model.sync_gradients()
+        # shared parameters first, while every rank's gradient is whole and local: after the
+        # dp reduction a ZeRO-1 rank holds reduced values only in its own shard, and the
+        # shards of a tied embedding and head fall differently on the two stages
         self._sum_shared()
+        model.sync_gradients()
         self._span("compute", "SYNC", "sync", t0)
         return state.loss_sum
 
@@ -172,24 +176,38 @@ class PipelineRuntime:
             x.requires_grad_(True)
             st.inputs[key] = x
         t0 = time.perf_counter()
-        full = self.recompute == "full" or key in self.schedule.recompute
-        with self.stash.saving(key, [x] if a.stage > 0 else []):
-            if full:
-                out = checkpoint(st.model, x, a.stage, use_reentrant=False)
-            else:
-                out = st.model(x, a.stage)
-            if a.stage == self.last:
-                loss = st.loss_fn(out, st.batches[a.microbatch][1])
-                st.loss_sum += loss.detach()
-                out = loss / st.global_tokens
+        inputs = [x] if a.stage > 0 else []
+        if self.recompute == "full" or key in self.schedule.recompute:
+            st.rerun[key] = (x, _rng_state(self.mesh.device))
+            with torch.no_grad(), self.stash.saving(key, inputs):
+                out = self._stage_forward(a, x, count=True)
+        else:
+            with self.stash.saving(key, inputs):
+                out = self._stage_forward(a, x, count=True)
         st.outputs[key] = out
         self._span("compute", S.F, str(a), t0)
+
+    def _stage_forward(self, a: S.Action, x: torch.Tensor, count: bool) -> torch.Tensor:
+        """Stage `a.stage`'s output for micro-batch `a.microbatch`; on the last stage the loss
+        divided by the step's token count (added to the step's loss sum once, if `count`)."""
+        st = self._step
+        out = st.model(x, a.stage)
+        if a.stage == self.last:
+            loss = st.loss_fn(out, st.batches[a.microbatch][1])
+            if count:
+                st.loss_sum += loss.detach()
+            out = loss / st.global_tokens
+        return out
 
     def _backward(self, a: S.Action) -> None:
         st, key = self._step, (a.microbatch, a.stage)
         grad = None if a.stage == self.last else self._received(st.recv_b, key)
         t0 = time.perf_counter()
         out = st.outputs.pop(key)
+        if key in st.rerun:  # recomputation: the forward again, with the same random numbers
+            x, rng = st.rerun.pop(key)
+            with _restored_rng(rng), self.stash.saving(key):
+                out = self._stage_forward(a, x, count=False)
         context = self.deferred.deferring(key) if a.kind == S.I else contextlib.nullcontext()
         with context:
             torch.autograd.backward(out, grad)
@@ -314,6 +332,23 @@ class PipelineRuntime:
         return out if self.rank == S.stage_rank(self.last, self.pp) else None
 
 
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def _restored_rng(state: tuple):
+    """The RNG as it was at `state` (a recomputed forward draws the same dropout masks); the
+    RNG as it was before, afterwards."""
+    cpu, cuda = state
+    devices = [torch.cuda.current_device()] if cuda is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        yield
+
+
 _LANES = ("compute", "comm", "copy")
 _KINDS = (*S.KINDS, "WAIT", "SYNC")
 
@@ -342,3 +377,4 @@ class _StepState:
         self.recv_f: dict = {}  # (m, s) -> (buffer, pending, action, posted) of an input
         self.recv_b: dict = {}  # the same for an output gradient
         self.sends: list = []
+        self.rerun: dict = {}  # (m, s) -> (input, RNG state) of a forward to recompute
