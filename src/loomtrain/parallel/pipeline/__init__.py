@@ -14,9 +14,9 @@ import torch
 from loomtrain import comm
 from loomtrain.parallel.pipeline import schedules
 from loomtrain.parallel.pipeline.runtime import PipelineRuntime
+from loomtrain.parallel.pipeline.split import balance as balanced_bounds
 from loomtrain.parallel.pipeline.split import (
     PipelineModule,
-    balance,
     layers_of,
     measured_costs,
     parameter_costs,
@@ -25,22 +25,22 @@ from loomtrain.parallel.pipeline.split import (
 )
 
 
-def split_model(model, mesh, cfg) -> tuple[PipelineModule, list, list]:
-    """This rank's PipelineModule of `model` (cfg: the whole Config), the stage output
-    shapes for one micro-batch and the parameters several pp ranks hold, as
-    [(local parameter or None, shape)]."""
-    p = cfg.parallel
-    pp, stages = p.pp, p.pp * p.virtual_stages
+def split(model, mesh, stages: int, sample: torch.Tensor, balance="params") -> tuple[PipelineModule, list, list]:
+    """This rank's PipelineModule of `model` cut into `stages` stages (stage s on pp rank
+    s % pp), the stage output shapes for an input like `sample` (one micro-batch) and the
+    parameters several pp ranks hold, as [(local parameter or None, shape)]. `balance`:
+    "params", "time" (each layer's forward and backward timed on `sample`, averaged over
+    all ranks) or the first layer of every stage after the first."""
+    pp = mesh.size("pp")
     layers = layers_of(model)
-    sample = torch.zeros((cfg.train.micro_batch, cfg.model.seq_len), dtype=torch.long, device=mesh.device)
-    if p.split_points:
-        bounds = [0, *p.split_points, len(layers)]
-    elif p.pipeline_balance == "time":
+    if not isinstance(balance, str):
+        bounds = [0, *balance, len(layers)]
+    elif balance == "time":
         costs = torch.tensor(measured_costs(model, layers, sample), dtype=torch.float64, device=mesh.device)
         comm.all_reduce(costs, mesh, "world")  # every rank must cut at the same points
-        bounds = balance(costs.tolist(), stages)
+        bounds = balanced_bounds(costs.tolist(), stages)
     else:
-        bounds = balance(parameter_costs(model, layers), stages)
+        bounds = balanced_bounds(parameter_costs(model, layers), stages)
     shapes = stage_shapes(model, layers, bounds, sample)
     shared_names = shared_parameters(model, layers, bounds, pp)
     params = dict(model.named_parameters())
@@ -53,6 +53,17 @@ def split_model(model, mesh, cfg) -> tuple[PipelineModule, list, list]:
     return module, shapes, shared
 
 
+def split_model(model, mesh, cfg) -> tuple[PipelineModule, list, list]:
+    """`split` as the config says (cfg: the whole Config)."""
+    p = cfg.parallel
+    return split(model, mesh, p.pp * p.virtual_stages, _sample(cfg, mesh),
+                 list(p.split_points) or p.pipeline_balance)
+
+
+def _sample(cfg, mesh) -> torch.Tensor:
+    return torch.zeros((cfg.train.micro_batch, cfg.model.seq_len), dtype=torch.long, device=mesh.device)
+
+
 def build_schedule(cfg) -> schedules.Schedule:
     p = cfg.parallel
     schedule = schedules.build(p.schedule, p.pp, cfg.accumulation_steps, p.virtual_stages)
@@ -61,16 +72,27 @@ def build_schedule(cfg) -> schedules.Schedule:
     return schedule
 
 
-def apply_pipeline(model, mesh, cfg) -> PipelineModule:
-    """The pp-axis strategy: this rank's stages of `model`, with its runtime as `.runtime`."""
-    if cfg.parallel.recompute == "selective":
+def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
+             balance="params", recompute: str = "none") -> PipelineModule:
+    """The pp-axis strategy: this rank's stages of `model` (any model `layers_of` can read:
+    the GPT, the MLP, an `nn.Sequential`, one with `pipeline_layers()`), with the runtime that
+    executes `schedule` as `.runtime`. `sample`: one micro-batch's input; `balance` as in
+    `split`; `recompute`: "none", "full" or "selective" (the GPT's attention core). Wrap the
+    result with the dp engine, then call `result.runtime.train_step(wrapped, batches, ...)`."""
+    if recompute == "selective":
         for m in model.modules():
             if hasattr(m, "recompute_core"):
                 m.recompute_core = True
-    module, shapes, shared = split_model(model, mesh, cfg)
-    module.runtime = PipelineRuntime(module, mesh, build_schedule(cfg), shapes, shared,
-                                     cfg.parallel.recompute)
+    module, shapes, shared = split(model, mesh, schedule.stages, sample, balance)
+    module.runtime = PipelineRuntime(module, mesh, schedule, shapes, shared, recompute)
     return module
+
+
+def apply_pipeline(model, mesh, cfg) -> PipelineModule:
+    """`pipeline` as the config says."""
+    p = cfg.parallel
+    return pipeline(model, mesh, build_schedule(cfg), _sample(cfg, mesh),
+                    list(p.split_points) or p.pipeline_balance, p.recompute)
 
 
 def runtime_of(model) -> PipelineRuntime | None:
