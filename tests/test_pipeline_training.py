@@ -67,6 +67,7 @@ def _peaks(rank, world, tree, variants):
         batches = [(torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))
                    for _ in range(cfg.accumulation_steps)]
         runtime = runtime_of(model)
+        runtime.measure_activations = True
         runtime.train_step(model, batches, 8 * 32.0, loss_fn)
         out[name] = runtime.stash.peak_bytes
         runtime.stash.close()

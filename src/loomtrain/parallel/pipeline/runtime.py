@@ -129,6 +129,10 @@ class PipelineRuntime:
         if any(a.kind == S.I for a in self.actions):
             defer_linear_weights(module, self.deferred)
         self.stash = ActivationStash(module.parameters(), mesh.device)
+        # the stash's hooks cost a Python call per saved tensor: they run for the pairs the
+        # schedule offloads, and for all while `measure_activations` is set (peak_bytes)
+        self.offloaded = {(a.microbatch, a.stage) for a in self.actions if a.kind == S.OFFLOAD}
+        self.measure_activations = False
         self.spans: list[dict] | None = None  # per-action spans while a step is recorded
         # parameters held on several pp ranks, in one order everywhere: (local or None, shape)
         self.shared = shared
@@ -179,13 +183,18 @@ class PipelineRuntime:
         inputs = [x] if a.stage > 0 else []
         if self.recompute == "full" or key in self.schedule.recompute:
             st.rerun[key] = (x, _rng_state(self.mesh.device))
-            with torch.no_grad(), self.stash.saving(key, inputs):
+            with torch.no_grad(), self._saving(key, inputs):
                 out = self._stage_forward(a, x, count=True)
         else:
-            with self.stash.saving(key, inputs):
+            with self._saving(key, inputs):
                 out = self._stage_forward(a, x, count=True)
         st.outputs[key] = out
         self._span("compute", S.F, str(a), t0)
+
+    def _saving(self, key, inputs=()):
+        if self.measure_activations or key in self.offloaded:
+            return self.stash.saving(key, inputs)
+        return contextlib.nullcontext()
 
     def _stage_forward(self, a: S.Action, x: torch.Tensor, count: bool) -> torch.Tensor:
         """Stage `a.stage`'s output for micro-batch `a.microbatch`; on the last stage the loss
@@ -206,7 +215,7 @@ class PipelineRuntime:
         out = st.outputs.pop(key)
         if key in st.rerun:  # recomputation: the forward again, with the same random numbers
             x, rng = st.rerun.pop(key)
-            with _restored_rng(rng), self.stash.saving(key):
+            with _restored_rng(rng), self._saving(key):
                 out = self._stage_forward(a, x, count=False)
         context = self.deferred.deferring(key) if a.kind == S.I else contextlib.nullcontext()
         with context:
