@@ -100,25 +100,33 @@ def serve_commands(rank: int, commands, results, handlers: dict) -> None:
         results.put((rank, handlers[kind](arg)))
 
 
-def tp_rank(rank: int, world: int, port: int, measure, commands, results) -> None:
-    """A `World` target for benchmarks measured inside one gloo world: join it on loopback
-    (one torch thread per rank), build a mesh whose tp axis is the world, and answer each
-    command (keyword arguments) with `measure(rank, world, mesh=mesh, **command)`.
-    `measure` must be importable (module level)."""
+@contextlib.contextmanager
+def joined_world(rank: int, world: int, port: int, timeout_s: float = 120.0):
+    """Join a gloo world of `world` ranks on loopback, with one torch thread in this rank;
+    leave it at the end of the block."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    from loomtrain.mesh import build_mesh
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_rank(rank: int, world: int, port: int, measure, commands, results) -> None:
+    """A `World` target for benchmarks measured inside one gloo world: join it on loopback
+    (one torch thread per rank), build a mesh whose tp axis is the world, and answer each
+    command (keyword arguments) with `measure(rank, world, mesh=mesh, **command)`.
+    `measure` must be importable (module level)."""
+    from loomtrain.mesh import build_mesh
+
+    with joined_world(rank, world, port):
         mesh = build_mesh({"tp": world})
         while (kwargs := commands[rank].get()) is not None:
             results.put((rank, measure(rank, world, mesh=mesh, **kwargs)))
-    finally:
-        dist.destroy_process_group()
