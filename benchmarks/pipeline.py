@@ -157,7 +157,9 @@ class OurPipeline:
         """Step `i` with its spans recorded: (every rank's spans, peak activation bytes of the
         step, max over ranks)."""
         self.runtime.spans = []
+        self.runtime.measure_activations = True  # the stash's hooks: only on this step
         self.step(i)
+        self.runtime.measure_activations = False
         ranks = self.runtime.gather_spans()
         peak = torch.tensor([self.runtime.stash.peak_bytes], dtype=torch.float64)
         comm.all_reduce(peak, self.mesh, "pp", op="max")

@@ -273,3 +273,25 @@ def test_receives_follow_the_senders_order():
         actions("F0.0 SEND_F0.0 F1.0 SEND_F1.0 RECV_B1.0 RECV_B0.0 B0.0 B1.0"),
         actions("RECV_F0.1 RECV_F1.1 F1.1 F0.1 B1.1 SEND_B1.1 B0.1 SEND_B0.1"))
     assert simulate(schedule).makespan == 12  # rank 0 waits for B0.1, which rank 1 runs last
+
+
+@pytest.mark.parametrize("name,pp,m,v", [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("zb-h1", 4, 2, 1),
+                                         ("interleaved", 2, 4, 3), ("interleaved", 4, 8, 2)])
+@pytest.mark.parametrize("lookahead", [1, 2, 100])
+def test_receives_posted_early_keep_the_schedule_valid(name, pp, m, v, lookahead):
+    """The runtime posts receives ahead of where the schedule puts them (runtime.posted_early):
+    the result must still validate (the receives' order per pair is kept) and run."""
+    from loomtrain.parallel.pipeline.runtime import posted_early
+
+    s = build(name, pp, m, v)
+    early = Schedule(s.name, s.pp, s.microbatches, s.virtual_stages,
+                     tuple(posted_early(a, lookahead) for a in s.actions))
+    validate(early)
+    simulate(early)
+    for before, after in zip(s.actions, early.actions):
+        assert sorted(map(str, before)) == sorted(map(str, after))
+        assert [a for a in after if a.kind not in (RECV_F, RECV_B)] == \
+            [a for a in before if a.kind not in (RECV_F, RECV_B)]
+        firsts = [i for i, a in enumerate(after) if a.kind in (RECV_F, RECV_B)]
+        if lookahead == 100 and firsts:
+            assert firsts == list(range(len(firsts)))  # every receive first
