@@ -5,6 +5,8 @@ schedules.py   pure functions: (pp, microbatches, virtual stages) -> the ordered
 split.py       the model cut into stages (balanced by parameters or measured time)
 runtime.py     executes a schedule: point-to-point sends overlapped with compute, the loss
                on the last stage, gradient accumulation, recomputation and offload
+asynchronous.py  schedule "async": no flush, a step per micro-batch and stage on stashed
+               weights (PipeDream); nesterov.py its delay-corrected Nesterov (arXiv 2505.01099)
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def build_schedule(cfg) -> schedules.Schedule:
 def apply_pipeline(model, mesh, cfg) -> PipelineModule:
     """The pp-axis strategy: this rank's stages of `model`, with its runtime as `.runtime`."""
     module, shapes, shared = split_model(model, mesh, cfg)
+    if cfg.parallel.schedule == "async":  # its runtime steps its own optimizer
+        from loomtrain.parallel.pipeline.asynchronous import build_async_runtime
+
+        module.runtime = build_async_runtime(module, mesh, cfg, shapes, shared)
+        return module
     module.runtime = PipelineRuntime(module, mesh, build_schedule(cfg), shapes, shared,
                                      cfg.parallel.recompute)
     return module
