@@ -96,6 +96,11 @@ class ParallelConfig(Section):
     offload_activations: float = Field(0.0, ge=0.0, le=1.0)  # fraction of stashed activations
     pipeline_balance: Literal["params", "time"] = "params"  # what stages are balanced by
     split_points: list[int] = []  # first layer of stages 1.. (layers: embed, blocks, head)
+    # schedule="async" (parallel/pipeline/asynchronous.py): each stage steps after every
+    # micro-batch on stashed weights; "stash": the train.optimizer as is (PipeDream),
+    # "nesterov": the delay-corrected Nesterov of arXiv 2505.01099 with momentum async_momentum
+    async_optimizer: Literal["stash", "nesterov"] = "nesterov"
+    async_momentum: float = Field(0.99, ge=0.0, lt=1.0)
     cp: int = Field(1, ge=1)
     zero_stage: int = Field(0, ge=0, le=3)
     hierarchical: bool = False  # ZeRO: shard inside the node, reduce across nodes in two levels
@@ -165,6 +170,10 @@ class Config(Section):
                 f"{p.dp_size}*{t.micro_batch} = {per_rank}"
             )
         _check_pipeline(p, self.model, t)
+        if p.schedule == "async" and self.run.timeline_step:
+            raise ValueError('run.timeline_step records one step of a fixed schedule; parallel.'
+                             'schedule="async" streams micro-batches across steps: set '
+                             "run.timeline_step=0")
         return self
 
     @property
@@ -175,10 +184,13 @@ class Config(Section):
 def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
     """The pipeline keys: a schedule's own rules, what pp composes with, and a split that
     gives every stage at least one layer (the model's layers: embed, blocks, head)."""
+    _check_async(p)
     if p.pp == 1:
         changed = [k for k in ("microbatches", "recompute", "offload_activations", "split_points",
                                "virtual_stages") if k in p.model_fields_set
                    and getattr(p, k) != ParallelConfig.model_fields[k].default]
+        if p.schedule == "async":
+            changed.append("schedule")
         if changed:
             raise ValueError(f"parallel.{changed[0]} is a pipeline setting: it needs parallel.pp > 1")
         return
@@ -219,6 +231,24 @@ def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
     elif stages > layers:
         raise ValueError(f"parallel.pp*virtual_stages = {stages} stages exceed the model's "
                          f"{layers} layers (embed, {m.n_layers} blocks, head)")
+
+
+def _check_async(p: ParallelConfig) -> None:
+    """schedule="async" steps its own (unsharded) optimizer on every stage and runs its
+    forwards on stashed weights, without recomputation or offload: it composes with plain dp
+    only. Its keys mean nothing to the other schedules."""
+    if p.schedule != "async":
+        changed = [k for k in ("async_optimizer", "async_momentum")
+                   if getattr(p, k) != ParallelConfig.model_fields[k].default]
+        if changed:
+            raise ValueError(f'parallel.{changed[0]} is for parallel.schedule="async" (got '
+                             f"{p.schedule!r})")
+        return
+    for key, default in (("zero_stage", 0), ("recompute", "none"), ("offload_activations", 0.0)):
+        if getattr(p, key) != default:
+            raise ValueError(f'parallel.schedule="async" runs with parallel.{key}={default!r} '
+                             f"(got {getattr(p, key)!r}): each stage steps its own optimizer "
+                             "after every micro-batch, on stashed weights")
 
 
 def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:

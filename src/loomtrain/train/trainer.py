@@ -67,6 +67,9 @@ def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float
     """Forward/backward over the micro-batches, clip, step. Returns (local loss sum, grad norm,
     stepped). The loss of every micro-batch is divided by the global token count."""
     runtime = runtime_of(model)
+    if getattr(runtime, "owns_optimizer", False):  # schedule="async": it steps per micro-batch
+        loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
+        return loss_sum, runtime.grad_norm, runtime.stepped
     if runtime is not None:  # the schedule runs every micro-batch's forward and backward
         loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
         batches = []
@@ -93,6 +96,7 @@ def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     Every rank runs the same number of forwards: a ZeRO-3 forward gathers parameters, a
     collective, so a rank with fewer batches (eval_batches not a multiple of dp) repeats its
     first one (or batch 0) and does not count it."""
+    _drain(model)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     mine = eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, mesh.local_rank("dp"), mesh.size("dp"))
@@ -109,6 +113,14 @@ def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     comm.all_reduce(total, mesh, "pp")
     model.train()
     return float(total[0] / total[1])
+
+
+def _drain(model) -> None:
+    """schedule="async" completes the micro-batches in flight, so that what is evaluated or
+    saved has learnt from every micro-batch so far on every stage."""
+    runtime = runtime_of(model)
+    if getattr(runtime, "owns_optimizer", False):
+        runtime.drain()
 
 
 def _control(batches, stop: StopFlag, mesh) -> tuple[float, bool]:
@@ -158,6 +170,8 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     # need; the checkpoint then loads into the wrapped pair
     model, optimizer, loss_sum_fn = parallelize(model, mesh, cfg,
                                              lambda m: build_optimizer(m, cfg.train))
+    if getattr(runtime_of(model), "owns_optimizer", False):
+        optimizer = runtime_of(model).optimizer  # schedule="async": the one its runtime steps
     start = 0
     if resume is not None:
         start = checkpoint.load(resume, model, optimizer, mesh)["step"]
@@ -279,6 +293,7 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 
 
 def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh, extra: dict | None = None) -> None:
+    _drain(model)
     checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, extra or {})
 
 

@@ -5,6 +5,8 @@ schedules.py   pure functions: (pp, microbatches, virtual stages) -> the ordered
 split.py       the model cut into stages (balanced by parameters or measured time)
 runtime.py     executes a schedule: point-to-point sends overlapped with compute, the loss
                on the last stage, gradient accumulation, recomputation and offload
+asynchronous.py  schedule "async": no flush, a step per micro-batch and stage on stashed
+               weights (PipeDream); nesterov.py its delay-corrected Nesterov (arXiv 2505.01099)
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
 def apply_pipeline(model, mesh, cfg) -> PipelineModule:
     """`pipeline` as the config says."""
     p = cfg.parallel
+    if p.schedule == "async":  # its runtime steps its own optimizer after every micro-batch
+        from loomtrain.parallel.pipeline.asynchronous import build_async_runtime
+
+        module, shapes, shared = split_model(model, mesh, cfg)
+        module.runtime = build_async_runtime(module, mesh, cfg, shapes, shared)
+        return module
     return pipeline(model, mesh, build_schedule(cfg), _sample(cfg, mesh),
                     list(p.split_points) or p.pipeline_balance, p.recompute)
 

@@ -1,0 +1,340 @@
+"""Asynchronous pipeline training (`parallel.schedule = "async"`): no flush, every stage
+steps its optimizer after every micro-batch, on the weights that micro-batch's forward used
+(PipeDream's weight stashing, Narayanan et al., SOSP 2019), with the delay-corrected Nesterov
+update of Ajanthan et al. ("Nesterov Method for Asynchronous Pipeline Parallel Optimization",
+ICML 2025, arXiv 2505.01099) or, as the baseline, the plain optimizer.
+
+Schedule. The micro-batches form one stream g = 0, 1, ... across trainer steps (step t
+brings g = tM .. tM+M-1). Rank s (one stage per rank) runs PipeDream's 1F1B steady state with
+w_s = pp-1-s micro-batches in flight: F(g + w_s), B(g), F(g + w_s + 1), B(g + 1), ...,
+stepping after every B. A trainer step runs the forwards of its M micro-batches, each
+followed by the backward of the micro-batch w_s before it (`step_actions`), so the last w_s
+forwards of step t are still in flight when train_step returns and their backwards run in
+step t+1: the pipeline stays full across steps. `drain()` runs the pending backwards
+(`drain_actions`); the trainer drains before every evaluation and checkpoint, so what it
+evaluates or saves after step N has learnt from every micro-batch of steps <= N on every
+stage, and the step after starts cold (w_s forwards before the first backward, as 1F1B's
+warm-up). What remains of a bubble: the trainer's per-step all-reduce (token count, stop
+flag) is a barrier, so at the start of a step rank s+1 waits for one forward of rank s.
+
+Delay. Between F(g) and B(g) rank s makes the updates of g-w_s .. g-1: the gradient of every
+micro-batch is taken at weights tau_s = pp-1-s updates old, a fixed delay, largest on the
+first stage, zero on the last (micro-batch g0 + k after a cold start at g0 has min(k, tau_s)).
+`delays` counts it along any action list.
+
+Weight stashing. F(g) runs the stage through `torch.func.functional_call` on a copy of the
+stage's parameters (the stash of g); autograd saves the copy, so B(g) differentiates at
+exactly the weights F(g) used whatever updates came in between, and its gradient becomes the
+live parameters' gradient for the update. The copy dies after B(g): at most w_s + 1 = pp-s
+copies live on rank s, besides the weights themselves (PipeDream keeps as many versions).
+
+Update of stage s after B(g), in this order: the loss of a micro-batch is divided by its
+share of the step's target tokens (global_tokens / M), so an update follows the mean token
+loss of one micro-batch; the gradient is summed over dp (every update, as PipeDream does);
+it is clipped to train.grad_clip per stage (a global norm would be a pp collective per update
+and would lock the stages together again); each micro-batch is trained at the learning rate
+of its own trainer step, on every stage; a non-finite gradient skips that stage's update.
+- "stash": the train.optimizer (AdamW, or SGD with momentum) built as for the synchronous
+  schedules: PipeDream with weight stashing, the baseline.
+- "nesterov": `DelayedNesterov` (nesterov.py), the paper's Eq. 10, with gamma =
+  parallel.async_momentum (0.99, the paper's) and Adam's second moment when
+  train.optimizer = "adamw" (the paper's experiments: NAdamW with beta1 = 0.99).
+
+Tied parameters (the GPT's embedding and head, on the first and the last rank): their copies
+must stay equal, so every holder makes the same update: at its update g, the sum over the
+holders (in rank order) of their contributions of micro-batch g - pp, sent point to point,
+clipped by its own norm. The lag: in steady state the first stage's B(g) ends when the last
+stage's B(g + pp-1) does, so pp lets it arrive before it is needed. The first pp updates leave
+the tied weights alone; contributions not yet applied are not checkpointed (a resumed run
+loses pp micro-batches' worth of them).
+
+Messages: isend/irecv over pp; tags name the tensor and the micro-batch (mod 2^20), and gloo
+matches by tag. The posting order is not NCCL's (which matches in order and would need
+Megatron's paired batched sends): the async pipeline runs on CPU ranks (gloo) for now.
+Receives are posted at the start of each step; a send is waited for ceil((pp-1)/M) steps
+later, when its receive has surely been posted (a message for micro-batch g is received at
+the latest at the receiver's update g, at most that many steps after it is sent), so no rank
+ever waits on a peer that waits on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from torch.func import functional_call
+
+from loomtrain import comm
+from loomtrain.errors import ConfigError
+from loomtrain.parallel.pipeline import schedules as S
+from loomtrain.parallel.pipeline.nesterov import build_async_optimizer
+from loomtrain.parallel.pipeline.runtime import PipelineRuntime, _StepState
+
+_TIED = 3  # a tied parameter's gradient contribution, in its tag (runtime.py's kinds are 0-2)
+_TAG_SPAN = 1 << 20  # micro-batches a tag tells apart: far more than are ever in flight
+
+
+# --- the order of one rank's work: pure -----------------------------------------------------
+
+def step_actions(stage: int, pp: int, first: int, microbatches: int, cold: int) -> list[S.Action]:
+    """Rank `stage`'s compute in the trainer step of micro-batches first .. first+M-1: each F
+    followed by the B of the micro-batch pp-1-stage before it, none before `cold` (the first
+    micro-batch since the pipeline was last empty)."""
+    in_flight = pp - 1 - stage
+    out = []
+    for g in range(first, first + microbatches):
+        out.append(S.Action(S.F, g, stage))
+        if g - in_flight >= cold:
+            out.append(S.Action(S.B, g - in_flight, stage))
+    return out
+
+
+def drain_actions(stage: int, pp: int, end: int, cold: int) -> list[S.Action]:
+    """The backwards rank `stage` still owes when the stream stops before micro-batch `end`."""
+    return [S.Action(S.B, g, stage) for g in range(max(cold, end - (pp - 1 - stage)), end)]
+
+
+def delays(actions: list[S.Action]) -> dict[int, int]:
+    """{micro-batch: updates between its F and its B} along one rank's actions (an update
+    follows every B)."""
+    version, at, out = 0, {}, {}
+    for a in actions:
+        if a.kind == S.F:
+            at[a.microbatch] = version
+        else:
+            out[a.microbatch] = version - at.pop(a.microbatch)
+            version += 1
+    return out
+
+
+# --- the runtime ----------------------------------------------------------------------------
+
+class AsyncPipelineRuntime(PipelineRuntime):
+    """One rank's executor of the asynchronous stream (module docstring). It owns `optimizer`:
+    the trainer neither clips nor steps; after `train_step`, `grad_norm` (the root mean square
+    over the step's updates of the model's gradient norm, stage norms summed in squares) and
+    `stepped` (no update of the step was skipped) describe the step. Set `trace` to a list to
+    record every F and B (with the weights used, for tests)."""
+
+    owns_optimizer = True
+
+    def __init__(self, module, mesh, microbatches: int, shapes, shared, optimizer, grad_clip: float):
+        pp = mesh.size("pp")
+        # actions are made step by step (step_actions), not fixed: the schedule holds none
+        super().__init__(module, mesh, S.Schedule("async", pp, microbatches, 1, ((),) * pp), shapes, shared)
+        self.optimizer, self.grad_clip = optimizer, grad_clip
+        self.named = list(module.named_parameters())
+        self.tied_ids = {id(p) for p, _ in shared if p is not None}
+        self.holders = self._holders()
+        self.lag = pp  # updates between a tied contribution and its use (module docstring)
+        self.wait_steps = math.ceil((pp - 1) / microbatches)
+        self.next = self.cold = 0  # the next micro-batch; the first since the pipeline was empty
+        self.version = 0  # updates this stage has made
+        self.batches: dict = {}  # micro-batch -> (x, y), until its forward
+        self.lrs: dict = {}  # micro-batch -> its step's learning rates, one per group
+        self.stashes: dict = {}  # micro-batch -> (weights its forward used, its input)
+        self.tied_own: dict = {}  # micro-batch -> this rank's contributions, per shared index
+        self.tied_recv: dict = {}  # (micro-batch, shared index, rank) -> (buffer, pending)
+        self.sent: deque = deque()  # per step, its sends not yet waited for
+        self._step = None  # what is in flight (outputs, inputs, messages): lives across steps
+        self.grad_norm, self.stepped = torch.zeros(()), True
+        self.trace: list | None = None
+
+    def _holders(self) -> list[list[int]]:
+        """The pp ranks holding each shared parameter (one small all-gather, at build time)."""
+        if not self.shared:
+            return []
+        have = torch.tensor([float(p is not None) for p, _ in self.shared], device=self.mesh.device)
+        out = torch.empty((self.pp, len(self.shared)), device=self.mesh.device)
+        comm.all_gather(out, have, self.mesh, "pp")
+        return [[r for r in range(self.pp) if out[r, i] > 0] for i in range(len(self.shared))]
+
+    # --- the trainer's interface --------------------------------------------------------
+
+    def train_step(self, model, batches, global_tokens: float, loss_fn) -> torch.Tensor:
+        """Feeds `batches` (one (x, y) per micro-batch) into the stream and runs this rank's
+        actions of the step; returns the token-summed loss of the step's micro-batches on the
+        last stage (zero elsewhere). Collective over pp (the step's gradient norm)."""
+        microbatches = self.schedule.microbatches
+        if len(batches) != microbatches:
+            raise ValueError(f"the async pipeline runs {microbatches} micro-batches a step, "
+                             f"got {len(batches)}")
+        if self._step is None:
+            self._step = _StepState(model, None, 0.0, loss_fn, self.mesh.device)
+        st = self._step
+        st.model, st.loss_fn, st.global_tokens = model, loss_fn, global_tokens / microbatches
+        st.loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        first = self.next
+        self.next += microbatches
+        self.step_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for i, batch in enumerate(batches):
+            self.batches[first + i], self.lrs[first + i] = batch, self.step_lrs
+        self.stats = torch.zeros(3, dtype=torch.float64, device=self.mesh.device)
+        self._run(step_actions(self.rank, self.pp, first, microbatches, self.cold))
+        self._wait_sends(self.wait_steps)
+        local = self.stats.clone()
+        local[0] /= max(float(self.stats[2]), 1.0)  # mean square over this stage's updates
+        comm.all_reduce(local, self.mesh, "pp")
+        self.grad_norm, self.stepped = local[0].sqrt(), bool(local[1] == 0)
+        return st.loss_sum
+
+    def drain(self) -> None:
+        """Runs the backwards (and updates) of every micro-batch in flight; the next step
+        starts with an empty pipeline. Call it on every rank (it exchanges messages)."""
+        if self._step is None:
+            return
+        self.stats = torch.zeros(3, dtype=torch.float64, device=self.mesh.device)
+        self._run(drain_actions(self.rank, self.pp, self.next, self.cold))
+        self.cold = self.next
+        self._wait_sends(0)
+
+    # --- execution ----------------------------------------------------------------------
+
+    def _run(self, actions: list[S.Action]) -> None:
+        for a in actions:  # receives first, so messages arrive while this rank computes
+            if a.kind == S.F and a.stage > 0:
+                self._recv(S.Action(S.RECV_F, a.microbatch, a.stage))
+            elif a.kind == S.B and a.stage < self.last:
+                self._recv(S.Action(S.RECV_B, a.microbatch, a.stage))
+        for a in actions:
+            (self._forward if a.kind == S.F else self._backward)(a)
+        for group, lr in zip(self.optimizer.param_groups, self.step_lrs):
+            group["lr"] = lr  # the trainer's, for its log and checkpoint
+
+    def _forward(self, a: S.Action) -> None:
+        st, g, s = self._step, a.microbatch, a.stage
+        x, y = self.batches.pop(g)
+        if s > 0:
+            x = self._received(st.recv_f, (g, s)).requires_grad_(True)
+            st.inputs[(g, s)] = x
+        stash = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.named}
+        if self.trace is not None:
+            self.trace.append({"kind": "F", "microbatch": g, "stage": s, "version": self.version,
+                               "weights": _flat(p for _, p in self.named)})
+        out = functional_call(self.module, stash, (x, s))
+        if s == self.last:
+            loss = st.loss_fn(out, y)
+            st.loss_sum += loss.detach()
+            out = loss / st.global_tokens  # the micro-batch's share of the step's tokens
+        st.outputs[(g, s)] = out
+        self.stashes[g] = (stash, x)
+        if s < self.last:
+            self._send(S.Action(S.SEND_F, g, s))
+
+    def _backward(self, a: S.Action) -> None:
+        st, g, s = self._step, a.microbatch, a.stage
+        grad = None if s == self.last else self._received(st.recv_b, (g, s))
+        torch.autograd.backward(st.outputs.pop((g, s)), grad)
+        if s > 0:
+            st.grads[(g, s)] = st.inputs.pop((g, s)).grad
+            self._send(S.Action(S.SEND_B, g, s))
+        stash, x = self.stashes.pop(g)
+        if self.trace is not None:
+            self.trace.append({"kind": "B", "microbatch": g, "stage": s, "version": self.version,
+                               "weights": _flat(stash.values()), "live": _flat(p for _, p in self.named),
+                               "stash": stash, "input": x, "grad_output": grad,
+                               "grads": {n: t.grad for n, t in stash.items()}})
+        self._update(g, stash)
+
+    def _update(self, g: int, stash: dict) -> None:
+        for n, p in self.named:
+            p.grad = stash[n].grad
+        self._step.model.sync_gradients()  # summed over dp
+        tied_square = self._tied_gradients(g)
+        rest = [p for _, p in self.named if id(p) not in self.tied_ids and p.grad is not None]
+        norm = _clip(rest, self.grad_clip)
+        if not torch.isfinite(norm):
+            for p in rest:
+                p.grad = None
+            self.stats[1] += 1
+        else:
+            self.stats[0] += float(norm) ** 2 + tied_square
+        self.stats[2] += 1
+        for group, lr in zip(self.optimizer.param_groups, self.lrs.pop(g)):
+            group["lr"] = lr
+        self.optimizer.step()
+        self.version += 1
+
+    def _tied_gradients(self, g: int) -> float:
+        """Sends this rank's (dp-summed) contributions of micro-batch g to the other holders,
+        posts the receives of theirs, and sets each tied parameter's gradient to the sum of
+        every holder's contributions of micro-batch g - lag (None before there are any).
+        Returns the squares of the clipped norms, each over its number of holders."""
+        if not self.tied_ids:
+            return 0.0
+        mine = {}
+        for i, (p, shape) in enumerate(self.shared):
+            if p is None:
+                continue
+            mine[i] = p.grad.detach().clone()
+            for h in self.holders[i]:
+                if h == self.rank:
+                    continue
+                tag = self._tag(_TIED, g, i)
+                pending = comm.send(mine[i], self.mesh, "pp", h, async_op=True, tag=tag)
+                self._step.sends.append((pending, mine[i]))
+                buffer = torch.empty(shape, dtype=p.dtype, device=self.mesh.device)
+                pending = comm.recv(buffer, self.mesh, "pp", h, async_op=True, tag=tag)
+                self.tied_recv[(g, i, h)] = (buffer, pending)
+        self.tied_own[g] = mine
+        past, square = g - self.lag, 0.0
+        own = self.tied_own.pop(past, None)
+        for i, (p, _) in enumerate(self.shared):
+            if p is None:
+                continue
+            if own is None:
+                p.grad = None
+                continue
+            total = None
+            for h in self.holders[i]:  # one order on every holder: equal sums, equal copies
+                if h == self.rank:
+                    part = own[i]
+                else:
+                    part, pending = self.tied_recv.pop((past, i, h))
+                    pending.wait()
+                total = part if total is None else total + part
+            p.grad = total
+            norm = _clip([p], self.grad_clip)
+            if torch.isfinite(norm):
+                square += float(norm) ** 2 / len(self.holders[i])
+            else:
+                p.grad = None
+                self.stats[1] += 1
+        return square
+
+    def _wait_sends(self, keep_steps: int) -> None:
+        """Files this step's sends and waits for those sent more than `keep_steps` steps ago
+        (their receives are posted by now: module docstring)."""
+        self.sent.append(self._step.sends)
+        self._step.sends = []
+        while len(self.sent) > keep_steps:
+            for pending, _ in self.sent.popleft():
+                pending.wait()
+
+    def _tag(self, what: int, microbatch: int, stage: int) -> int:
+        """As the synchronous runtime's, with stream positions (mod 2^20) for micro-batches;
+        a tied contribution names its shared parameter's index in place of the stage."""
+        return (what * self.schedule.stages + stage) * _TAG_SPAN + microbatch % _TAG_SPAN
+
+
+def _clip(params: list, max_norm: float) -> torch.Tensor:
+    """Clips the gradients of `params` to `max_norm` (0: no clipping); their norm before."""
+    if not params:
+        return torch.zeros(())
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().flatten() for t in tensors]).clone()
+
+
+def build_async_runtime(module, mesh, cfg, shapes, shared) -> AsyncPipelineRuntime:
+    """The runtime of `schedule = "async"` for this rank's PipelineModule, with its optimizer."""
+    if mesh.device.type != "cpu":  # known only once the device is picked ("auto")
+        raise ConfigError('parallel.schedule="async" runs on CPU ranks for now: its messages '
+                          "are matched by tag (gloo), NCCL matches in order; set run.device=\"cpu\"")
+    return AsyncPipelineRuntime(module, mesh, cfg.accumulation_steps, shapes, shared,
+                                build_async_optimizer(module, cfg), cfg.train.grad_clip)
