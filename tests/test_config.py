@@ -75,12 +75,61 @@ def test_impossible_values(capsys, args, expected):
 
 
 # Refused today because they are not implemented yet; each row moves to the valid side when
-# its issue lands (pp: 5, cp: 6), and its test then belongs to that feature.
-@pytest.mark.parametrize("key,value", [("pp", 2), ("cp", 2)])
+# its issue lands (cp: 6), and its test then belongs to that feature.
+@pytest.mark.parametrize("key,value", [("cp", 2)])
 def test_unsupported_parallelism(capsys, key, value):
     err = _refused(capsys, ["train", "--dry-run", "--nproc", "4", "--set", f"parallel.{key}={value}"])
     assert f"parallel.{key}={value} is not supported yet" in err
     assert f"use parallel.{key}=1" in err
+
+
+# `_check_pipeline`: the default model has 6 layers (embed, 4 blocks, head); on 4 ranks with
+# pp 2, dp is 2 and the default batch (32 = 2 x 8 x 2) gives 2 micro-batches
+PP2 = ["--nproc", "4", "--set", "parallel.pp=2"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--set", 'parallel.recompute="full"'],
+     "parallel.recompute is a pipeline setting: it needs parallel.pp > 1"),
+    (["--set", "parallel.microbatches=4"],
+     "parallel.microbatches is a pipeline setting: it needs parallel.pp > 1"),
+    ([*PP2, "--set", "parallel.microbatches=4"],
+     "parallel.microbatches=4 must equal train.global_batch / (dp * train.micro_batch) = 32/(2*8) = 2; "
+     "set train.micro_batch=4 (or leave parallel.microbatches unset)"),
+    ([*PP2, "--set", "parallel.tp=2", "--set", "train.global_batch=8"],
+     "parallel.pp=2 with parallel.tp=2 is not supported yet: the pipeline composes with dp and ZeRO-1"),
+    ([*PP2, "--set", "parallel.zero_stage=2"],
+     "parallel.pp=2 runs in fp32 with parallel.zero_stage 0 or 1 (got zero_stage=2, "
+     "train.precision='fp32'): stages 2-3 would reduce or gather on every micro-batch"),
+    ([*PP2, "--set", "train.precision=bf16"],
+     "parallel.pp=2 runs in fp32 with parallel.zero_stage 0 or 1 (got zero_stage=0, train.precision='bf16')"),
+    ([*PP2, "--set", 'parallel.schedule="interleaved"'],
+     'parallel.schedule="interleaved" needs parallel.virtual_stages >= 2 (got 1) and micro-batches '
+     "divisible by parallel.pp=2 (got 2)"),
+    ([*PP2, "--set", 'parallel.schedule="interleaved"',
+      "--set", "parallel.virtual_stages=2", "--set", "train.micro_batch=16"],
+     "needs parallel.virtual_stages >= 2 (got 2) and micro-batches divisible by parallel.pp=2 (got 1)"),
+    ([*PP2, "--set", "parallel.virtual_stages=2"],
+     "parallel.virtual_stages=2 is for parallel.schedule=\"interleaved\" (got '1f1b'); set it to 1"),
+    ([*PP2, "--set", "model.name=mlp", "--set", 'parallel.recompute="selective"'],
+     "parallel.recompute=\"selective\" recomputes the GPT's attention; model.name='mlp' has none: use \"full\""),
+    ([*PP2, "--set", "parallel.split_points=[2, 4]"],
+     "parallel.split_points=[2, 4] must be 1 increasing layer indices between 1 and 5 (the model has 6 "
+     "layers: embed, 4 blocks, head; pp*virtual_stages = 2 stages)"),
+    ([*PP2, "--set", "parallel.split_points=[6]"],
+     "parallel.split_points=[6] must be 1 increasing layer indices between 1 and 5"),
+    (["--nproc", "8", "--set", "parallel.pp=8", "--set", "train.global_batch=8"],
+     "parallel.pp*virtual_stages = 8 stages exceed the model's 6 layers (embed, 4 blocks, head)"),
+])
+def test_pipeline_refusals(capsys, args, expected):
+    assert expected in _refused(capsys, ["train", "--dry-run", *args])
+
+
+def test_pipeline_dry_run(capsys):
+    assert main(["train", "--dry-run", "--nproc", "4", "--set", "parallel.pp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh pp=2 dp=2" in out and "pipeline: schedule 1f1b, 2 micro-batch(es)" in out
+    assert "activations, stage 0 -> 1: 2 send over pp (2 ranks)" in out
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -1,6 +1,6 @@
 """The dry run's estimates: pure formulas against torch's own numbers and against hand-computed
-ZeRO cases, and real runs (DataParallel and ZeRO, world 2 and 4) whose metered bytes the
-predicted collectives must match exactly."""
+ZeRO and pipeline cases, and real runs (DataParallel, ZeRO, tp and pp, world 2 and 4) whose
+metered bytes the predicted collectives must match exactly."""
 
 from __future__ import annotations
 
@@ -26,27 +26,34 @@ from loomtrain.train.metrics import read_metrics
 from loomtrain.train.optim import build_optimizer
 
 
-def saved_activation_bytes(model: torch.nn.Module, vocab_size: int, b: int, t: int,
-                           loss_sum=token_loss_sum) -> int:
-    """Bytes of the distinct storages autograd saves in one forward (parameters excluded),
-    measured with saved_tensors_hooks; backward then runs to show the graph is complete.
-    Storages stay alive until backward, so a data pointer is never reused in between."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+def saved_storage_bytes(params, forward):
+    """(bytes of the distinct storages autograd saves while `forward()` runs, parameters
+    excluded, and what it returns), measured with saved_tensors_hooks. Storages stay alive
+    until backward, so a data pointer is never reused in between."""
+    excluded = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, int] = {}
 
     def pack(x: torch.Tensor) -> torch.Tensor:
         storage = x.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in excluded:
             seen.setdefault(storage.data_ptr(), storage.nbytes())
         return x
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = forward()
+    return sum(seen.values()), out
+
+
+def saved_activation_bytes(model: torch.nn.Module, vocab_size: int, b: int, t: int,
+                           loss_sum=token_loss_sum) -> int:
+    """What one forward of `model` and the loss saves (saved_storage_bytes); backward then
+    runs to show the graph is complete."""
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vocab_size, (b, t), generator=g)
     targets = torch.randint(0, vocab_size, (b, t), generator=g)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        loss = loss_sum(model(idx), targets)
+    saved, loss = saved_storage_bytes(model.parameters(), lambda: loss_sum(model(idx), targets))
     loss.backward()
-    return sum(seen.values())
+    return saved
 
 
 # The formulas name every tensor autograd saves; on torch 2.13 CPU they match to the byte.
@@ -408,7 +415,11 @@ CASES = {
         ("tp 2 x dp 2, sequence parallel, stage 3",
          {"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 3},
           "train": {"global_batch": 8}}),
-        ("tp 2 x dp 2, data parallel", {"parallel": {"tp": 2}, "train": {"global_batch": 8}})],
+        ("tp 2 x dp 2, data parallel", {"parallel": {"tp": 2}, "train": {"global_batch": 8}}),
+        # 4 layers in 4 stages: rank 0 holds stages 0 and 2, sends both ways
+        ("pp 2 x dp 2, interleaved, ZeRO-1",
+         {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero_stage": 1},
+          "train": {"micro_batch": 4}})],
 }
 
 
@@ -470,3 +481,147 @@ def test_tensor_parallel_activation_formula_matches_saved_tensors(tiny):
         want = tensor_activation_bytes(cfg.model, cfg.train.micro_batch, p.tp, p.sequence_parallel)
         assert abs(got - want) <= TOLERANCE * want, (cfg.model.name, p.sequence_parallel, got, want)
     assert measured[1] < measured[0]  # sequence parallel keeps less
+
+
+# --- pipeline: stages, stash peaks, point-to-point sends -----------------------------------
+
+
+@pytest.mark.parametrize("name,bounds,recompute", [
+    ("gpt", [0, 1, 3, 5], "none"), ("gpt", [0, 2, 4, 5], "none"), ("mlp", [0, 2, 3, 5], "none"),
+    ("gpt", [0, 1, 3, 5], "selective"), ("gpt", [0, 2, 4, 5], "selective")])
+def test_stage_activations_match_saved_tensors(tiny, name, bounds, recompute):
+    from loomtrain.parallel.pipeline import PipelineModule, layers_of
+    from loomtrain.parallel.pipeline.estimate import stage_memory
+
+    cfg = tiny(model={"name": name, "n_layers": 3, "d_model": 48, "n_heads": 4, "mlp_ratio": 2})
+    m, b = cfg.model, 3
+    torch.manual_seed(0)
+    model = build_model(m)
+    for module in model.modules():
+        if hasattr(module, "recompute_core"):
+            module.recompute_core = recompute == "selective"
+    layers = layers_of(model)
+    stages = PipelineModule(model, layers, bounds, list(range(len(bounds) - 1)))
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, m.vocab_size, (b, m.seq_len), generator=g) for _ in range(2))
+    last = len(bounds) - 2
+    for s in range(last + 1):
+        run = (lambda s=s, x=x: token_loss_sum(stages(x, s), y)) if s == last else (lambda s=s, x=x: stages(x, s))
+        saved, out = saved_storage_bytes(model.parameters(), run)
+        names = [layer.name for layer in layers[bounds[s]:bounds[s + 1]]]
+        mem = stage_memory(m, names, b, 4, recompute, s == 0, s == last)
+        received = 0 if s == 0 else x.numel() * 4  # saved by the stage's first LayerNorm
+        assert abs(mem.stashed + received - saved) <= TOLERANCE * saved, (s, names, mem, saved)
+        assert mem.held == received + (0 if s == last else out.numel() * 4)
+        x = out.detach().requires_grad_(True)
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_zero_bubble_keeps_the_linear_inputs_and_output_gradients(tiny, name):
+    from loomtrain.parallel.pipeline import PipelineModule, layers_of
+    from loomtrain.parallel.pipeline.estimate import stage_memory
+    from loomtrain.parallel.pipeline.runtime import DeferredWeightGrads, defer_linear_weights
+
+    cfg = tiny(model={"name": name, "n_layers": 2, "d_model": 48, "n_heads": 4, "mlp_ratio": 2})
+    m, b = cfg.model, 3
+    torch.manual_seed(0)
+    model = build_model(m)
+    layers = layers_of(model)
+    stages = PipelineModule(model, layers, [0, 1, 4], [0, 1])  # blocks and head on stage 1
+    store = DeferredWeightGrads()
+    defer_linear_weights(stages, store)
+    x = torch.randn(b, m.seq_len, m.d_model, requires_grad=True)
+    y = torch.randint(0, m.vocab_size, (b, m.seq_len))
+    with store.deferring("I"):
+        token_loss_sum(stages(x, 1), y).backward()
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for _, _, x_in, dy in store.pending["I"] for t in (x_in, dy)}
+    mem = stage_memory(m, [layer.name for layer in layers[1:]], b, 4, "none", False, True)
+    assert sum(kept.values()) == mem.weight_inputs + mem.output_grads
+
+
+def test_activation_peak_weighs_the_simulated_stash():
+    from loomtrain.parallel.pipeline import schedules
+    from loomtrain.parallel.pipeline.estimate import StageMemory, activation_peak
+
+    def mem(stashed=0, received=0, output=0, recomputed=0, inputs=0, grads=0):
+        return StageMemory(stashed, received, output, recomputed, inputs, grads)
+
+    # one byte per pair, kept to W by zero-bubble's Linear inputs: the simulator's own count
+    for name, pp, m, v, offload in [("gpipe", 2, 3, 1, 0), ("1f1b", 4, 6, 1, 0.5),
+                                    ("zb-h1", 3, 5, 1, 0), ("zb-h1", 2, 4, 1, 1),
+                                    ("interleaved", 2, 4, 2, 0)]:
+        schedule = schedules.build(name, pp, m, v)
+        sim = schedules.simulate(schedules.with_offload(schedule, offload) if offload else schedule)
+        unit = [mem(stashed=1, inputs=1)] * (pp * v)
+        assert [activation_peak(spans, unit) for spans in sim.spans] == list(sim.peak_stash), name
+    sim = schedules.simulate(schedules.build("gpipe", 2, 3))
+    # GPipe keeps 3 micro-batches: 3 x (10 + 1) stashed; recomputed: 3 held + one rerun's 10
+    assert activation_peak(sim.spans[0], [mem(stashed=10, output=1)] * 2) == 33
+    assert activation_peak(sim.spans[0], [mem(output=1, recomputed=10)] * 2) == 13
+    # ZB-H1: I frees the graph (stashed 10) but for the Linear inputs W needs (3), and adds
+    # the output gradients (5). Rank 0: F0 F1 I0 W0 I1 W1, both forwards' 10 at once; rank 1:
+    # F0 I0 F1 I1 W0 W1, F1's 10 beside micro-batch 0's deferred 3 + 5
+    sim = schedules.simulate(schedules.build("zb-h1", 2, 2))
+    zb = [mem(stashed=10, inputs=3, grads=5)] * 2
+    assert [activation_peak(spans, zb) for spans in sim.spans] == [10 + 10, 3 + 5 + 10]
+    # interleaved stages of one rank weigh differently: stage 0 (1 B) and stage 2 (100 B)
+    sim = schedules.simulate(schedules.build("interleaved", 2, 2, 2))
+    memory = [mem(stashed=1), mem(), mem(stashed=100), mem()]
+    assert activation_peak(sim.spans[0], memory) == 2 * 1 + 2 * 100  # all 4 forwards first
+
+
+def test_pipeline_estimate_cuts_the_model_as_the_trainer(tiny):
+    cfg = tiny(model={"n_layers": 6}, parallel={"nproc": 4, "pp": 2, "schedule": "zb-h1",
+                                                "pipeline_balance": "time"})
+    est = dryrun.estimate(cfg)
+    assert not dist.is_initialized()
+    pipe = est.pipeline
+    assert pipe.split.balance_by_time  # a meta model cannot be timed: cut by parameters
+    model = build_model(cfg.model)
+    tied = model.tok_emb.weight.numel()
+    assert sum(pipe.split.rank_parameters) - tied == est.model_parameters
+    assert est.parameters == pipe.split.rank_parameters[0]
+    assert pipe.split.stage_layers[0][0] == "embed" and pipe.split.stage_layers[-1][-1] == "head"
+    assert [(n, r) for n, _, r in pipe.split.shared] == [("tok_emb.weight", [0, 1])]
+    assert est.memory.activation_bytes == pipe.peaks[0] > 0
+    b, t, d = cfg.train.micro_batch, cfg.model.seq_len, cfg.model.d_model
+    sends = [c for c in est.collectives if c.op == "send" and c.every_steps == 1]
+    assert [(c.calls, c.payload_bytes, c.wire_bytes) for c in sends] == [(2, b * t * d * 4, b * t * d * 4)]
+    assert pipe.bubble_theory == pytest.approx(1 / 7)  # zb-h1, p 2, m 2, F = I = W: 1 / (1 + 2 x 3)
+    text = dry_run(cfg)
+    for words in ("pipeline: schedule zb-h1, 2 micro-batch(es) per step", 'pipeline_balance="time"',
+                  "pp rank 0: stage 0 = embed, blocks.", "pp rank 1: stage 1 = blocks.",
+                  "tied: tok_emb.weight is held by pp ranks [0, 1]", "bubble: (p-1)(F+I-W)",
+                  "peak stash 2 micro-batch(es)", "activations, stage 0 -> 1: 2 send over pp",
+                  "gradient norm over pp", "logged loss: all_reduce over pp"):
+        assert words in text, words
+
+
+def test_interleaved_dry_run_names_every_stage_of_every_rank(tiny):
+    text = dry_run(tiny(model={"n_layers": 6}, parallel={
+        "nproc": 4, "pp": 4, "schedule": "interleaved", "virtual_stages": 2}, train={"global_batch": 8}))
+    assert "8 stages (pp 4 x 2 virtual)" in text
+    assert "pp rank 0: stage 0 = embed; stage 4 = blocks.3:" in text
+    assert "pp rank 3: stage 3 = blocks.2; stage 7 = head:" in text
+    assert "input gradients, stage 4 -> 3" in text and "busiest: pp rank 1" in text
+
+
+def test_dry_run_refuses_schedules_not_built_yet(tiny):
+    with pytest.raises(ConfigError, match="parallel.schedule='optimal': unknown pipeline schedule"):
+        dryrun.estimate(tiny(parallel={"nproc": 2, "pp": 2, "schedule": "optimal"}))
+
+
+def test_pipeline_collectives_match_the_meter(tiny, tmp_path):
+    """A real pp=2 run on 2 ranks: rank 0's metered bytes per op, record by record, are the
+    dry run's (4 micro-batches, 3 evaluation forwards after every step)."""
+    cases = [{"pp": 2, "schedule": "1f1b"}, {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}]
+    cfgs = [tiny(model={"n_layers": 6}, run={"eval_every": 1, "eval_batches": 3},
+                 train={"steps": 2}, parallel={"nproc": 2, **case}) for case in cases]
+    dirs = [str(tmp_path / f"run{i}") for i in range(len(cfgs))]
+    results = run_world(_train, 2, cfgs, dirs, timeout_s=180)[0]
+    for case, cfg, records in zip(cases, cfgs, results):
+        est = dryrun.estimate(cfg)
+        expected = [_per_op(est.collectives, validation=False), _per_op(est.collectives, validation=True)]
+        assert [r["comm_bytes"] for r in records] == expected, case
+        assert expected[0]["send"] > 0

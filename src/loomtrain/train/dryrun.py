@@ -8,8 +8,10 @@ parallel and of activations here, those of the sharded engine in parallel/zero/e
 fake process group, which accepts every collective and moves nothing), the model on the meta
 device (shapes without storage), and either the gradient buckets of `apply_data_parallel` (ZeRO
 stage 0 in fp32) or the ZeRO plan and unit layout of parallel/zero/ (`make_plan`, `find_units`,
-`assign_parameters`, `unit_layout`: the lengths, without allocating a buffer). The text it
-prints: dryrun_text.py. Formulas and their sources: docs/dry-run.md.
+`assign_parameters`, `unit_layout`: the lengths, without allocating a buffer). With pp > 1, rank
+0's stages are cut first as the trainer cuts them, and the pipeline's own estimates (stages,
+the schedule's stash peaks, the point-to-point sends) come from parallel/pipeline/estimate.py.
+The text it prints: dryrun_text.py. Formulas and their sources: docs/dry-run.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ import torch.distributed as dist
 
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
+from loomtrain.parallel.pipeline.estimate import (
+    PipelineEstimate,
+    PipelineSplit,
+    gpt_layer_bytes,
+    mlp_layer_bytes,
+    pipeline_estimate,
+    split_on_meta,
+)
 from loomtrain.parallel.tensor_estimate import tensor_activation_bytes, tensor_collectives
 from loomtrain.parallel.zero import ROOT
 from loomtrain.parallel.zero.estimate import (
@@ -52,12 +62,11 @@ def gpt_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers:
     int64 per token, positions int64 per position, and cross-entropy keeps one fp32 total
     weight. The flash/efficient attention kernels save no t x t matrix; this counts every
     tensor measured by tests/test_dryrun.py on torch 2.13 CPU, in fp32 and bf16, to the byte.
+    It is the sum of the per-layer parts (embed, blocks, head) the pipeline's stages use.
     """
-    b, t, d, r = micro_batch, seq_len, d_model, mlp_ratio
-    compute = 2 * d + 2 + n_layers * (8 * d + 2 * r * d + 4)
-    fp32 = vocab_size + n_layers * n_heads
-    return (compute_bytes * b * t * compute + FP32_BYTES * (b * t * fp32 + 1)
-            + INDEX_BYTES * (2 * b * t + t))
+    parts = {kind: gpt_layer_bytes(kind, micro_batch, seq_len, d_model, n_heads, mlp_ratio,
+                                   vocab_size, compute_bytes) for kind in ("embed", "block", "head")}
+    return parts["embed"] + n_layers * parts["block"] + parts["head"]
 
 
 def mlp_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers: int,
@@ -67,12 +76,11 @@ def mlp_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers:
     Per token and layer (compute dtype): LayerNorm output d and stats 2, fc output rd, GELU
     output rd, block output d. Once per token: the embedding output d, ln_f output d and stats
     2 (compute dtype), the fp32 log-softmax output V; int64 ids and targets; one fp32 total
-    weight.
+    weight. The sum of its per-layer parts, as gpt_activation_bytes.
     """
-    b, t, d, r = micro_batch, seq_len, d_model, mlp_ratio
-    compute = 2 * d + 2 + n_layers * (2 * d + 2 * r * d + 2)
-    return (compute_bytes * b * t * compute + FP32_BYTES * (b * t * vocab_size + 1)
-            + INDEX_BYTES * 2 * b * t)
+    parts = {kind: mlp_layer_bytes(kind, micro_batch, seq_len, d_model, mlp_ratio, vocab_size,
+                                   compute_bytes) for kind in ("embed", "block", "head")}
+    return parts["embed"] + n_layers * parts["block"] + parts["head"]
 
 
 def activation_bytes(model_cfg, micro_batch: int, compute_bytes: int = FP32_BYTES) -> int:
@@ -121,17 +129,18 @@ def gradient_all_reduces(bucket_payload_bytes: list[int], dp: int) -> list[Colle
             for i, size in enumerate(bucket_payload_bytes)]
 
 
-def trainer_collectives(world: int, dp: int, log_every: int, eval_every: int) -> list[Collective]:
+def trainer_collectives(world: int, dp: int, log_every: int, eval_every: int,
+                        pp: int = 1) -> list[Collective]:
     """The trainer's own: the control all-reduce (2 float64: token count, stop flag) over the
-    world every step, the loss (1 float64) over dp on logged steps, the validation (loss sum,
-    token count: 2 float64) over dp on evaluation steps. train/trainer.py; the last step is
-    also logged and evaluated."""
+    world every step, the loss (1 float64) over dp, then over pp (the last stage holds it), on
+    logged steps, the validation (loss sum, token count: 2 float64) over dp, then pp, on
+    evaluation steps. train/trainer.py; the last step is also logged and evaluated."""
     out = []
     if world > 1:
         out.append(_all_reduce("control (tokens, stop flag)", "world", world, 16))
-    if dp > 1:
-        out.append(_all_reduce("logged loss", "dp", dp, 8, log_every))
-        out.append(_all_reduce("validation loss", "dp", dp, 16, eval_every))
+    for purpose, payload, every in (("logged loss", 8, log_every), ("validation loss", 16, eval_every)):
+        out += [_all_reduce(purpose, axis, n, payload, every)
+                for axis, n in (("dp", dp), ("pp", pp)) if n > 1]
     return out
 
 
@@ -187,10 +196,12 @@ def _zero_layout(model, mesh, cfg) -> ZeroLayout:
 @dataclass(frozen=True)
 class _Built:
     layout: str
-    parameters: int
+    model_parameters: int  # the whole model's
+    parameters: int  # rank 0's
     buckets: list[int]  # DataParallel's gradient bucket bytes
     zero: ZeroLayout | None
     broadcast_wire_bytes: int
+    pipeline: PipelineSplit | None
 
 
 def _build_on_fake_backend(cfg) -> _Built:
@@ -214,7 +225,11 @@ def _build_on_fake_backend(cfg) -> _Built:
             raise ConfigError(f"parallel.ranks_per_node={p.ranks_per_node}: {err}") from None
         with torch.device("meta"):
             model = build_model(cfg.model)
+        whole = sum(x.numel() for x in dict.fromkeys(model.parameters()))
         model, _ = apply_tensor_parallel(model, mesh, cfg)  # this rank's pieces, as parallelize
+        split = None
+        if p.pp > 1:  # then this rank's stages, as parallelize
+            model, split = split_on_meta(model, mesh, cfg)
         buckets, zero = [], None
         if uses_zero(cfg):
             zero = _zero_layout(model, mesh, cfg)
@@ -227,8 +242,8 @@ def _build_on_fake_backend(cfg) -> _Built:
         if mesh.nodes > 1:
             local, cross = (_ranks(mesh.group_ranks(f"dp.{s}")) for s in ("local", "cross"))
             layout += f"\n  rank 0's dp sub-groups: node-local {local}, cross-node {cross}"
-        return _Built(layout, parameters, buckets, zero,
-                      mesh.meter.total("wire_bytes", op="broadcast"))
+        return _Built(layout, whole, parameters, buckets, zero,
+                      mesh.meter.total("wire_bytes", op="broadcast"), split)
     finally:
         dist.destroy_process_group()
 
@@ -243,33 +258,40 @@ def _ranks(ranks: list[int]) -> str:
 class DryRun:
     data: str
     layout: str
-    parameters: int
+    model_parameters: int  # the whole model's
+    parameters: int  # rank 0's (its tp pieces, its pipeline stages)
     bucket_bytes: list[int]  # DataParallel (stage 0, fp32); [] with ZeRO
     zero: ZeroLayout | None  # the sharded engine's plan and units; None for DataParallel
     broadcast_wire_bytes: int
     memory: MemoryEstimate
     engine: list[Collective]  # the engine's: gradient buckets, or ZeRO's reductions and gathers
-    collectives: list[Collective]  # the engine's, then the trainer's own
+    collectives: list[Collective]  # the engine's, then the trainer's own, then evaluation's
+    pipeline: PipelineEstimate | None = None
 
 
 def estimate(cfg) -> DryRun:
     """Everything `loom train --dry-run` reports, as numbers."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    # the estimates below model the dp and tp axes; the config refuses the rest today
-    assert p.pp == p.cp == 1, "dry-run estimates need updating"
+    # the estimates below model the dp, tp and pp axes; the config refuses cp today
+    assert p.cp == 1, "dry-run estimates need updating"
     data = _check_data(cfg)
+    schedule = _pipeline_schedule(cfg) if p.pp > 1 else None
     built = _build_on_fake_backend(cfg)
     states = optimizer_states(t.optimizer, t.beta1)
-    own = trainer_collectives(p.nproc, p.dp_size, cfg.run.log_every, cfg.run.eval_every)
+    own = trainer_collectives(p.nproc, p.dp_size, cfg.run.log_every, cfg.run.eval_every, p.pp)
     z = built.zero
     c = FP32_BYTES if z is None else compute_bytes(z.plan)
-    if p.tp > 1:
+    # trainer.evaluate: every rank runs ceil(eval_batches / dp) forwards, so that ZeRO-3's
+    # gathers (and the tp collectives, the pipeline's sends) match on every rank
+    forwards = -(-cfg.run.eval_batches // p.dp_size)
+    pipe = None
+    if schedule is not None:
+        pipe = pipeline_estimate(built.pipeline, schedule, cfg, c, forwards)
+        activations = pipe.peaks[0]
+    elif p.tp > 1:
         activations = tensor_activation_bytes(m, t.micro_batch, p.tp, p.sequence_parallel, c)
     else:
         activations = activation_bytes(m, t.micro_batch, c)
-    # trainer.evaluate: every rank runs ceil(eval_batches / dp) forwards, so that ZeRO-3's
-    # gathers (and the tp collectives) match on every rank
-    forwards = -(-cfg.run.eval_batches // p.dp_size)
     if z is None:
         memory = memory_per_rank(built.parameters, states, activations)
         engine = gradient_all_reduces(built.buckets, p.dp_size)
@@ -280,5 +302,17 @@ def estimate(cfg) -> DryRun:
         evals = zero_eval_gathers(z.plan, z.units, z.root, forwards, cfg.run.eval_every)
     engine = engine + tensor_collectives(m, t.micro_batch, p.tp, p.sequence_parallel,
                                          cfg.accumulation_steps, c, forwards, cfg.run.eval_every)
-    return DryRun(data, built.layout, built.parameters, built.buckets, z,
-                  built.broadcast_wire_bytes, memory, engine, engine + own + evals)
+    if pipe is not None:
+        engine, evals = engine + pipe.collectives, evals + pipe.eval_sends
+    return DryRun(data, built.layout, built.model_parameters, built.parameters, built.buckets, z,
+                  built.broadcast_wire_bytes, memory, engine, engine + own + evals, pipe)
+
+
+def _pipeline_schedule(cfg):
+    """The schedule the runtime would run, or the config's schedule refused by name."""
+    from loomtrain.parallel.pipeline import build_schedule
+
+    try:
+        return build_schedule(cfg)
+    except ValueError as err:
+        raise ConfigError(f"parallel.schedule={cfg.parallel.schedule!r}: {err}") from None

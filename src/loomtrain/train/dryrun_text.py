@@ -1,7 +1,9 @@
 """The text `loom train --dry-run` prints, from the numbers of `dryrun.estimate(cfg)`.
 
 Plain data parallel and the sharded engine are printed apart: for the latter each memory row
-gives its formula and the collectives are grouped by what they do. docs/dry-run.md shows both.
+gives its formula and the collectives are grouped by what they do (so are tp's and pp's). With
+pp > 1 a pipeline section names every pp rank's stages and the schedule's stash and bubble.
+docs/dry-run.md shows them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from loomtrain.parallel.zero.estimate import (
     compute_bytes,
     wire_bytes_per_step,
 )
+from loomtrain.parallel.pipeline.estimate import PipelineEstimate
 from loomtrain.train.dryrun import DryRun, ZeroLayout, estimate, optimizer_states
 from loomtrain.train.metrics import _fmt_bytes as fmt_bytes
 
@@ -22,31 +25,97 @@ def dry_run(cfg) -> str:
     lines = [
         f"dry run of {cfg.run.name!r}: nothing is trained",
         f"data:  {est.data}",
-        f"model: {m.name}, {est.parameters:,} parameters (d_model {m.d_model}, {m.n_layers} "
+        f"model: {m.name}, {est.model_parameters:,} parameters (d_model {m.d_model}, {m.n_layers} "
         f"layers, seq_len {m.seq_len}, vocab {m.vocab_size})",
         f"batch: global {t.global_batch} = dp {p.dp_size} x micro {t.micro_batch} x "
-        f"accumulation {cfg.accumulation_steps}",
+        f"{'pipelined micro-batches' if p.pp > 1 else 'accumulation'} {cfg.accumulation_steps}",
         *([] if est.zero is None else _zero_lines(est.zero, cfg)),
         "",
         est.layout,
+        *([] if est.pipeline is None else ["", *_pipeline_lines(est.pipeline, cfg)]),
         "",
         *(_memory_lines(est, cfg) if est.zero is None else _zero_memory_lines(est, cfg)),
+        *_busiest_lines(est),
         "",
-        *(_collective_lines(est, cfg) if est.zero is None and p.tp == 1 else _grouped_collective_lines(est, cfg)),
+        *(_collective_lines(est, cfg) if est.zero is None and p.tp == p.pp == 1
+          else _grouped_collective_lines(est, cfg)),
     ]
     return "\n".join(lines)
 
 
+# the closed forms of schedules.bubble_theory: p = pp, m = micro-batches, V = virtual stages
+BUBBLE = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(V m+p-1)",
+          "zb-h1": "(p-1)(F+I-W)/((p-1)(F+I-W) + m(F+I+W))"}
+
+
+def _pipeline_lines(pipe: PipelineEstimate, cfg) -> list[str]:
+    p, s, split = cfg.parallel, pipe.schedule, pipe.split
+    cut = f"split at layers {list(p.split_points)}" if p.split_points else "balanced by parameters"
+    out = [f"pipeline: schedule {s.name}, {s.microbatches} micro-batch(es) per step, {s.stages} "
+           f"stages (pp {s.pp} x {s.virtual_stages} virtual), {cut}"]
+    if split.balance_by_time:
+        out.append('  (pipeline_balance="time" times every layer on the real ranks; the dry run '
+                   "cannot, so it cut by parameters: the run may cut elsewhere)")
+    for r in range(s.pp):
+        stages = "; ".join(f"stage {k} = {_layer_names(split.stage_layers[k])}"
+                           for k in range(r, s.stages, s.pp))
+        out.append(f"  pp rank {r}: {stages}: {split.rank_parameters[r]:,} parameters; peak stash "
+                   f"{pipe.sim.peak_stash[r]} micro-batch(es), activations {fmt_bytes(pipe.peaks[r])}")
+    for name, _, ranks in split.shared:
+        out.append(f"  tied: {name} is held by pp ranks {ranks}; its gradient is summed over pp")
+    copies = ", offload and reload 0.5" if p.offload_activations else ""
+    out.append(f"  bubble: {BUBBLE[s.name]} = {pipe.bubble_theory:.1%} in theory; simulated "
+               f"{pipe.sim.bubble:.1%} (unit times F 1, B 2 = I 1 + W 1{copies}; free communication)")
+    out.append(f"  recompute {p.recompute!r}; offload_activations {p.offload_activations:g} of each "
+               "rank's stashed micro-batches")
+    return out
+
+
+def _layer_names(names: list[str]) -> str:
+    """"embed, blocks.0-2" for embed, blocks.0, blocks.1, blocks.2."""
+    out, blocks = [], []
+    for name in [*names, ""]:
+        if name.startswith("blocks."):
+            blocks.append(name.removeprefix("blocks."))
+            continue
+        if blocks:
+            out.append(f"blocks.{blocks[0]}" + (f"-{blocks[-1]}" if len(blocks) > 1 else ""))
+            blocks = []
+        if name:
+            out.append(name)
+    return ", ".join(out)
+
+
+def _busiest_lines(run: DryRun) -> list[str]:
+    """The pp rank whose activations peak highest, when it is not rank 0's."""
+    if run.pipeline is None or max(run.pipeline.peaks) <= run.pipeline.peaks[0]:
+        return []
+    peaks = run.pipeline.peaks
+    r = peaks.index(max(peaks))
+    return [f"  busiest: pp rank {r} peaks at {fmt_bytes(peaks[r])} of activations "
+            f"({fmt_bytes(peaks[r] - peaks[0])} more than rank 0; its stages above)"]
+
+
+def _activation_why(run: DryRun, cfg, dtype: str = "") -> str:
+    t, m, pipe = cfg.train, cfg.model, run.pipeline
+    tokens = f"{t.micro_batch} x {m.seq_len} tokens{dtype}{_dropout(m)}"
+    if pipe is None:
+        return f"saved for backward, one micro-batch of {tokens}"
+    recompute = "" if cfg.parallel.recompute == "none" else f", recompute {cfg.parallel.recompute!r}"
+    return (f"rank 0's peak over the {pipe.schedule.name} step: {pipe.sim.peak_stash[0]} "
+            f"micro-batch(es) of {tokens} stashed{recompute} (docs/dry-run.md)")
+
+
 def _memory_lines(run: DryRun, cfg) -> list[str]:
-    t, m, est = cfg.train, cfg.model, run.memory
+    t, est = cfg.train, run.memory
     states = optimizer_states(t.optimizer, t.beta1)
+    mine = " (pp rank 0's stages)" if run.pipeline is not None else ""
     rows = [
-        ("parameters", est.parameter_bytes, f"{run.parameters:,} x 4 B (fp32)"),
+        ("parameters", est.parameter_bytes, f"{run.parameters:,} x 4 B (fp32){mine}"),
         ("gradients", est.gradient_bytes, "one fp32 gradient per parameter (bucket buffers)"),
         ("optimizer state", est.optimizer_bytes,
          f"{t.optimizer}: {states} fp32 state(s) per parameter"),
-        ("activations", est.activation_bytes,
-         f"saved for backward, one micro-batch of {t.micro_batch} x {m.seq_len} tokens{_dropout(m)}"),
+        ("activations", est.activation_bytes, _activation_why(run, cfg)),
         ("total", est.total_bytes, "(ZeRO stage 0: nothing is sharded)"),
     ]
     return ["memory per rank (estimate):"] + [
@@ -119,7 +188,7 @@ def _zero_lines(z: ZeroLayout, cfg) -> list[str]:
 
 
 def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
-    t, m, plan, est = cfg.train, cfg.model, run.zero.plan, run.memory
+    t, plan, est = cfg.train, run.zero.plan, run.memory
     c, stage = compute_bytes(plan), cfg.parallel.zero_stage
     n_shard, n_opt = plan.shard_ranks, plan.optimizer_ranks
     dtype = "fp32" if c == 4 else "bf16"
@@ -135,9 +204,7 @@ def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
         ("optimizer state", est.optimizer_bytes,
          f"{t.optimizer}: 4 x {states + master}P / S: {states} state(s)"
          + (" + fp32 master weights" if master else "") + f" of my range{host}"),
-        ("activations", est.activation_bytes,
-         f"saved for backward, one micro-batch of {t.micro_batch} x {m.seq_len} tokens ({dtype})"
-         f"{_dropout(m)}"),
+        ("activations", est.activation_bytes, _activation_why(run, cfg, f" ({dtype})")),
         ("gathered units", est.gathered_bytes,
          f"during a step: the root + {1 + cfg.parallel.prefetch} unit(s) (1 + prefetch), {c} B each"
          if est.gathered_bytes else "none (stage 3 only)"),
@@ -154,7 +221,7 @@ def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
 
 
 _HOW = {"ring_all_reduce": "2(N-1)/N x S", "ring_reduce_scatter": "ring, (N-1)/N x S",
-        "ring_all_gather": "(N-1)/N x S"}
+        "ring_all_gather": "(N-1)/N x S", "send": "S, point to point"}
 
 
 def _how(op: str, algorithm: str) -> str:
@@ -184,6 +251,6 @@ def _grouped_collective_lines(run: DryRun, cfg) -> list[str]:
         out.append(f"  {purpose}: {sum(calls.values())} {op} over {axis} ({ranks} ranks){when}: "
                    f"payload {fmt_bytes(sum(c.payload_bytes * c.calls for c in cs))}, wire "
                    f"{fmt_bytes(sum(c.wire_bytes * c.calls for c in cs))} ({how})")
-    if not run.engine:
-        out.append("  engine: none (dp = 1)")
+    if not any(c.axis.startswith("dp") for c in run.engine):
+        out.append("  gradients over dp: none (dp = 1)")
     return out + _trainer_lines(own) + _total_lines(run)

@@ -7,8 +7,8 @@ it stands, and the compute that consumes it waits for it. Ranks of adjacent stag
 messages only when the stages sit on different ranks (never with pp = 1).
 
 gpipe, one_f_one_b, interleaved, zb_h1 (or build by config name) make schedules;
-with_offload adds activation offload; validate checks one; simulate times it;
-bubble_theory gives the papers' closed-form bubble fractions to compare with.
+with_offload adds activation offload; validate checks one; simulate times it (live_peak
+weighs what a rank holds over the timed actions); bubble_theory gives the papers' closed-form bubble fractions to compare with.
 """
 
 from __future__ import annotations
@@ -388,16 +388,31 @@ def simulate(schedule: Schedule, times=None) -> SimResult:
                  for acts in schedule.actions)
     makespan = max(clock)
     return SimResult(makespan, busy, 1 - sum(busy) / (pp * makespan) if makespan else 0.0,
-                     tuple(_peak_stash(acts, start, end) for acts in schedule.actions),
+                     tuple(live_peak(((a, start[a], end[a]) for a in acts), _stash_change)
+                           for acts in schedule.actions),
                      tuple(tuple((a, start[a], end[a]) for a in acts) for acts in schedule.actions))
 
 
-def _peak_stash(acts: tuple[Action, ...], start: dict, end: dict) -> int:
-    events = sorted([(end[a], 1) for a in acts if a.kind == F]
-                    + [(start[a], 1) for a in acts if a.kind == RELOAD]
-                    + [(end[a], -1) for a in acts if a.kind in (B, W, OFFLOAD)])
+def _stash_change(a: Action) -> tuple[int, int]:
+    """A pair's stash, counted in pairs (simulate's peak_stash)."""
+    if a.kind == F:
+        return 0, 1
+    if a.kind == RELOAD:
+        return 1, 0
+    return (0, -1) if a.kind in (B, W, OFFLOAD) else (0, 0)
+
+
+def live_peak(spans, change) -> float:
+    """The peak of what a rank holds over its timed actions `spans` ((action, start, end), as
+    SimResult.spans gives them), where `change(action)` is (added at its start, added at its
+    end); at equal times what is freed counts first. peak_stash is this with one per pair;
+    the dry run weighs each action with bytes (pipeline/estimate.py)."""
+    events = []
+    for a, start, end in spans:
+        at_start, at_end = change(a)
+        events += [(start, at_start)] * bool(at_start) + [(end, at_end)] * bool(at_end)
     level = peak = 0
-    for _, delta in events:
+    for _, delta in sorted(events):
         level += delta
         peak = max(peak, level)
     return peak

@@ -1,0 +1,259 @@
+"""What the pipeline keeps and sends per rank, for `loom train --dry-run` (train/dryrun.py).
+
+`split_on_meta` cuts a meta-device model with the real `split_model`; the rest are pure
+functions of numbers: the activations autograd saves per layer (the whole-model formulas of
+train/dryrun.py are their sums), what one micro-batch of a stage occupies and for how long,
+each rank's peak over the schedule's simulated timeline, and the point-to-point sends and
+pp all-reduces of one step with the wire bytes comm/meter.py counts. docs/dry-run.md states
+the formulas; tests/test_dryrun.py holds them to the saved tensors and to the meter.
+
+b = micro-batch, t = sequence length, d = d_model, h = heads, r = mlp_ratio, V = vocabulary,
+c = compute bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from loomtrain.comm.meter import wire_bytes
+from loomtrain.parallel.pipeline import schedules as S
+from loomtrain.parallel.zero.estimate import Collective
+
+FP32_BYTES, INDEX_BYTES = 4, 8  # log-sum-exp, log-softmax, loss weight; int64 ids
+
+
+def gpt_layer_bytes(kind: str, b: int, t: int, d: int, h: int, r: int, V: int, c: int) -> int:
+    """What one layer of models/gpt.py (and the loss) saves for backward, each tensor counted
+    in the layer whose operation saves it (dropout 0):
+    - embed: the int64 token ids (b t) and positions (t); the embedding sum is saved by block 0;
+    - block: its input (ln1 saves it), ln1 output, qkv (3d: q, k and v are views of it), the
+      attention output (the proj input is a view of it), the residual after attention, ln2
+      output, fc output and GELU output (rd each): 8d + 2rd per token, with both LayerNorms'
+      mean and rstd (4) in the compute dtype; the attention's fp32 log-sum-exp (h);
+    - head: ln_f's input (the last block's output) and output, its statistics (2d + 2), the
+      fp32 log-softmax output V that cross-entropy keeps, the int64 targets and the loss's fp32
+      total weight."""
+    bt = b * t
+    if kind == "embed":
+        return INDEX_BYTES * (bt + t)
+    if kind == "block":
+        return c * bt * (8 * d + 2 * r * d + 4) + FP32_BYTES * bt * h
+    assert kind == "head", kind
+    return c * bt * (2 * d + 2) + FP32_BYTES * (bt * V + 1) + INDEX_BYTES * bt
+
+
+def mlp_layer_bytes(kind: str, b: int, t: int, d: int, r: int, V: int, c: int) -> int:
+    """As gpt_layer_bytes for models/mlp.py: embed the int64 ids; a block its input, LayerNorm
+    output and statistics, fc and GELU outputs (2d + 2rd + 2); the head as the GPT's."""
+    bt = b * t
+    if kind == "embed":
+        return INDEX_BYTES * bt
+    if kind == "block":
+        return c * bt * (2 * d + 2 * r * d + 2)
+    return gpt_layer_bytes("head", b, t, d, 0, r, V, c)
+
+
+def _kind(layer: str) -> str:
+    return "block" if layer.startswith("blocks.") else layer
+
+
+def layer_activation_bytes(m, layer: str, micro_batch: int, c: int) -> int:
+    """Layer `layer` ("embed", "blocks.i", "head") of the model `m` (a ModelConfig)."""
+    if m.name == "gpt":
+        return gpt_layer_bytes(_kind(layer), micro_batch, m.seq_len, m.d_model, m.n_heads,
+                               m.mlp_ratio, m.vocab_size, c)
+    assert m.name == "mlp", m.name
+    return mlp_layer_bytes(_kind(layer), micro_batch, m.seq_len, m.d_model, m.mlp_ratio,
+                           m.vocab_size, c)
+
+
+def _deferred_widths(m, layer: str) -> tuple[int, int]:
+    """(Linear inputs, Linear output gradients) per token that zero-bubble's W needs, kept
+    from I (runtime.py `DeferredWeightGrads`): a GPT block's ln1 output, attention output,
+    ln2 output (d each) and GELU output (rd), and the gradients of qkv (3d), proj (d), fc (rd)
+    and the MLP's proj (d); an MLP-model block's LayerNorm and GELU outputs and the gradients
+    of fc and proj; the head's ln_f output (d) and the logits' gradient (V)."""
+    d, r, kind = m.d_model, m.mlp_ratio, _kind(layer)
+    if kind == "embed":
+        return 0, 0
+    if kind == "head":
+        return d, m.vocab_size
+    return ((3 + r) * d, (5 + r) * d) if m.name == "gpt" else ((1 + r) * d, (1 + r) * d)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one micro-batch of a stage (a pair) occupies on its rank, by how long they live
+    (activation_peak says when each is added and freed)."""
+
+    stashed: int  # saved for backward by the forward; offloadable
+    received: int  # the stage's input (stages after the first)
+    output: int  # the stage's output (stages before the last), until its backward
+    recomputed: int  # recompute="full": saved by the backward's rerun of the forward
+    weight_inputs: int  # zero-bubble: the Linear inputs the deferred W uses, from I to W
+    output_grads: int  # zero-bubble: the Linear output gradients, from I to W
+
+    @property
+    def held(self) -> int:
+        return self.received + self.output
+
+
+def stage_memory(m, layers: list[str], micro_batch: int, c: int, recompute: str,
+                 first: bool, last: bool) -> StageMemory:
+    """A pair of the stage made of `layers`. A stage after the first receives its input
+    (b t d, which its first LayerNorm saves: counted once, as received); a stage before the
+    last keeps its output until the backward that the received gradient starts. recompute
+    "full" saves only the input in forward and everything again when the backward reruns it;
+    "selective" checkpoints each block's attention core, whose saved tensors are q, k, v (kept
+    anyway as the checkpoint's inputs), its output (kept anyway as proj's input, a view of it)
+    and the fp32 log-sum-exp (h per token): only the last is freed (with the fused attention
+    kernel; the unfused one's t x t scores, with dropout, are not counted)."""
+    saved = sum(layer_activation_bytes(m, x, micro_batch, c) for x in layers)
+    boundary = c * micro_batch * m.seq_len * m.d_model
+    received, output = (0 if first else boundary), (0 if last else boundary)
+    tokens, widths = c * micro_batch * m.seq_len, [_deferred_widths(m, x) for x in layers]
+    inputs, grads = tokens * sum(w for w, _ in widths), tokens * sum(g for _, g in widths)
+    if recompute == "full":
+        return StageMemory(0, received, output, saved - received, inputs, grads)
+    core = 0
+    if recompute == "selective":
+        blocks = sum(_kind(x) == "block" for x in layers)
+        core = FP32_BYTES * micro_batch * m.seq_len * m.n_heads * blocks
+    return StageMemory(saved - received - core, received, output, 0, inputs, grads)
+
+
+def activation_peak(spans, memory: list[StageMemory]) -> int:
+    """A rank's peak activation bytes over its simulated timeline (`SimResult.spans[rank]`,
+    schedules.live_peak), as runtime.py holds them. A pair adds stashed, received and output
+    at its forward's end and recomputed at its backward's start; B's end frees it all. Under
+    zero-bubble, I's end frees the autograd graph and the output, and W keeps the Linear
+    inputs and output gradients until its end. An offloaded pair's activations live in the
+    stash instead, off the device from OFFLOAD's end to RELOAD's start, and the stash keeps
+    them (and the input) until the pair's release (B's or W's end)."""
+    spans = list(spans)
+    offloaded = {(a.microbatch, a.stage) for a, _, _ in spans if a.kind == S.OFFLOAD}
+
+    def change(a: S.Action) -> tuple[int, int]:
+        s, stash = memory[a.stage], (a.microbatch, a.stage) in offloaded
+        whole = s.stashed + s.held + s.recomputed
+        if a.kind == S.I:
+            kept = s.output if stash else whole - s.weight_inputs
+            return s.recomputed, s.output_grads - kept
+        if a.kind == S.W:
+            kept = whole - s.output if stash else s.weight_inputs
+            return 0, -kept - s.output_grads
+        return {S.F: (0, s.stashed + s.held), S.B: (s.recomputed, -whole),
+                S.OFFLOAD: (0, -s.stashed), S.RELOAD: (s.stashed, 0)}.get(a.kind, (0, 0))
+    return S.live_peak(spans, change)
+
+
+def _send(purpose: str, pp: int, payload: int, calls: int, every: int = 1) -> Collective:
+    return Collective(purpose, "send", "pp", pp, payload, wire_bytes("send", payload, pp),
+                      every, calls, "send")
+
+
+def _pp_all_reduce(purpose: str, pp: int, payload: int) -> Collective:
+    return Collective(purpose, "all_reduce", "pp", pp, payload,
+                      wire_bytes("ring_all_reduce", payload, pp))
+
+
+def pipeline_collectives(schedule: S.Schedule, rank: int, boundary_bytes: list[int],
+                         shared: list[tuple[str, int]]) -> list[Collective]:
+    """Rank `rank`'s pp-axis communication in one step (runtime.py): each SEND_F of its
+    actions sends stage s's output (boundary_bytes[s]), each SEND_B the gradient of stage s's
+    input (boundary_bytes[s-1]), wire = payload; then, after the last backward, every pp rank
+    all-reduces the gradient of each parameter several pp ranks hold ((name, fp32 bytes);
+    ranks without a copy add zeros), and the gradient norm's 4-byte all-reduce over pp."""
+    calls: dict[tuple[str, int], int] = {}
+    for a in schedule.actions[rank]:
+        if a.kind in (S.SEND_F, S.SEND_B):
+            calls[a.kind, a.stage] = calls.get((a.kind, a.stage), 0) + 1
+    out = []
+    for (kind, s), n in calls.items():
+        if kind == S.SEND_F:
+            out.append(_send(f"activations, stage {s} -> {s + 1}", schedule.pp, boundary_bytes[s], n))
+        else:
+            out.append(_send(f"input gradients, stage {s} -> {s - 1}", schedule.pp,
+                             boundary_bytes[s - 1], n))
+    out += [_pp_all_reduce(f"tied {name} gradient, summed over pp", schedule.pp, nbytes)
+            for name, nbytes in shared]
+    return out + [_pp_all_reduce("gradient norm over pp", schedule.pp, FP32_BYTES)]
+
+
+def eval_sends(schedule: S.Schedule, rank: int, boundary_bytes: list[int], forwards: int,
+               eval_every: int) -> list[Collective]:
+    """`forward_only`: each evaluation forward sends the output of each of the rank's stages
+    but the last, blocking (the evaluation micro-batch has micro_batch rows too)."""
+    return [_send(f"validation forward, stage {s} -> {s + 1}", schedule.pp, boundary_bytes[s],
+                  forwards, eval_every)
+            for s in range(rank, schedule.stages - 1, schedule.pp)]
+
+
+# --- the split, on the meta device ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    stage_layers: list[list[str]]  # the layers of every stage
+    boundary_bytes: list[int]  # stage s's output for one micro-batch
+    rank_parameters: list[int]  # parameters each pp rank holds (a tied one on each holder)
+    shared: list[tuple[str, int, list[int]]]  # (name, fp32 bytes, the pp ranks holding it)
+    balance_by_time: bool  # pipeline_balance="time" was asked for; parameters were used
+
+
+def split_on_meta(model, mesh, cfg):
+    """(this rank's PipelineModule, PipelineSplit) of a meta-device `model`, as the trainer's
+    `split_model` cuts it; with pipeline_balance="time" by parameters instead (a meta model
+    cannot be timed)."""
+    import torch
+
+    from loomtrain.parallel.pipeline import layers_of, shared_parameters, split
+
+    p = cfg.parallel
+    by_time = p.pipeline_balance == "time" and not p.split_points
+    sample = torch.zeros((cfg.train.micro_batch, cfg.model.seq_len), dtype=torch.long)
+    whole = copy.deepcopy(model)  # split drops the other ranks' modules from `model`
+    module, shapes, _ = split(model, mesh, p.pp * p.virtual_stages, sample,
+                              list(p.split_points) or "params")
+    bounds, layers = module.bounds, layers_of(whole)
+    modules, params = dict(whole.named_modules()), dict(whole.named_parameters())
+    per_rank: list[dict[int, int]] = [{} for _ in range(p.pp)]
+    for s in range(len(bounds) - 1):
+        for layer in layers[bounds[s]:bounds[s + 1]]:
+            for path in layer.owns:
+                per_rank[s % p.pp].update((id(q), q.numel()) for q in modules[path].parameters())
+    shared = [(name, FP32_BYTES * params[name].numel(), ranks)
+              for name, ranks in shared_parameters(whole, layers, bounds, p.pp).items()]
+    return module, PipelineSplit(
+        [[x.name for x in layers[bounds[s]:bounds[s + 1]]] for s in range(len(bounds) - 1)],
+        [shape.numel() * dtype.itemsize for shape, dtype in shapes],
+        [sum(h.values()) for h in per_rank], shared, by_time)
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    split: PipelineSplit
+    schedule: S.Schedule
+    sim: S.SimResult  # unit times (schedules.DEFAULT_TIMES)
+    memory: list[StageMemory]  # per stage
+    peaks: list[int]  # activation bytes per pp rank
+    bubble_theory: float
+    collectives: list[Collective]  # rank 0's, every step
+    eval_sends: list[Collective]  # rank 0's, every evaluation
+
+
+def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
+                      eval_forwards: int) -> PipelineEstimate:
+    p, m, b = cfg.parallel, cfg.model, cfg.train.micro_batch
+    last = len(split.stage_layers) - 1
+    memory = [stage_memory(m, names, b, c, p.recompute, s == 0, s == last)
+              for s, names in enumerate(split.stage_layers)]
+    sim = S.simulate(schedule)
+    peaks = [activation_peak(spans, memory) for spans in sim.spans]
+    theory = S.bubble_theory(schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages)
+    shared = [(name, nbytes) for name, nbytes, _ in split.shared]
+    return PipelineEstimate(split, schedule, sim, memory, peaks, theory,
+                            pipeline_collectives(schedule, 0, split.boundary_bytes, shared),
+                            eval_sends(schedule, 0, split.boundary_bytes, eval_forwards,
+                                       cfg.run.eval_every))
