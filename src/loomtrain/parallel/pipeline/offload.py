@@ -12,9 +12,9 @@ copies run on a side stream; on a CPU the "device" is host memory too, but the c
 real (a separate buffer, the original freed), so the bytes live on the device are measured
 the same way.
 
-`live_bytes` counts the activation bytes on the device now (a saved tensor's own bytes:
-views of one storage that autograd saves separately, such as q, k and v, add up to it);
-`peak_bytes` its maximum since `reset_peak()`.
+`live_bytes` counts the activation bytes on the device now: every storage a pair's saved
+tensors live in, once per pair (q, k and v are views of one qkv output; a tensor saved twice
+counts once); `peak_bytes` its maximum since `reset_peak()`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 class Saved:
     __slots__ = ("tensor", "host", "copy", "nbytes")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, nbytes: int):
         self.tensor, self.host, self.copy = tensor, None, None
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.nbytes = nbytes
 
 
 class ActivationStash:
@@ -62,18 +62,26 @@ class ActivationStash:
         """Autograd's saved tensors of the forward run inside go to pair `key`; `inputs`
         (the received stage input, kept for backward anyway) count too."""
         saved = self._pairs.setdefault(key, [])
+        seen = {r.tensor.untyped_storage().data_ptr() for r in saved if r.tensor is not None}
+
+        def keep(t: torch.Tensor) -> Saved:
+            storage = t.untyped_storage()
+            # a storage counts once (the first tensor saved from it carries its bytes):
+            # q, k and v are views of one qkv output, a log-softmax is saved twice
+            record = Saved(t, 0 if storage.data_ptr() in seen else storage.nbytes())
+            seen.add(storage.data_ptr())
+            saved.append(record)
+            self._add(record.nbytes)
+            return record
+
         for t in inputs:
             if t.is_floating_point():
-                saved.append(Saved(t))
-                self._add(saved[-1].nbytes)
+                keep(t)
 
         def pack(t: torch.Tensor):
             if t.untyped_storage().data_ptr() in self._param_storages or t.device != self.device:
                 return t  # a weight (or a CPU index tensor): not an activation
-            record = Saved(t)
-            saved.append(record)
-            self._add(record.nbytes)
-            return record
+            return keep(t)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
