@@ -99,6 +99,9 @@ class ParallelConfig(Section):
     # schedule="async" (parallel/pipeline/asynchronous.py): each stage steps after every
     # micro-batch on stashed weights; "stash": the train.optimizer as is (PipeDream),
     # "nesterov": the delay-corrected Nesterov of arXiv 2505.01099 with momentum async_momentum
+    # schedule="optimal": each rank's activation memory limit (None: what 1F1B's busiest
+    # rank stashes, measured); the plan keeps, offloads or recomputes each micro-batch to fit
+    activation_budget_mb: float | None = Field(None, gt=0.0)
     async_optimizer: Literal["stash", "nesterov"] = "nesterov"
     async_momentum: float = Field(0.99, ge=0.0, lt=1.0)
     cp: int = Field(1, ge=1)
@@ -185,11 +188,12 @@ def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
     """The pipeline keys: a schedule's own rules, what pp composes with, and a split that
     gives every stage at least one layer (the model's layers: embed, blocks, head)."""
     _check_async(p)
+    _check_optimal(p)
     if p.pp == 1:
         changed = [k for k in ("microbatches", "recompute", "offload_activations", "split_points",
                                "virtual_stages") if k in p.model_fields_set
                    and getattr(p, k) != ParallelConfig.model_fields[k].default]
-        if p.schedule == "async":
+        if p.schedule in ("async", "optimal"):
             changed.append("schedule")
         if changed:
             raise ValueError(f"parallel.{changed[0]} is a pipeline setting: it needs parallel.pp > 1")
@@ -231,6 +235,20 @@ def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
     elif stages > layers:
         raise ValueError(f"parallel.pp*virtual_stages = {stages} stages exceed the model's "
                          f"{layers} layers (embed, {m.n_layers} blocks, head)")
+
+
+def _check_optimal(p: ParallelConfig) -> None:
+    """schedule="optimal" decides recomputation and offload per micro-batch itself."""
+    if p.schedule != "optimal":
+        if p.activation_budget_mb is not None:
+            raise ValueError('parallel.activation_budget_mb is for parallel.schedule="optimal" '
+                             f"(got {p.schedule!r})")
+        return
+    for key, default in (("recompute", "none"), ("offload_activations", 0.0)):
+        if getattr(p, key) != default:
+            raise ValueError(f'parallel.schedule="optimal" chooses recomputation and offload '
+                             f"per micro-batch under parallel.activation_budget_mb: leave "
+                             f"parallel.{key} at {default!r} (got {getattr(p, key)!r})")
 
 
 def _check_async(p: ParallelConfig) -> None:

@@ -144,18 +144,24 @@ class PipelineRuntime:
         self.last = schedule.stages - 1
         self.shapes = shapes  # stage s's output (shape, dtype), for a micro-batch
         self.recompute = recompute
-        self.actions = posted_early(schedule.actions[self.rank], RECV_LOOKAHEAD)
         self.deferred = DeferredWeightGrads()
-        if any(a.kind == S.I for a in self.actions):
+        if any(a.kind == S.I for a in schedule.actions[self.rank]):
             defer_linear_weights(module, self.deferred)
         self.stash = ActivationStash(module.parameters(), mesh.device)
         # the stash's hooks cost a Python call per saved tensor: they run for the pairs the
         # schedule offloads, and for all while `measure_activations` is set (peak_bytes)
-        self.offloaded = {(a.microbatch, a.stage) for a in self.actions if a.kind == S.OFFLOAD}
         self.measure_activations = False
+        self.use(schedule)
         self.spans: list[dict] | None = None  # per-action spans while a step is recorded
         # parameters held on several pp ranks, in one order everywhere: (local or None, shape)
         self.shared = shared
+
+    def use(self, schedule: S.Schedule) -> None:
+        """Run `schedule` from the next step on (of the same stages; its I actions need the
+        weight-gradient deferral set up at construction, by a schedule that had some)."""
+        self.schedule = schedule
+        self.actions = posted_early(schedule.actions[self.rank], RECV_LOOKAHEAD)
+        self.offloaded = {(a.microbatch, a.stage) for a in self.actions if a.kind == S.OFFLOAD}
 
     # --- one training step ------------------------------------------------------------------
 
