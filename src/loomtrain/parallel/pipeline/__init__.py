@@ -2,6 +2,8 @@
 
 schedules.py   pure functions: (pp, microbatches, virtual stages) -> the ordered actions of
                every rank, and a simulator that checks and times them
+optimal.py     schedule = "optimal": the order and each pair's keep/offload/recompute under
+               a per-rank memory budget (MILP in optimal_milp.py, greedy in optimal_heuristic.py)
 split.py       the model cut into stages (balanced by parameters or measured time)
 runtime.py     executes a schedule: point-to-point sends overlapped with compute, the loss
                on the last stage, gradient accumulation, recomputation and offload

@@ -1,0 +1,310 @@
+"""Memory-budgeted pipeline schedules (schedule = "optimal"): the order of every rank's compute
+actions and, for each (micro-batch, stage) pair, whether its activations are kept, offloaded
+or recomputed, chosen together to finish first under a per-rank activation-memory budget (the
+OptPipe idea, arXiv 2510.05186, on zero-bubble's split backward, arXiv 2401.10241). One
+stage per rank.
+
+What every plan here assumes:
+- rank s runs F_m, K_m (the backward: I, or B when it is not split) and W_m for m < M, one at
+  a time: forwards in micro-batch order, backwards in order, W's in order (a plan is an
+  interleaving of these three chains; micro-batches cost the same, so little is lost). Times
+  are simulate()'s: a compute starts once its rank is free and its input has arrived.
+- a recomputed pair keeps only its input from its F's end; its K is longer by `recompute`
+  and holds all its activations from the K's start to its release (W, or B's end).
+- an offloaded pair is copied out right after its F (and its send) and back from the start
+  of the compute right before its K (with_offload's lookahead 1). Only stages whose offload
+  plus reload fit inside their shortest compute offload (StageCosts.copies_hide): there every
+  copy ends within the compute it overlaps, so copies never delay a compute.
+- a plan is measured by simulate() and peak_bytes(), the byte-level count of its stash.
+
+solve() plans with the MILP (optimal_milp.py: time-indexed, HiGHS) when pp * M <= MILP_PAIRS
+and with the heuristic (optimal_heuristic.py: a greedy fit of 1F1B-shaped orders) otherwise,
+or when the MILP finds nothing better; compare() sets 1F1B and ZB-H1, made to fit the same
+budget, beside the plan; plan_for_config() is what the runtime calls with measured costs.
+Limits: one stage per rank (no interleaving); the MILP's grid must be coarse (MAX_SLOTS), so
+measured costs are rounded to the shortest compute and the plan is re-simulated with the real
+ones; ZB-H1 and 1F1B cannot always be made to fit (compare() says so).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from loomtrain.parallel.pipeline.schedules import (
+    B, COMPUTE, F, I, OFFLOAD, RELOAD, SEND_B, SEND_F, W, Action, Schedule, from_compute_orders,
+    one_f_one_b, simulate, with_offload, zb_h1)
+
+KEEP, OFFLOADED, RECOMPUTED = "keep", "offload", "recompute"
+MILP_PAIRS = 32  # pp * microbatches up to which solve() tries the MILP (pp=4, M=8: 6-9 s here)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One stage's costs for one micro-batch, in seconds and bytes. `b`: the whole backward;
+    `i` and `w`: its split into zero-bubble's I and W (b = i + w when b is not given).
+    `offload`, `reload`: copy times of the pair's activations (None: this stage does not
+    offload); `recompute`: the forward run again inside the backward (default f);
+    `activation_bytes`: what the pair stashes from F to its backward; `input_bytes`: what stays
+    when it is recomputed (the stage input); `send`: latency of a message leaving the stage."""
+    f: float
+    b: float | None = None
+    i: float | None = None
+    w: float | None = None
+    offload: float | None = None
+    reload: float | None = None
+    recompute: float | None = None
+    activation_bytes: float = 1.0
+    input_bytes: float = 0.0
+    send: float = 0.0
+
+    def __post_init__(self):
+        if self.b is None and not self.split:
+            raise ValueError(f"StageCosts needs the backward time: b, or i and w (got {self})")
+        if (self.offload is None) != (self.reload is None):
+            raise ValueError(f"StageCosts: give both offload and reload, or neither (got {self})")
+        if any(t is not None and t <= 0 for t in (self.f, self.b, self.i, self.w, self.recompute)):
+            raise ValueError(f"StageCosts: compute times must be > 0 (got {self})")
+        if any(t is not None and t < 0 for t in (self.offload, self.reload, self.send)):
+            raise ValueError(f"StageCosts: copy and send times must be >= 0 (got {self})")
+        if not 0 <= self.input_bytes <= self.activation_bytes:
+            raise ValueError(f"StageCosts: need 0 <= input_bytes <= activation_bytes (got {self})")
+
+    @property
+    def split(self) -> bool:
+        return self.i is not None and self.w is not None
+
+    def backward(self, split: bool) -> float:
+        if split:
+            return self.i
+        return self.b if self.b is not None else self.i + self.w
+
+    @property
+    def recompute_s(self) -> float:
+        return self.f if self.recompute is None else self.recompute
+
+    def copies_hide(self, split: bool) -> bool:
+        """Whether this stage may offload in the model: an offload and a reload fit together
+        inside any one compute, so each copy ends within the compute it overlaps."""
+        if self.offload is None:
+            return False
+        shortest = min([self.f, self.backward(split)] + ([self.w] if split else []))
+        return self.offload + self.reload <= shortest
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`makespan`, `idle` (per rank, within the makespan), `span_idle` (per rank, between its
+    first and last compute: zero-bubble's bubble, what a rank loses when consecutive steps
+    overlap), `bubble` (sum(idle) / (pp * makespan)) and `peak_bytes` come from simulate();
+    `objective`: the MILP's makespan on its grid (equal to `makespan` when the grid holds the
+    costs exactly), the heuristic's own timing otherwise; `method`: "milp" or "heuristic";
+    `status`: the solver's word ("optimal", "time limit", why the heuristic's plan stands)."""
+    schedule: Schedule
+    makespan: float
+    objective: float
+    idle: tuple[float, ...]
+    span_idle: tuple[float, ...]
+    bubble: float
+    peak_bytes: tuple[float, ...]
+    method: str
+    status: str
+    solve_s: float
+
+
+# --- costs as simulate() takes them, and the byte-level peak ---------------------------------
+
+def backward_kinds(split: bool) -> tuple[str, str]:
+    """(K, R): the backward that needs the activations and the action that releases them."""
+    return (I, W) if split else (B, B)
+
+
+def action_times(costs, recompute=frozenset()):
+    """simulate()'s `times`: each action's duration on its stage, a recomputed pair's
+    backward (B or I) longer by its recompute."""
+    def duration(a: Action) -> float:
+        c = costs[a.stage]
+        extra = c.recompute_s if (a.microbatch, a.stage) in recompute else 0.0
+        return {F: c.f, B: c.backward(False) + extra, I: (c.i or 0.0) + extra, W: c.w or 0.0,
+                SEND_F: c.send, SEND_B: c.send, OFFLOAD: c.offload or 0.0,
+                RELOAD: c.reload or 0.0}.get(a.kind, 0.0)
+    return duration
+
+
+def peak_bytes(schedule: Schedule, result, costs) -> tuple[float, ...]:
+    """Each rank's most activation bytes at once in simulate()'s `result`, counted as
+    peak_stash counts pairs: a pair from its F's end (its input only if recomputed; all of it
+    again from its backward's start) to its release (W, or B's end), less the time from its
+    OFFLOAD's end to its RELOAD's start; at equal times releases count first."""
+    peaks = []
+    for spans in result.spans:
+        events = []
+        for a, t0, t1 in spans:
+            c, rec = costs[a.stage], (a.microbatch, a.stage) in schedule.recompute
+            full, kept = c.activation_bytes, c.input_bytes if rec else c.activation_bytes
+            if a.kind == F:
+                events.append((t1, kept))
+            elif rec and a.kind in (B, I):
+                events.append((t0, full - kept))
+            if a.kind in (W, B, OFFLOAD):
+                events.append((t1, -full))
+            elif a.kind == RELOAD:
+                events.append((t0, full))
+        level = peak = 0.0
+        for _, delta in sorted((round(t, 9), d) for t, d in events):  # sums of floats: ties
+            level += delta
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def measure(schedule: Schedule, costs) -> dict:
+    """simulate() under `costs`: makespan, idle and span idle per rank (recomputation counts
+    as idle: it is work done twice), bubble (idle / (pp * makespan)), peak bytes per rank."""
+    res = simulate(schedule, action_times(costs, schedule.recompute))
+    plain = action_times(costs)
+    idle, span_idle = [], []
+    for spans in res.spans:
+        computes = [(a, t0, t1) for a, t0, t1 in spans if a.kind in COMPUTE]
+        useful = sum(plain(a) for a, _, _ in computes)
+        idle.append(res.makespan - useful)
+        span_idle.append(max(t1 for *_, t1 in computes) - min(t0 for _, t0, _ in computes) - useful)
+    return {"makespan": res.makespan, "idle": tuple(idle), "span_idle": tuple(span_idle),
+            "bubble": sum(idle) / (len(idle) * res.makespan), "peak_bytes": peak_bytes(schedule, res, costs)}
+
+
+# --- the schedule of a plan ---------------------------------------------------------------
+
+def to_schedule(orders, decisions, split: bool, name: str = "optimal") -> Schedule:
+    """The Schedule of per-rank compute `orders` (Actions) and per-rank `decisions`: sends and
+    receives from from_compute_orders, an OFFLOAD after each offloaded pair's F (and its
+    send), its RELOAD right before the compute ahead of its backward, the recomputed pairs."""
+    K, _ = backward_kinds(split)
+    pp, microbatches = len(orders), len(decisions[0])
+    base = from_compute_orders(name, pp, microbatches, 1, orders)
+    actions = []
+    for r, acts in enumerate(base.actions):
+        acts = list(acts)
+        for m in (m for m, d in enumerate(decisions[r]) if d == OFFLOADED):
+            send = Action(SEND_F, m, r)
+            acts.insert(acts.index(send if send in acts else Action(F, m, r)) + 1, Action(OFFLOAD, m, r))
+            host = orders[r][orders[r].index(Action(K, m, r)) - 1]
+            acts.insert(acts.index(host), Action(RELOAD, m, r))
+        actions.append(tuple(acts))
+    recompute = frozenset((m, r) for r, ds in enumerate(decisions) for m, d in enumerate(ds)
+                          if d == RECOMPUTED)
+    return replace(base, actions=tuple(actions), recompute=recompute)
+
+
+
+
+# --- the API -------------------------------------------------------------------------------
+
+def _check(pp: int, microbatches: int, costs, budget_bytes) -> tuple[list[float], bool]:
+    if pp < 1 or microbatches < 1:
+        raise ValueError(f"need pp >= 1 and microbatches >= 1, got {pp}, {microbatches}")
+    if len(costs) != pp:
+        raise ValueError(f"need one StageCosts per stage: {len(costs)} for pp={pp} (one stage per rank)")
+    budgets = list(budget_bytes) if isinstance(budget_bytes, (list, tuple)) else [budget_bytes] * pp
+    if len(budgets) != pp:
+        raise ValueError(f"budget_bytes: one number, or one per rank ({pp}); got {len(budgets)}")
+    for s, (c, budget) in enumerate(zip(costs, budgets)):
+        if budget < c.activation_bytes:
+            raise ValueError(
+                f"budget_bytes={budget:g} on rank {s} is below one micro-batch's activations on "
+                f"stage {s} ({c.activation_bytes:g} bytes, of which {c.input_bytes:g} are its input): "
+                "its backward needs them all at once, even when recomputed; no schedule fits")
+    return budgets, all(c.split for c in costs)
+
+
+def solve(pp: int, microbatches: int, costs, budget_bytes, time_limit_s: float = 20.0,
+          method: str = "auto") -> Plan:
+    """The plan with the least makespan (ties: the least idle per rank) whose activations fit
+    `budget_bytes` (bytes per rank: one number or one per rank) under `costs` (one StageCosts
+    per stage; the backward is split into I and W when every stage has i and w). `method`:
+    "milp", "heuristic", or "auto" (the MILP when pp * microbatches <= MILP_PAIRS). The MILP's
+    horizon is the heuristic's makespan; the heuristic's plan stands when the MILP finds none
+    within `time_limit_s`, or none better within budget under the real costs."""
+    from loomtrain.parallel.pipeline.optimal_heuristic import heuristic
+
+    if method not in ("auto", "milp", "heuristic"):
+        raise ValueError(f"method must be 'auto', 'milp' or 'heuristic', got {method!r}")
+    budgets, split = _check(pp, microbatches, costs, budget_bytes)
+    t0 = time.perf_counter()
+    orders, decisions, objective = heuristic(pp, microbatches, costs, budgets, split)
+    best = _planned(orders, decisions, costs, budgets, split) + (objective, "heuristic", "greedy")
+    if method == "milp" or (method == "auto" and pp * microbatches <= MILP_PAIRS):
+        from loomtrain.parallel.pipeline.optimal_milp import solve_milp  # imports scipy
+
+        found = solve_milp(pp, microbatches, costs, budgets, split, (orders, decisions), time_limit_s)
+        if found is None:
+            best = best[:4] + ("milp found no plan within the horizon and time limit",)
+        else:
+            orders, decisions, objective, status = found
+            schedule, got = _planned(orders, decisions, costs, budgets, split)
+            fits = all(p <= b * (1 + 1e-9) for p, b in zip(got["peak_bytes"], budgets))
+            if fits and _rank(got) <= _rank(best[1]):
+                best = (schedule, got, objective, "milp", status)
+            else:
+                best = best[:4] + (f"milp ({status}) gave no better plan within budget",)
+    schedule, got, objective, used, status = best
+    return Plan(schedule, got["makespan"], objective, got["idle"], got["span_idle"], got["bubble"],
+                got["peak_bytes"], used, status, time.perf_counter() - t0)
+
+
+def _planned(orders, decisions, costs, budgets, split) -> tuple[Schedule, dict]:
+    from loomtrain.parallel.pipeline.optimal_heuristic import prune
+
+    schedule = to_schedule(orders, prune(orders, decisions, costs, split, budgets), split)
+    return schedule, measure(schedule, costs)
+
+
+def _rank(got: dict) -> tuple[float, float]:
+    return round(got["makespan"], 9), round(sum(got["span_idle"]), 9)
+
+
+def plan_for_config(pp: int, microbatches: int, costs, budget_bytes) -> Schedule:
+    """schedule = "optimal": the runtime's entry, with the costs it measured in a profiling step."""
+    return solve(pp, microbatches, costs, budget_bytes).schedule
+
+
+def _fitted(schedule: Schedule, costs, budgets) -> tuple[Schedule, str]:
+    """A baseline made to fit the budget by a fixed rule: as it is if its peak fits; else the
+    smallest with_offload fraction k/M that fits (stages that copy); else every pair of the
+    ranks over budget recomputed; else it as it is, marked as not fitting."""
+    def fits(s):
+        return all(p <= b * (1 + 1e-9) for p, b in zip(measure(s, costs)["peak_bytes"], budgets))
+    if fits(schedule):
+        return schedule, "as is"
+    M = schedule.microbatches
+    if all(c.offload is not None for c in costs):
+        for k in range(1, M + 1):
+            trial = with_offload(schedule, k / M)
+            if fits(trial):
+                return trial, f"offload {k}/{M}"
+    over = [r for r, (p, b) in enumerate(zip(measure(schedule, costs)["peak_bytes"], budgets)) if p > b]
+    trial = replace(schedule, recompute=frozenset((m, r) for r in over for m in range(M)))
+    return (trial, f"recompute ranks {over}") if fits(trial) else (schedule, "does not fit")
+
+
+def compare(pp: int, microbatches: int, costs, budget_bytes, **solve_kwargs) -> dict:
+    """Idle time of 1F1B, ZB-H1 (split costs only) and the optimal plan under one budget:
+    {name: {makespan, idle (summed over ranks, within the makespan), span_idle (summed, each
+    rank between its first and last compute), bubble, peak_bytes (max over ranks), fit}}."""
+    budgets, split = _check(pp, microbatches, costs, budget_bytes)
+    baselines = {"1f1b": one_f_one_b(pp, microbatches)}
+    if split:
+        baselines["zb-h1"] = zb_h1(pp, microbatches)
+    rows = {}
+    for name, schedule in baselines.items():
+        schedule, fit = _fitted(schedule, costs, budgets)
+        rows[name] = {**_summary(measure(schedule, costs)), "fit": fit}
+    plan = solve(pp, microbatches, costs, budgets, **solve_kwargs)
+    rows["optimal"] = {**_summary(measure(plan.schedule, costs)),
+                       "fit": f"{plan.method} ({plan.status}, {plan.solve_s:.2f} s)"}
+    return rows
+
+
+def _summary(got: dict) -> dict:
+    return {"makespan": got["makespan"], "idle": sum(got["idle"]), "span_idle": sum(got["span_idle"]),
+            "bubble": got["bubble"], "peak_bytes": max(got["peak_bytes"])}
