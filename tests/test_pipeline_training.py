@@ -29,7 +29,10 @@ PP_ORACLE = {  # world -> configurations checked against the single-process run
     2: [{"pp": 2, "schedule": "gpipe", "offload_activations": 1.0},
         {"pp": 2, "schedule": "1f1b", "recompute": "full"},
         {"pp": 2, "schedule": "zb-h1", "offload_activations": 0.5, "recompute": "selective"},
-        {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "pipeline_balance": "time"}],
+        {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "pipeline_balance": "time"},
+        # a budget of 0.7 MiB holds one micro-batch of each stage (0.38 and 0.46 MiB), so
+        # the plan recomputes the others
+        {"pp": 2, "schedule": "optimal", "activation_budget_mb": 0.7}],
     4: [{"pp": 4, "schedule": "gpipe"}, {"pp": 4, "schedule": "1f1b"},
         {"pp": 4, "schedule": "zb-h1"}, {"pp": 4, "schedule": "interleaved", "virtual_stages": 2},
         {"pp": 2, "schedule": "1f1b"}, {"pp": 2, "schedule": "zb-h1", "zero_stage": 1}],
@@ -78,7 +81,8 @@ def test_offload_and_recompute_lower_the_measured_activation_peak(tmp_path, corp
     tree = tiny_tree(tmp_path, corpus, model=MODEL, parallel={"nproc": 2, "pp": 2, "schedule": "gpipe"})
     variants = {"none": {}, "offload": {"offload_activations": 1.0},
                 "half": {"offload_activations": 0.5}, "full": {"recompute": "full"},
-                "selective": {"recompute": "selective"}}
+                "selective": {"recompute": "selective"},
+                "optimal": {"schedule": "optimal", "activation_budget_mb": 0.7}}
     for peaks in run_world(_peaks, 2, tree, variants, timeout_s=120):
         # GPipe stashes all 4 micro-batches. Offloading every one leaves at most three on
         # the device: the one computing, the one reloading for the next backward and one
@@ -89,6 +93,8 @@ def test_offload_and_recompute_lower_the_measured_activation_peak(tmp_path, corp
         # its backward runs; selective drops only the attention core's
         assert peaks["full"] < 0.5 * peaks["none"], peaks
         assert peaks["selective"] < peaks["none"], peaks
+        # the memory-budgeted plan keeps the measured peak within its budget
+        assert peaks["none"] > 0.7 * 2**20 >= peaks["optimal"], peaks
 
 
 def test_recorded_step_writes_the_timeline_and_logs_the_bubble(tmp_path, corpus):

@@ -271,13 +271,12 @@ def _write_timeline(model, timeline, run_dir: Path, step: int, mesh, cfg: Config
 
 
 def _write_pipeline_timeline(runtime, run_dir: Path, step: int, mesh, cfg: Config) -> float:
-    from loomtrain.parallel.pipeline.schedules import bubble_theory
     from loomtrain.timeline import PIPELINE_TIMELINE_JSON, measured_bubble, write_pipeline_timeline
 
     ranks = runtime.gather_spans()
     bubble = measured_bubble(ranks)
     s = runtime.schedule
-    theory = bubble_theory(s.name, s.pp, s.microbatches, s.virtual_stages)
+    theory = runtime.bubble_theory()
     if mesh.rank == 0:
         write_pipeline_timeline(run_dir / PIPELINE_TIMELINE_JSON, ranks, step=step + 1, pp=s.pp,
                                 schedule=s.name, microbatches=s.microbatches,

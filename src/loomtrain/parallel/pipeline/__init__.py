@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from loomtrain import comm
+from loomtrain.errors import ConfigError
+from loomtrain.models import token_loss_sum
 from loomtrain.parallel.pipeline import schedules
 from loomtrain.parallel.pipeline.runtime import PipelineRuntime
 from loomtrain.parallel.pipeline.split import balance as balanced_bounds
@@ -101,8 +103,73 @@ def apply_pipeline(model, mesh, cfg) -> PipelineModule:
         module, shapes, shared = split_model(model, mesh, cfg)
         module.runtime = build_async_runtime(module, mesh, cfg, shapes, shared)
         return module
+    if p.schedule == "optimal":
+        return _optimal_pipeline(model, mesh, cfg)
     return pipeline(model, mesh, build_schedule(cfg), _sample(cfg, mesh),
                     list(p.split_points) or p.pipeline_balance, p.recompute)
+
+
+def _optimal_pipeline(model, mesh, cfg) -> PipelineModule:
+    """schedule="optimal": the stages' costs measured on one micro-batch (profile.py), the
+    plan solved on global rank 0 (a time-limited MILP's answer depends on timing: ranks
+    solving apart could disagree) and sent to every rank. The runtime is built with ZB-H1,
+    which sets up the weight-gradient deferral a plan's I and W actions need."""
+    from loomtrain.parallel.pipeline.optimal import StageCosts, check_budget, plan_for_config
+    from loomtrain.parallel.pipeline.profile import profile_stages
+
+    p, microbatches = cfg.parallel, cfg.accumulation_steps
+    module, shapes, shared = split_model(model, mesh, cfg)
+    module.runtime = PipelineRuntime(module, mesh, schedules.build("zb-h1", p.pp, microbatches),
+                                     shapes, shared)
+    targets = torch.randint(0, cfg.model.vocab_size, _sample(cfg, mesh).shape, device=mesh.device)
+    table = profile_stages(module.runtime, _sample(cfg, mesh),
+                           lambda logits: token_loss_sum(logits, targets))
+    costs = [StageCosts(f=t["f"], b=t["b"], i=t["i"], w=t["w"], offload=t["offload"],
+                        reload=t["reload"], activation_bytes=t["act"],
+                        input_bytes=min(t["input"], t["act"])) for t in table]
+    budget = (p.activation_budget_mb * 2**20 if p.activation_budget_mb is not None
+              else one_f_one_b_peak(costs, p.pp, microbatches))
+    try:  # on every rank: a budget no schedule fits stops them all, not rank 0 alone
+        check_budget(p.pp, microbatches, costs, budget)
+    except ValueError as err:
+        raise ConfigError(f"parallel.activation_budget_mb={p.activation_budget_mb}: {err} "
+                          "(measured on this machine; raise the budget)") from None
+    plan = plan_for_config(p.pp, microbatches, costs, budget) if mesh.rank == 0 else None
+    module.runtime.use(broadcast_schedule(plan, mesh))
+    module.runtime.costs = costs
+    return module
+
+
+def one_f_one_b_peak(costs, pp: int, microbatches: int) -> float:
+    """The activation bytes 1F1B's busiest rank stashes: rank r keeps min(pp - r, M)
+    micro-batches of its stage. The optimal schedule's default budget."""
+    return max(min(pp - r, microbatches) * c.activation_bytes for r, c in enumerate(costs))
+
+
+def broadcast_schedule(schedule: schedules.Schedule | None, mesh) -> schedules.Schedule:
+    """Global rank 0's `schedule` on every rank (None elsewhere), as a tensor of actions."""
+    header = torch.zeros(4, dtype=torch.int64, device=mesh.device)
+    if mesh.rank == 0:
+        rows = [[r, schedules.KINDS.index(a.kind), a.microbatch, a.stage]
+                for r, actions in enumerate(schedule.actions) for a in actions]
+        rows += [[-1, -1, m, s] for m, s in sorted(schedule.recompute)]
+        table = torch.tensor(rows, dtype=torch.int64, device=mesh.device)
+        header[:] = torch.tensor([len(rows), schedule.pp, schedule.microbatches,
+                                  schedule.virtual_stages])
+    comm.broadcast(header, mesh, "world")
+    n, pp, microbatches, virtual = header.tolist()
+    if mesh.rank != 0:
+        table = torch.empty((n, 4), dtype=torch.int64, device=mesh.device)
+    comm.broadcast(table, mesh, "world")
+    actions = [[] for _ in range(pp)]
+    recompute = set()
+    for r, kind, m, s in table.tolist():
+        if r < 0:
+            recompute.add((m, s))
+        else:
+            actions[r].append(schedules.Action(schedules.KINDS[kind], m, s))
+    return schedules.Schedule("optimal", pp, microbatches, virtual,
+                              tuple(map(tuple, actions)), frozenset(recompute))
 
 
 def runtime_of(model) -> PipelineRuntime | None:

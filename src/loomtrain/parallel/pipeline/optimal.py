@@ -200,7 +200,9 @@ def to_schedule(orders, decisions, split: bool, name: str = "optimal") -> Schedu
 
 # --- the API -------------------------------------------------------------------------------
 
-def _check(pp: int, microbatches: int, costs, budget_bytes) -> tuple[list[float], bool]:
+def check_budget(pp: int, microbatches: int, costs, budget_bytes) -> tuple[list[float], bool]:
+    """(each rank's budget, whether every stage has split backward costs); ValueError when no
+    schedule can fit (a stage's one micro-batch exceeds its budget) or the sizes disagree."""
     if pp < 1 or microbatches < 1:
         raise ValueError(f"need pp >= 1 and microbatches >= 1, got {pp}, {microbatches}")
     if len(costs) != pp:
@@ -229,7 +231,7 @@ def solve(pp: int, microbatches: int, costs, budget_bytes, time_limit_s: float =
 
     if method not in ("auto", "milp", "heuristic"):
         raise ValueError(f"method must be 'auto', 'milp' or 'heuristic', got {method!r}")
-    budgets, split = _check(pp, microbatches, costs, budget_bytes)
+    budgets, split = check_budget(pp, microbatches, costs, budget_bytes)
     t0 = time.perf_counter()
     orders, decisions, objective = heuristic(pp, microbatches, costs, budgets, split)
     best = _planned(orders, decisions, costs, budgets, split) + (objective, "heuristic", "greedy")
@@ -291,7 +293,7 @@ def compare(pp: int, microbatches: int, costs, budget_bytes, **solve_kwargs) -> 
     """Idle time of 1F1B, ZB-H1 (split costs only) and the optimal plan under one budget:
     {name: {makespan, idle (summed over ranks, within the makespan), span_idle (summed, each
     rank between its first and last compute), bubble, peak_bytes (max over ranks), fit}}."""
-    budgets, split = _check(pp, microbatches, costs, budget_bytes)
+    budgets, split = check_budget(pp, microbatches, costs, budget_bytes)
     baselines = {"1f1b": one_f_one_b(pp, microbatches)}
     if split:
         baselines["zb-h1"] = zb_h1(pp, microbatches)

@@ -30,7 +30,7 @@ def _timed(fn) -> float:
 
 
 def _measure_stage(module, stage: int, x: torch.Tensor, repeats: int, store: DeferredWeightGrads,
-                   device: torch.device) -> list[float]:
+                   device: torch.device, loss=None) -> list[float]:
     stash = ActivationStash(module.parameters(), device)
     times: dict[str, list[float]] = {k: [] for k in FIELDS[:6]}
     act = 0
@@ -41,6 +41,8 @@ def _measure_stage(module, stage: int, x: torch.Tensor, repeats: int, store: Def
             t0 = time.perf_counter()
             with stash.saving(key):
                 out = module(x_in, stage)
+                if loss is not None:  # the last stage: the loss is part of its forward
+                    out = loss(out)
             times["f"].append(time.perf_counter() - t0)
             act = stash.live_bytes
             grad = torch.ones_like(out) / out.numel()
@@ -69,9 +71,9 @@ def _drain(stash: ActivationStash, key) -> None:
             record.copy.result()
 
 
-def profile_stages(runtime, sample: torch.Tensor, repeats: int = 3) -> list[dict[str, float]]:
-    """[{field: value}] for every stage (all pp ranks' stages, in stage order). Collective
-    over pp; needs the runtime's module to defer linear weight gradients (zero-bubble's
+def profile_stages(runtime, sample: torch.Tensor, loss=None, repeats: int = 3) -> list[dict[str, float]]:
+    """[{field: value}] for every stage (all pp ranks' stages, in stage order); `loss(output)`
+    ends the last stage's forward, as in training. Collective over pp; needs the runtime's module to defer linear weight gradients (zero-bubble's
     split), which `PipelineRuntime` sets up for every schedule that profiling serves."""
     module, mesh = runtime.module, runtime.mesh
     stages = runtime.schedule.stages
@@ -82,6 +84,7 @@ def profile_stages(runtime, sample: torch.Tensor, repeats: int = 3) -> list[dict
         else:
             shape, dtype = runtime.shapes[s - 1]
             x = torch.randn(shape, dtype=dtype, device=mesh.device)
-        table[s] = torch.tensor(_measure_stage(module, s, x, repeats, runtime.deferred, mesh.device))
+        last = loss if s == stages - 1 else None
+        table[s] = torch.tensor(_measure_stage(module, s, x, repeats, runtime.deferred, mesh.device, last))
     comm.all_reduce(table, mesh, "pp")  # each stage's row is filled on its own rank only
     return [dict(zip(FIELDS, row)) for row in table.tolist()]

@@ -153,6 +153,7 @@ class PipelineRuntime:
         self.measure_activations = False
         self.use(schedule)
         self.spans: list[dict] | None = None  # per-action spans while a step is recorded
+        self.costs = None  # a planned schedule's stage costs (optimal.StageCosts)
         # parameters held on several pp ranks, in one order everywhere: (local or None, shape)
         self.shared = shared
 
@@ -162,6 +163,16 @@ class PipelineRuntime:
         self.schedule = schedule
         self.actions = posted_early(schedule.actions[self.rank], RECV_LOOKAHEAD)
         self.offloaded = {(a.microbatch, a.stage) for a in self.actions if a.kind == S.OFFLOAD}
+
+    def bubble_theory(self) -> float:
+        """The schedule's bubble by its formula; a planned schedule's (optimal), simulated
+        with the stage costs it was planned with."""
+        s = self.schedule
+        if s.name in S.SCHEDULES:
+            return S.bubble_theory(s.name, s.pp, s.microbatches, s.virtual_stages)
+        from loomtrain.parallel.pipeline.optimal import action_times
+
+        return S.simulate(s, action_times(self.costs, s.recompute)).bubble
 
     # --- one training step ------------------------------------------------------------------
 
