@@ -84,13 +84,13 @@ from loomtrain import comm
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
 from loomtrain.parallel.data import apply_data_parallel
-from loomtrain.parallel.pipeline import build_schedule, schedules, split_model
+from loomtrain.parallel.pipeline import apply_pipeline, build_schedule, schedules, split_model
+from loomtrain.parallel.pipeline.optimal import compare
 from loomtrain.parallel.pipeline.runtime import PipelineRuntime
 from loomtrain.timeline import WORK_KINDS, measured_bubble
 from loomtrain.train.config import Config, config_from_dict
 
-# TODO(optimal): append "optimal" once parallel/pipeline/optimal.py lands (see RankBench.optimal_plan)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "optimal")
 VIRTUAL_STAGES = 2  # of interleaved; every other schedule runs one stage per rank
 MODEL = {"vocab_size": 256, "seq_len": 128, "d_model": 128, "n_heads": 4}
 SMALL_MODEL = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 2}
@@ -111,15 +111,17 @@ class Setup:
     def tokens_per_step(self) -> int:
         return self.microbatches * self.micro_batch * self.model_cfg["seq_len"]
 
-    def config(self, schedule: str, offload: float = 0.0, recompute: str = "none") -> Config:
+    def config(self, schedule: str, offload: float = 0.0, recompute: str = "none",
+               budget_bytes: float | None = None) -> Config:
         v = VIRTUAL_STAGES if schedule == "interleaved" else 1
+        budget = {"activation_budget_mb": budget_bytes / 2**20} if budget_bytes else {}
         return config_from_dict({
             "model": self.model_cfg,
             "train": {"global_batch": self.microbatches * self.micro_batch,
                       "micro_batch": self.micro_batch, "lr": LR},
             "parallel": {"nproc": self.pp, "pp": self.pp, "schedule": schedule,
                          "virtual_stages": v, "offload_activations": offload,
-                         "recompute": recompute}})
+                         "recompute": recompute, **budget}})
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -130,13 +132,22 @@ class OurPipeline:
     torch peer builds (same seed), `split_model`'s stages, the runtime, the dp engine over the
     dp axis of size 1 (as `parallelize` composes them), AdamW as the peer's."""
 
-    def __init__(self, setup: Setup, mesh, cfg: Config, schedule: schedules.Schedule | None = None):
+    def __init__(self, setup: Setup, mesh, cfg: Config):
         self.setup, self.mesh = setup, mesh
         torch.manual_seed(MODEL_SEED)
-        module, shapes, shared = split_model(GPT(**setup.model_cfg), mesh, cfg)
+        if cfg.parallel.schedule == "optimal":  # profiled, planned and sent as the trainer does
+            module = apply_pipeline(GPT(**setup.model_cfg), mesh, cfg)
+            self.runtime = module.runtime
+        else:
+            module, shapes, shared = split_model(GPT(**setup.model_cfg), mesh, cfg)
+            self.runtime = PipelineRuntime(module, mesh, build_schedule(cfg), shapes, shared,
+                                           cfg.parallel.recompute)
         self.bounds = module.bounds
-        self.runtime = PipelineRuntime(module, mesh, schedule or build_schedule(cfg), shapes,
-                                       shared, cfg.parallel.recompute)
+        self.planned = None
+        if cfg.parallel.schedule == "optimal" and mesh.rank == 0:  # the plan's own model
+            p = cfg.parallel
+            self.planned = compare(p.pp, setup.microbatches, self.runtime.costs,
+                                   p.activation_budget_mb * 2**20)
         self.model = apply_data_parallel(module, mesh, cfg.parallel)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.first_step_loss: float | None = None
@@ -176,7 +187,7 @@ class OurPipeline:
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         comm.all_reduce(elapsed, self.mesh, "pp", op="max")  # the slowest rank's time
         ranks, peak = self.recorded_step(s.warmup + s.steps)
-        return {"tokens_per_s": s.steps * s.tokens_per_step / float(elapsed),
+        return {"tokens_per_s": s.steps * s.tokens_per_step / float(elapsed), "planned": self.planned,
                 "virtual_stages": self.runtime.schedule.virtual_stages, "bounds": self.bounds,
                 "first_step_loss": self.first_step_loss, "peak_activation_bytes": peak,
                 **bubble_figures(self.runtime.schedule, ranks), "ranks": ranks}
@@ -194,9 +205,9 @@ class RankBench:
     def engine(self, schedule: str, offload: float = 0.0, recompute: str = "none") -> OurPipeline:
         key = (schedule, offload, recompute)
         if key not in self.engines:
-            cfg = self.setup.config(schedule, offload, recompute)
-            plan = self.optimal_plan(cfg) if schedule == "optimal" else None
-            self.engines[key] = OurPipeline(self.setup, self.mesh, cfg, plan)
+            budget = self.engine("zb-h1").recorded_step(0)[1] if schedule == "optimal" else None
+            cfg = self.setup.config(schedule, offload, recompute, budget)
+            self.engines[key] = OurPipeline(self.setup, self.mesh, cfg)
         return self.engines[key]
 
     def ours(self, schedule: str) -> dict:
@@ -221,17 +232,6 @@ class RankBench:
                 "no_offload": self.peak_bytes(OFFLOAD_SCHEDULE),
                 "offload": self.peak_bytes(OFFLOAD_SCHEDULE, OFFLOAD_FRACTION),
                 "recompute_full": self.peak_bytes(OFFLOAD_SCHEDULE, recompute="full")}
-
-    def optimal_plan(self, cfg: Config) -> schedules.Schedule:
-        """OptPipe's schedule (arXiv 2510.05186) for `cfg` with ZB-H1's measured peak
-        activation bytes as its memory budget and ZB-H1's measured per-stage F, I, W times
-        (one recorded step of our zb-h1, the same on every rank: the spans are gathered)."""
-        # TODO(optimal): move this import to the top of the file once optimal.py lands, and
-        # adapt the call to plan_for_config's signature.
-        from loomtrain.parallel.pipeline.optimal import plan_for_config
-
-        ranks, budget = self.engine("zb-h1").recorded_step(0)
-        return plan_for_config(cfg, memory_budget_bytes=budget, times=stage_times(ranks))
 
 
 def _rank_main(rank: int, world: int, port: int, setup: Setup, commands, results) -> None:
@@ -317,7 +317,8 @@ def schedule_figures(ours: list[dict], theirs: list[dict]) -> dict:
            "per_round_tokens_per_s": [round(r["tokens_per_s"], 1) for r in ours],
            "per_round_torch_tokens_per_s": [r["tokens_per_s"] and round(r["tokens_per_s"], 1)
                                             for r in theirs],
-           **{k: v for k, v in typical.items() if k not in ("tokens_per_s", "ranks")}}
+           **{k: v for k, v in typical.items()
+              if k not in ("tokens_per_s", "ranks") and not (k == "planned" and v is None)}}
     out["torch_first_step_loss"] = theirs[0]["first_step_loss"] if theirs else None
     if theirs and theirs[0]["error"]:
         out["torch_error"] = theirs[0]["error"]
@@ -330,7 +331,10 @@ def optimal_vs_zb_h1(figures: dict) -> dict:
     return {"memory_budget_bytes": zb["peak_activation_bytes"],
             **{f"{k}_{name}": f[k] for name, f in (("optimal", opt), ("zb_h1", zb))
                for k in ("peak_activation_bytes", "bubble_measured", "bubble_simulated")},
-            "idle_ms_optimal": sum(opt["step_ms"]["idle"]), "idle_ms_zb_h1": sum(zb["step_ms"]["idle"])}
+            "idle_ms_optimal": sum(opt["step_ms"]["idle"]), "idle_ms_zb_h1": sum(zb["step_ms"]["idle"]),
+            # the planner's comparison on the profiled stage costs: 1F1B and ZB-H1 fitted to
+            # the same budget (offload or recompute where they exceed it) and the plan
+            "planned": opt["planned"]}
 
 
 def write_timelines(directory: Path, typical: dict[str, list[dict]], figures: dict, pp: int,
@@ -401,7 +405,7 @@ def main(argv=None) -> dict:
     out = {"benchmark": "pipeline", "pp": args.pp, "microbatches": setup.microbatches,
            "date": datetime.date.today().isoformat(), "schedules": figures,
            "peak_activation_bytes": memory}
-    if "optimal" in figures:  # TODO(optimal): unconditional once "optimal" is in SCHEDULES
+    if {"optimal", "zb-h1"} <= set(figures):
         out["optimal_vs_zb_h1"] = optimal_vs_zb_h1(figures)
     out["config"] = {"model": setup.model_cfg, "micro_batch": setup.micro_batch,
                      "tokens_per_step": setup.tokens_per_step, "rounds": rounds,
