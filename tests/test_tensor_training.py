@@ -44,8 +44,11 @@ def test_oracle_tensor_parallel_alone_and_with_dp_and_zero(tmp_path, corpus, mod
     reference = _metric_curves(tmp_path, corpus, 1, [{}], model, "ref")[0]
     assert len(reference) == 20 and reference[-1]["loss"] < reference[0]["loss"] - 0.3
     for world, configs in TP_ORACLE.items():
-        if model == "mlp":  # sequence parallelism is the GPT's: the MLP runs the plain splits
-            configs = [{k: v for k, v in c.items() if k != "sequence_parallel"} for c in configs]
+        if model == "mlp":  # sequence parallelism is the GPT's: the MLP runs the plain splits,
+            # alone and under the two engines (stages 1 and 3 add nothing its plan does not
+            # meet at stage 2; the GPT covers them), which keeps the suite's time in bounds
+            configs = [{k: v for k, v in c.items() if k != "sequence_parallel"} for c in configs
+                       if c.get("zero_stage", 2) == 2]
         runs = _metric_curves(tmp_path, corpus, world, configs, model, f"w{world}")
         for cfg, records in zip(configs, runs):
             # fp32 sums in another order (partial products all-reduced, the vocabulary-split
