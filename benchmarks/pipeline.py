@@ -146,8 +146,14 @@ class OurPipeline:
         self.planned = None
         if cfg.parallel.schedule == "optimal" and mesh.rank == 0:  # the plan's own model
             p = cfg.parallel
-            self.planned = compare(p.pp, setup.microbatches, self.runtime.costs,
-                                   p.activation_budget_mb * 2**20)
+            costs, budget = self.runtime.costs, p.activation_budget_mb * 2**20
+            # below ZB-H1's own peak, where its deferred W's cannot fit: half of it, but no
+            # less than one micro-batch of the largest stage (nothing fits below that)
+            tight = max(budget / 2, max(c.activation_bytes for c in costs))
+            self.planned = {"budget_bytes": budget,
+                            **compare(p.pp, setup.microbatches, costs, budget),
+                            "half_budget": {"budget_bytes": tight,
+                                            **compare(p.pp, setup.microbatches, costs, tight)}}
         self.model = apply_data_parallel(module, mesh, cfg.parallel)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.first_step_loss: float | None = None

@@ -69,6 +69,9 @@ def test_benchmark_pipeline_small():
             assert abs(f["first_step_loss"] / f["torch_first_step_loss"] - 1) < 1e-5, (name, f)
     planned = out["optimal_vs_zb_h1"]["planned"]  # the plan's model, the same budget
     assert planned["optimal"]["makespan"] <= planned["zb-h1"]["makespan"] + 1e-9, planned
+    half = planned["half_budget"]
+    assert half["optimal"]["peak_bytes"] <= half["budget_bytes"] + 1e-6, half
+    assert half["optimal"]["makespan"] <= half["1f1b"]["makespan"] + 1e-9, half
     assert out["schedules"]["optimal"]["peak_activation_bytes"] <= \
         1.05 * out["optimal_vs_zb_h1"]["memory_budget_bytes"]
     memory = out["peak_activation_bytes"]
