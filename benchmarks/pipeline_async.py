@@ -43,6 +43,8 @@ def run(name: str, settings: list[str], args, root: Path) -> dict:
               "--set", "checkpoint.every=0"]
     if name == "async_nesterov":
         settings = settings + [f"parallel.async_momentum={args.momentum}"]
+    if name.startswith("async") and args.async_lr is not None:
+        settings = settings + [f"train.lr={args.async_lr}"]
     for s in settings + (SMALL if args.small else []):
         common += ["--set", s]
     t0 = time.perf_counter()
@@ -62,6 +64,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--momentum", type=float, default=0.9,
                         help="parallel.async_momentum for the Nesterov run (the paper's 0.99 "
                              "averages over ~100 updates: too many for a short run)")
+    parser.add_argument("--async-lr", type=float, default=None,
+                        help="train.lr of the async runs (default: the config's, 3e-3): they "
+                             "update after every micro-batch, M times as often as 1F1B")
     parser.add_argument("--small", action="store_true", help="a tiny GPT (the smoke test)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +75,8 @@ def main(argv=None) -> dict:
     for name, r in runs.items():
         r["val_loss_vs_1f1b"] = r["val_loss"] / sync - 1.0
     out = {"benchmark": "pipeline_async", "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
-           "pp": 2, "async_momentum": args.momentum, "small": args.small, "runs": runs}
+           "pp": 2, "async_momentum": args.momentum, "async_lr": args.async_lr,
+           "small": args.small, "runs": runs}
     print(json.dumps(out))
     return out
 
