@@ -71,6 +71,7 @@ def _peaks(rank, world, tree, variants):
                    for _ in range(cfg.accumulation_steps)]
         runtime = runtime_of(model)
         runtime.measure_activations = True
+        runtime.stash.synchronous = True  # copies done when the schedule says: load-proof
         runtime.train_step(model, batches, 8 * 32.0, loss_fn)
         out[name] = runtime.stash.peak_bytes
         runtime.stash.close()
@@ -84,13 +85,12 @@ def test_offload_and_recompute_lower_the_measured_activation_peak(tmp_path, corp
                 "selective": {"recompute": "selective"},
                 "optimal": {"schedule": "optimal", "activation_budget_mb": 0.7}}
     for peaks in run_world(_peaks, 2, tree, variants, timeout_s=120):
-        # GPipe stashes all 4 micro-batches. Offloading every one leaves at most three on
-        # the device: the one computing, the one reloading for the next backward and one
-        # whose copy-out may not be done (how many overlap depends on the copy's speed)
-        # (the copies run on a thread: under a heavy load they may lag a whole forward, so
-        # the bounds leave room for that)
-        assert peaks["offload"] < 0.9 * peaks["none"], peaks
-        assert peaks["half"] <= peaks["none"], peaks
+        # GPipe stashes all 4 micro-batches. With the copies waited for (the stash's
+        # `synchronous`: on a loaded machine a copy thread can lag a whole forward, which
+        # says nothing about the schedule), offloading every one leaves two on the device
+        # at most (the one computing, and the one reloaded a compute ahead of its backward)
+        assert peaks["offload"] <= 0.5 * peaks["none"] + 1, peaks
+        assert peaks["offload"] < peaks["half"] < peaks["none"], peaks
         # recomputation keeps each stage input, and one micro-batch's activations while
         # its backward runs; selective drops only the attention core's
         assert peaks["full"] < 0.5 * peaks["none"], peaks

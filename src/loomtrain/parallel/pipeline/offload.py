@@ -44,6 +44,9 @@ class ActivationStash:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
         self.live_bytes = self.peak_bytes = 0
+        # wait for each offload and reload to finish before going on: the bytes then move
+        # when the schedule says, whatever the machine's load (tests measure the peak so)
+        self.synchronous = False
 
     # --- accounting -------------------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class ActivationStash:
         self._offloaded.add(key)
         for record in self._pairs.get(key, []):
             record.copy = self._submit(self._copy_out, record)
+        self._settle(key)
 
     def reload(self, key: tuple[int, int]) -> None:
         """Start copying pair `key`'s activations back to the device."""
@@ -125,6 +129,13 @@ class ActivationStash:
                 record.copy.result()  # its copy-out first
             self._add(record.nbytes)
             record.copy = self._submit(self._copy_in, record)
+        self._settle(key)
+
+    def _settle(self, key) -> None:
+        if self.synchronous:
+            for record in self._pairs.get(key, []):
+                if record.copy is not None:
+                    record.copy.result()
 
     def _submit(self, fn, record: Saved) -> Future:
         return self._copier.submit(fn, record)
