@@ -133,9 +133,13 @@ class ActivationStash:
 
     def _settle(self, key) -> None:
         if self.synchronous:
-            for record in self._pairs.get(key, []):
-                if record.copy is not None:
-                    record.copy.result()
+            self.wait(key)
+
+    def wait(self, key) -> None:
+        """Until pair `key`'s copies in flight are done."""
+        for record in self._pairs.get(key, []):
+            if record.copy is not None:
+                record.copy.result()
 
     def _submit(self, fn, record: Saved) -> Future:
         return self._copier.submit(fn, record)

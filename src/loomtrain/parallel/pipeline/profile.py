@@ -54,21 +54,14 @@ def _measure_stage(module, stage: int, x: torch.Tensor, repeats: int, store: Def
                         torch.autograd.backward(out, grad)
                 times["i"].append(_timed(backward_input))
                 times["w"].append(_timed(lambda: store.run(key)))
-            times["offload"].append(_timed(lambda: (stash.offload(key), _drain(stash, key))))
-            times["reload"].append(_timed(lambda: (stash.reload(key), _drain(stash, key))))
+            times["offload"].append(_timed(lambda: (stash.offload(key), stash.wait(key))))
+            times["reload"].append(_timed(lambda: (stash.reload(key), stash.wait(key))))
             stash.release(key)
     stash.close()
     module.zero_grad(set_to_none=True)
     median = {k: statistics.median(v[2:]) for k, v in times.items()}  # two per repeat
     input_bytes = x.numel() * x.element_size() if x.is_floating_point() else 0
     return [median[k] for k in FIELDS[:6]] + [float(act), float(input_bytes)]
-
-
-def _drain(stash: ActivationStash, key) -> None:
-    """Wait for the pair's copies (timing the copy, not its start)."""
-    for record in stash._pairs.get(key, []):
-        if record.copy is not None:
-            record.copy.result()
 
 
 def profile_stages(runtime, sample: torch.Tensor, loss=None, repeats: int = 3) -> list[dict[str, float]]:
