@@ -47,6 +47,9 @@ class CausalSelfAttention(nn.Module):
         # selective recomputation (Korthikanti et al., arXiv 2205.05198): the attention core's
         # saved tensors are dropped after forward and recomputed in backward
         self.recompute_core = False
+        # sequence parallelism (parallel/sequence) installs its kernel here: core(q, k, v) of
+        # (b, heads, t_local, head_dim) tensors -> the same shape; None: `attend`
+        self.core = None
 
     def mix(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """The heads' attention output before the output projection, (b, t, local width)."""
@@ -56,7 +59,9 @@ class CausalSelfAttention(nn.Module):
         b, t = qkv.shape[:2]
         q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, 3, self.n_heads, -1).unbind(2))
         dropout = self.dropout if self.training else 0.0
-        if self.recompute_core and cache is None and torch.is_grad_enabled():
+        if self.core is not None and cache is None:
+            y = self.core(q, k, v)
+        elif self.recompute_core and cache is None and torch.is_grad_enabled():
             y = checkpoint(attend, q, k, v, None, dropout, use_reentrant=False)
         else:
             y = attend(q, k, v, cache, dropout)
@@ -107,6 +112,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied (GPT-2; Press & Wolf, arXiv 1608.05859)
+        # under sequence parallelism: the global positions of the tokens `forward` gets
+        self.position_ids: torch.Tensor | None = None
         self.apply(self._init)
         # GPT-2's scaled init of residual projections: std 0.02 / sqrt(2 * n_layers)
         for name, p in self.named_parameters():
@@ -124,7 +131,10 @@ class GPT(nn.Module):
         """Token plus position embeddings of `idx`, whose first token sits at position `start`."""
         end = start + idx.shape[1]
         assert end <= self.seq_len, f"sequence of {end} tokens exceeds seq_len={self.seq_len}"
-        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(start, end, device=idx.device)))
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(start, end, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
     def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
         """Logits (b, t, vocab). With `cache`, `idx` continues the cached sequence (decoding)."""

@@ -1,0 +1,127 @@
+"""What a sequence-parallel attention kernel knows about the tokens it holds.
+
+Under context parallelism the ranks of a ring (the `cp` axis, or under dynamic hybrid
+parallelism any set of ranks that share one sequence) each hold some of the sequence's
+positions. A kernel sees only its own queries, keys and values, (b, heads, t_local, head_dim),
+and this context: where every ring member's tokens sit in the full sequence, the documents of
+the full rows (packing), and the ring to talk over.
+
+Masks come from positions, never from local indices: a key at global position j is visible to
+a query at global position i when j <= i and both lie in the same document. The layouts:
+
+    contiguous  member m holds positions [m T/n, (m+1) T/n)            (Ulysses, LASP)
+    zigzag      the row cut in 2n chunks; member m holds chunks m and 2n-1-m (ring attention:
+                every member gets the same share of the causal triangle)
+
+    T = 8, n = 2, zigzag:   member 0: positions 0 1 6 7   member 1: positions 2 3 4 5
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from loomtrain import comm
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def chunk_positions(seq_len: int, members: int, member: int, layout: str) -> torch.Tensor:
+    """Global positions (ascending) of `member`'s tokens among `members` sharing a row."""
+    if layout == "contiguous":
+        if seq_len % members:
+            raise ValueError(f"a row of {seq_len} tokens does not split evenly over {members} ranks")
+        size = seq_len // members
+        return torch.arange(member * size, (member + 1) * size)
+    if layout == "zigzag":
+        if seq_len % (2 * members):
+            raise ValueError(f"a zig-zag split of {seq_len} tokens over {members} ranks needs a "
+                             f"multiple of 2 x {members} = {2 * members}")
+        size = seq_len // (2 * members)
+        first, second = member, 2 * members - 1 - member
+        return torch.cat([torch.arange(first * size, (first + 1) * size),
+                          torch.arange(second * size, (second + 1) * size)])
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+class Ring:
+    """Members of one ring (local indices on a mesh axis's group, in ring order) and this rank's
+    place in it; p2p to the next and from the previous member through `comm`, each exchange
+    tagged identically on every member (members issue the same exchanges in the same order)."""
+
+    def __init__(self, mesh, axis: str, members: list[int] | None = None):
+        self.mesh, self.axis = mesh, axis
+        self.members = list(range(mesh.size(axis))) if members is None else list(members)
+        self.me = self.members.index(mesh.local_rank(axis))
+        self._key = f"ring:{axis}:{','.join(map(str, self.members))}"
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def _tag(self, op: str) -> int:
+        seq = self.mesh.ring_sequence.get((self._key, op), 0) + 1
+        self.mesh.ring_sequence[(self._key, op)] = seq
+        return 1 + zlib.crc32(f"{self._key}/{op}/{seq}".encode()) % (2**31 - 2)
+
+    def shift(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], step: int = 1):
+        """Start sending `sends` to the member `step` places ahead and receiving `recvs` (same
+        shapes) from the member `step` places behind. Returns the pending ops: `wait()` each."""
+        n = self.size
+        dst, src = self.members[(self.me + step) % n], self.members[(self.me - step) % n]
+        pending = []
+        for i, (s, r) in enumerate(zip(sends, recvs)):
+            tag = self._tag(f"shift{step}.{i}")
+            pending.append(comm.recv(r, self.mesh, self.axis, src, async_op=True, tag=tag))
+            pending.append(comm.send(s, self.mesh, self.axis, dst, async_op=True, tag=tag))
+        return pending
+
+
+@dataclass
+class SeqContext:
+    """The tokens this rank holds of rows shared by a ring (or a whole row when `ring` is None)."""
+
+    positions: list[torch.Tensor]  # per ring member: global positions (t_local,) of its tokens
+    me: int = 0  # my index among the members
+    docs: torch.Tensor | None = None  # (b, T) document id of every position of the full rows
+    ring: Ring | None = None
+
+    @classmethod
+    def local(cls, seq_len: int, docs: torch.Tensor | None = None) -> SeqContext:
+        return cls([torch.arange(seq_len)], 0, docs, None)
+
+    @classmethod
+    def of_ring(cls, ring: Ring, seq_len: int, layout: str,
+                docs: torch.Tensor | None = None) -> SeqContext:
+        positions = [chunk_positions(seq_len, ring.size, m, layout) for m in range(ring.size)]
+        return cls(positions, ring.me, docs, ring)
+
+    @property
+    def members(self) -> int:
+        return len(self.positions)
+
+    @property
+    def local_positions(self) -> torch.Tensor:
+        return self.positions[self.me]
+
+    def visible(self, q_member: int, k_member: int, device=None) -> torch.Tensor:
+        """Boolean mask (b or 1, tq, tk): which of `k_member`'s keys each of `q_member`'s
+        queries attends to (causal by global position, and within one document)."""
+        pq, pk = self.positions[q_member], self.positions[k_member]
+        mask = (pk[None, :] <= pq[:, None])[None]
+        if self.docs is not None:
+            same = self.docs[:, pq][:, :, None] == self.docs[:, pk][:, None, :]
+            mask = mask & same
+        return mask if device is None else mask.to(device)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """Reference softmax attention of (b, h, tq, d) queries over (b, h, tk, d) keys with a
+    boolean (b or 1, tq, tk) mask; a query that sees no key gets zeros."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v
