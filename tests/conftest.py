@@ -43,3 +43,21 @@ def tiny(tmp_path, corpus):
     def make(**sections):
         return config_from_dict(tiny_tree(tmp_path, corpus, **sections))
     return make
+
+
+@pytest.fixture(scope="session")
+def doc_corpus(tmp_path_factory, corpus) -> Path:
+    """The corpus cut into ~1,200 small documents (a folder of files) with heavy-tailed
+    lengths (Pareto(1.2) x 8 bytes, at most 300): packed rows of 32 tokens cross several
+    document boundaries, and some documents span several rows."""
+    import numpy as np
+
+    text = corpus.read_bytes()
+    folder = tmp_path_factory.mktemp("documents")
+    rng = np.random.default_rng(0)
+    start, i = 0, 0
+    while start < len(text):
+        length = int(min(300, 8 * (1 + rng.pareto(1.2))))
+        (folder / f"doc{i:05d}.txt").write_bytes(text[start:start + length])
+        start, i = start + length, i + 1
+    return folder

@@ -74,13 +74,36 @@ def test_impossible_values(capsys, args, expected):
     assert expected in _refused(capsys, ["train", "--dry-run", *args])
 
 
-# Refused today because they are not implemented yet; each row moves to the valid side when
-# its issue lands (cp: 6), and its test then belongs to that feature.
-@pytest.mark.parametrize("key,value", [("cp", 2)])
-def test_unsupported_parallelism(capsys, key, value):
-    err = _refused(capsys, ["train", "--dry-run", "--nproc", "4", "--set", f"parallel.{key}={value}"])
-    assert f"parallel.{key}={value} is not supported yet" in err
-    assert f"use parallel.{key}=1" in err
+# `_check_sequence`: context parallelism and packing (the default model: 4 heads, 128 tokens)
+CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (CP2 + ["--set", 'parallel.cp_method="lasp"'],
+     "parallel.cp_method='lasp' is for linear attention, but model.attention='softmax'"),
+    (CP2 + ["--set", 'model.attention="linear"', "--set", 'parallel.cp_method="ring"'],
+     "parallel.cp_method='ring' is for softmax attention"),
+    (["--nproc", "4", "--set", "parallel.cp=4", "--set", "model.n_heads=2", "--set", "model.d_model=64",
+      "--set", 'parallel.cp_method="ulysses"'], "model.n_heads=2 is not divisible by 4"),
+    (CP2 + ["--set", "model.seq_len=30"], "model.seq_len=30 must be divisible by 4"),
+    (CP2 + ["--set", "parallel.tp=2"], "parallel.cp=2 with parallel.tp=2 is not supported yet"),
+    (CP2 + ["--set", "parallel.zero_stage=1"], "with parallel.zero_stage=1 is not supported yet"),
+    (CP2 + ["--set", 'model.name="mlp"'], "model.name='mlp' has none"),
+    (CP2 + ["--set", 'parallel.cp_method="auto"'], 'parallel.cp_method="auto" (automatic'),
+    (["--set", 'parallel.cp_method="ring"'], "it needs parallel.cp > 1"),
+    (["--set", "data.balance=true"], "data.balance=true (dynamic hybrid dp x cp) is not supported yet"),
+    (CP2, "--dry-run does not model context parallelism yet"),
+])
+def test_sequence_settings_refused(capsys, args, expected):
+    assert expected in _refused(capsys, ["train", "--dry-run", *args])
+
+
+def test_packing_needs_documents(tmp_path, capsys):
+    single = tmp_path / "one.txt"
+    single.write_text("x = 1\n" * 2000)
+    err = _refused(capsys, ["train", "--dry-run", "--set", f'data.source="{single}"',
+                            "--set", "data.packing=true"])
+    assert "data.packing=true masks attention at document boundaries" in err
 
 
 # `_check_pipeline`: the default model has 6 layers (embed, 4 blocks, head); on 4 ranks with

@@ -104,9 +104,11 @@ def cmd_train(args) -> int:
         from loomtrain.train.dryrun_text import dry_run
         print(dry_run(cfg))
         return 0
-    from loomtrain.data import load_corpus, require_windows
+    from loomtrain.data import load_corpus, require_documents, require_windows
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
-    require_windows(corpus, cfg.model.seq_len, cfg.data.source)  # fail before spawning
+    require_windows(corpus, cfg.model.seq_len, cfg.data.source)
+    if cfg.data.packing:
+        require_documents(corpus, cfg.data.source)  # fail before spawning
     from loomtrain.parallel import check_units
     check_units(cfg)
     if in_torchrun():

@@ -109,7 +109,8 @@ class Mesh:
         return self._member_ranks(axis).index(self.rank)
 
     def group(self, axis: str):
-        """The process group of `axis` ("dp", "tp", ..., "dp.local", "dp.cross", "world", or
+        """The process group of `axis` ("dp", "tp", ..., "dpcp" (dp and cp together),
+        "dp.local", "dp.cross", "world", or
         "self": this rank alone, for code that treats "not sharded" as a group of one)."""
         return self._groups[axis][1]
 
@@ -159,6 +160,16 @@ def build_mesh(
     for axis in AXES:
         ranks = next(g for g in axis_groups(sizes, axis) if mesh.rank in g)
         mesh._groups[axis] = (ranks, device_mesh.get_group(axis))
+    # dp and cp together: the ranks that hold the same parameters (context-parallel peers hold
+    # the same replica but different tokens), which the data-parallel engine reduces over
+    if sizes["cp"] == 1:
+        mesh._groups["dpcp"] = mesh._groups["dp"]
+    else:
+        for ranks in axis_groups({"pp": sizes["pp"], "dp": 1, "cp": sizes["dp"] * sizes["cp"],
+                                  "tp": sizes["tp"]}, "cp"):
+            pg = dist.new_group(ranks)  # collective: every rank creates every group
+            if mesh.rank in ranks:
+                mesh._groups["dpcp"] = (ranks, pg)
     if ranks_per_node < world:
         for axis in AXES:
             local, cross = split_by_node(axis_groups(sizes, axis), ranks_per_node)

@@ -5,6 +5,9 @@ Sources (the [data] source key):
 - a text file, or a folder of text files (every file under it, sorted), read as bytes;
 - a pre-tokenized token file (`*.bin`, `*.u16`): raw little-endian uint16, memory-mapped.
 
+Where the source is made of files (stdlib, a folder), each file is a document: the corpus
+keeps where each one starts in its split's stream, for packing with document masks.
+
 The validation split holds out whole files where there are files (a file goes to validation
 when a CRC32 of its relative path falls in the lowest `val_fraction` of the range, so the
 split is stable as files are added) and the tail of the stream otherwise.
@@ -31,6 +34,9 @@ class Corpus:
     train: np.ndarray  # 1-D token ids (uint8 for bytes, uint16 for token files)
     val: np.ndarray
     description: str
+    # offsets of the documents' first tokens in `train` / `val` (None: not made of files)
+    train_doc_starts: np.ndarray | None = None
+    val_doc_starts: np.ndarray | None = None
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -46,7 +52,7 @@ def _is_val(rel_path: str, val_fraction: float) -> bool:
     return zlib.crc32(rel_path.encode()) < val_fraction * 2**32
 
 
-def _read_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def _read_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.ndarray, ...]:
     train, val = [], []
     for path in files:
         rel = path.relative_to(root).as_posix()
@@ -54,7 +60,8 @@ def _read_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.
     if not val:  # too few files for the hash to pick one: hold out the last file
         val.append(train.pop())
     as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8)  # noqa: E731
-    return as_array(train), as_array(val)
+    starts = lambda parts: np.cumsum([0] + [len(p) for p in parts[:-1]])  # noqa: E731
+    return as_array(train), as_array(val), starts(train), starts(val)
 
 
 def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -80,9 +87,10 @@ def _token_file(path: Path, vocab_size: int) -> np.ndarray:
 
 
 def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
+    starts = [None, None]
     if source == "stdlib":
         root, files = stdlib_files()
-        train, val = _read_files(root, files, val_fraction)
+        train, val, *starts = _read_files(root, files, val_fraction)
         desc = f"Python {'.'.join(map(str, __import__('sys').version_info[:2]))} stdlib, {len(files)} files"
     else:
         path = Path(source).expanduser()
@@ -96,7 +104,7 @@ def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
                            key=lambda p: p.relative_to(path).as_posix())
             if not files:
                 raise DataError(f"data.source={source!r} is a folder with no files in it")
-            train, val = _read_files(path, files, val_fraction)
+            train, val, *starts = _read_files(path, files, val_fraction)
             desc = f"{source}: {len(files)} files"
         elif path.suffix in TOKEN_FILE_SUFFIXES:
             train, val = _tail_split(_token_file(path, vocab_size), val_fraction)
@@ -109,7 +117,8 @@ def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
                 f"data.source={source!r} is read as bytes (ids 0-255), but model.vocab_size="
                 f"{vocab_size}; set model.vocab_size = 256"
             )
-    return Corpus(train=train, val=val, description=f"{desc} ({len(train)} train / {len(val)} val tokens)")
+    return Corpus(train=train, val=val, description=f"{desc} ({len(train)} train / {len(val)} val tokens)",
+                  train_doc_starts=starts[0], val_doc_starts=starts[1])
 
 
 def require_windows(corpus: Corpus, seq_len: int, source: str) -> None:
@@ -120,3 +129,12 @@ def require_windows(corpus: Corpus, seq_len: int, source: str) -> None:
                 f"data.source={source!r}: the {split} split has {len(tokens)} tokens, too few for "
                 f"one window of model.seq_len+1 = {seq_len + 1}; lower model.seq_len, raise "
                 f"data.val_fraction, or give more data")
+
+
+def require_documents(corpus: Corpus, source: str) -> None:
+    """data.packing needs documents: a source made of files."""
+    if corpus.train_doc_starts is None:
+        raise DataError(
+            f"data.packing=true masks attention at document boundaries, and the documents are "
+            f"the source's files, but data.source={source!r} is a single file; give \"stdlib\" "
+            f"or a folder of text files, or set data.packing=false")

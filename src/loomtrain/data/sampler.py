@@ -15,8 +15,10 @@ import torch
 
 
 class WindowSampler:
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int,
+                 doc_starts: np.ndarray | None = None):
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.doc_starts = doc_starts  # ascending offsets of documents' first tokens (packing)
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
             raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len + 1}")
@@ -37,6 +39,14 @@ class WindowSampler:
             rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
         block = torch.from_numpy(np.stack(rows))
         return block[:, :-1], block[:, 1:]
+
+    def documents(self, samples: range) -> torch.Tensor:
+        """[len(samples), seq_len] int64: the document of every input token (packing), as the
+        number of its document in the stream; a window packs the documents it cuts through."""
+        assert self.doc_starts is not None, "the sampler was built without document starts"
+        offsets = np.arange(self.seq_len)
+        positions = np.stack([self.window_of(g) * self.seq_len + offsets for g in samples])
+        return torch.from_numpy(np.searchsorted(self.doc_starts, positions, side="right") - 1)
 
 
 def rank_samples(step: int, global_batch: int, dp_rank: int, dp_size: int, micro_batch: int,

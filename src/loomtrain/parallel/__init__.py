@@ -1,8 +1,9 @@
 """Parallel strategies, each a function over one mesh axis; `parallelize` composes them.
 
 Order (TorchTitan's): tensor parallel first, then the pipeline split (this rank keeps its
-stages) and (as it lands) context parallel (issue 6); data parallel or ZeRO over the dp axis last, since it shards
-whatever parameters the other axes left on this rank. The optimizer is built after tensor
+stages), then context parallel (the attention kernels, parallel/sequence); data parallel or
+ZeRO over the dp axis last (over dp and cp together when cp > 1: context-parallel peers hold
+the same replica), since it shards whatever parameters the other axes left on this rank. The optimizer is built after tensor
 parallelism (which makes new, smaller parameters) and before the dp engine (ZeRO rebuilds it
 over its shard).
 """
@@ -24,6 +25,10 @@ def parallelize(model, mesh, cfg, make_optimizer):
         from loomtrain.parallel.pipeline import apply_pipeline
 
         model = apply_pipeline(model, mesh, cfg)
+    if cfg.parallel.cp > 1 or cfg.data.packing:
+        from loomtrain.parallel.sequence import apply_sequence
+
+        model = apply_sequence(model, mesh, cfg)
     optimizer = make_optimizer(model)
     from loomtrain.parallel.data import apply_data_parallel
     from loomtrain.parallel.zero import shard

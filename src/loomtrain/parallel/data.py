@@ -253,8 +253,11 @@ class DataParallel(nn.Module):
 
 def apply_data_parallel(model: nn.Module, mesh, cfg) -> DataParallel:
     """The dp-axis strategy: `cfg` is the ParallelConfig (bucket_mb). Gradients are summed;
-    the trainer normalizes the loss by the global token count."""
-    return DataParallel(model, mesh, "dp", cfg.bucket_mb, gradient_reduce="sum")
+    the trainer normalizes the loss by the global token count. With cp > 1 over dp and cp
+    together: context-parallel peers hold the same replica, each with the gradient of its
+    own tokens."""
+    axis = "dpcp" if cfg.cp > 1 else "dp"
+    return DataParallel(model, mesh, axis, cfg.bucket_mb, gradient_reduce="sum")
 
 
 __all__ = ["Bucket", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets",

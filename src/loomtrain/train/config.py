@@ -48,6 +48,7 @@ class ModelConfig(Section):
     vocab_size: int = Field(256, ge=2)
     mlp_ratio: int = Field(4, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    attention: Literal["softmax", "linear"] = "softmax"
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
@@ -63,6 +64,11 @@ class DataConfig(Section):
     # text file, a folder of text files, or a pre-tokenized uint16 token file (*.bin / *.u16)
     source: str = "stdlib"
     val_fraction: float = Field(0.02, gt=0.0, lt=0.5)
+    # rows hold several documents (the source's files) and attention never crosses one;
+    # docs/sequence.md
+    packing: bool = False
+    # dynamic hybrid dp x cp (ByteScale): documents dealt to ranks by attention work
+    balance: bool = False
 
 
 class TrainConfig(Section):
@@ -105,6 +111,9 @@ class ParallelConfig(Section):
     async_optimizer: Literal["stash", "nesterov"] = "nesterov"
     async_momentum: float = Field(0.99, ge=0.0, lt=1.0)
     cp: int = Field(1, ge=1)
+    # the context-parallel kernel (docs/sequence.md); None: "ring" for softmax attention,
+    # "lasp" for linear attention
+    cp_method: Literal["ring", "ulysses", "lasp", "auto"] | None = None
     zero_stage: int = Field(0, ge=0, le=3)
     hierarchical: bool = False  # ZeRO: shard inside the node, reduce across nodes in two levels
     optimizer_shard: Literal["node", "dp"] = "node"  # hierarchical: optimizer state split over
@@ -137,12 +146,6 @@ class Config(Section):
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
         p, t = self.parallel, self.train
-        for axis, issue in (("cp", 6),):
-            if getattr(p, axis) > 1:
-                raise ValueError(
-                    f"parallel.{axis}={getattr(p, axis)} is not supported yet (it arrives with issue "
-                    f"{issue}); use parallel.{axis}=1"
-                )
         _check_tensor_parallel(p, self.model)
         engine = p.zero_stage > 0 or t.precision == "bf16"  # the sharded engine runs these
         for key, needs in (("hierarchical", p.zero_stage > 0), ("offload_optimizer", p.zero_stage > 0),
@@ -173,6 +176,7 @@ class Config(Section):
                 f"{p.dp_size}*{t.micro_batch} = {per_rank}"
             )
         _check_pipeline(p, self.model, t)
+        _check_sequence(p, self.model, t, self.data)
         if p.schedule == "async" and self.run.timeline_step:
             raise ValueError('run.timeline_step records one step of a fixed schedule; parallel.'
                              'schedule="async" streams micro-batches across steps: set '
@@ -235,6 +239,53 @@ def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
     elif stages > layers:
         raise ValueError(f"parallel.pp*virtual_stages = {stages} stages exceed the model's "
                          f"{layers} layers (embed, {m.n_layers} blocks, head)")
+
+
+def _check_sequence(p: ParallelConfig, m: ModelConfig, t: TrainConfig, d: DataConfig) -> None:
+    """Context parallelism and packing: the kernel matches the attention, the row splits
+    evenly under the kernel's layout, and the axes it composes with today (dp, fp32)."""
+    if d.balance:
+        raise ValueError("data.balance=true (dynamic hybrid dp x cp) is not supported yet: it "
+                         "arrives with the next increment of issue 6; set data.balance=false")
+    if p.cp_method is not None and p.cp == 1:
+        raise ValueError(f"parallel.cp_method={p.cp_method!r} is a context-parallel setting: it "
+                         "needs parallel.cp > 1")
+    if p.cp == 1 and not d.packing:
+        return
+    used = f"parallel.cp={p.cp}" if p.cp > 1 else "data.packing=true"
+    if m.name != "gpt":
+        raise ValueError(f"{used} splits or masks the GPT's attention; model.name={m.name!r} "
+                         "has none: use model.name=\"gpt\"")
+    others = {"parallel.tp": (p.tp, 1), "parallel.pp": (p.pp, 1),
+              "parallel.zero_stage": (p.zero_stage, 0)}
+    for key, (value, allowed) in others.items():
+        if value != allowed:
+            raise ValueError(f"{used} with {key}={value} is not supported yet: sequence "
+                             "parallelism and packing compose with data parallelism (zero_stage=0, "
+                             "fp32) today")
+    if t.precision != "fp32":
+        raise ValueError(f"{used} runs in fp32 today (got train.precision={t.precision!r})")
+    if p.cp == 1:
+        return
+    method = p.cp_method or ("lasp" if m.attention == "linear" else "ring")
+    if method == "auto":
+        raise ValueError('parallel.cp_method="auto" (automatic insertion into an unmodified '
+                         "model) is not supported yet: it arrives with a later increment of issue "
+                         '6; use "ring", "ulysses" or "lasp"')
+    needs = {"ring": "softmax", "lasp": "linear"}.get(method)
+    if needs is not None and m.attention != needs:
+        other = "lasp" if method == "ring" else "ring"
+        raise ValueError(f"parallel.cp_method={method!r} is for {needs} attention, but "
+                         f"model.attention={m.attention!r}: use {other!r} or \"ulysses\"")
+    if method == "ulysses" and m.n_heads % p.cp:
+        raise ValueError(f'parallel.cp_method="ulysses" gives each of parallel.cp={p.cp} ranks '
+                         f"whole heads, but model.n_heads={m.n_heads} is not divisible by {p.cp}; "
+                         'use "ring" or "lasp", or a cp that divides the heads')
+    pieces = 2 * p.cp if method == "ring" else p.cp
+    if m.seq_len % pieces:
+        why = "two zig-zag chunks per rank" if method == "ring" else "one chunk per rank"
+        raise ValueError(f"model.seq_len={m.seq_len} must be divisible by {pieces} for "
+                         f"parallel.cp_method={method!r} at parallel.cp={p.cp} ({why})")
 
 
 def _check_optimal(p: ParallelConfig) -> None:

@@ -149,10 +149,12 @@ def trainer_collectives(world: int, dp: int, log_every: int, eval_every: int,
 
 def _check_data(cfg) -> str:
     """The corpus the run would read, and whether it holds one window for train and val."""
-    from loomtrain.data import load_corpus, require_windows
+    from loomtrain.data import load_corpus, require_documents, require_windows
 
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
     require_windows(corpus, cfg.model.seq_len, cfg.data.source)
+    if cfg.data.packing:
+        require_documents(corpus, cfg.data.source)
     return corpus.description
 
 
@@ -272,8 +274,11 @@ class DryRun:
 def estimate(cfg) -> DryRun:
     """Everything `loom train --dry-run` reports, as numbers."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    # the estimates below model the dp, tp and pp axes; the config refuses cp today
-    assert p.cp == 1, "dry-run estimates need updating"
+    # the estimates below model the dp, tp and pp axes
+    if p.cp > 1:
+        raise ConfigError(f"loom train --dry-run does not model context parallelism yet "
+                          f"(parallel.cp={p.cp}): run without --dry-run, or with parallel.cp=1 "
+                          "to see the other axes")
     data = _check_data(cfg)
     schedule = _pipeline_schedule(cfg) if p.pp > 1 else None
     built = _build_on_fake_backend(cfg)

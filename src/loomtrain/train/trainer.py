@@ -23,11 +23,13 @@ from pathlib import Path
 import torch
 
 from loomtrain import comm
-from loomtrain.data import WindowSampler, eval_samples, load_corpus, rank_samples
+from loomtrain.data import (WindowSampler, eval_samples, load_corpus, rank_samples,
+                            require_documents)
 from loomtrain.errors import UserError
 from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
 from loomtrain.parallel import parallelize
 from loomtrain.parallel.pipeline import runtime_of
+from loomtrain.parallel.sequence import sequence_of
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
 from loomtrain.train.config import Config, config_from_dict, config_to_toml
@@ -58,8 +60,16 @@ def _batches(sampler, cfg: Config, mesh, step: int, device):
     for micro in range(cfg.accumulation_steps):
         samples = rank_samples(step, cfg.train.global_batch, dp_rank, dp, cfg.train.micro_batch, micro)
         x, y = sampler.batch(samples)
-        out.append((x.to(device), y.to(device)))
+        docs = (sampler.documents(samples).to(device),) if cfg.data.packing else ()
+        out.append((x.to(device), y.to(device), *docs))
     return out
+
+
+def _local(model, batch):
+    """(inputs, targets) of this rank: under context parallelism (or packing) the sequence
+    runtime keeps this rank's tokens of the full rows and notes their documents."""
+    sequence = sequence_of(model)
+    return sequence.shard(*batch) if sequence is not None else batch
 
 
 def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float,
@@ -75,7 +85,8 @@ def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float
         batches = []
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
-    for i, (x, y) in enumerate(batches):
+    for i, batch in enumerate(batches):
+        x, y = _local(model, batch)
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
             loss = loss_fn(model(x), y)
@@ -103,14 +114,16 @@ def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     rounds = -(-cfg.run.eval_batches // mesh.size("dp"))
     runtime = runtime_of(model)
     for i in range(rounds):
-        x, y = sampler.batch(mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0])
-        x, y = x.to(device), y.to(device)
+        samples = mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0]
+        x, y = sampler.batch(samples)
+        docs = (sampler.documents(samples).to(device),) if cfg.data.packing else ()
+        x, y = _local(model, (x.to(device), y.to(device), *docs))
         out = runtime.forward_only(model, x) if runtime is not None else model(x)
         if i < len(mine) and out is not None:  # under pp, the last stage has the output
             total[0] += loss_fn(out, y).double()
             total[1] += (y != IGNORE_INDEX).sum()
-    comm.all_reduce(total, mesh, "dp")
-    comm.all_reduce(total, mesh, "pp")
+    for axis in ("dp", "cp", "pp"):
+        comm.all_reduce(total, mesh, axis)
     model.train()
     return float(total[0] / total[1])
 
@@ -126,7 +139,7 @@ def _drain(model) -> None:
 def _control(batches, stop: StopFlag, mesh) -> tuple[float, bool]:
     """(global target tokens, whether any rank got SIGINT/SIGTERM), agreed by all ranks in
     one all-reduce."""
-    local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    local_tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches)
     control = torch.tensor([local_tokens, bool(stop.signum)], dtype=torch.float64, device=mesh.device)
     comm.all_reduce(control, mesh, "world")
     replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
@@ -136,9 +149,9 @@ def _control(batches, stop: StopFlag, mesh) -> tuple[float, bool]:
 def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, stepped: bool,
             mesh, tokens_per_s: float) -> dict:
     """One metrics.jsonl record; the loss all-reduce happens only on logged steps (over pp
-    too: the pipeline's last stage holds the loss)."""
-    comm.all_reduce(loss_sum, mesh, "dp")
-    comm.all_reduce(loss_sum, mesh, "pp")
+    too: the pipeline's last stage holds the loss; over cp: each peer has its tokens' loss)."""
+    for axis in ("dp", "cp", "pp"):
+        comm.all_reduce(loss_sum, mesh, axis)
     rec = {"step": done, "loss": float(loss_sum) / global_tokens, "lr": lr,
            "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
            "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(mesh.device)}
@@ -161,8 +174,10 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
-    train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed)
-    val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1)
+    if cfg.data.packing:
+        require_documents(corpus, cfg.data.source)
+    train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed, corpus.train_doc_starts)
+    val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1, corpus.val_doc_starts)
     model = build_model(cfg.model).to(device)
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     # the strategies take the model and return it wrapped with its optimizer (built after

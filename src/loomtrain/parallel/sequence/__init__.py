@@ -1,5 +1,36 @@
-"""Sequence and context parallelism over the mesh's `cp` axis (issue 6; in progress).
+"""Sequence and context parallelism over the mesh's `cp` axis (issue 6).
 
+context.py     layouts (contiguous, zig-zag), the Ring of cp peers, the per-batch SeqContext
+               (global positions, documents) and position-based masks
+ring.py        ring attention: exact causal softmax attention, K/V blocks around the ring
+ulysses.py     DeepSpeed-Ulysses: all-to-all from sequence-sharded to head-sharded and back
+lasp.py        linear-attention sequence parallelism: only the d x (d+1) state travels
 balance.py     pure: variable-length sequences dealt to ranks, long ones split across
                several, so that every rank's attention work is even (the ByteScale idea)
+runtime.py     SequenceRuntime: shards each batch's rows, installs the kernels in the model
 """
+
+from __future__ import annotations
+
+from loomtrain.parallel.sequence.runtime import SequenceRuntime, sequence_of
+
+
+def resolve_method(cfg) -> str:
+    """The kernel `cfg` (the whole Config) asks for: `parallel.cp_method`, by default ring
+    attention for softmax and LASP for linear attention; "local" at cp = 1."""
+    if cfg.parallel.cp == 1:
+        return "local"
+    if cfg.parallel.cp_method is not None:
+        return cfg.parallel.cp_method
+    return "lasp" if cfg.model.attention == "linear" else "ring"
+
+
+def apply_sequence(model, mesh, cfg):
+    """The cp-axis strategy (also at cp = 1 when `data.packing` asks for document masks): the
+    model's attention cores become the method's kernel; the runtime is left on the model as
+    `model.sequence` for the trainer to shard each batch through."""
+    model.sequence = SequenceRuntime(model, mesh, resolve_method(cfg), cfg.model.attention)
+    return model
+
+
+__all__ = ["SequenceRuntime", "apply_sequence", "resolve_method", "sequence_of"]

@@ -1,0 +1,92 @@
+"""The sequence runtime: what `apply_sequence` leaves on the model.
+
+Each step the trainer hands it the full rows of a micro-batch (every cp peer loads the same
+rows); `shard` keeps this rank's positions of them under the method's layout, sets the
+GPT's `position_ids` to those global positions, and records the batch's `SeqContext` (ring,
+positions, documents) that the attention kernels installed in every `CausalSelfAttention.core`
+read. Everything outside attention is per token, so it runs unchanged on the local tokens;
+the loss is summed over local targets, and gradients are summed over dp and cp together.
+
+    method    attention   layout      what travels per layer
+    ring      softmax     zigzag      K/V blocks around the ring (ring.py)
+    ulysses   either      contiguous  q, k, v and the output by all-to-all (ulysses.py)
+    lasp      linear      contiguous  the d x (d+1) state of each chunk (lasp.py)
+    local     either      -           nothing: cp = 1, documents only (packing)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loomtrain.parallel.sequence.context import Ring, SeqContext
+
+LAYOUT = {"ring": "zigzag", "ulysses": "contiguous", "lasp": "contiguous", "local": "contiguous"}
+
+
+def local_attention(q, k, v, ctx: SeqContext, linear: bool, decay=None) -> torch.Tensor:
+    """The whole row on this rank: causal attention within each document."""
+    if linear:
+        from loomtrain.models.linear_attention import causal_linear_attention
+
+        return causal_linear_attention(q, k, v, decay=decay, docs=ctx.docs)
+    if ctx.docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = ctx.visible(0, 0, device=q.device)[:, None]  # (b, 1, t, t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class SequenceRuntime:
+    def __init__(self, model, mesh, method: str, attention: str):
+        self.model, self.mesh, self.method = model, mesh, method
+        self.linear = attention == "linear"
+        self.ring = Ring(mesh, "cp") if method != "local" else None
+        self.context: SeqContext | None = None
+        for module in model.modules():
+            if hasattr(module, "core") and hasattr(module, "n_heads"):  # CausalSelfAttention
+                module.core = self._core_for(module)
+
+    @property
+    def layout(self) -> str:
+        return LAYOUT[self.method]
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None = None):
+        """This rank's tokens of the full rows `x`, `y` (b, T); `docs` (b, T) their documents."""
+        seq_len = x.shape[1]
+        if docs is not None:
+            docs = docs.to(x.device)
+        if self.ring is None:
+            self.context = SeqContext.local(seq_len, docs)
+            return x, y
+        self.context = SeqContext.of_ring(self.ring, seq_len, self.layout, docs)
+        positions = self.context.local_positions.to(x.device)
+        self.model.position_ids = positions
+        return x[:, positions], y[:, positions]
+
+    def _core_for(self, module):
+        def core(q, k, v):
+            ctx = self.context
+            assert ctx is not None, "SequenceRuntime.shard must run before the forward"
+            decay = getattr(module, "decay", None)
+            if self.method == "local":
+                return local_attention(q, k, v, ctx, self.linear, decay)
+            if self.method == "ring":
+                from loomtrain.parallel.sequence.ring import ring_attention
+
+                return ring_attention(q, k, v, ctx)
+            if self.method == "ulysses":
+                from loomtrain.parallel.sequence.ulysses import ulysses_attention
+
+                if self.linear:
+                    return ulysses_attention(q, k, v, ctx, attend=lambda *a: local_attention(
+                        *a, linear=True, decay=decay))
+                return ulysses_attention(q, k, v, ctx)
+            from loomtrain.parallel.sequence.lasp import lasp_attention
+
+            return lasp_attention(q, k, v, ctx, decay=decay)
+        return core
+
+
+def sequence_of(model) -> SequenceRuntime | None:
+    """The sequence runtime of a (possibly dp-wrapped) model, or None."""
+    return getattr(getattr(model, "module", model), "sequence", None)
