@@ -64,3 +64,55 @@ def test_bad_input_is_refused():
         deal([10, 0], 2)
     with pytest.raises(ValueError, match="softmax"):
         deal([10], 2, "sparse")
+
+
+def _packed_docs(seed: int, rows: int, seq_len: int):
+    """Rows of `seq_len` tokens packed with documents of Pareto(1.2) lengths (minimum 16),
+    numbered in stream order as the sampler does."""
+    import torch
+
+    rng = random.Random(seed)
+    ids, doc = [], 0
+    while len(ids) < rows * seq_len:
+        ids.extend([doc] * int(16 * rng.paretovariate(1.2)))
+        doc += 1
+    return torch.tensor(ids[:rows * seq_len]).view(rows, seq_len)
+
+
+@pytest.mark.parametrize("pool", [2, 4, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_hybrid_shares_hold_every_token_once_and_balance(pool, seed):
+    from loomtrain.parallel.sequence.hybrid import dp_imbalance, plan_shares, segments
+
+    docs = _packed_docs(seed, rows=16, seq_len=512)
+    segs, shares, plan = plan_shares(docs, pool)
+    assert sum(s.length for s in segs) == docs.numel()
+    assert all(bool((docs[s.row, s.start:s.end] == docs[s.row, s.start]).all()) for s in segs)
+    held = defaultdict(list)
+    for rank, mine in enumerate(shares):
+        assert [s.segment for s in mine] == sorted(s.segment for s in mine)  # ring order
+        for share in mine:
+            assert rank in share.members and len(share.positions) <= share.padded
+            held[share.segment].append((rank, share))
+    for seg, got in held.items():
+        members = got[0][1].members
+        assert sorted(r for r, _ in got) == sorted(members)
+        assert all(s.members == members for _, s in got)
+        positions = sorted(p for _, s in got for p in s.positions)
+        assert positions == list(range(segs[seg].length))  # each token once
+        assert got[0][1].padded == max(len(s.positions) for _, s in got)
+    assert plan.imbalance < 0.10
+    # whole rows to ranks (plain dp) on the same batch is far less even
+    assert dp_imbalance(docs, pool) > plan.imbalance
+    assert len(segments(docs[:1, :0])) == 0
+
+
+def test_zigzag_split_of_uneven_lengths():
+    from loomtrain.parallel.sequence.hybrid import zigzag_split
+
+    assert zigzag_split(8, 2, 0) == [0, 1, 6, 7] and zigzag_split(8, 2, 1) == [2, 3, 4, 5]
+    for length in range(1, 40):
+        for n in (2, 3, 4):
+            parts = [zigzag_split(length, n, m) for m in range(n)]
+            assert sorted(p for part in parts for p in part) == list(range(length))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 2
