@@ -91,7 +91,8 @@ CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
     (CP2 + ["--set", 'model.name="mlp"'], "model.name='mlp' has none"),
     (CP2 + ["--set", 'parallel.cp_method="auto"'], 'parallel.cp_method="auto" (automatic'),
     (["--set", 'parallel.cp_method="ring"'], "it needs parallel.cp > 1"),
-    (["--set", "data.balance=true"], "data.balance=true (dynamic hybrid dp x cp) is not supported yet"),
+    (["--set", "data.balance=true"], "data.balance=true deals the documents of packed rows to ranks: it needs data.packing=true"),
+    (["--set", "data.balance=true", "--set", "data.packing=true", "--set", "model.attention=\"linear\""], "data.balance=true splits long documents with ring attention"),
     (CP2, "--dry-run does not model context parallelism yet"),
 ])
 def test_sequence_settings_refused(capsys, args, expected):

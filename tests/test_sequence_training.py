@@ -63,6 +63,9 @@ CP_ORACLE = [  # (model, parallel, data) run in one world of 4 against one proce
     ({}, {"cp": 2, "cp_method": "ulysses"}, {"packing": True}),
     ({"attention": "linear", "linear_decay": True}, {"cp": 2}, {"packing": True}),
     ({}, {"cp": 4}, {"packing": True}),
+    # dynamic hybrid dp x cp: the pool of 4 deals each micro-step's documents
+    ({}, {"cp": 2}, {"packing": True, "balance": True}),
+    ({}, {}, {"packing": True, "balance": True}),
 ]
 
 
@@ -77,6 +80,7 @@ def test_oracle_context_parallel_with_data_parallel(tmp_path, doc_corpus):
     the single-process curve of the same model and data."""
     references = {}
     for model, _, data in CP_ORACLE:
+        data = {k: v for k, v in data.items() if k != "balance"}
         references.setdefault((tuple(model.items()), tuple(data.items())), (model, {}, data))
     ref_cases = list(references.values())
     run_world(_train_many, 1, _trees(tmp_path, doc_corpus, 1, ref_cases), str(tmp_path / "ref"),
@@ -84,7 +88,8 @@ def test_oracle_context_parallel_with_data_parallel(tmp_path, doc_corpus):
     run_world(_train_many, 4, _trees(tmp_path, doc_corpus, 4, CP_ORACLE), str(tmp_path / "cp"),
               timeout_s=300)
     for i, (model, parallel, data) in enumerate(CP_ORACLE):
-        ref = read_metrics(tmp_path / "ref" / f"run{ref_cases.index((model, {}, data))}")
+        plain = {k: v for k, v in data.items() if k != "balance"}  # the same maths
+        ref = read_metrics(tmp_path / "ref" / f"run{ref_cases.index((model, {}, plain))}")
         got = read_metrics(tmp_path / "cp" / f"run{i}")
         assert len(got) == len(ref) == 20 and ref[-1]["loss"] < ref[0]["loss"] - 0.3
         # attention merged blockwise (online softmax, chunk states) and gradients summed over
@@ -92,5 +97,9 @@ def test_oracle_context_parallel_with_data_parallel(tmp_path, doc_corpus):
         for key in ("loss", "grad_norm"):
             rel = max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(got, ref))
             assert rel < 1e-4, (model, parallel, data, key, rel)
+        if data.get("balance"):
+            dealt = sum(r["work_imbalance"] for r in got) / len(got)
+            whole_rows = sum(r["dp_work_imbalance"] for r in got) / len(got)
+            assert dealt < whole_rows, (dealt, whole_rows)
         sent = got[-1]["comm_bytes"]  # ring: send; Ulysses: all_to_all; LASP: all_gather
         assert sum(sent.get(op, 0) for op in ("send", "all_to_all", "all_gather")) > 0, sent

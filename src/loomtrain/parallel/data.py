@@ -256,7 +256,7 @@ def apply_data_parallel(model: nn.Module, mesh, cfg) -> DataParallel:
     the trainer normalizes the loss by the global token count. With cp > 1 over dp and cp
     together: context-parallel peers hold the same replica, each with the gradient of its
     own tokens."""
-    axis = "dpcp" if cfg.cp > 1 else "dp"
+    axis = "dpcp" if cfg.cp > 1 else "dp"  # the same group at cp = 1; bytes counted as dp
     return DataParallel(model, mesh, axis, cfg.bucket_mb, gradient_reduce="sum")
 
 

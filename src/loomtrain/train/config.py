@@ -244,9 +244,13 @@ def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:
 def _check_sequence(p: ParallelConfig, m: ModelConfig, t: TrainConfig, d: DataConfig) -> None:
     """Context parallelism and packing: the kernel matches the attention, the row splits
     evenly under the kernel's layout, and the axes it composes with today (dp, fp32)."""
-    if d.balance:
-        raise ValueError("data.balance=true (dynamic hybrid dp x cp) is not supported yet: it "
-                         "arrives with the next increment of issue 6; set data.balance=false")
+    if d.balance and not d.packing:
+        raise ValueError("data.balance=true deals the documents of packed rows to ranks: it "
+                         "needs data.packing=true")
+    if d.balance and (m.attention != "softmax" or p.cp_method not in (None, "ring")):
+        raise ValueError("data.balance=true splits long documents with ring attention: it needs "
+                         f'model.attention="softmax" (got {m.attention!r}) and parallel.cp_method '
+                         f'unset or "ring" (got {p.cp_method!r})')
     if p.cp_method is not None and p.cp == 1:
         raise ValueError(f"parallel.cp_method={p.cp_method!r} is a context-parallel setting: it "
                          "needs parallel.cp > 1")

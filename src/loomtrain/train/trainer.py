@@ -55,14 +55,23 @@ class StopFlag:
 
 
 def _batches(sampler, cfg: Config, mesh, step: int, device):
-    dp_rank, dp = mesh.local_rank("dp"), mesh.size("dp")
+    """This rank's micro-batches; with `data.balance` every rank loads the rows of the whole
+    dp x cp pool, which the hybrid runtime deals out by work."""
+    dp = mesh.size("dp")
+    ranks = range(dp) if cfg.data.balance else [mesh.local_rank("dp")]
     out = []
     for micro in range(cfg.accumulation_steps):
-        samples = rank_samples(step, cfg.train.global_batch, dp_rank, dp, cfg.train.micro_batch, micro)
-        x, y = sampler.batch(samples)
-        docs = (sampler.documents(samples).to(device),) if cfg.data.packing else ()
-        out.append((x.to(device), y.to(device), *docs))
+        samples = [g for r in ranks for g in rank_samples(step, cfg.train.global_batch, r, dp,
+                                                          cfg.train.micro_batch, micro)]
+        out.append(_load(sampler, samples, cfg, device))
     return out
+
+
+def _load(sampler, samples, cfg: Config, device) -> tuple:
+    """(inputs, targets) of the rows `samples`, and their documents with `data.packing`."""
+    x, y = sampler.batch(samples)
+    docs = (sampler.documents(samples).to(device),) if cfg.data.packing else ()
+    return (x.to(device), y.to(device), *docs)
 
 
 def _local(model, batch):
@@ -110,14 +119,17 @@ def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     _drain(model)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    mine = eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, mesh.local_rank("dp"), mesh.size("dp"))
-    rounds = -(-cfg.run.eval_batches // mesh.size("dp"))
+    dp = mesh.size("dp")
+    mine = eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, mesh.local_rank("dp"), dp)
+    rounds = -(-cfg.run.eval_batches // dp)
+    if cfg.data.balance:  # the pool deals each round's rows of every dp rank, once
+        every = [eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, r, dp) for r in range(dp)]
+        mine = [[g for share in every for g in (share[i] if i < len(share) else [])]
+                for i in range(rounds)]
     runtime = runtime_of(model)
     for i in range(rounds):
         samples = mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0]
-        x, y = sampler.batch(samples)
-        docs = (sampler.documents(samples).to(device),) if cfg.data.packing else ()
-        x, y = _local(model, (x.to(device), y.to(device), *docs))
+        x, y = _local(model, _load(sampler, samples, cfg, device))
         out = runtime.forward_only(model, x) if runtime is not None else model(x)
         if i < len(mine) and out is not None:  # under pp, the last stage has the output
             total[0] += loss_fn(out, y).double()
@@ -136,13 +148,15 @@ def _drain(model) -> None:
         runtime.drain()
 
 
-def _control(batches, stop: StopFlag, mesh) -> tuple[float, bool]:
+def _control(batches, stop: StopFlag, mesh, balanced: bool = False) -> tuple[float, bool]:
     """(global target tokens, whether any rank got SIGINT/SIGTERM), agreed by all ranks in
     one all-reduce."""
     local_tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches)
     control = torch.tensor([local_tokens, bool(stop.signum)], dtype=torch.float64, device=mesh.device)
     comm.all_reduce(control, mesh, "world")
     replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
+    if balanced:  # every rank loaded the whole pool's rows
+        replicas = mesh.world
     return float(control[0]) / replicas, bool(control[1])
 
 
@@ -206,7 +220,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
         for step in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
             batches = _batches(train_data, cfg, mesh, step, device)
-            global_tokens, stopping = _control(batches, stop, mesh)
+            global_tokens, stopping = _control(batches, stop, mesh, cfg.data.balance)
             if stopping:
                 name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
                 if step > saved_at:
@@ -241,6 +255,10 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 loss = rec["loss"]
                 if bubble is not None:
                     rec["bubble"] = bubble
+                if cfg.data.balance:  # the step's last micro-batch: dealt, and whole rows per rank
+                    sequence = sequence_of(model)
+                    rec["work_imbalance"] = round(sequence.imbalance, 4)
+                    rec["dp_work_imbalance"] = round(sequence.dp_imbalance, 4)
                 if is_eval:
                     rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device, loss_sum_fn)
                 log.record(rec)

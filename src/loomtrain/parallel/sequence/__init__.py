@@ -7,7 +7,10 @@ ulysses.py     DeepSpeed-Ulysses: all-to-all from sequence-sharded to head-shard
 lasp.py        linear-attention sequence parallelism: only the d x (d+1) state travels
 balance.py     pure: variable-length sequences dealt to ranks, long ones split across
                several, so that every rank's attention work is even (the ByteScale idea)
+hybrid.py      pure: a micro-step's documents as each pool rank's token positions
 runtime.py     SequenceRuntime: shards each batch's rows, installs the kernels in the model
+hybrid_runtime.py  HybridRuntime (data.balance): the pool's rows dealt by hybrid.py, rings
+               among the ranks that share a document
 """
 
 from __future__ import annotations
@@ -28,8 +31,15 @@ def resolve_method(cfg) -> str:
 def apply_sequence(model, mesh, cfg):
     """The cp-axis strategy (also at cp = 1 when `data.packing` asks for document masks): the
     model's attention cores become the method's kernel; the runtime is left on the model as
-    `model.sequence` for the trainer to shard each batch through."""
-    model.sequence = SequenceRuntime(model, mesh, resolve_method(cfg), cfg.model.attention)
+    `model.sequence` for the trainer to shard each batch through. With `data.balance` the
+    runtime is the dynamic hybrid one: every micro-step the whole dp x cp pool's rows are
+    dealt by attention work."""
+    if cfg.data.balance:
+        from loomtrain.parallel.sequence.hybrid_runtime import HybridRuntime
+
+        model.sequence = HybridRuntime(model, mesh, cfg.model.attention)
+    else:
+        model.sequence = SequenceRuntime(model, mesh, resolve_method(cfg), cfg.model.attention)
     return model
 
 

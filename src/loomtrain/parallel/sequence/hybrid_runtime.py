@@ -1,0 +1,108 @@
+"""Dynamic hybrid data x context parallelism, the running part (`data.balance = true`).
+
+Every pool rank (dp x cp) loads the micro-step's rows of the whole pool; `plan_shares` (pure,
+hybrid.py) deals their documents by attention work; this rank keeps the tokens of its shares
+as one row: whole documents attended locally, split ones by ring attention among the ranks
+that share them. The rest of the model is per token. Each token is held by one pool rank, so
+the loss and the gradient summed over the pool are the single-process ones.
+
+The rings of one layer run inside one autograd Function, in segment order in forward and in
+backward alike: a rank may share several documents with different peers, and if two ranks
+waited on rings in different orders they would deadlock; one order on every rank cannot
+(autograd alone orders independent nodes by an engine detail).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loomtrain.models import IGNORE_INDEX
+from loomtrain.parallel.sequence.context import Ring, SeqContext
+from loomtrain.parallel.sequence.hybrid import dp_imbalance, plan_shares, zigzag_split
+from loomtrain.parallel.sequence.ring import _backward, _forward
+
+
+class _Rings(torch.autograd.Function):
+    """Ring attention of every split piece of one layer, pieces in segment order."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, pieces):
+        outs, saved = [], []
+        for part, seq in pieces:
+            out, lse = _forward(q[..., part, :], k[..., part, :], v[..., part, :], seq)
+            outs.append(out.to(q.dtype))
+            saved.append(lse)
+        fctx.pieces = pieces
+        fctx.save_for_backward(q, k, v, *(o.float() for o in outs), *saved)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(fctx, *douts):
+        q, k, v, *rest = fctx.saved_tensors
+        n = len(fctx.pieces)
+        outs, lses = rest[:n], rest[n:]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (part, seq), dout, out, lse in zip(fctx.pieces, douts, outs, lses):
+            g = _backward(dout, q[..., part, :], k[..., part, :], v[..., part, :], out, lse, seq)
+            dq[..., part, :], dk[..., part, :], dv[..., part, :] = g
+        return dq, dk, dv, None
+
+
+class HybridRuntime:
+    """The pool's shares of each micro-step, and the attention core that runs them."""
+
+    def __init__(self, model, mesh, attention: str):
+        if attention != "softmax":
+            raise ValueError("data.balance splits long documents with ring attention: softmax only")
+        self.model, self.mesh = model, mesh
+        self.pool, self.me = mesh.size("dpcp"), mesh.local_rank("dpcp")
+        self.imbalance = self.dp_imbalance = 0.0
+        self.whole: list[slice] = []  # local token ranges of whole documents
+        self.split: list[tuple[slice, SeqContext]] = []  # and of split ones, with their ring
+        for module in model.modules():
+            if hasattr(module, "core") and hasattr(module, "n_heads"):  # CausalSelfAttention
+                module.core = self.attend
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor):
+        """This rank's tokens of the pool's rows `x`, `y`, `docs` (rows, T), as one row."""
+        segs, shares, plan = plan_shares(docs.cpu(), self.pool)
+        self.imbalance = plan.imbalance
+        self.dp_imbalance = dp_imbalance(docs.cpu(), self.pool)
+        rows, cols, valid = [], [], []
+        self.whole, self.split = [], []
+        for share in shares[self.me]:
+            seg, start = segs[share.segment], len(rows)
+            pad = share.padded - len(share.positions)
+            rows += [seg.row] * share.padded
+            cols += [seg.start + p for p in share.positions] + [seg.start] * pad
+            valid += [True] * len(share.positions) + [False] * pad
+            span = slice(start, len(rows))
+            if len(share.members) == 1:
+                self.whole.append(span)
+                continue
+            n = len(share.members)
+            positions = []  # pads sit beyond the document: no real query sees them
+            for m in range(n):
+                own = zigzag_split(seg.length, n, m)
+                positions.append(torch.tensor(own + list(range(seg.length, seg.length + share.padded - len(own)))))
+            ring = Ring(self.mesh, "dpcp", list(share.members))
+            self.split.append((span, SeqContext(positions, ring.me, None, ring)))
+        index = (torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
+        keep = torch.tensor(valid, device=y.device)
+        self.model.position_ids = index[1].to(x.device)
+        local_y = torch.where(keep, y[index], torch.full_like(y[index], IGNORE_INDEX))
+        return x[index][None], local_y[None]
+
+    def attend(self, q, k, v):
+        parts = [None] * (len(self.whole) + len(self.split))
+        order = sorted([(s.start, i, s) for i, s in enumerate(self.whole)]
+                       + [(s.start, len(self.whole) + i, s) for i, (s, _) in enumerate(self.split)])
+        for i, span in enumerate(self.whole):
+            parts[i] = F.scaled_dot_product_attention(q[..., span, :], k[..., span, :],
+                                                      v[..., span, :], is_causal=True)
+        if self.split:
+            outs = _Rings.apply(q, k, v, self.split)
+            for i, out in enumerate(outs):
+                parts[len(self.whole) + i] = out
+        return torch.cat([parts[i] for _, i, _ in order], dim=-2)
