@@ -1,0 +1,187 @@
+"""Ring attention: exact causal attention over a sequence sharded around a ring of ranks.
+
+Ring Attention (Liu, Zaharia & Abbeel, arXiv 2310.01889): each member keeps its queries and
+passes its key/value block to the next member, n - 1 times, so that every query meets every
+key while a rank only ever holds two blocks. The block for step s + 1 is already travelling
+while step s computes (double-buffered), so the p2p time hides behind the matmuls.
+
+Blocks are merged exactly with the online softmax (Milakov & Gimelshein, arXiv 1805.02867):
+each partial result carries its log-sum-exp, lse = log sum_j exp(s_j), and two partials merge
+as lse = logaddexp(lse_a, lse_b), out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse).
+
+Masks come from global positions (`SeqContext.visible`), so any layout works. The contiguous
+layout leaves member m with m + 1 blocks of the causal triangle, the last member doing n times
+the first's work; the zig-zag layout (member m holds chunks m and 2n - 1 - m; the balancing of
+Brandon et al., "Striped Attention", arXiv 2311.09431, in the zig-zag form of
+ring-flash-attention) gives every member the same work. To collect that saving each block is
+cut into 2 x 2 tiles along the halves of the queries and of the keys (under zig-zag a half is
+one chunk) and a tile the mask hides entirely is never computed: from an earlier member a
+zig-zag rank computes 2 of 4 tiles, from its own block 3 of 4, the diagonal tiles masked.
+
+Backward (`torch.autograd.Function`, no autograd through communication) is the flash-attention
+backward per tile from the saved output and lse (Dao et al., arXiv 2205.14135, algorithm 2:
+P = exp(S - lse), dS = P * (dP - rowsum(dO * O))), run around the ring again: k, v travel as in
+forward, and each block's dk, dv accumulator travels one step behind them, gathering every
+member's contribution; its owner keeps its own contribution at home, so the accumulator makes
+n - 1 hops and arrives home after the last step. Per layer one rank sends 2(n-1) blocks forward
+and 4(n-1) backward (the accumulators in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loomtrain.parallel.sequence.context import SeqContext
+
+NEG_INF = float("-inf")
+
+
+def _halves(t: int) -> list[slice]:
+    return [slice(0, t)] if t < 2 or t % 2 else [slice(0, t // 2), slice(t // 2, t)]
+
+
+def block_tiles(seq: SeqContext, source: int, device=None) -> list[tuple[slice, slice, object]]:
+    """The tiles of my queries x member `source`'s keys worth computing: (query rows, key rows,
+    mask) with mask (b or 1, 1, tq, tk), or None when the tile is fully visible; tiles the mask
+    hides entirely are left out. Pure: depends on positions and documents only."""
+    visible = seq.visible(seq.me, source, device)
+    tiles = []
+    for rows in _halves(visible.shape[-2]):
+        for cols in _halves(visible.shape[-1]):
+            mask = visible[:, rows, cols]
+            if mask.any():
+                tiles.append((rows, cols, None if mask.all() else mask[:, None]))
+    return tiles
+
+
+def _scores(q, k, mask, scale):
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    return s if mask is None else s.masked_fill(~mask, NEG_INF)
+
+
+def _finite(x):
+    """-inf (a row that sees no key) replaced by 0, so exp(s - x) gives 0 there, not NaN."""
+    return x.masked_fill(x == NEG_INF, 0.0)
+
+
+def tile_forward(q, k, v, mask, scale):
+    """Softmax attention of one tile: (out, lse) in fp32; a row with no visible key gets
+    out = 0 and lse = -inf, the identity of the merge."""
+    s = _scores(q, k, mask, scale)
+    top = _finite(s.amax(-1, keepdim=True))
+    p = torch.exp(s - top)
+    total = p.sum(-1, keepdim=True)
+    out = (p @ v.float()) / total.masked_fill(total == 0, 1.0)
+    return out, (top + torch.log(total)).squeeze(-1)
+
+
+def merge(out, lse, rows, part_out, part_lse) -> None:
+    """Fold a partial (out, lse) for query `rows` into the running (out, lse), in place."""
+    old = lse[..., rows]
+    new = torch.logaddexp(old, part_lse)
+    safe = _finite(new)
+    out[..., rows, :] = (out[..., rows, :] * torch.exp(old - safe)[..., None]
+                         + part_out * torch.exp(part_lse - safe)[..., None])
+    lse[..., rows] = new
+
+
+def tile_backward(q, k, v, dout, lse, delta, mask, scale):
+    """Gradients (dq, dk, dv) of one tile in fp32, from the final lse and delta = rowsum(dO*O)."""
+    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse)[..., None])
+    dout = dout.float()
+    dv = p.transpose(-2, -1) @ dout
+    ds = p * (dout @ v.float().transpose(-2, -1) - delta[..., None])
+    return (ds @ k.float()) * scale, (ds.transpose(-2, -1) @ q.float()) * scale, dv
+
+
+def _ring_of(seq: SeqContext):
+    ring = seq.ring
+    if ring is None or ring.size == 1:
+        return None, 1
+    assert ring.me == seq.me and ring.size == seq.members, "SeqContext and its ring disagree"
+    return ring, ring.size
+
+
+def _forward(q, k, v, seq: SeqContext):
+    ring, n = _ring_of(seq)
+    scale = q.shape[-1] ** -0.5
+    b, h, t, d = q.shape
+    out = torch.zeros(b, h, t, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, t), NEG_INF, dtype=torch.float32, device=q.device)
+    current = [k.contiguous(), v.contiguous()]
+    buffers = [[torch.empty_like(x) for x in current] for _ in range(2)]
+    for step in range(n):
+        # start passing the block on before computing with it; the receive buffers alternate:
+        # the pair written now was sent on in the previous step, and that send is complete
+        pending = ring.shift(current, buffers[step % 2]) if step < n - 1 else []
+        kb, vb = current
+        for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
+            part = tile_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
+            merge(out, lse, rows, *part)
+        for p in pending:
+            p.wait()
+        current = buffers[step % 2]
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, seq: SeqContext):
+    ring, n = _ring_of(seq)
+    scale = q.shape[-1] ** -0.5
+    delta = (dout.float() * out).sum(-1)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    current = [k.contiguous(), v.contiguous()]
+    buffers = [[torch.empty_like(x) for x in current] for _ in range(2)]
+    arriving = [torch.empty(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+    arrival = []  # the accumulator of the block I hold, sent by the previous member last step
+    for step in range(n):
+        kv_pending = ring.shift(current, buffers[step % 2]) if step < n - 1 else []
+        kb, vb = current
+        dk = torch.zeros(kb.shape, dtype=torch.float32, device=kb.device)
+        dv = torch.zeros_like(dk)
+        for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
+            dq_t, dk_t, dv_t = tile_backward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :],
+                                             dout[..., rows, :], lse[..., rows], delta[..., rows],
+                                             mask, scale)
+            dq[..., rows, :] += dq_t
+            dk[..., cols, :] += dk_t
+            dv[..., cols, :] += dv_t
+        for p in arrival:
+            p.wait()
+        if arrival:
+            dk += arriving[0]
+            dv += arriving[1]
+        if step == 0:
+            own = (dk, dv)  # my block's own contribution stays home
+        else:  # pass the accumulator on: at step n - 1 the next member is its owner
+            arrival = ring.shift([dk, dv], arriving)
+        for p in kv_pending:
+            p.wait()
+        current = buffers[step % 2]
+    dk, dv = own
+    if n > 1:
+        for p in arrival:
+            p.wait()
+        dk, dv = dk + arriving[0], dv + arriving[1]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, seq):
+        out, lse = _forward(q, k, v, seq)
+        fctx.seq = seq
+        fctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(fctx, dout):
+        q, k, v, out, lse = fctx.saved_tensors
+        return (*_backward(dout, q, k, v, out, lse, fctx.seq), None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   ctx: SeqContext) -> torch.Tensor:
+    """Exact causal (and same-document) softmax attention of my (b, heads, t_local, head_dim)
+    queries over every ring member's keys and values, scale head_dim**-0.5 as in torch SDPA.
+    Without a ring (or a ring of one) the same kernel runs on the local block alone."""
+    return _RingAttention.apply(q, k, v, ctx)

@@ -1,0 +1,82 @@
+"""DeepSpeed-Ulysses: sequence parallelism by trading the sequence shard for a head shard.
+
+DeepSpeed-Ulysses (Jacobs et al., arXiv 2309.14509): the n members of a ring each hold t_local
+tokens of every head. One all-to-all turns that into every token of h/n heads, attention runs
+over the full sequence for those heads, and a second all-to-all turns the output back into a
+sequence shard. Per member and per layer forward sends (n-1)/n of 4 tensors of b h t_local d
+(q, k, v, then the output), which stays constant when the sequence grows with n (the paper's
+argument against all-gathering keys and values); the price is that n must divide the number of
+heads (`check_heads`).
+
+The gathered sequence is every member's tokens in member order, so its global positions are
+`torch.cat(ctx.positions)`, and the mask is built from them (causal by global position, within
+one document): any layout works, and the contiguous one gives plain `is_causal` attention. The
+backward of an all-to-all is the inverse all-to-all, so a small autograd Function covers it and
+the attention itself is differentiated by autograd through SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loomtrain import comm
+from loomtrain.parallel.sequence.context import SeqContext
+
+
+def check_heads(n_heads: int, cp: int) -> None:
+    """Raise ValueError unless `cp` members can split `n_heads` heads evenly."""
+    if n_heads % cp:
+        raise ValueError(f"Ulysses sequence parallelism over cp={cp} ranks needs a number of "
+                         f"attention heads divisible by {cp}, got n_heads={n_heads}")
+
+
+def _exchange(x: torch.Tensor, ring, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Chunk j of `x` along `split_dim` goes to member j; what member j sends back is chunk j
+    of the result along `cat_dim`."""
+    n = ring.size
+    sent = torch.stack(x.chunk(n, split_dim)).contiguous()
+    received = torch.empty_like(sent)
+    comm.all_to_all(received, sent, ring.mesh, ring.axis)
+    return torch.cat(received.unbind(0), dim=cat_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, ring, split_dim, cat_dim):
+        fctx.ring, fctx.dims = ring, (split_dim, cat_dim)
+        return _exchange(x, ring, split_dim, cat_dim)
+
+    @staticmethod
+    def backward(fctx, grad):
+        split_dim, cat_dim = fctx.dims
+        return _exchange(grad.contiguous(), fctx.ring, cat_dim, split_dim), None, None, None
+
+
+def _attend(q, k, v, positions: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
+    """Attention over the gathered sequence whose tokens sit at global `positions`."""
+    if docs is None and torch.equal(positions, torch.arange(len(positions))):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = (positions[None, :] <= positions[:, None])[None]
+    if docs is not None:
+        row_docs = docs[:, positions]
+        mask = mask & (row_docs[:, :, None] == row_docs[:, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None].to(q.device))
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      ctx: SeqContext) -> torch.Tensor:
+    """Causal (and same-document) softmax attention of my (b, heads, t_local, head_dim) queries
+    over the whole ring's sequence, through two all-to-alls on the ring's mesh axis."""
+    ring = ctx.ring
+    positions = torch.cat(ctx.positions)
+    if ring is None or ring.size == 1:
+        return _attend(q, k, v, positions, ctx.docs)
+    check_heads(q.shape[1], ring.size)
+    assert ring.members == list(range(ring.mesh.size(ring.axis))), \
+        "Ulysses all-to-alls over the whole mesh axis: the ring must be the axis in member order"
+    assert all(len(p) == q.shape[2] for p in ctx.positions), "members hold unequal token counts"
+    # q, k, v in one exchange: (3, b, h, t_local, d) -> (3, b, h/n, T, d)
+    heads = _AllToAll.apply(torch.stack([q, k, v]), ring, 2, 3)
+    out = _attend(*heads.unbind(0), positions, ctx.docs)
+    return _AllToAll.apply(out, ring, 2, 1)  # (b, h/n, T, d) -> (b, h, t_local, d)

@@ -1,0 +1,147 @@
+"""Context-parallel attention (issue 6): ring attention and DeepSpeed-Ulysses against the dense
+single-process reference (outputs and q, k, v gradients) at cp = 2 and 4, zig-zag and contiguous
+layouts, with and without packed documents; the bytes each kernel sends; the pure tile plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_world
+from loomtrain.mesh import build_mesh
+from loomtrain.parallel.sequence.context import Ring, SeqContext, chunk_positions, dense_attention
+from loomtrain.parallel.sequence.ring import block_tiles, merge, ring_attention, tile_forward
+from loomtrain.parallel.sequence.ulysses import check_heads, ulysses_attention
+
+B, HEADS, T, D = 2, 4, 32, 8
+KERNELS = {"ring": ring_attention, "ulysses": ulysses_attention}
+CASES = [(kernel, layout, with_docs) for kernel in KERNELS
+         for layout in ("zigzag", "contiguous") for with_docs in (False, True)]
+# fp32 throughout. The kernels sum the same products as the reference in another order (tile by
+# tile, merged through exp/log of the lse), a few float32 roundings (eps 1.2e-7) per element
+# over 32 keys: differences of order 1e-6 of the largest value. 1e-4 leaves that a wide margin
+# while a wrong mask, a lost block or a bad merge moves results by 1e-2 and more.
+RTOL = 1e-4
+
+
+def _docs() -> torch.Tensor:
+    """Document ids of B rows of T tokens. Boundaries: 16 is a chunk edge in every layout at
+    cp 2 and 4, 8 in all but contiguous cp 2; 13, 3 and 27 fall inside chunks."""
+    docs = torch.zeros(B, T, dtype=torch.long)
+    for row, starts in enumerate(([8, 13], [3, 16, 27])):
+        for start in starts:
+            docs[row, start:] += 1
+    return docs
+
+
+def _inputs() -> list[torch.Tensor]:
+    """q, k, v and the upstream gradient of the full rows: the same on every rank."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, HEADS, T, D, generator=gen) for _ in range(4)]
+
+
+def _relative_errors(kernel, seq: SeqContext, docs) -> list[float]:
+    """Max-abs error of my slice of out, dq, dk, dv, relative to the reference's max-abs."""
+    *qkv, grad = _inputs()
+    ref = [x.clone().requires_grad_() for x in qkv]
+    want_out = dense_attention(*ref, SeqContext.local(T, docs).visible(0, 0))
+    want_out.backward(grad)
+    want = [want_out.detach()] + [x.grad for x in ref]
+    mine = seq.local_positions
+    full = [x.clone().requires_grad_() for x in qkv]
+    out = kernel(*(x[:, :, mine] for x in full), seq)
+    out.backward(grad[:, :, mine])
+    got = [out.detach()] + [x.grad[:, :, mine] for x in full]
+    return [float((g - w[:, :, mine]).abs().max() / w.abs().max()) for g, w in zip(got, want)]
+
+
+def _sent(mesh, op: str, field: str = "wire_bytes") -> int:
+    return mesh.meter.total(field, op=op, axis="cp")
+
+
+def _world_cases(rank, world):
+    mesh = build_mesh({"cp": world})
+    ring = Ring(mesh, "cp")
+    errors = {}
+    for kernel, layout, with_docs in CASES:
+        docs = _docs() if with_docs else None
+        seq = SeqContext.of_ring(ring, T, layout, docs)
+        errors[(kernel, layout, with_docs)] = _relative_errors(KERNELS[kernel], seq, docs)
+
+    seq = SeqContext.of_ring(ring, T, "zigzag")
+    local = [x[:, :, seq.local_positions].requires_grad_() for x in _inputs()[:3]]
+    sent = {}
+    for name, kernel, op in (("ring", ring_attention, "send"),
+                             ("ulysses", ulysses_attention, "all_to_all")):
+        for x in local:
+            x.grad = None
+        before = _sent(mesh, op), _sent(mesh, op, "payload_bytes")
+        out = kernel(*local, seq)
+        forward = _sent(mesh, op) - before[0], _sent(mesh, op, "payload_bytes") - before[1]
+        out.sum().backward()
+        sent[name] = forward, (_sent(mesh, op) - before[0] - forward[0])
+
+    try:  # 3 heads over 2 or 4 members: refused before any communication
+        ulysses_attention(*(x[:, :3] for x in local), seq)
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    return errors, sent, refusal
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_and_ulysses_match_dense_attention(world):
+    block = B * HEADS * (T // world) * D * 4  # one member's k (or v) in fp32, bytes
+    for errors, sent, refusal in run_world(_world_cases, world, timeout_s=90):
+        for case, errs in errors.items():
+            assert max(errs) < RTOL, (case, dict(zip(("out", "dq", "dk", "dv"), errs)))
+        # ring: k and v passed on n-1 times in forward; in backward again, plus the dk, dv
+        # accumulators (fp32), which each make n-1 hops back to their owner
+        (ring_forward, _), ring_backward = sent["ring"]
+        assert ring_forward == 2 * (world - 1) * block
+        assert ring_backward == 4 * (world - 1) * block
+        # Ulysses: one all-to-all of q, k, v and one of the output each way, each sending
+        # (n-1)/n of what it covers
+        (wire, payload), backward = sent["ulysses"]
+        assert payload == 4 * block and wire == (world - 1) * 4 * block // world
+        assert backward == wire
+        assert refusal is not None and "n_heads=3" in refusal and f"cp={world}" in refusal
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_ring_kernel_without_a_ring_is_dense_attention(with_docs):
+    docs = _docs() if with_docs else None
+    errs = _relative_errors(ring_attention, SeqContext.local(T, docs), docs)
+    assert max(errs) < RTOL, errs
+
+
+def test_zigzag_gives_every_member_the_same_tiles_and_contiguous_does_not():
+    """Tiles computed per member over a whole ring pass (causal, no documents): zig-zag 3 of its
+    own block (the diagonal chunks' upper halves hidden) and 2 of every other member's; contiguous
+    3 of its own and 4 of each earlier member's, none of a later one."""
+    n = 4
+    for layout, expected in (("zigzag", [3 + 2 * (n - 1)] * n),
+                             ("contiguous", [3 + 4 * m for m in range(n)])):
+        positions = [chunk_positions(T, n, m, layout) for m in range(n)]
+        tiles = [sum(len(block_tiles(SeqContext(positions, me), src)) for src in range(n))
+                 for me in range(n)]
+        assert tiles == expected, (layout, tiles)
+
+
+def test_a_query_that_sees_no_key_gets_zeros():
+    q, k, v = (torch.randn(1, 1, 3, D) for _ in range(3))
+    mask = torch.tensor([[True, False], [False, False], [True, True]])[None, None]
+    out = torch.zeros(1, 1, 3, D)
+    lse = torch.full((1, 1, 3), float("-inf"))
+    part_out, part_lse = tile_forward(q, k[..., :2, :], v[..., :2, :], mask, D ** -0.5)
+    assert torch.isneginf(part_lse[0, 0, 1]) and not part_out.isnan().any()
+    merge(out, lse, slice(0, 3), part_out, part_lse)
+    merge(out, lse, slice(0, 3), part_out, part_lse)  # merging a partial twice changes nothing
+    assert torch.equal(out[0, 0, 1], torch.zeros(D)) and not out.isnan().any()
+    assert torch.allclose(out, part_out, atol=1e-6)
+
+
+def test_ulysses_refuses_heads_that_do_not_split():
+    check_heads(8, 4)
+    with pytest.raises(ValueError, match="n_heads=6"):
+        check_heads(6, 4)
