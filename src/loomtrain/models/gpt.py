@@ -129,10 +129,10 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Token plus position embeddings of `idx`, whose first token sits at position `start`."""
-        end = start + idx.shape[1]
-        assert end <= self.seq_len, f"sequence of {end} tokens exceeds seq_len={self.seq_len}"
-        positions = self.position_ids
+        positions = self.position_ids  # any number of tokens, each at a position < seq_len
         if positions is None:
+            end = start + idx.shape[1]
+            assert end <= self.seq_len, f"sequence of {end} tokens exceeds seq_len={self.seq_len}"
             positions = torch.arange(start, end, device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 

@@ -36,6 +36,16 @@ def local_attention(q, k, v, ctx: SeqContext, linear: bool, decay=None) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def _linear_over(decay):
+    """Linear attention over Ulysses' gathered sequence (contiguous: positions 0..T-1)."""
+    def attend(q, k, v, positions, docs):
+        from loomtrain.models.linear_attention import causal_linear_attention
+
+        assert torch.equal(positions, torch.arange(len(positions))), "linear attention runs in order"
+        return causal_linear_attention(q, k, v, decay=decay, docs=docs)
+    return attend
+
+
 class SequenceRuntime:
     def __init__(self, model, mesh, method: str, attention: str):
         self.model, self.mesh, self.method = model, mesh, method
@@ -78,8 +88,7 @@ class SequenceRuntime:
                 from loomtrain.parallel.sequence.ulysses import ulysses_attention
 
                 if self.linear:
-                    return ulysses_attention(q, k, v, ctx, attend=lambda *a: local_attention(
-                        *a, linear=True, decay=decay))
+                    return ulysses_attention(q, k, v, ctx, attend=_linear_over(decay))
                 return ulysses_attention(q, k, v, ctx)
             from loomtrain.parallel.sequence.lasp import lasp_attention
 

@@ -65,18 +65,21 @@ def _attend(q, k, v, positions: torch.Tensor, docs: torch.Tensor | None) -> torc
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      ctx: SeqContext) -> torch.Tensor:
+                      ctx: SeqContext, attend=_attend) -> torch.Tensor:
     """Causal (and same-document) softmax attention of my (b, heads, t_local, head_dim) queries
-    over the whole ring's sequence, through two all-to-alls on the ring's mesh axis."""
+    over the whole ring's sequence, through two all-to-alls on the ring's mesh axis.
+
+    `attend(q, k, v, positions, docs)` is the attention over the gathered heads; the default is
+    softmax, and linear attention passes its own (Ulysses does not care what runs in between)."""
     ring = ctx.ring
     positions = torch.cat(ctx.positions)
     if ring is None or ring.size == 1:
-        return _attend(q, k, v, positions, ctx.docs)
+        return attend(q, k, v, positions, ctx.docs)
     check_heads(q.shape[1], ring.size)
     assert ring.members == list(range(ring.mesh.size(ring.axis))), \
         "Ulysses all-to-alls over the whole mesh axis: the ring must be the axis in member order"
     assert all(len(p) == q.shape[2] for p in ctx.positions), "members hold unequal token counts"
     # q, k, v in one exchange: (3, b, h, t_local, d) -> (3, b, h/n, T, d)
     heads = _AllToAll.apply(torch.stack([q, k, v]), ring, 2, 3)
-    out = _attend(*heads.unbind(0), positions, ctx.docs)
+    out = attend(*heads.unbind(0), positions, ctx.docs)
     return _AllToAll.apply(out, ring, 2, 1)  # (b, h/n, T, d) -> (b, h, t_local, d)
