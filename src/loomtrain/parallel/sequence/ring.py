@@ -43,14 +43,16 @@ def _halves(t: int) -> list[slice]:
 def block_tiles(seq: SeqContext, source: int, device=None) -> list[tuple[slice, slice, object]]:
     """The tiles of my queries x member `source`'s keys worth computing: (query rows, key rows,
     mask) with mask (b or 1, 1, tq, tk), or None when the tile is fully visible; tiles the mask
-    hides entirely are left out. Pure: depends on positions and documents only."""
-    visible = seq.visible(seq.me, source, device)
+    hides entirely are left out. Pure: depends on positions and documents only. The plan is made
+    where the positions live (the CPU), so that deciding costs no device synchronisation; only
+    the masks kept move to `device`."""
+    visible = seq.visible(seq.me, source)
     tiles = []
     for rows in _halves(visible.shape[-2]):
         for cols in _halves(visible.shape[-1]):
             mask = visible[:, rows, cols]
             if mask.any():
-                tiles.append((rows, cols, None if mask.all() else mask[:, None]))
+                tiles.append((rows, cols, None if mask.all() else mask[:, None].to(device)))
     return tiles
 
 

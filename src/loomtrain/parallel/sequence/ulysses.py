@@ -57,6 +57,8 @@ def _attend(q, k, v, positions: torch.Tensor, docs: torch.Tensor | None) -> torc
     """Attention over the gathered sequence whose tokens sit at global `positions`."""
     if docs is None and torch.equal(positions, torch.arange(len(positions))):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if docs is not None:  # build the mask where the documents live: positions follow them
+        positions = positions.to(docs.device)
     mask = (positions[None, :] <= positions[:, None])[None]
     if docs is not None:
         row_docs = docs[:, positions]
