@@ -110,6 +110,8 @@ class SeqContext:
         """Boolean mask (b or 1, tq, tk): which of `k_member`'s keys each of `q_member`'s
         queries attends to (causal by global position, and within one document)."""
         pq, pk = self.positions[q_member], self.positions[k_member]
+        if self.docs is not None:  # documents may live on the accelerator
+            pq, pk = pq.to(self.docs.device), pk.to(self.docs.device)
         mask = (pk[None, :] <= pq[:, None])[None]
         if self.docs is not None:
             same = self.docs[:, pq][:, :, None] == self.docs[:, pk][:, None, :]
