@@ -65,6 +65,9 @@ def check_request(req: GenerateRequest):
     if model.name != "gpt":
         raise ConfigError(f"generate decodes GPT models; {str(run_dir)!r} trained "
                           f"model.name={model.name!r}")
+    if model.attention != "softmax":
+        raise ConfigError(f"generate decodes with a KV cache, which model.attention="
+                          f"{model.attention!r} ({str(run_dir)!r}) does not have yet")
     if model.vocab_size != BYTE_VOCAB:
         raise ConfigError(f"a text prompt is bytes, but {str(run_dir)!r} has model.vocab_size="
                           f"{model.vocab_size} (byte-level text needs {BYTE_VOCAB}, its tokens "

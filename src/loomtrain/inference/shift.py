@@ -88,6 +88,9 @@ class ShiftServer:
     def __init__(self, model: GPT, mesh, threshold_tokens: int, axis: str = "tp"):
         self.model, self.mesh, self.axis = model.eval(), mesh, axis
         self.parts, self.rank = mesh.size(axis), mesh.local_rank(axis)
+        if model.blocks[0].attn.attention != "softmax":  # both modes run softmax `attend`
+            raise ValueError("ShiftServer serves softmax attention; the model has "
+                             f"attention={model.blocks[0].attn.attention!r}")
         self.n_heads = model.blocks[0].attn.n_heads
         if self.n_heads % self.parts:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by the {axis} size "

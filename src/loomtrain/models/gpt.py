@@ -1,8 +1,10 @@
 """A small pre-LN decoder-only transformer (GPT-2 style) with a tied output head.
 
-Attention is causal softmax attention through `scaled_dot_product_attention`. The module
-returns logits; the loss (summed over tokens, normalized by the trainer) lives in
-`models/__init__.py` so every model shares it.
+Attention is causal softmax attention through `scaled_dot_product_attention`, or with
+`attention="linear"` causal linear attention (models/linear_attention.py: phi = elu + 1,
+optionally RetNet's per-head decay; no attention dropout, there is no weight matrix to drop
+from). The module returns logits; the loss (summed over tokens, normalized by the trainer)
+lives in `models/__init__.py` so every model shares it.
 
 Decoding passes a key/value cache (`loomtrain.inference.KVCache`) as `forward(idx, cache)`:
 the new tokens' positions start at the cache's length, their keys and values are appended
@@ -18,6 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from loomtrain.models.linear_attention import causal_linear_attention, default_decay, feature_map
+
+ATTENTIONS = ("softmax", "linear")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None,
@@ -38,9 +44,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None,
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, attention: str = "softmax",
+                 linear_decay: bool = False):
         super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if linear_decay and attention != "linear":
+            raise ValueError("linear_decay=True is a decay of linear attention; "
+                             f"attention={attention!r}")
         self.n_heads = n_heads
+        self.attention = attention
+        # linear attention's per-head lambda_h (None: no decay); a buffer so it follows the
+        # module's device, non-persistent because it is a function of n_heads, not a weight
+        self.register_buffer("decay", default_decay(n_heads) if linear_decay else None,
+                             persistent=False)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
@@ -48,7 +65,8 @@ class CausalSelfAttention(nn.Module):
         # saved tensors are dropped after forward and recomputed in backward
         self.recompute_core = False
         # sequence parallelism (parallel/sequence) installs its kernel here: core(q, k, v) of
-        # (b, heads, t_local, head_dim) tensors -> the same shape; None: `attend`
+        # (b, heads, t_local, head_dim) tensors -> the same shape; None: `attend`. Linear
+        # attention hands it phi(q), phi(k), v, and the kernel reads `decay` from this module
         self.core = None
 
     def mix(self, x: torch.Tensor, cache=None) -> torch.Tensor:
@@ -58,6 +76,8 @@ class CausalSelfAttention(nn.Module):
         # under sequence parallelism the whole sequence gathered from a chunk of it
         b, t = qkv.shape[:2]
         q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, 3, self.n_heads, -1).unbind(2))
+        if self.attention == "linear":
+            return self._linear(q, k, v, cache).transpose(1, 2).reshape(b, t, -1)
         dropout = self.dropout if self.training else 0.0
         if self.core is not None and cache is None:
             y = self.core(q, k, v)
@@ -66,6 +86,18 @@ class CausalSelfAttention(nn.Module):
         else:
             y = attend(q, k, v, cache, dropout)
         return y.transpose(1, 2).reshape(b, t, -1)
+
+    def _linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache) -> torch.Tensor:
+        if cache is not None:
+            # the cache would hold the d x (d+1) state per head, not keys and values
+            raise NotImplementedError("decoding with a KV cache is not implemented for "
+                                      'attention="linear"; run the whole sequence without a cache')
+        q, k = feature_map(q), feature_map(k)
+        if self.core is not None:
+            return self.core(q, k, v)
+        if self.recompute_core and torch.is_grad_enabled():
+            return checkpoint(causal_linear_attention, q, k, v, self.decay, use_reentrant=False)
+        return causal_linear_attention(q, k, v, self.decay)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         return self.proj(self.mix(x, cache))
@@ -85,10 +117,11 @@ class MLPBlock(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float,
+                 attention: str = "softmax", linear_decay: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout, attention, linear_decay)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLPBlock(d_model, mlp_ratio)
         self.drop = nn.Dropout(dropout)
@@ -100,14 +133,16 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
-                 mlp_ratio: int = 4, dropout: float = 0.0):
+                 mlp_ratio: int = 4, dropout: float = 0.0, attention: str = "softmax",
+                 linear_decay: bool = False):
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, mlp_ratio, dropout) for _ in range(n_layers)
+            Block(d_model, n_heads, mlp_ratio, dropout, attention, linear_decay)
+            for _ in range(n_layers)
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)

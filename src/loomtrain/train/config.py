@@ -48,7 +48,10 @@ class ModelConfig(Section):
     vocab_size: int = Field(256, ge=2)
     mlp_ratio: int = Field(4, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # gpt: "linear" is causal linear attention (models/linear_attention.py), with RetNet's
+    # per-head decay when linear_decay is set
     attention: Literal["softmax", "linear"] = "softmax"
+    linear_decay: bool = False
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
@@ -56,6 +59,16 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _attention_keys(self) -> "ModelConfig":
+        if self.attention != "softmax" and self.name != "gpt":
+            raise ValueError(f"model.attention={self.attention!r} is the GPT's attention; "
+                             f"model.name={self.name!r} has none: leave it \"softmax\"")
+        if self.linear_decay and self.attention != "linear":
+            raise ValueError(f"model.linear_decay=true decays linear attention; it needs "
+                             f"model.attention=\"linear\" (got {self.attention!r})")
         return self
 
 
@@ -332,6 +345,10 @@ def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:
                          "tensor-parallel ranks; it needs parallel.tp > 1 and model.name=\"gpt\"")
     if p.tp == 1:
         return
+    if m.linear_decay:
+        # tensor parallelism re-slices the heads but not their decays (attn.decay)
+        raise ValueError(f"parallel.tp={p.tp} with model.linear_decay=true is not supported yet; "
+                         "use parallel.tp=1 or model.linear_decay=false")
     sizes = {"model.mlp_ratio*model.d_model": m.mlp_ratio * m.d_model}
     if m.name == "gpt":
         sizes = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size, **sizes}

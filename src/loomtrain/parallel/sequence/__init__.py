@@ -5,6 +5,7 @@ context.py     layouts (contiguous, zig-zag), the Ring of cp peers, the per-batc
 ring.py        ring attention: exact causal softmax attention, K/V blocks around the ring
 ulysses.py     DeepSpeed-Ulysses: all-to-all from sequence-sharded to head-sharded and back
 lasp.py        linear-attention sequence parallelism: only the d x (d+1) state travels
+               (lasp_comm.py: their all-gather, and its reduce-scatter in backward)
 balance.py     pure: variable-length sequences dealt to ranks, long ones split across
                several, so that every rank's attention work is even (the ByteScale idea)
 hybrid.py      pure: a micro-step's documents as each pool rank's token positions
