@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import tiny_tree
 from harness import run_world
 from loomtrain.mesh import build_mesh
 from loomtrain.parallel.data import DataParallel, apply_data_parallel, build_buckets
 from loomtrain.train.config import ParallelConfig
 from loomtrain.train.metrics import read_metrics
+from test_zero import _train_many
 from loomtrain.train.trainer import run
 
 
@@ -25,18 +27,23 @@ def _losses(cfg, world, run_dir):
     return run_world(_train, world, cfg, str(run_dir), timeout_s=240)[0]
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp"])
-def test_oracle_dp_matches_single_process(tiny, tmp_path, model):
+def test_oracle_dp_matches_single_process(tmp_path, corpus):
+    """The GPT and the MLP model, each world running both (one spawn per world)."""
     # global batch 8 = micro 2 x accumulation 4 (1 rank) = 2 x 2 x 2 ranks = 2 x 1 x 4 ranks
-    reference = _losses(tiny(model={"name": model}), 1, tmp_path / "r1")
-    assert len(reference) == 20 and reference[-1] < reference[0] - 0.3  # it learns
+    def curves(world):
+        trees = [tiny_tree(tmp_path, corpus, model={"name": m}, parallel={"nproc": world})
+                 for m in ("gpt", "mlp")]
+        return run_world(_train_many, world, trees, str(tmp_path / f"r{world}"), timeout_s=240)[0]
+    references = curves(1)
+    for reference in references:
+        assert len(reference) == 20 and reference[-1] < reference[0] - 0.3  # it learns
     for world in (2, 4):
-        cfg = tiny(model={"name": model}, parallel={"nproc": world})
-        losses = _losses(cfg, world, tmp_path / f"r{world}")
-        # fp32 sums in a different order (per-rank partial sums, then all-reduce) differ in the
-        # last bits; over 20 AdamW steps that stays below 1e-6 relative here, 1e-4 is the bound
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-        assert rel < 1e-4, (world, rel, losses, reference)
+        for model, losses, reference in zip(("gpt", "mlp"), curves(world), references):
+            # fp32 sums in a different order (per-rank partial sums, then all-reduce) differ in
+            # the last bits; over 20 AdamW steps that stays below 1e-6 relative here, 1e-4 is
+            # the bound
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+            assert rel < 1e-4, (model, world, rel, losses, reference)
 
 
 def _uneven_token_step(rank, world):

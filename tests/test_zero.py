@@ -204,14 +204,22 @@ def _wire_case(rank, world, stage, dtype):
     return wire, sizes, sum(p.numel() for p in dict.fromkeys(model.parameters())) * 4
 
 
+def _wire_cases(rank, world, cases):
+    """Every (stage, dtype) of `cases` in this one world (one spawn for all)."""
+    return [_wire_case(rank, world, stage, dtype) for stage, dtype in cases]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_wire_bytes_per_step_match_the_formulas(world):
     n = world
-    stage0, _, grad_bytes = run_world(_wire_case, world, 0, torch.float32, timeout_s=120)[0]
+    cases = [(0, torch.float32), (1, torch.float32), (2, torch.float32), (3, torch.float32),
+             (3, torch.bfloat16)]
+    results = run_world(_wire_cases, world, cases, timeout_s=200)[0]
+    stage0, _, grad_bytes = results[0]
     assert stage0["all_reduce"] == 2 * (n - 1) * grad_bytes // n
     total0 = sum(stage0.values())
     for stage in (1, 2, 3):
-        wire, sizes, _ = run_world(_wire_case, world, stage, torch.float32, timeout_s=120)[0]
+        wire, sizes, _ = results[stage]
         norm = wire_bytes("ring_all_reduce", 4, n)  # clip_grad_norm_'s one fp32 over dp
         assert wire["all_reduce"] == norm
         padded = sum(p for p, _ in sizes) * 4
@@ -226,7 +234,7 @@ def test_wire_bytes_per_step_match_the_formulas(world):
             assert wire["all_gather"] == 2 * rs - (n - 1) * root // n
             ratio = (wire["reduce_scatter"] + wire["all_gather"]) / total0
             assert ratio == pytest.approx(1.5 - root / (2 * padded), rel=1e-6)
-    bf16, sizes, _ = run_world(_wire_case, world, 3, torch.bfloat16, timeout_s=120)[0]
+    bf16, sizes, _ = results[4]
     assert bf16["all_gather"] * 2 == wire["all_gather"]  # bf16 gathers: half the bytes
     assert bf16["reduce_scatter"] == wire["reduce_scatter"]  # gradients reduce in fp32
 
