@@ -75,7 +75,9 @@ class CausalSelfAttention(nn.Module):
         # shapes from qkv's output, so a tensor-parallel qkv works: a slice of the heads, and
         # under sequence parallelism the whole sequence gathered from a chunk of it
         b, t = qkv.shape[:2]
-        q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, 3, self.n_heads, -1).unbind(2))
+        # (b, t, 3, heads, head_dim) -> 3 x (b, heads, t, head_dim); unpacked, not iterated,
+        # so that torch.fx can trace it (parallel/sequence/auto.py)
+        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         if self.attention == "linear":
             return self._linear(q, k, v, cache).transpose(1, 2).reshape(b, t, -1)
         dropout = self.dropout if self.training else 0.0
@@ -167,7 +169,8 @@ class GPT(nn.Module):
         positions = self.position_ids  # any number of tokens, each at a position < seq_len
         if positions is None:
             end = start + idx.shape[1]
-            assert end <= self.seq_len, f"sequence of {end} tokens exceeds seq_len={self.seq_len}"
+            # torch._assert, not assert: the check stays in a torch.fx trace (auto.py)
+            torch._assert(end <= self.seq_len, f"sequence of {end} tokens exceeds seq_len={self.seq_len}")
             positions = torch.arange(start, end, device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 

@@ -119,7 +119,9 @@ class ParallelConfig(Section):
     # micro-batch on stashed weights; "stash": the train.optimizer as is (PipeDream),
     # "nesterov": the delay-corrected Nesterov of arXiv 2505.01099 with momentum async_momentum
     # schedule="optimal": each rank's activation memory limit (None: what 1F1B's busiest
-    # rank stashes, measured); the plan keeps, offloads or recomputes each micro-batch to fit
+    # rank stashes, measured); the plan keeps, offloads or recomputes each micro-batch to fit.
+    # cp_method="auto": each rank's activation estimate for one micro-batch above which every
+    # block is checkpointed (None: never)
     activation_budget_mb: float | None = Field(None, gt=0.0)
     async_optimizer: Literal["stash", "nesterov"] = "nesterov"
     async_momentum: float = Field(0.99, ge=0.0, lt=1.0)
@@ -285,10 +287,11 @@ def _check_sequence(p: ParallelConfig, m: ModelConfig, t: TrainConfig, d: DataCo
     if p.cp == 1:
         return
     method = p.cp_method or ("lasp" if m.attention == "linear" else "ring")
-    if method == "auto":
-        raise ValueError('parallel.cp_method="auto" (automatic insertion into an unmodified '
-                         "model) is not supported yet: it arrives with a later increment of issue "
-                         '6; use "ring", "ulysses" or "lasp"')
+    if method == "auto" and (m.attention != "softmax" or m.dropout):
+        raise ValueError('parallel.cp_method="auto" rewrites the model\'s causal '
+                         "scaled_dot_product_attention calls, without dropout: it needs "
+                         f'model.attention="softmax" (got {m.attention!r}) and model.dropout=0 '
+                         f"(got {m.dropout})")
     needs = {"ring": "softmax", "lasp": "linear"}.get(method)
     if needs is not None and m.attention != needs:
         other = "lasp" if method == "ring" else "ring"
@@ -298,9 +301,9 @@ def _check_sequence(p: ParallelConfig, m: ModelConfig, t: TrainConfig, d: DataCo
         raise ValueError(f'parallel.cp_method="ulysses" gives each of parallel.cp={p.cp} ranks '
                          f"whole heads, but model.n_heads={m.n_heads} is not divisible by {p.cp}; "
                          'use "ring" or "lasp", or a cp that divides the heads')
-    pieces = 2 * p.cp if method == "ring" else p.cp
+    pieces = 2 * p.cp if method in ("ring", "auto") else p.cp  # auto may choose ring
     if m.seq_len % pieces:
-        why = "two zig-zag chunks per rank" if method == "ring" else "one chunk per rank"
+        why = "two zig-zag chunks per rank" if method != "ulysses" else "one chunk per rank"
         raise ValueError(f"model.seq_len={m.seq_len} must be divisible by {pieces} for "
                          f"parallel.cp_method={method!r} at parallel.cp={p.cp} ({why})")
 
@@ -308,9 +311,10 @@ def _check_sequence(p: ParallelConfig, m: ModelConfig, t: TrainConfig, d: DataCo
 def _check_optimal(p: ParallelConfig) -> None:
     """schedule="optimal" decides recomputation and offload per micro-batch itself."""
     if p.schedule != "optimal":
-        if p.activation_budget_mb is not None:
+        if p.activation_budget_mb is not None and p.cp_method != "auto":
             raise ValueError('parallel.activation_budget_mb is for parallel.schedule="optimal" '
-                             f"(got {p.schedule!r})")
+                             f'or parallel.cp_method="auto" (got schedule={p.schedule!r}, '
+                             f"cp_method={p.cp_method!r})")
         return
     for key, default in (("recompute", "none"), ("offload_activations", 0.0)):
         if getattr(p, key) != default:

@@ -212,6 +212,9 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
         log.message(f"{corpus.description}; {parameters:,} parameters; {mesh.describe()}")
     else:
         log.message(f"resumed from {resume} at step {start}")
+    plan = getattr(sequence_of(model), "plan", None)  # cp_method="auto": what it chose
+    if plan is not None:
+        log.message(f"automatic sequence parallelism: {plan.describe()}")
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
     saved_at = start  # the newest checkpoint (if any) holds the state after this step

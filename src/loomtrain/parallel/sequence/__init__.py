@@ -12,6 +12,8 @@ hybrid.py      pure: a micro-step's documents as each pool rank's token position
 runtime.py     SequenceRuntime: shards each batch's rows, installs the kernels in the model
 hybrid_runtime.py  HybridRuntime (data.balance): the pool's rows dealt by hybrid.py, rings
                among the ranks that share a document
+auto.py        cp_method="auto": the model's traced attention calls and positions rewritten
+               into these kernels, activation checkpointing chosen for the context length
 """
 
 from __future__ import annotations
@@ -34,13 +36,21 @@ def apply_sequence(model, mesh, cfg):
     model's attention cores become the method's kernel; the runtime is left on the model as
     `model.sequence` for the trainer to shard each batch through. With `data.balance` the
     runtime is the dynamic hybrid one: every micro-step the whole dp x cp pool's rows are
-    dealt by attention work."""
+    dealt by attention work. With `cp_method = "auto"` the model is replaced by its rewritten
+    trace (auto.py), which carries the runtime (and its plan) the same way."""
+    method = resolve_method(cfg)
+    if method == "auto":  # the model's traced graph rewritten: its own attention calls
+        from loomtrain.parallel.sequence.auto import auto_sequence
+
+        budget = cfg.parallel.activation_budget_mb
+        return auto_sequence(model, mesh, cfg.model.seq_len,
+                             None if budget is None else int(budget * 2**20), cfg.train.micro_batch)
     if cfg.data.balance:
         from loomtrain.parallel.sequence.hybrid_runtime import HybridRuntime
 
         model.sequence = HybridRuntime(model, mesh, cfg.model.attention)
     else:
-        model.sequence = SequenceRuntime(model, mesh, resolve_method(cfg), cfg.model.attention)
+        model.sequence = SequenceRuntime(model, mesh, method, cfg.model.attention)
     return model
 
 
