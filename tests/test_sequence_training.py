@@ -66,6 +66,10 @@ CP_ORACLE = [  # (model, parallel, data) run in one world of 4 against one proce
     # dynamic hybrid dp x cp: the pool of 4 deals each micro-step's documents
     ({}, {"cp": 2}, {"packing": True, "balance": True}),
     ({}, {}, {"packing": True, "balance": True}),
+    # cp_method = "auto" (tests/test_sequence_auto.py): 2 heads, Ulysses; 1 head: ring attention,
+    # packed documents, every block checkpointed (the budget is below any block's estimate)
+    ({}, {"cp": 2, "cp_method": "auto"}, {}),
+    ({"n_heads": 1}, {"cp": 2, "cp_method": "auto", "activation_budget_mb": 0.01}, {"packing": True}),
 ]
 
 
@@ -76,8 +80,8 @@ def _trees(tmp_path, doc_corpus, world, cases):
 
 
 def test_oracle_context_parallel_with_data_parallel(tmp_path, doc_corpus):
-    """cp2 x dp2 (ring, Ulysses, LASP; with and without packing) and cp4 train 20 steps along
-    the single-process curve of the same model and data."""
+    """cp2 x dp2 (ring, Ulysses, LASP, auto; with and without packing), cp4 and the dynamic
+    hybrid pools train 20 steps along the single-process curve of the same model and data."""
     references = {}
     for model, _, data in CP_ORACLE:
         data = {k: v for k, v in data.items() if k != "balance"}
