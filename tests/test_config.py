@@ -74,6 +74,32 @@ def test_impossible_values(capsys, args, expected):
     assert expected in _refused(capsys, ["train", "--dry-run", *args])
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["--nproc", "4", "--set", "comm.inter_node_gbps=0.5"],
+     "comm.inter_node_gbps=0.5 simulates the link between nodes, but parallel.ranks_per_node=unset "
+     "puts all parallel.nproc=4 ranks on one node: set parallel.ranks_per_node to a divisor"),
+    (["--nproc", "4", "--set", "parallel.ranks_per_node=4", "--set", "comm.inter_node_gbps=1"],
+     "parallel.ranks_per_node=4 puts all parallel.nproc=4 ranks on one node"),
+    (["--nproc", "4", "--set", "parallel.ranks_per_node=2", "--set", "comm.inter_node_latency_ms=20"],
+     "comm.inter_node_latency_ms=20.0 belongs to the simulated inter-node link, which is off: set "
+     "comm.inter_node_gbps"),
+    (["--set", "comm.inter_node_gbps=0"], "comm.inter_node_gbps: Input should be greater than 0"),
+    (["--set", "comm.inter_node_latency_ms=-1"],
+     "comm.inter_node_latency_ms: Input should be greater than or equal to 0"),
+])
+def test_simulated_link_refusals(capsys, args, expected):
+    assert expected in _refused(capsys, ["train", "--dry-run", *args])
+
+
+def test_simulated_link_between_nodes_is_accepted(tmp_path, corpus, capsys):
+    path = _tiny_file(tmp_path, corpus)
+    assert main(["train", "--dry-run", path, "--nproc", "4", "--set", "parallel.ranks_per_node=2",
+                 "--set", "comm.inter_node_gbps=1", "--set", "comm.inter_node_latency_ms=20"]) == 0
+    cfg = load_config(path, ["parallel.nproc=4", "parallel.ranks_per_node=2",
+                             "comm.inter_node_gbps=1"])
+    assert cfg.comm.inter_node_gbps == 1.0 and cfg.comm.inter_node_latency_ms == 0.0
+
+
 # `_check_sequence`: context parallelism and packing (the default model: 4 heads, 128 tokens)
 CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
 
@@ -276,6 +302,8 @@ def test_nproc_flag_wins_over_set(tmp_path, corpus, capsys):
     {"parallel": {"nproc": 4, "ranks_per_node": 2, "zero_stage": 3, "hierarchical": True,
                   "optimizer_shard": "dp", "prefetch": 2, "offload_optimizer": True,
                   "shard_units": ["blocks.*"]}, "train": {"precision": "bf16"}},
+    {"parallel": {"nproc": 4, "ranks_per_node": 2},
+     "comm": {"inter_node_gbps": 0.5, "inter_node_latency_ms": 20.0}},
 ])
 def test_resolved_config_round_trips(tmp_path, corpus, sections):
     cfg = Config.model_validate(tiny_tree(tmp_path, corpus, **sections))

@@ -9,17 +9,22 @@ are neighbouring ranks (on one node), and pipeline stages are the outermost bloc
 node when r // ranks_per_node == s // ranks_per_node. For every axis the mesh then also has a
 node-local sub-group (the axis peers on my node) and a cross-node sub-group (the peers with
 my node-local index on the other nodes), which hierarchical methods reduce over in two levels.
+`mesh.link` (a comm.link.SlowLink, or None) can make the wire between those nodes slow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from loomtrain.comm.meter import CommMeter
+
+if TYPE_CHECKING:
+    from loomtrain.comm.link import SlowLink
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -80,6 +85,8 @@ class Mesh:
     _groups: dict[str, object] = field(default_factory=dict)
     # per (axis, op): how many ring ops this rank has issued; names each one for p2p tags
     ring_sequence: dict[tuple[str, str], int] = field(default_factory=dict)
+    # the simulated slow wire between nodes that comm/ delays cross-node ops by (None: none)
+    link: SlowLink | None = None
 
     @property
     def world(self) -> int:
@@ -141,20 +148,25 @@ def build_mesh(
     sizes: dict[str, int],
     ranks_per_node: int | None = None,
     device: torch.device | str = "cpu",
+    link: SlowLink | None = None,
 ) -> Mesh:
     """Build the mesh over the already-initialized default process group.
 
     Every rank must call this with the same arguments: creating sub-groups is collective.
+    `link`: a simulated slow wire between the nodes of `ranks_per_node` (comm/link.py).
     """
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     world = dist.get_world_size()
     if _prod(sizes.values()) != world:
         raise ValueError(f"mesh {sizes} has {_prod(sizes.values())} ranks, world has {world}")
     ranks_per_node = ranks_per_node or world
+    if link is not None and link.ranks_per_node != ranks_per_node:
+        raise ValueError(f"the link's nodes of {link.ranks_per_node} ranks differ from the "
+                         f"mesh's ranks_per_node={ranks_per_node}")
     device = torch.device(device)
     device_mesh = init_device_mesh(device.type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
     mesh = Mesh(sizes=sizes, rank=dist.get_rank(), ranks_per_node=ranks_per_node,
-                device=device, device_mesh=device_mesh)
+                device=device, device_mesh=device_mesh, link=link)
     mesh._groups["world"] = (list(range(world)), dist.group.WORLD)
     mesh._groups["self"] = ([mesh.rank], None)  # a one-rank axis: every op on it is a no-op
     for axis in AXES:

@@ -14,6 +14,7 @@ from loomtrain.comm.collectives import (
     reduce_scatter,
     send,
 )
+from loomtrain.comm.link import SlowLink
 from loomtrain.comm.meter import CommMeter, wire_bytes
 from loomtrain.comm.quantized import PendingQuantized, quantized_all_reduce
 
@@ -21,5 +22,5 @@ __all__ = [
     "CollectiveError", "CommMeter", "Pending", "all_reduce", "barrier", "broadcast", "recv",
     "send", "wire_bytes",
     "IMPLS", "all_gather", "all_to_all", "choose_impl", "reduce_scatter",
-    "PendingQuantized", "quantized_all_reduce",
+    "PendingQuantized", "quantized_all_reduce", "SlowLink",
 ]

@@ -4,6 +4,12 @@ Every op takes the mesh and the axis it runs on, records payload and wire bytes 
 `mesh.meter`, remembers itself as this rank's last collective (for hang reports), and turns
 a failure (a peer that never joined, a timeout) into `CollectiveError` naming the rank, the
 op and the axis. On a group of one rank every op returns at once and counts nothing.
+
+With a simulated slow link (`mesh.link`, comm/link.py), an op whose group spans nodes is not
+reported complete before it would have crossed that link: `Pending.wait()` first waits for the
+real op, then sleeps for whatever is left until the op's due time. So a synchronous op takes at
+least its delay, and an asynchronous one started early overlaps its delay with the caller's
+compute, as a real slow link would. The op's simulated seconds go to `mesh.meter`.
 """
 
 from __future__ import annotations
@@ -34,15 +40,21 @@ def _fail(mesh, op: str, axis: str, err: Exception) -> CollectiveError:
 
 
 class Pending:
-    """An asynchronous op in flight; `wait()` blocks and reports failures by name."""
+    """An asynchronous op in flight; `wait()` blocks and reports failures by name.
 
-    def __init__(self, work, mesh, op: str, axis: str, on_done=None):
+    `due`: the perf_counter time before which the op is not complete on the simulated slow
+    link (None: no link, or a node-local op)."""
+
+    def __init__(self, work, mesh, op: str, axis: str, on_done=None, due: float | None = None):
         self._work, self._mesh, self._op, self._axis = work, mesh, op, axis
-        self._on_done = on_done
+        self._on_done, self._due = on_done, due
 
     def when_done(self, fn) -> None:
         """Call `fn(t)` with `time.perf_counter()` at the moment the op completes (on the thread
-        that completes it), for measured timelines; at once if it already has."""
+        that completes it), for measured timelines; at once if it already has. Under a simulated
+        link `t` is the simulated completion, which may lie after the call."""
+        if self._due is not None:
+            fn = _not_before(fn, self._due)
         work = self._work
         if work is None:
             fn(time.perf_counter())
@@ -61,9 +73,18 @@ class Pending:
             except RuntimeError as err:
                 raise _fail(self._mesh, self._op, self._axis, err) from None
             self._work = None
+        if self._due is not None:
+            left = self._due - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            self._due = None
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
+
+
+def _not_before(fn, due: float):
+    return lambda t: fn(max(t, due))
 
 
 def _report_done(work, fn) -> None:
@@ -75,15 +96,27 @@ def _report_done(work, fn) -> None:
 
 
 def _start(mesh, op: str, axis: str, payload: int, algorithm: str, call, async_op: bool,
-           *, from_root: int = 0, on_done=None):
+           *, from_root: int = 0, on_done=None, link_ranks=None):
+    """Count, start and (sync) wait for an op. `link_ranks`: the ranks whose nodes decide
+    whether it crosses the simulated link (default: the axis group; send: the two ends)."""
+    started = time.perf_counter()
     n = mesh.size(axis)
-    mesh.meter.record(axis, op, payload, wire_bytes(algorithm, payload, n, from_root=from_root))
+    wire = wire_bytes(algorithm, payload, n, from_root=from_root)
+    simulated_s, due = 0.0, None
+    if mesh.link is not None:
+        ranks = mesh.group_ranks(axis) if link_ranks is None else link_ranks
+        # the bytes of the rank that sends the most: this rank's own in every algorithm but
+        # the broadcast's tree, which is paced by its root (comm/link.py)
+        on_link = wire_bytes(algorithm, payload, n)
+        simulated_s = mesh.link.delay_s(ranks, on_link)
+        due = mesh.link.due(started, ranks, on_link)
+    mesh.meter.record(axis, op, payload, wire, simulated_s=simulated_s)
     mesh.meter.last_op = f"{op} on {axis} ({payload} bytes)"
     try:
         work = call(mesh.group(axis))
     except RuntimeError as err:
         raise _fail(mesh, op, axis, err) from None
-    pending = Pending(work, mesh, op, axis, on_done)
+    pending = Pending(work, mesh, op, axis, on_done, due)
     if async_op:
         return pending
     pending.wait()
@@ -126,19 +159,29 @@ def send(tensor: torch.Tensor, mesh, axis: str, dst_local: int, async_op: bool =
     return _start(
         mesh, "send", axis, _nbytes(tensor), "send",
         lambda g: dist.isend(tensor, dst=dst, group=g, tag=tag), async_op,
+        link_ranks=(mesh.rank, dst),
     )
 
 
 def recv(tensor: torch.Tensor, mesh, axis: str, src_local: int, async_op: bool = False,
          tag: int = 0):
-    """Point-to-point receive from the axis member with local index `src_local` (sends nothing)."""
+    """Point-to-point receive from the axis member with local index `src_local` (sends nothing;
+    on the simulated link it takes as long as the matching send: its bytes are the sender's,
+    queued on the sender's link, not this rank's)."""
+    started = time.perf_counter()
     src = mesh.group_ranks(axis)[src_local]
     mesh.meter.last_op = f"recv on {axis} ({_nbytes(tensor)} bytes)"
+    due = None
+    if mesh.link is not None:
+        simulated_s = mesh.link.delay_s((src, mesh.rank), _nbytes(tensor))
+        if simulated_s:
+            mesh.meter.record_simulated(axis, "recv", simulated_s)
+            due = started + simulated_s
     try:
         work = dist.irecv(tensor, src=src, group=mesh.group(axis), tag=tag)
     except RuntimeError as err:
         raise _fail(mesh, "recv", axis, err) from None
-    pending = Pending(work, mesh, "recv", axis)
+    pending = Pending(work, mesh, "recv", axis, due=due)
     if async_op:
         return pending
     pending.wait()

@@ -9,6 +9,10 @@ Two numbers per op (DESIGN.md principle 3):
   member at distance r from the root sends S to each r + 2^k < N with 2^k > r (world 4, root
   0: 2S, S, 0, 0 — measured on sockets, see docs/comm.md). An op run as a full all-reduce (gloo's reduce_scatter, see comm/collectives.py)
   is counted with the all-reduce formula.
+
+With a simulated slow link (comm/link.py) each op also records its simulated seconds on that
+link (0 for a node-local op), in the same tables and in a window of their own
+(`take_simulated()`), so `take()` and `take_simulated()` can each be called on their own.
 """
 
 from __future__ import annotations
@@ -41,25 +45,37 @@ class OpCount:
     calls: int = 0
     payload_bytes: int = 0
     wire_bytes: int = 0
+    simulated_s: float = 0.0
 
 
 @dataclass
 class CommMeter:
-    """Cumulative counts keyed by (axis, op); `take()` returns and resets a window."""
+    """Cumulative counts keyed by (axis, op); `take()` returns and resets a window of wire
+    bytes, `take_simulated()` one of simulated link seconds."""
 
     counts: dict = field(default_factory=lambda: defaultdict(OpCount))
     window: dict = field(default_factory=lambda: defaultdict(OpCount))
+    simulated_window: dict = field(default_factory=lambda: defaultdict(float))
     last_op: str = "none"
 
-    def record(self, axis: str, op: str, payload_bytes: int, wire: int) -> None:
+    def record(self, axis: str, op: str, payload_bytes: int, wire: int,
+               simulated_s: float = 0.0) -> None:
         for table in (self.counts, self.window):
             c = table[(axis, op)]
             c.calls += 1
             c.payload_bytes += payload_bytes
             c.wire_bytes += wire
+        if simulated_s:
+            self.record_simulated(axis, op, simulated_s)
+
+    def record_simulated(self, axis: str, op: str, seconds: float) -> None:
+        """Simulated link seconds alone, for an op that sends no bytes of its own (`recv`):
+        its calls and bytes are not counted, and `take()` does not list it."""
+        self.counts[(axis, op)].simulated_s += seconds
+        self.simulated_window[(axis, op)] += seconds
 
     def total(self, field_name: str = "wire_bytes", op: str | None = None,
-              axis: str | None = None) -> int:
+              axis: str | None = None) -> int | float:
         return sum(
             getattr(c, field_name)
             for (a, o), c in self.counts.items()
@@ -68,10 +84,22 @@ class CommMeter:
 
     def take(self) -> dict[str, int]:
         """Wire bytes per op since the last call, as {op: bytes} plus "total"."""
-        by_op: dict[str, int] = defaultdict(int)
-        for (_axis, op), c in self.window.items():
-            by_op[op] += c.wire_bytes
+        out = _by_op((key, c.wire_bytes) for key, c in self.window.items())
         self.window.clear()
-        out = dict(sorted(by_op.items()))
-        out["total"] = sum(by_op.values())
         return out
+
+    def take_simulated(self) -> dict[str, float]:
+        """Simulated link seconds per op since the last call, as {op: s} plus "total"."""
+        out = _by_op(self.simulated_window.items())
+        self.simulated_window.clear()
+        return out
+
+
+def _by_op(values) -> dict:
+    """((axis, op), value) pairs summed per op, sorted by op, plus "total"."""
+    by_op: dict = defaultdict(int)
+    for (_axis, op), value in values:
+        by_op[op] += value
+    out = dict(sorted(by_op.items()))
+    out["total"] = sum(by_op.values())
+    return out

@@ -145,6 +145,14 @@ class ParallelConfig(Section):
         return self.dp if self.dp is not None else self.nproc // (self.tp * self.pp * self.cp)
 
 
+class CommConfig(Section):
+    # a simulated slow link between the nodes of parallel.ranks_per_node (comm/link.py):
+    # each rank's bandwidth to other nodes in Gbit/s (None: no simulation), and the latency
+    # every cross-node op pays once
+    inter_node_gbps: float | None = Field(None, gt=0.0)
+    inter_node_latency_ms: float = Field(0.0, ge=0.0)
+
+
 class CheckpointConfig(Section):
     every: int = Field(100, ge=0)  # 0: only at the end and on SIGINT/SIGTERM
     keep: int = Field(2, ge=1)
@@ -156,6 +164,7 @@ class Config(Section):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    comm: CommConfig = CommConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
@@ -184,6 +193,7 @@ class Config(Section):
             raise ValueError(
                 f"parallel.ranks_per_node={p.ranks_per_node} must divide parallel.nproc={p.nproc}"
             )
+        _check_link(self.comm, p)
         per_rank = p.dp_size * t.micro_batch
         if t.global_batch % per_rank:
             raise ValueError(
@@ -201,6 +211,21 @@ class Config(Section):
     @property
     def accumulation_steps(self) -> int:
         return self.train.global_batch // (self.parallel.dp_size * self.train.micro_batch)
+
+
+def _check_link(c: CommConfig, p: ParallelConfig) -> None:
+    """The simulated link joins nodes: it needs more than one, and its latency needs it."""
+    if c.inter_node_gbps is None:
+        if c.inter_node_latency_ms:
+            raise ValueError(f"comm.inter_node_latency_ms={c.inter_node_latency_ms} belongs to the "
+                             "simulated inter-node link, which is off: set comm.inter_node_gbps")
+        return
+    if p.ranks_per_node is None or p.ranks_per_node >= p.nproc:
+        rpn = "unset" if p.ranks_per_node is None else p.ranks_per_node
+        raise ValueError(f"comm.inter_node_gbps={c.inter_node_gbps} simulates the link between "
+                         f"nodes, but parallel.ranks_per_node={rpn} puts all parallel.nproc="
+                         f"{p.nproc} ranks on one node: set parallel.ranks_per_node to a divisor "
+                         "of nproc below it, or leave comm.inter_node_gbps unset")
 
 
 def _check_pipeline(p: ParallelConfig, m: ModelConfig, t: TrainConfig) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loomtrain.comm.link import SlowLink
 from loomtrain.mesh import Mesh, build_mesh
 
 
@@ -47,7 +48,8 @@ def pick_device(cfg_run, local_rank: int) -> torch.device:
 
 
 def init_distributed(cfg) -> Mesh:
-    """Initialize the default process group (if needed) and build the mesh from [parallel]."""
+    """Initialize the default process group (if needed) and build the mesh from [parallel],
+    with the simulated inter-node link of [comm] when it is configured."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(cfg.run, local_rank)
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
@@ -64,9 +66,12 @@ def init_distributed(cfg) -> Mesh:
     if device.type == "cpu":
         # processes on one host share its cores; oversubscribing them slows every rank
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    p = cfg.parallel
+    p, c = cfg.parallel, cfg.comm
+    link = None
+    if c.inter_node_gbps is not None:  # config validation guarantees several nodes
+        link = SlowLink(c.inter_node_gbps, c.inter_node_latency_ms, p.ranks_per_node)
     return build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp},
-                      ranks_per_node=p.ranks_per_node, device=device)
+                      ranks_per_node=p.ranks_per_node, device=device, link=link)
 
 
 def shutdown(mesh: Mesh | None) -> None:

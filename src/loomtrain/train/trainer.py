@@ -163,12 +163,16 @@ def _control(batches, stop: StopFlag, mesh, balanced: bool = False) -> tuple[flo
 def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, stepped: bool,
             mesh, tokens_per_s: float) -> dict:
     """One metrics.jsonl record; the loss all-reduce happens only on logged steps (over pp
-    too: the pipeline's last stage holds the loss; over cp: each peer has its tokens' loss)."""
+    too: the pipeline's last stage holds the loss; over cp: each peer has its tokens' loss).
+    With a simulated inter-node link, also this rank's simulated link seconds since the
+    previous record."""
     for axis in ("dp", "cp", "pp"):
         comm.all_reduce(loss_sum, mesh, axis)
     rec = {"step": done, "loss": float(loss_sum) / global_tokens, "lr": lr,
            "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
            "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(mesh.device)}
+    if mesh.link is not None:
+        rec["comm_simulated_s"] = round(mesh.meter.take_simulated()["total"], 6)
     if not stepped:
         rec["skipped"] = True
     return rec
@@ -210,6 +214,8 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
     if start == 0:
         log.message(f"{corpus.description}; {parameters:,} parameters; {mesh.describe()}")
+        if mesh.link is not None:
+            log.message(mesh.link.describe())
     else:
         log.message(f"resumed from {resume} at step {start}")
     plan = getattr(sequence_of(model), "plan", None)  # cp_method="auto": what it chose
@@ -219,6 +225,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
     saved_at = start  # the newest checkpoint (if any) holds the state after this step
     mesh.meter.take()
+    mesh.meter.take_simulated()
     try:
         for step in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
