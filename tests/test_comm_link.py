@@ -194,7 +194,10 @@ def test_ring_ops_and_point_to_point_pay_the_delay_across_nodes(measured):
         assert simulated == [scatter] and wall >= scatter, (rank, wall)
         wall, simulated = r["p2p"]
         assert simulated == [message] * 3, rank  # the sender's send, the receiver's recv
-        assert abs(wall - message) <= 0.1 * message, (rank, wall, message)
+        # at least the delay; the upper side is left open: a receive posted before its peer's
+        # send also waits for the peer (the delay counts from this rank's own start), which a
+        # loaded machine stretches
+        assert wall >= 0.9 * message, (rank, wall, message)
         assert ("dp", "recv" if rank >= 2 else "send") in r["ops"]
 
 
