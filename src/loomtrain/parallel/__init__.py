@@ -5,7 +5,8 @@ stages), then context parallel (the attention kernels, parallel/sequence); data 
 ZeRO over the dp axis last (over dp and cp together when cp > 1: context-parallel peers hold
 the same replica), since it shards whatever parameters the other axes left on this rank. The optimizer is built after tensor
 parallelism (which makes new, smaller parameters) and before the dp engine (ZeRO rebuilds it
-over its shard).
+over its shard). With `lowcomm.algorithm` set, the low-communication replicas (lowcomm/) take
+the dp engine's place: no gradient all-reduce, a synchronization every `inner_steps` steps.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def parallelize(model, mesh, cfg, make_optimizer):
 
         model = apply_sequence(model, mesh, cfg)
     optimizer = make_optimizer(model)
+    if cfg.lowcomm.algorithm != "none":  # config validation: dp only, fp32, no ZeRO
+        from loomtrain.lowcomm import apply_lowcomm
+
+        return (*apply_lowcomm(model, optimizer, mesh, cfg.lowcomm), loss_sum)
     from loomtrain.parallel.data import apply_data_parallel
     from loomtrain.parallel.zero import shard
 

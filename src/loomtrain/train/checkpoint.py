@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from loomtrain import comm
 from loomtrain.errors import CheckpointError
+from loomtrain.lowcomm import LocalSGD
+from loomtrain.lowcomm.state import check_replicas, load_lowcomm_state, lowcomm_state
 from loomtrain.parallel.zero import ShardedDataParallel
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.parallel.placement import Boxes, placement_of
@@ -141,9 +143,13 @@ def verify(path: Path) -> tuple[dict, Metadata]:
 def training_state(model, optimizer, for_saving: bool = True) -> dict:
     """{"model": ..., "optim": ...} in the unsharded layout of `get_state_dict`, whatever the
     engine: plain (or DataParallel-wrapped) models through torch's helper, ZeRO through
-    parallel/zero/state.py, so checkpoints load across engines, stages and rank counts."""
+    parallel/zero/state.py, so checkpoints load across engines, stages and rank counts.
+    Low-communication replicas (lowcomm/state.py) add their outer state and keep each
+    replica's inner optimizer under its own key."""
     if isinstance(model, ShardedDataParallel):
         return zero_state(model, optimizer, for_saving)
+    if isinstance(model, LocalSGD):
+        return lowcomm_state(model, optimizer)
     module = getattr(model, "module", model)
     model_sd, optim_sd = get_state_dict(module, optimizer)
     if runtime_of(model) is not None:  # pipeline ranks hold different parameters
@@ -344,6 +350,9 @@ def _init_optimizer_state(optimizer) -> None:
 def load(path: Path, model, optimizer, mesh) -> dict:
     """Collective. Restores model, optimizer and this rank's RNG state; returns loom.json."""
     meta, metadata = verify(path)
+    mismatch = check_replicas(metadata.state_dict_metadata, model)
+    if mismatch:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {mismatch}")
     zero = isinstance(model, ShardedDataParallel)
     _init_optimizer_state(optimizer)
     state = training_state(model, optimizer, for_saving=False)
@@ -354,6 +363,8 @@ def load(path: Path, model, optimizer, mesh) -> dict:
     try:
         if zero:
             load_zero_state(model, optimizer, state)
+        elif isinstance(model, LocalSGD):
+            load_lowcomm_state(model, optimizer, state)
         else:
             module = getattr(model, "module", model)
             optim = _unboxed(state["optim"])

@@ -158,6 +158,21 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
+LOWCOMM_BUILT = ("none", "local_sgd", "diloco")  # the algorithms that run today
+
+
+class LowcommConfig(Section):
+    # low-communication data parallelism (lowcomm/, docs/lowcomm.md): replicas train apart
+    # and synchronize every inner_steps optimizer steps; LOWCOMM_BUILT: the ones that run today
+    algorithm: Literal["none", "local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp",
+                       "hpsgd", "hierarchical", "lordo"] = "none"
+    inner_steps: int = Field(1, ge=1)  # H
+    # DiLoCo's outer optimizer: "nesterov", SGD with Nesterov momentum; "sgd", without momentum
+    outer_optimizer: Literal["sgd", "nesterov"] = "nesterov"
+    outer_lr: float = Field(0.7, gt=0.0)  # DiLoCo's (Douillard et al. 2023)
+    outer_momentum: float = Field(0.9, gt=0.0, lt=1.0)
+
+
 class Config(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -166,6 +181,7 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
     comm: CommConfig = CommConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    lowcomm: LowcommConfig = LowcommConfig()
 
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
@@ -202,6 +218,7 @@ class Config(Section):
             )
         _check_pipeline(p, self.model, t)
         _check_sequence(p, self.model, t, self.data)
+        _check_lowcomm(self)
         if p.schedule == "async" and self.run.timeline_step:
             raise ValueError('run.timeline_step records one step of a fixed schedule; parallel.'
                              'schedule="async" streams micro-batches across steps: set '
@@ -331,6 +348,44 @@ def _check_sequence(p: ParallelConfig, m: ModelConfig, t: TrainConfig, d: DataCo
         why = "two zig-zag chunks per rank" if method != "ulysses" else "one chunk per rank"
         raise ValueError(f"model.seq_len={m.seq_len} must be divisible by {pieces} for "
                          f"parallel.cp_method={method!r} at parallel.cp={p.cp} ({why})")
+
+
+def _check_lowcomm(cfg: Config) -> None:
+    """Low-communication replicas run today as plain fp32 replicas of the whole model over dp,
+    each on its own rows, checkpointed only where they are synchronized."""
+    lc, p, t = cfg.lowcomm, cfg.parallel, cfg.train
+    if lc.algorithm not in LOWCOMM_BUILT:
+        raise ValueError(f"lowcomm.algorithm={lc.algorithm!r} is not built yet; choose one of "
+                         f"{', '.join(repr(a) for a in LOWCOMM_BUILT)}")
+    changed = [k for k in ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum")
+               if getattr(lc, k) != LowcommConfig.model_fields[k].default]
+    outer = [k for k in changed if k.startswith("outer")]
+    if lc.algorithm == "none" and changed:
+        raise ValueError(f"lowcomm.{changed[0]} is a low-communication setting: set "
+                         'lowcomm.algorithm to "local_sgd" or "diloco"')
+    if lc.algorithm == "local_sgd" and outer:
+        raise ValueError(f"lowcomm.{outer[0]} is DiLoCo's outer optimizer; local SGD averages "
+                         'the parameters: set lowcomm.algorithm="diloco" or leave it at its default')
+    if lc.outer_optimizer == "sgd" and "outer_momentum" in changed:
+        raise ValueError('lowcomm.outer_momentum is the Nesterov momentum; lowcomm.'
+                         'outer_optimizer="sgd" has none: use "nesterov" or leave it unset')
+    if lc.algorithm == "none":
+        return
+    others = {"parallel.tp": (p.tp, 1), "parallel.pp": (p.pp, 1), "parallel.cp": (p.cp, 1),
+              "parallel.zero_stage": (p.zero_stage, 0), "train.precision": (t.precision, "fp32"),
+              "data.packing": (cfg.data.packing, False), "data.balance": (cfg.data.balance, False)}
+    for key, (value, allowed) in others.items():
+        if value != allowed:
+            raise ValueError(f"lowcomm.algorithm={lc.algorithm!r} with {key}={value!r} is not "
+                             f"supported yet: its replicas are whole fp32 models over dp ({key}="
+                             f"{allowed!r})")
+    every = cfg.checkpoint.every
+    if every % lc.inner_steps:
+        fit = -(-every // lc.inner_steps) * lc.inner_steps
+        raise ValueError(f"checkpoint.every={every} must be a multiple of lowcomm.inner_steps="
+                         f"{lc.inner_steps}: a checkpoint holds one model, so it is written where "
+                         f"the replicas synchronize; set checkpoint.every={fit} (or 0: only at "
+                         "the end and on a signal)")
 
 
 def _check_optimal(p: ParallelConfig) -> None:

@@ -279,6 +279,9 @@ def estimate(cfg) -> DryRun:
         raise ConfigError(f"loom train --dry-run does not model context parallelism yet "
                           f"(parallel.cp={p.cp}): run without --dry-run, or with parallel.cp=1 "
                           "to see the other axes")
+    if cfg.lowcomm.algorithm != "none":  # it would report a gradient all-reduce every step
+        raise ConfigError(f"loom train --dry-run does not model low-communication replicas yet "
+                          f"(lowcomm.algorithm={cfg.lowcomm.algorithm!r}): run without --dry-run")
     data = _check_data(cfg)
     schedule = _pipeline_schedule(cfg) if p.pp > 1 else None
     built = _build_on_fake_backend(cfg)

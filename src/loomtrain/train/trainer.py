@@ -6,7 +6,9 @@ One optimizer step:
    SIGTERM on any rank), so every rank agrees on both before any gradient work;
 3. micro-batches run forward/backward, all but the last under `no_sync()`; each loss is the
    token-summed cross-entropy divided by the global token count, and the engine sums
-   gradients over dp, so the gradient equals the single-process one on the global batch;
+   gradients over dp, so the gradient equals the single-process one on the global batch
+   (low-communication replicas, lowcomm/, never reduce gradients: each divides by its own
+   token count, and the replicas synchronize in `after_step` every `inner_steps` steps);
 4. gradients are clipped; a non-finite gradient norm (identical on every rank after the
    all-reduce) skips the step, and too many in a row abort the run;
 5. AdamW steps; the loss is all-reduced only on logged steps.
@@ -84,7 +86,8 @@ def _local(model, batch):
 def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float,
                loss_fn=token_loss_sum):
     """Forward/backward over the micro-batches, clip, step. Returns (local loss sum, grad norm,
-    stepped). The loss of every micro-batch is divided by the global token count."""
+    stepped). The loss of every micro-batch is divided by `global_tokens`: the global token
+    count (this rank's own for low-communication replicas, which step on their own rows)."""
     runtime = runtime_of(model)
     if getattr(runtime, "owns_optimizer", False):  # schedule="async": it steps per micro-batch
         loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
@@ -148,11 +151,16 @@ def _drain(model) -> None:
         runtime.drain()
 
 
+def _target_tokens(batches) -> int:
+    """The target tokens (not IGNORE_INDEX) in this rank's micro-batches."""
+    return sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches)
+
+
 def _control(batches, stop: StopFlag, mesh, balanced: bool = False) -> tuple[float, bool]:
     """(global target tokens, whether any rank got SIGINT/SIGTERM), agreed by all ranks in
     one all-reduce."""
-    local_tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches)
-    control = torch.tensor([local_tokens, bool(stop.signum)], dtype=torch.float64, device=mesh.device)
+    control = torch.tensor([_target_tokens(batches), bool(stop.signum)], dtype=torch.float64,
+                           device=mesh.device)
     comm.all_reduce(control, mesh, "world")
     replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
     if balanced:  # every rank loaded the whole pool's rows
@@ -224,6 +232,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
     saved_at = start  # the newest checkpoint (if any) holds the state after this step
+    lowcomm = cfg.lowcomm.algorithm != "none"
     mesh.meter.take()
     mesh.meter.take_simulated()
     try:
@@ -242,8 +251,13 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             lr = lr_at(step, cfg.train)
             set_lr(optimizer, lr)
             timeline = _start_timeline(model, step, cfg)
-            loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, global_tokens,
+            # low-communication replicas step on their own rows: each normalizes by its tokens
+            loss_tokens = _target_tokens(batches) if lowcomm else global_tokens
+            loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, loss_tokens,
                                                       cfg.train.grad_clip, loss_sum_fn)
+            done = step + 1
+            if lowcomm:  # every inner_steps steps, and after the last, the replicas synchronize
+                model.after_step(done, last=done == cfg.train.steps)
             bubble = None
             if timeline is not None:
                 bubble = _write_timeline(model, timeline, run_dir, step, mesh, cfg)
@@ -256,7 +270,6 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                         f"{nonfinite} consecutive steps had a non-finite loss or gradient "
                         f"(run.max_nonfinite_steps={cfg.run.max_nonfinite_steps}); aborting")
             window_steps += 1
-            done = step + 1
             loss = None
             is_eval = done % cfg.run.eval_every == 0 or done == cfg.train.steps
             if is_eval or done % cfg.run.log_every == 0:  # an evaluated step is always logged
@@ -336,6 +349,8 @@ def write_config(run_dir: Path, cfg: Config) -> None:
 
 def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh, extra: dict | None = None) -> None:
     _drain(model)
+    if cfg.lowcomm.algorithm != "none":  # a stop between syncs: one model to save
+        model.end_period()
     checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, extra or {})
 
 

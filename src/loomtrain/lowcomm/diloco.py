@@ -1,0 +1,81 @@
+"""DiLoCo: H inner optimizer steps per replica, then one outer step on the averaged
+pseudo-gradient.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
+(arXiv 2311.08105), Algorithm 1: every replica i starts an outer step from the global
+parameters theta, takes H inner steps (AdamW) on its own data to theta_i, and the replicas
+average the outer gradient, the pseudo-gradient
+
+    delta = (1/k) sum_i (theta - theta_i)
+
+which an outer optimizer applies to theta (SGD with Nesterov momentum, lr 0.7, momentum 0.9
+in the paper); every replica then continues from the new theta. With H = 1, outer SGD of
+learning rate 1 and no momentum, theta - delta is the mean of the theta_i: parameter
+averaging, i.e. local SGD (local_sgd.py), up to fp32 rounding (tests/test_lowcomm.py).
+
+What is communicated is the pseudo-gradient, not the parameters (one flat all-reduce of the
+model's size per sync, as local SGD): the same bytes in fp32, and what a compressed variant
+(int8 pseudo-gradients, streaming DiLoCo) has to send.
+
+State kept per replica on top of the model: theta (one flat copy of the parameters) and the
+outer optimizer's momentum (another), identical on every replica after each sync, so a
+checkpoint stores them once (lowcomm/state.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from loomtrain import comm
+from loomtrain.lowcomm.local_sgd import LocalSGD
+
+
+class DiLoCo(LocalSGD):
+    """`model = DiLoCo(model, mesh, inner_steps=H)`; the inner optimizer is the caller's (the
+    trainer's AdamW); the outer one belongs to the wrapper: `nesterov=True` is SGD with
+    Nesterov momentum `outer_momentum`, `nesterov=False` plain SGD (no momentum)."""
+
+    def __init__(self, module: nn.Module, mesh, inner_steps: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, axis: str = "dp"):
+        super().__init__(module, mesh, inner_steps, axis)
+        # theta: after the broadcast, every replica's copy is dp rank 0's parameters
+        self.global_params = _flatten_dense_tensors([p.detach() for p in self.params]).clone()
+        momentum = outer_momentum if nesterov else 0.0
+        self.outer = torch.optim.SGD([self.global_params], lr=outer_lr, momentum=momentum,
+                                     nesterov=nesterov)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """The outer step: average the pseudo-gradient over the axis, step theta, and copy
+        theta into this replica's parameters."""
+        local = _flatten_dense_tensors([p.detach() for p in self.params])
+        pseudo_gradient = torch.sub(self.global_params, local)
+        comm.all_reduce(pseudo_gradient, self.mesh, self.axis)
+        pseudo_gradient.div_(self.mesh.size(self.axis))
+        self.global_params.grad = pseudo_gradient
+        self.outer.step()
+        self.global_params.grad = None
+        self._set_params(self.global_params)
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        """The outer momentum per parameter name, as fresh tensors (DCP saves from them or
+        loads into them). Empty without momentum."""
+        if self.outer.defaults["momentum"] == 0:
+            return {}
+        buffer = self.outer.state[self.global_params].get("momentum_buffer")
+        if buffer is None:  # before the first outer step: zero momentum, the same update
+            buffer = torch.zeros_like(self.global_params)
+        views = _unflatten_dense_tensors(buffer, self.params)
+        return {f"momentum_buffer.{n}": v.clone() for n, v in zip(self.names, views)}
+
+    @torch.no_grad()
+    def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """After the model's parameters were loaded: theta is them (a checkpoint is written
+        at a sync), the momentum is the saved one."""
+        super().load_outer_state(state)
+        self.global_params.copy_(_flatten_dense_tensors([p.detach() for p in self.params]))
+        if state:
+            buffer = _flatten_dense_tensors([state[f"momentum_buffer.{n}"] for n in self.names])
+            self.outer.state[self.global_params]["momentum_buffer"] = buffer

@@ -1,0 +1,109 @@
+"""Local SGD: every replica steps its own optimizer on its own data, and the replicas average
+their parameters every H optimizer steps (`inner_steps`).
+
+Periodic parameter averaging, analysed as "local SGD" by Stich, "Local SGD Converges Fast and
+Communicates Little" (ICLR 2019, arXiv 1805.09767) and Lin et al., "Don't Use Large
+Mini-Batches, Use Local SGD" (ICLR 2020, arXiv 1808.07217): with H = 1 and plain SGD it is
+synchronous data parallelism (the mean of the replicas' updates is the update of the mean
+gradient); with H > 1 it sends 1/H of the bytes.
+
+`LocalSGD` is the replica wrapper the trainer drives in place of `DataParallel` (same
+interface: forward, `no_sync()`, `clip_grad_norm_`, `sync_gradients`, `.module`), plus
+`after_step(step)`, the hook the loop calls after every optimizer step. Between syncs
+nothing is communicated: each replica's gradient is its own, its loss is normalized by its
+own target-token count, and clipping uses its own gradient norm. DiLoCo (diloco.py) is this
+wrapper with an outer optimizer in place of the plain average.
+
+Failure semantics: every replica must call `after_step` at the same steps (the trainer does);
+a replica that skips its optimizer step (a non-finite gradient) still takes part in the sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from loomtrain import comm
+from loomtrain.parallel.data import broadcast_state
+
+
+class LocalSGD(nn.Module):
+    """`model = LocalSGD(model, mesh, inner_steps=H)`; then per step
+    `loss.backward(); optimizer.step(); model.after_step(step)`.
+
+    The wrapped module is `.module` (its state_dict keys are unchanged there)."""
+
+    def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str = "dp"):
+        super().__init__()
+        assert inner_steps >= 1, inner_steps
+        self.module, self.mesh, self.axis = module, mesh, axis
+        self.inner_steps = inner_steps
+        self.steps_since_sync = 0
+        broadcast_state(module, mesh, axis)  # replicas start identical, whatever their seeds
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied: once
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        dtypes = {p.dtype for p in self.params}
+        assert len(dtypes) == 1, f"one flat buffer per sync needs one dtype, got {dtypes}"
+
+    @property
+    def replica(self) -> int:
+        """This replica's index on the dp axis (checkpoint keys of its own state use it)."""
+        return self.mesh.local_rank(self.axis)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Nothing is communicated during backward at any micro-step: a no-op, for the loop."""
+        yield
+
+    def sync_gradients(self) -> None:
+        """Gradients stay local: nothing to reduce."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this replica's own gradient; returns its norm before clipping."""
+        if max_norm > 0:
+            return nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
+                                       foreach=True)
+
+    def after_step(self, step: int, last: bool = False) -> bool:
+        """Call after optimizer step `step` (counted from 1) on every replica. Synchronizes
+        when `step` is a multiple of `inner_steps`, or when `last` (the run's final step, so
+        it ends on one model). Returns whether it synchronized."""
+        self.steps_since_sync += 1
+        if step % self.inner_steps and not last:
+            return False
+        self.synchronize()
+        return True
+
+    def end_period(self) -> None:
+        """Synchronize now unless the replicas have not stepped since the last sync: what a
+        checkpoint needs, since it holds one model for all replicas."""
+        if self.steps_since_sync:
+            self.synchronize()
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """The parameters of every replica become their mean over the axis: one flat
+        all-reduce (sum, then divide)."""
+        flat = _flatten_dense_tensors([p.detach() for p in self.params])
+        comm.all_reduce(flat, self.mesh, self.axis)
+        flat.div_(self.mesh.size(self.axis))
+        self._set_params(flat)
+
+    def _set_params(self, flat: torch.Tensor) -> None:
+        for p, value in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
+            p.copy_(value)
+        self.steps_since_sync = 0
+
+    # checkpoint hooks (lowcomm/state.py): local SGD keeps no state of its own
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.steps_since_sync = 0

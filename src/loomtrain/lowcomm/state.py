@@ -1,0 +1,57 @@
+"""Checkpoints of low-communication runs: one model, one outer state, each replica's own
+inner optimizer.
+
+A checkpoint is written only where the replicas are synchronized (the trainer calls
+`end_period()` before saving), so every replica's parameters are the global ones: the model
+entry ("model.<name>", as in any checkpoint) is the global model, written once (DCP keeps one
+copy of a key that several ranks write). DiLoCo's outer momentum is identical on every
+replica too: "lowcomm.momentum_buffer.<name>", written once. The inner optimizers (AdamW's
+moments) differ between replicas: each goes under its own key,
+"optim.replica<R>.state.<name>.exp_avg", ..., so a resume restores every replica's own state
+and continues the run as if it had not stopped. The price: a checkpoint resumes only at the
+same number of replicas, and only into a low-communication run (`loom export` and generation
+read the model entry like any other).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from loomtrain.lowcomm.local_sgd import LocalSGD
+
+
+def lowcomm_state(model, optimizer) -> dict:
+    """{"model": ..., "optim": {"replica<R>": ...}, "lowcomm": ...} of `model` (a LocalSGD or
+    DiLoCo wrapper): DCP saves from it, or loads into it."""
+    model_sd, optim_sd = get_state_dict(model.module, optimizer)
+    return {"model": model_sd, "optim": {f"replica{model.replica}": optim_sd},
+            "lowcomm": model.outer_state()}
+
+
+def load_lowcomm_state(model, optimizer, state: dict) -> None:
+    """Put what DCP loaded into `state` (from `lowcomm_state`) into the model, the inner
+    optimizer and the wrapper's outer state."""
+    set_state_dict(model.module, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"][f"replica{model.replica}"],
+                   options=StateDictOptions(strict=True))
+    model.load_outer_state(state["lowcomm"])
+
+
+def check_replicas(keys, model) -> str | None:
+    """Why a checkpoint with DCP keys `keys` cannot resume `model` (a LocalSGD wrapper,
+    or any other engine), or None: the inner optimizer states must be one per replica of this
+    run."""
+    saved = {k.split(".")[1] for k in keys if k.startswith("optim.replica")}
+    if not isinstance(model, LocalSGD):
+        if saved:
+            return (f"it holds the optimizer states of {len(saved)} low-communication replicas "
+                    "(lowcomm.algorithm was set); resume it with lowcomm.algorithm=\"local_sgd\" or "
+                    "\"diloco\"")
+        return None
+    if not saved:
+        return ("it was written without lowcomm.algorithm (one optimizer state for all "
+                "replicas); resume it with lowcomm.algorithm=\"none\"")
+    if len(saved) != model.mesh.size(model.axis):
+        return (f"it holds the optimizer states of {len(saved)} replicas, one each, and this run "
+                f"has {model.mesh.size(model.axis)}; resume it with parallel.dp={len(saved)}")
+    return None
