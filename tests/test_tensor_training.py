@@ -32,30 +32,35 @@ TP_ORACLE = {  # world -> configurations checked against the single-process run
 }
 
 
-def _metric_curves(tmp_path, corpus, world, parallels, model, name):
-    trees = [tiny_tree(tmp_path, corpus, model={"name": model},
-                       parallel={"nproc": world, **p}) for p in parallels]
-    run_world(_train_many, world, trees, str(tmp_path / name), timeout_s=280)
-    return [read_metrics(tmp_path / name / f"run{i}") for i in range(len(trees))]
+def _mlp_configs(configs):
+    """The MLP runs the plain splits, alone and under the ZeRO-2 engine: sequence parallelism
+    is the GPT's, and stages 1 and 3 add nothing its plan does not meet at stage 2 (the GPT
+    covers them), which keeps the suite's time in bounds."""
+    plain = [{k: v for k, v in c.items() if k != "sequence_parallel"} for c in configs
+             if c.get("zero_stage", 2) == 2]
+    return [c for i, c in enumerate(plain) if c not in plain[:i]]
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp"])
-def test_oracle_tensor_parallel_alone_and_with_dp_and_zero(tmp_path, corpus, model):
-    reference = _metric_curves(tmp_path, corpus, 1, [{}], model, "ref")[0]
-    assert len(reference) == 20 and reference[-1]["loss"] < reference[0]["loss"] - 0.3
+def test_oracle_tensor_parallel_alone_and_with_dp_and_zero(tmp_path, corpus):
+    """The GPT and the MLP model; each world runs both models' configurations (one spawn)."""
+    def curves(world, configs):
+        cases = [("gpt", c) for c in configs] + [("mlp", c) for c in _mlp_configs(configs)]
+        trees = [tiny_tree(tmp_path, corpus, model={"name": m}, parallel={"nproc": world, **c})
+                 for m, c in cases]
+        run_world(_train_many, world, trees, str(tmp_path / f"w{world}"), timeout_s=400)
+        return [(m, c, read_metrics(tmp_path / f"w{world}" / f"run{i}"))
+                for i, (m, c) in enumerate(cases)]
+    references = {m: records for m, _, records in curves(1, [{}])}
+    for records in references.values():
+        assert len(records) == 20 and records[-1]["loss"] < records[0]["loss"] - 0.3
     for world, configs in TP_ORACLE.items():
-        if model == "mlp":  # sequence parallelism is the GPT's: the MLP runs the plain splits,
-            # alone and under the two engines (stages 1 and 3 add nothing its plan does not
-            # meet at stage 2; the GPT covers them), which keeps the suite's time in bounds
-            configs = [{k: v for k, v in c.items() if k != "sequence_parallel"} for c in configs
-                       if c.get("zero_stage", 2) == 2]
-        runs = _metric_curves(tmp_path, corpus, world, configs, model, f"w{world}")
-        for cfg, records in zip(configs, runs):
+        for model, cfg, records in curves(world, configs):
+            reference = references[model]
             # fp32 sums in another order (partial products all-reduced, the vocabulary-split
             # softmax, shard-wise norms) differ in the last bits: ~1e-7 after 20 AdamW steps
             for key in ("loss", "grad_norm"):
                 rel = max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(records, reference))
-                assert rel < 1e-4, (world, cfg, key, rel)
+                assert rel < 1e-4, (model, world, cfg, key, rel)
 
 
 def test_checkpoints_reload_under_another_layout_and_export(tmp_path, corpus):
