@@ -168,3 +168,24 @@ def test_a_replica_checkpoint_resumes_only_replicas():
             "optim.replica1.state.head.weight.exp_avg", "optim.replica1.param_groups"]
     assert "resume it with lowcomm.algorithm=" in check_replicas(keys, object())
     assert check_replicas(["model.head.weight", "optim.state.head.weight.exp_avg"], object()) is None
+
+
+def test_noloco_pairs_are_a_perfect_matching_identical_on_every_replica():
+    from collections import Counter
+
+    from loomtrain.lowcomm.noloco import partners
+
+    for replicas in (2, 3, 4, 7, 8):
+        seen = Counter()
+        for step in range(400):
+            p = partners(replicas, seed=5, step=step)
+            assert p == partners(replicas, seed=5, step=step)  # every replica draws the same
+            assert all(p[p[r]] == r for r in range(replicas))  # a matching
+            alone = [r for r in range(replicas) if p[r] == r]
+            assert len(alone) == replicas % 2  # perfect when even; one sits out when odd
+            seen.update((r, p[r]) for r in range(replicas) if p[r] != r)
+        pairs = replicas * (replicas - 1)  # ordered pairs of distinct replicas
+        assert len(seen) == pairs  # every peer gets chosen over the steps
+        if replicas == 4:  # uniform: each of the 3 partners of a replica about 1/3 of the time
+            assert all(abs(seen[(0, q)] / 400 - 1 / 3) < 0.08 for q in (1, 2, 3))
+    assert len({tuple(partners(4, 5, s)) for s in range(10)}) > 1  # new pairs each step

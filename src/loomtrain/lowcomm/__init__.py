@@ -8,7 +8,8 @@ replicas meet every `inner_steps` optimizer steps, which the loop signals by cal
 - local_sgd.py: local SGD, the parameters averaged every H steps;
 - diloco.py: DiLoCo, H inner steps then an outer optimizer step on the averaged
   pseudo-gradient;
-- state.py: their checkpoints.
+- state.py: their checkpoints;
+- noloco.py: NoLoCo's pairing of replicas (pure; its outer step comes later).
 Guide: docs/lowcomm.md.
 """
 
