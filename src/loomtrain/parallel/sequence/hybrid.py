@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loomtrain.parallel.sequence.balance import Plan, deal
+from loomtrain.parallel.sequence.balance import Plan, deal, work_of
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,6 @@ def plan_shares(docs: torch.Tensor, pool: int, attention: str = "softmax",
 def dp_imbalance(docs: torch.Tensor, dp: int, attention: str = "softmax") -> float:
     """The work imbalance of plain data parallelism on the same rows (row r to rank r * dp //
     rows, whole), for the log's comparison: max / mean - 1."""
-    from loomtrain.parallel.sequence.balance import work_of
-
     rows = docs.shape[0]
     work = [0.0] * dp
     for seg in segments(docs):

@@ -21,6 +21,7 @@ from loomtrain.models import IGNORE_INDEX
 from loomtrain.parallel.sequence.context import Ring, SeqContext
 from loomtrain.parallel.sequence.hybrid import dp_imbalance, plan_shares, zigzag_split
 from loomtrain.parallel.sequence.ring import _backward, _forward
+from loomtrain.parallel.sequence.runtime import attention_modules
 
 
 class _Rings(torch.autograd.Function):
@@ -28,14 +29,14 @@ class _Rings(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, q, k, v, pieces):
-        outs, saved = [], []
+        outs, lses = [], []
         for part, seq in pieces:
             out, lse = _forward(q[..., part, :], k[..., part, :], v[..., part, :], seq)
-            outs.append(out.to(q.dtype))
-            saved.append(lse)
+            outs.append(out)  # fp32, for backward
+            lses.append(lse)
         fctx.pieces = pieces
-        fctx.save_for_backward(q, k, v, *(o.float() for o in outs), *saved)
-        return tuple(outs)
+        fctx.save_for_backward(q, k, v, *outs, *lses)
+        return tuple(out.to(q.dtype) for out in outs)
 
     @staticmethod
     def backward(fctx, *douts):
@@ -60,9 +61,8 @@ class HybridRuntime:
         self.imbalance = self.dp_imbalance = 0.0
         self.whole: list[slice] = []  # local token ranges of whole documents
         self.split: list[tuple[slice, SeqContext]] = []  # and of split ones, with their ring
-        for module in model.modules():
-            if hasattr(module, "core") and hasattr(module, "n_heads"):  # CausalSelfAttention
-                module.core = self.attend
+        for module in attention_modules(model):
+            module.core = self.attend
 
     def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor):
         """This rank's tokens of the pool's rows `x`, `y`, `docs` (rows, T), as one row."""
@@ -95,14 +95,12 @@ class HybridRuntime:
         return x[index][None], local_y[None]
 
     def attend(self, q, k, v):
-        parts = [None] * (len(self.whole) + len(self.split))
-        order = sorted([(s.start, i, s) for i, s in enumerate(self.whole)]
-                       + [(s.start, len(self.whole) + i, s) for i, (s, _) in enumerate(self.split)])
-        for i, span in enumerate(self.whole):
-            parts[i] = F.scaled_dot_product_attention(q[..., span, :], k[..., span, :],
-                                                      v[..., span, :], is_causal=True)
+        """Whole documents by SDPA, split ones by the layer's rings; outputs in local order."""
+        outs = {}
+        for span in self.whole:
+            outs[span.start] = F.scaled_dot_product_attention(
+                q[..., span, :], k[..., span, :], v[..., span, :], is_causal=True)
         if self.split:
-            outs = _Rings.apply(q, k, v, self.split)
-            for i, out in enumerate(outs):
-                parts[len(self.whole) + i] = out
-        return torch.cat([parts[i] for _, i, _ in order], dim=-2)
+            for (span, _), out in zip(self.split, _Rings.apply(q, k, v, self.split)):
+                outs[span.start] = out
+        return torch.cat([outs[start] for start in sorted(outs)], dim=-2)

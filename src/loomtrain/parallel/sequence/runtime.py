@@ -16,6 +16,8 @@ the loss is summed over local targets, and gradients are summed over dp and cp t
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +26,7 @@ from loomtrain.parallel.sequence.context import Ring, SeqContext
 LAYOUT = {"ring": "zigzag", "ulysses": "contiguous", "lasp": "contiguous", "local": "contiguous"}
 
 
-def local_attention(q, k, v, ctx: SeqContext, linear: bool, decay=None) -> torch.Tensor:
+def local_attention(q, k, v, ctx: SeqContext, linear: bool = False, decay=None) -> torch.Tensor:
     """The whole row on this rank: causal attention within each document."""
     if linear:
         from loomtrain.models.linear_attention import causal_linear_attention
@@ -52,9 +54,8 @@ class SequenceRuntime:
         self.linear = attention == "linear"
         self.ring = Ring(mesh, "cp") if method != "local" else None
         self.context: SeqContext | None = None
-        for module in model.modules():
-            if hasattr(module, "core") and hasattr(module, "n_heads"):  # CausalSelfAttention
-                module.core = self._core_for(module)
+        for module in attention_modules(model):
+            module.core = self._core_for(module)
 
     @property
     def layout(self) -> str:
@@ -74,26 +75,32 @@ class SequenceRuntime:
         return x[:, positions], y[:, positions]
 
     def _core_for(self, module):
-        def core(q, k, v):
-            ctx = self.context
-            assert ctx is not None, "SequenceRuntime.shard must run before the forward"
-            decay = getattr(module, "decay", None)
-            if self.method == "local":
-                return local_attention(q, k, v, ctx, self.linear, decay)
-            if self.method == "ring":
-                from loomtrain.parallel.sequence.ring import ring_attention
+        """The kernel for `module`, chosen once; the core reads the batch's context per call."""
+        decay = getattr(module, "decay", None)
+        if self.method == "local":
+            kernel = partial(local_attention, linear=self.linear, decay=decay)
+        elif self.method == "ring":
+            from loomtrain.parallel.sequence.ring import ring_attention as kernel
+        elif self.method == "ulysses":
+            from loomtrain.parallel.sequence.ulysses import ulysses_attention
 
-                return ring_attention(q, k, v, ctx)
-            if self.method == "ulysses":
-                from loomtrain.parallel.sequence.ulysses import ulysses_attention
-
-                if self.linear:
-                    return ulysses_attention(q, k, v, ctx, attend=_linear_over(decay))
-                return ulysses_attention(q, k, v, ctx)
+            kernel = (partial(ulysses_attention, attend=_linear_over(decay)) if self.linear
+                      else ulysses_attention)
+        else:
             from loomtrain.parallel.sequence.lasp import lasp_attention
 
-            return lasp_attention(q, k, v, ctx, decay=decay)
+            kernel = partial(lasp_attention, decay=decay)
+
+        def core(q, k, v):
+            assert self.context is not None, "SequenceRuntime.shard must run before the forward"
+            return kernel(q, k, v, self.context)
         return core
+
+
+def attention_modules(model):
+    """The model's attention modules that take a kernel in their `core` (the GPT's
+    CausalSelfAttention)."""
+    return [m for m in model.modules() if hasattr(m, "core") and hasattr(m, "n_heads")]
 
 
 def sequence_of(model) -> SequenceRuntime | None:
