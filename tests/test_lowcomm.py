@@ -131,10 +131,10 @@ def test_world4_diloco_converges_on_a_quarter_of_the_bytes(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("lowcomm,other,why", [
-    ({"algorithm": "streaming_diloco"}, {}, "is not built yet"),
-    ({"algorithm": "lordo"}, {}, "choose one of 'none', 'local_sgd', 'diloco'"),
-    ({"inner_steps": 4}, {}, 'set lowcomm.algorithm to "local_sgd" or "diloco"'),
-    ({"algorithm": "local_sgd", "outer_lr": 1.0}, {}, "lowcomm.outer_lr is DiLoCo's outer optimizer"),
+    ({"inner_steps": 4}, {}, "lowcomm.inner_steps is not read by lowcomm.algorithm='none'"),
+    ({"algorithm": "local_sgd", "outer_lr": 1.0}, {},
+     "lowcomm.outer_lr is not read by lowcomm.algorithm='local_sgd'; it is a setting of 'diloco'"),
+    ({"algorithm": "diloco", "rank": 4}, {}, "it is a setting of 'lordo'"),
     ({"algorithm": "diloco", "outer_optimizer": "sgd", "outer_momentum": 0.5}, {},
      'outer_optimizer="sgd" has none'),
     ({"algorithm": "diloco", "inner_steps": 4}, {"checkpoint": {"every": 6}},

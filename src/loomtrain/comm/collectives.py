@@ -77,6 +77,7 @@ class Pending:
             left = self._due - time.perf_counter()
             if left > 0:
                 time.sleep(left)
+                self._mesh.meter.record_link_wait(left)
             self._due = None
         if self._on_done is not None:
             self._on_done()

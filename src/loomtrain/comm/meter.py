@@ -57,6 +57,10 @@ class CommMeter:
     window: dict = field(default_factory=lambda: defaultdict(OpCount))
     simulated_window: dict = field(default_factory=lambda: defaultdict(float))
     last_op: str = "none"
+    # seconds this rank waited on the simulated link after the real op had completed (the
+    # simulated time that no computation hid): cumulative, and a window for `take_link_wait`
+    link_wait_s: float = 0.0
+    link_wait_window: float = 0.0
 
     def record(self, axis: str, op: str, payload_bytes: int, wire: int,
                simulated_s: float = 0.0) -> None:
@@ -73,6 +77,15 @@ class CommMeter:
         its calls and bytes are not counted, and `take()` does not list it."""
         self.counts[(axis, op)].simulated_s += seconds
         self.simulated_window[(axis, op)] += seconds
+
+    def record_link_wait(self, seconds: float) -> None:
+        self.link_wait_s += seconds
+        self.link_wait_window += seconds
+
+    def take_link_wait(self) -> float:
+        """Seconds waited on the simulated link since the last call."""
+        out, self.link_wait_window = self.link_wait_window, 0.0
+        return out
 
     def total(self, field_name: str = "wire_bytes", op: str | None = None,
               axis: str | None = None) -> int | float:

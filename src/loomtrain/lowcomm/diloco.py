@@ -32,6 +32,12 @@ from loomtrain import comm
 from loomtrain.lowcomm.local_sgd import LocalSGD
 
 
+def build(model, optimizer, mesh, cfg):
+    """apply_lowcomm's builder for algorithm="diloco"."""
+    return DiLoCo(model, mesh, cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum,
+                  nesterov=cfg.outer_optimizer == "nesterov"), optimizer
+
+
 class DiLoCo(LocalSGD):
     """`model = DiLoCo(model, mesh, inner_steps=H)`; the inner optimizer is the caller's (the
     trainer's AdamW); the outer one belongs to the wrapper: `nesterov=True` is SGD with

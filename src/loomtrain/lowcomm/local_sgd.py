@@ -30,6 +30,11 @@ from loomtrain import comm
 from loomtrain.parallel.data import broadcast_state
 
 
+def build(model, optimizer, mesh, cfg):
+    """apply_lowcomm's builder for algorithm="local_sgd"."""
+    return LocalSGD(model, mesh, cfg.inner_steps), optimizer
+
+
 class LocalSGD(nn.Module):
     """`model = LocalSGD(model, mesh, inner_steps=H)`; then per step
     `loss.backward(); optimizer.step(); model.after_step(step)`.
@@ -64,8 +69,20 @@ class LocalSGD(nn.Module):
     def sync_gradients(self) -> None:
         """Gradients stay local: nothing to reduce."""
 
+    def before_update(self) -> None:
+        """Called once per step after the last backward and before the optimizer step (from
+        `clip_grad_norm_`, which the loop calls there): where an algorithm finishes the
+        communication of the step's backward. Nothing here."""
+
+    def metrics(self) -> dict:
+        """What the algorithm adds to the step's metrics.jsonl record (a logged step): here
+        nothing."""
+        return {}
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip this replica's own gradient; returns its norm before clipping."""
+        """Clip this replica's own gradient; returns its norm before clipping. First runs
+        `before_update()`."""
+        self.before_update()
         if max_norm > 0:
             return nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],

@@ -160,10 +160,26 @@ class CheckpointConfig(Section):
 
 LOWCOMM_BUILT = ("none", "local_sgd", "diloco")  # the algorithms that run today
 
+# the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
+# that does not read it is refused (it would be silently ignored)
+LOWCOMM_KEYS = {
+    "none": (),
+    "local_sgd": ("inner_steps",),
+    "diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum"),
+    "streaming_diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum",
+                         "fragments", "overlap_steps", "quantize"),
+    "noloco": ("inner_steps", "outer_lr", "outer_momentum"),
+    "dreamddp": ("inner_steps",),
+    "hpsgd": ("overlap_steps",),
+    "hierarchical": ("inner_steps", "overlap_steps"),
+    "lordo": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "rank"),
+}
+
 
 class LowcommConfig(Section):
     # low-communication data parallelism (lowcomm/, docs/lowcomm.md): replicas train apart
-    # and synchronize every inner_steps optimizer steps; LOWCOMM_BUILT: the ones that run today
+    # and synchronize every inner_steps optimizer steps; LOWCOMM_BUILT: the ones that run today,
+    # LOWCOMM_KEYS: the keys each one reads
     algorithm: Literal["none", "local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp",
                        "hpsgd", "hierarchical", "lordo"] = "none"
     inner_steps: int = Field(1, ge=1)  # H
@@ -171,6 +187,11 @@ class LowcommConfig(Section):
     outer_optimizer: Literal["sgd", "nesterov"] = "nesterov"
     outer_lr: float = Field(0.7, gt=0.0)  # DiLoCo's (Douillard et al. 2023)
     outer_momentum: float = Field(0.9, gt=0.0, lt=1.0)
+    fragments: int = Field(1, ge=1)  # streaming DiLoCo: F fragments synced at staggered steps
+    # optimizer steps a sync stays in flight while the replicas compute (0: wait at once)
+    overlap_steps: int = Field(1, ge=0)
+    quantize: Literal["none", "int8"] = "none"  # the pseudo-gradients on the wire
+    rank: int = Field(16, ge=1)  # LoRDO: the rank r of the projected optimizer
 
 
 class Config(Section):
@@ -357,15 +378,15 @@ def _check_lowcomm(cfg: Config) -> None:
     if lc.algorithm not in LOWCOMM_BUILT:
         raise ValueError(f"lowcomm.algorithm={lc.algorithm!r} is not built yet; choose one of "
                          f"{', '.join(repr(a) for a in LOWCOMM_BUILT)}")
-    changed = [k for k in ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum")
-               if getattr(lc, k) != LowcommConfig.model_fields[k].default]
-    outer = [k for k in changed if k.startswith("outer")]
-    if lc.algorithm == "none" and changed:
-        raise ValueError(f"lowcomm.{changed[0]} is a low-communication setting: set "
-                         'lowcomm.algorithm to "local_sgd" or "diloco"')
-    if lc.algorithm == "local_sgd" and outer:
-        raise ValueError(f"lowcomm.{outer[0]} is DiLoCo's outer optimizer; local SGD averages "
-                         'the parameters: set lowcomm.algorithm="diloco" or leave it at its default')
+    changed = [k for k in LowcommConfig.model_fields if k != "algorithm"
+               and getattr(lc, k) != LowcommConfig.model_fields[k].default]
+    unread = [k for k in changed if k not in LOWCOMM_KEYS[lc.algorithm]]
+    if unread:
+        readers = [a for a, keys in LOWCOMM_KEYS.items() if unread[0] in keys]
+        raise ValueError(f"lowcomm.{unread[0]} is not read by lowcomm.algorithm="
+                         f"{lc.algorithm!r}; it is a setting of "
+                         f"{', '.join(repr(a) for a in readers)}: set lowcomm.algorithm to one "
+                         "of them or leave the key at its default")
     if lc.outer_optimizer == "sgd" and "outer_momentum" in changed:
         raise ValueError('lowcomm.outer_momentum is the Nesterov momentum; lowcomm.'
                          'outer_optimizer="sgd" has none: use "nesterov" or leave it unset')

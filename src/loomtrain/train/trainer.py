@@ -173,7 +173,7 @@ def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, ste
     """One metrics.jsonl record; the loss all-reduce happens only on logged steps (over pp
     too: the pipeline's last stage holds the loss; over cp: each peer has its tokens' loss).
     With a simulated inter-node link, also this rank's simulated link seconds since the
-    previous record."""
+    previous record, and of those the seconds it waited (not hidden by computation)."""
     for axis in ("dp", "cp", "pp"):
         comm.all_reduce(loss_sum, mesh, axis)
     rec = {"step": done, "loss": float(loss_sum) / global_tokens, "lr": lr,
@@ -181,6 +181,7 @@ def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, ste
            "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(mesh.device)}
     if mesh.link is not None:
         rec["comm_simulated_s"] = round(mesh.meter.take_simulated()["total"], 6)
+        rec["comm_link_wait_s"] = round(mesh.meter.take_link_wait(), 6)
     if not stepped:
         rec["skipped"] = True
     return rec
@@ -235,6 +236,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     lowcomm = cfg.lowcomm.algorithm != "none"
     mesh.meter.take()
     mesh.meter.take_simulated()
+    mesh.meter.take_link_wait()
     try:
         for step in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
@@ -282,6 +284,8 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                     sequence = sequence_of(model)
                     rec["work_imbalance"] = round(sequence.imbalance, 4)
                     rec["dp_work_imbalance"] = round(sequence.dp_imbalance, 4)
+                if lowcomm:  # the algorithm's own figures (a spread, a period, ...)
+                    rec.update(model.metrics())
                 if is_eval:
                     rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device, loss_sum_fn)
                 log.record(rec)
