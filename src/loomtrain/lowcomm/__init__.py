@@ -6,7 +6,8 @@ whole dp axis; the replicas meet as their algorithm says, which the loop drives 
 `model.after_step(step)` after every optimizer step.
 
 Every algorithm is a subclass of `LocalSGD` (local_sgd.py, the wrapper interface) in its own
-module, which has `build(model, optimizer, mesh, cfg) -> (wrapped model, optimizer)`:
+module, which has `build(model, optimizer, mesh, cfg, seed) -> (wrapped model, optimizer)`
+(`seed`: run.seed, for what the replicas draw in common):
 
 - local_sgd.py: local SGD, the parameters averaged every H steps;
 - diloco.py: DiLoCo, H inner steps then an outer optimizer step on the averaged
@@ -33,11 +34,12 @@ MODULES = {"local_sgd": "local_sgd", "diloco": "diloco", "streaming_diloco": "st
            "hierarchical": "hierarchical", "lordo": "lordo"}
 
 
-def apply_lowcomm(model, optimizer, mesh, cfg):
+def apply_lowcomm(model, optimizer, mesh, cfg, seed: int = 0):
     """The dp-axis strategy for `cfg` (the LowcommConfig): returns (wrapped model, optimizer):
-    the trainer's optimizer unchanged, as the inner one, or the algorithm's own (LoRDO)."""
+    the trainer's optimizer unchanged, as the inner one, or the algorithm's own (LoRDO).
+    `seed` (run.seed): what every replica draws in common (NoLoCo's pairs) derives from it."""
     module = importlib.import_module(f"loomtrain.lowcomm.{MODULES[cfg.algorithm]}")
-    return module.build(model, optimizer, mesh, cfg)
+    return module.build(model, optimizer, mesh, cfg, seed)
 
 
 __all__ = ["DiLoCo", "LocalSGD", "MODULES", "apply_lowcomm"]

@@ -32,7 +32,7 @@ from loomtrain import comm
 from loomtrain.lowcomm.local_sgd import LocalSGD
 
 
-def build(model, optimizer, mesh, cfg):
+def build(model, optimizer, mesh, cfg, seed: int):
     """apply_lowcomm's builder for algorithm="diloco"."""
     return DiLoCo(model, mesh, cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum,
                   nesterov=cfg.outer_optimizer == "nesterov"), optimizer

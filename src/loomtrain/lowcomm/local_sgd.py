@@ -30,7 +30,7 @@ from loomtrain import comm
 from loomtrain.parallel.data import broadcast_state
 
 
-def build(model, optimizer, mesh, cfg):
+def build(model, optimizer, mesh, cfg, seed: int):
     """apply_lowcomm's builder for algorithm="local_sgd"."""
     return LocalSGD(model, mesh, cfg.inner_steps), optimizer
 

@@ -34,7 +34,7 @@ def parallelize(model, mesh, cfg, make_optimizer):
     if cfg.lowcomm.algorithm != "none":  # config validation: dp only, fp32, no ZeRO
         from loomtrain.lowcomm import apply_lowcomm
 
-        return (*apply_lowcomm(model, optimizer, mesh, cfg.lowcomm), loss_sum)
+        return (*apply_lowcomm(model, optimizer, mesh, cfg.lowcomm, cfg.run.seed), loss_sum)
     from loomtrain.parallel.data import apply_data_parallel
     from loomtrain.parallel.zero import shard
 
