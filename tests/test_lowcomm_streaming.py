@@ -7,6 +7,8 @@ keeps each run's wrapper and records every pseudo-gradient reduce it starts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -41,7 +43,7 @@ def _traced_runs(rank, world, jobs, root):
         after_step = model.after_step
 
         def timed(step, last=False):
-            step_ends[-1][step] = __import__("time").perf_counter()
+            step_ends[-1][step] = time.perf_counter()
             return after_step(step, last)
         model.after_step = timed
         return model, optimizer
@@ -75,7 +77,8 @@ def test_fragments_are_strided_whole_blocks_and_cover_every_parameter_once():
             split = split_fragments(names, fragments)
             assert sorted(i for f in split for i in f) == list(range(len(names)))  # exactly once
             for p, indices in enumerate(split):
-                blocks = {int(names[i].split(".")[1]) for i in indices if names[i].startswith("blocks.")}
+                blocks = {int(names[i].split(".")[1]) for i in indices
+                          if names[i].startswith("blocks.")}
                 assert blocks == set(range(p, layers, fragments))  # block i -> fragment i % F
         split = split_fragments(names, 2)
         assert names.index("tok_emb.weight") in split[0]  # before any block: fragment 0
@@ -140,7 +143,8 @@ def test_world2_schedule_diloco_limit_overlap_int8_and_resume(tmp_path, corpus):
     assert launched == {2: 1, 4: 0, 6: 1, 8: 0, 10: 1, 12: 0, 14: 1, 16: 0}
     assert [step for step, _ in t["reduces"]] == sorted(launched)  # one reduce per launch
     for period in range(4):
-        window = [(launched[s], numel) for s, numel in t["reduces"] if 4 * period < s <= 4 * period + 4]
+        window = [(launched[s], numel) for s, numel in t["reduces"]
+                  if 4 * period < s <= 4 * period + 4]
         assert sorted(f for f, _ in window) == [0, 1]  # every fragment exactly once
         assert all(numel == t["numels"][f] for f, numel in window)  # and all of its parameters
     # each lands tau = 1 step after its launch; the last (step 16) at the run's end
@@ -172,7 +176,8 @@ def test_world2_schedule_diloco_limit_overlap_int8_and_resume(tmp_path, corpus):
     # (d) int8: the wire bytes of the pseudo-gradients against fp32's, same schedule. At
     # world 2 quantized_wire_ratio is 2 (1 + 4/64) / 8 = 0.2656; padding each fragment to
     # whole chunks of 64 adds a little: measured 0.26612 (147,696 bytes against 555,008)
-    wire = {name: sum(r["pseudo_gradient_wire_bytes"] for r in out[name][0]) for name in ("f2", "int8")}
+    wire = {name: sum(r["pseudo_gradient_wire_bytes"] for r in out[name][0])
+            for name in ("f2", "int8")}
     ratio = wire["int8"] / wire["f2"]
     assert quantized_wire_ratio(2) <= ratio < quantized_wire_ratio(2) * 1.01, (ratio, wire)
     int8 = _losses(out["int8"][0])
@@ -202,7 +207,8 @@ def test_world2_schedule_diloco_limit_overlap_int8_and_resume(tmp_path, corpus):
      "lowcomm.overlap_steps=2 must be less than lowcomm.inner_steps / lowcomm.fragments = 4/2 = 2"),
     ({"inner_steps": 1}, "set lowcomm.overlap_steps to at most 0"),  # the default tau = 1
     ({"inner_steps": 4, "mix": 1.0}, "less than 1"),
-    ({"inner_steps": 4, "outer_optimizer": "sgd", "outer_momentum": 0.5}, 'outer_optimizer="sgd" has none'),
+    ({"inner_steps": 4, "outer_optimizer": "sgd", "outer_momentum": 0.5},
+     'outer_optimizer="sgd" has none'),
 ])
 def test_config_refuses_a_schedule_that_does_not_fit(tmp_path, corpus, lowcomm, why):
     with pytest.raises(ConfigError, match="lowcomm") as err:

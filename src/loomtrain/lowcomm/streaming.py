@@ -93,6 +93,7 @@ def split_fragments(names: list[str], fragments: int, blocks: str = "blocks") ->
         if block is not None:
             current = block % fragments
         out[current].append(index)
+    assert all(out), f"a fragment without a block: blocks {sorted(set(block_of) - {None})}"
     return out
 
 
@@ -185,7 +186,8 @@ class StreamingDiLoCo(LocalSGD):
         reduce = comm.quantized_all_reduce if self.quantize == "int8" else comm.all_reduce
         pending = reduce(pseudo_gradient, self.mesh, self.axis, async_op=True)
         sent = self.mesh.meter.total("wire_bytes") - sent
-        self.in_flight.append(InFlight(p, step, pseudo_gradient, pending, time.perf_counter(), sent))
+        self.in_flight.append(InFlight(p, step, pseudo_gradient, pending, time.perf_counter(),
+                                       sent))
         self._launched = p
         self._window_bytes += sent
         self._window_payload += pseudo_gradient.numel() * pseudo_gradient.element_size()
@@ -257,11 +259,12 @@ class StreamingDiLoCo(LocalSGD):
         state = {}
         for p, params in enumerate(self.fragment_params):
             names = [self.names[i] for i in self.fragment_index[p]]
-            tensors = {"global": self.global_params[p]}
+            theta = self.global_params[p]
+            tensors = {"global": theta}
             if self.outer[p].defaults["momentum"]:
-                buffer = self.outer[p].state[self.global_params[p]].get("momentum_buffer")
+                buffer = self.outer[p].state[theta].get("momentum_buffer")
                 # before the first outer step: zero momentum, the same update
-                tensors["momentum_buffer"] = torch.zeros_like(self.global_params[p]) if buffer is None else buffer
+                tensors["momentum_buffer"] = torch.zeros_like(theta) if buffer is None else buffer
             for kind, flat in tensors.items():
                 for n, view in zip(names, _unflatten_dense_tensors(flat, params)):
                     state[f"{kind}.{n}"] = view.clone()
@@ -276,7 +279,8 @@ class StreamingDiLoCo(LocalSGD):
         self.differs = [False] * self.fragments
         for p, indices in enumerate(self.fragment_index):
             names = [self.names[i] for i in indices]
-            self.global_params[p].copy_(_flatten_dense_tensors([state[f"global.{n}"] for n in names]))
+            theta = _flatten_dense_tensors([state[f"global.{n}"] for n in names])
+            self.global_params[p].copy_(theta)
             if self.outer[p].defaults["momentum"]:
                 buffer = _flatten_dense_tensors([state[f"momentum_buffer.{n}"] for n in names])
                 self.outer[p].state[self.global_params[p]]["momentum_buffer"] = buffer
