@@ -158,7 +158,7 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
-LOWCOMM_BUILT = ("none", "local_sgd", "diloco")  # the algorithms that run today
+LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -167,7 +167,7 @@ LOWCOMM_KEYS = {
     "local_sgd": ("inner_steps",),
     "diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum"),
     "streaming_diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum",
-                         "fragments", "overlap_steps", "quantize"),
+                         "fragments", "overlap_steps", "quantize", "mix"),
     "noloco": ("inner_steps", "outer_lr", "outer_momentum"),
     "dreamddp": ("inner_steps",),
     "hpsgd": ("overlap_steps",),
@@ -191,6 +191,9 @@ class LowcommConfig(Section):
     # optimizer steps a sync stays in flight while the replicas compute (0: wait at once)
     overlap_steps: int = Field(1, ge=0)
     quantize: Literal["none", "int8"] = "none"  # the pseudo-gradients on the wire
+    # streaming DiLoCo: an overlapped sync lands as mix * local + (1 - mix) * global (the
+    # paper's alpha; 0 replaces the local fragment); 1 would never adopt the global one
+    mix: float = Field(0.5, ge=0.0, lt=1.0)
     rank: int = Field(16, ge=1)  # LoRDO: the rank r of the projected optimizer
 
 
@@ -400,6 +403,8 @@ def _check_lowcomm(cfg: Config) -> None:
             raise ValueError(f"lowcomm.algorithm={lc.algorithm!r} with {key}={value!r} is not "
                              f"supported yet: its replicas are whole fp32 models over dp ({key}="
                              f"{allowed!r})")
+    if lc.algorithm == "streaming_diloco":
+        _check_streaming(lc, cfg.model)
     every = cfg.checkpoint.every
     if every % lc.inner_steps:
         fit = -(-every // lc.inner_steps) * lc.inner_steps
@@ -407,6 +412,28 @@ def _check_lowcomm(cfg: Config) -> None:
                          f"{lc.inner_steps}: a checkpoint holds one model, so it is written where "
                          f"the replicas synchronize; set checkpoint.every={fit} (or 0: only at "
                          "the end and on a signal)")
+
+
+def _check_streaming(lc: LowcommConfig, m: ModelConfig) -> None:
+    """Streaming DiLoCo (lowcomm/streaming.py): fragments are whole blocks, one sync of each
+    per inner_steps steps at offsets H/F apart, and a sync lands before the next one starts."""
+    if lc.fragments > m.n_layers:
+        raise ValueError(f"lowcomm.fragments={lc.fragments} is more than the model's "
+                         f"model.n_layers={m.n_layers} blocks: a fragment is made of whole blocks; "
+                         f"set lowcomm.fragments to at most {m.n_layers}")
+    if lc.inner_steps % lc.fragments:
+        fit = -(-lc.inner_steps // lc.fragments) * lc.fragments
+        raise ValueError(f"lowcomm.inner_steps={lc.inner_steps} must be a multiple of "
+                         f"lowcomm.fragments={lc.fragments}: fragment p syncs at steps p*H/F "
+                         f"(mod H), evenly staggered; set lowcomm.inner_steps={fit}")
+    spacing = lc.inner_steps // lc.fragments
+    if lc.overlap_steps >= spacing:
+        raise ValueError(f"lowcomm.overlap_steps={lc.overlap_steps} must be less than "
+                         f"lowcomm.inner_steps / lowcomm.fragments = {lc.inner_steps}/"
+                         f"{lc.fragments} = {spacing}, the steps between two fragments' syncs, "
+                         "so that one sync lands before the next starts; set lowcomm."
+                         f"overlap_steps to at most {spacing - 1} (0: wait at once) or raise "
+                         "lowcomm.inner_steps")
 
 
 def _check_optimal(p: ParallelConfig) -> None:

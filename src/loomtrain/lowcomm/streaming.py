@@ -1,0 +1,286 @@
+"""Streaming DiLoCo: DiLoCo whose outer step is taken one fragment of the model at a time, at
+staggered steps, each fragment's all-reduce in flight while the replicas keep training.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
+Free Lunch" (arXiv 2501.18512). DiLoCo (diloco.py, arXiv 2311.08105) sends the whole model's
+pseudo-gradient every H steps, and every replica idles while it crosses the wire. The paper
+changes three things, all built here:
+
+1. Fragments. The transformer blocks are dealt to F fragments, strided (block i to fragment
+   i mod F, the paper's better-performing pattern: a fragment is spread over the depth).
+   Fragment p has its own global copy theta_p and its own outer optimizer, and syncs once
+   every H steps, at the steps s with (s - p H/F) mod H == 0: the offsets split the period
+   evenly, so the peak bandwidth is a 1/F of DiLoCo's.
+2. Overlap. At its sync step s, fragment p's pseudo-gradient theta_p - theta_{i,p} is
+   all-reduced with async_op=True and the replica goes on computing; tau = `overlap_steps`
+   steps later (after the optimizer step of s + tau) it waits for the sum, steps theta_p with
+   the outer optimizer (Nesterov SGD, as diloco.py) on the mean, and merges the new global
+   fragment into its local one, which has moved on for tau steps, as the paper does:
+
+       theta_{i,p} <- mix * theta_{i,p} + (1 - mix) * theta_p          (mix: the paper's alpha)
+
+   With tau = 0 nothing moved: the local fragment is replaced (DiLoCo's rule), whatever `mix`.
+3. Quantized pseudo-gradients. With quantize = "int8" the all-reduce is comm/quantized.py's
+   (int8 values, one fp32 scale per 64, one all-gather): at world 2 about a quarter of the
+   fp32 ring all-reduce's bytes. The outer step itself stays in fp32.
+
+With F = 1 and tau = 0 this is DiLoCo, operation for operation (tests/test_lowcomm_streaming.py).
+
+Where this differs from the paper, and why:
+- The paper quantizes to 4-bit floats (E3M0); comm/ has int8 with per-chunk scales, the
+  format it already meters and tests. The sum is computed from every replica's dequantized
+  contribution in a fixed order, so every replica holds the same bits.
+- Parameters outside the blocks (embeddings, final norm, an untied head) are not discussed
+  in the paper. Here each joins the fragment of the block registered before it, and those
+  before any block (the embeddings, and the head tied to them, counted once) join fragment 0:
+  every parameter is in exactly one fragment (`split_fragments`, pure and tested).
+- Checkpoints and the run's end need one model on every replica, which the paper's
+  schedule never reaches (some fragment is always mid-period). `end_period()` waits for the
+  syncs in flight and lands them at once (outer step and merge, as at their due step), then
+  averages the local parameters of every fragment whose replicas may differ (one all-reduce
+  of their parameters, local SGD's average). It leaves every theta_p and outer momentum as
+  they are, so the outer schedule goes on unchanged: each fragment's next pseudo-gradient is
+  measured from its theta_p, as always. A checkpoint therefore holds the model, theta_p and
+  the momentum of every fragment (lowcomm/state.py's "lowcomm." entries, identical on every
+  replica), and a resumed run continues exactly as the unstopped run with the same
+  checkpoint steps. The price: a checkpoint step is an extra average, so a run's trajectory
+  depends on where it checkpoints (as DiLoCo's does on a stop between syncs).
+
+Failure semantics: every replica must call `after_step` at the same steps (the trainer does),
+so that they launch and wait for the same all-reduces in the same order; a replica that skips
+its optimizer step (a non-finite gradient) still takes part in every sync. A peer that dies
+with a sync in flight surfaces as CollectiveError at the wait, tau steps later (or at the
+next `end_period`), not at the launch.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from loomtrain import comm
+from loomtrain.lowcomm.local_sgd import LocalSGD
+
+
+def build(model, optimizer, mesh, cfg, seed: int):
+    """apply_lowcomm's builder for algorithm="streaming_diloco"."""
+    return StreamingDiLoCo(model, mesh, cfg.inner_steps, cfg.fragments, cfg.overlap_steps,
+                           cfg.outer_lr, cfg.outer_momentum,
+                           nesterov=cfg.outer_optimizer == "nesterov", quantize=cfg.quantize,
+                           mix=cfg.mix), optimizer
+
+
+def split_fragments(names: list[str], fragments: int, blocks: str = "blocks") -> list[list[int]]:
+    """The indices into `names` (parameter names in registration order, each once) of each of
+    the `fragments` fragments. Block i (names "<blocks>.<i>.*") goes to fragment i mod F; any
+    other parameter to the fragment of the block registered before it, or to fragment 0 before
+    the first block. Pure. Raises ValueError when the names hold fewer than F blocks."""
+    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)\.")
+    block_of = [int(m.group(1)) if (m := pattern.match(n)) else None for n in names]
+    count = len({b for b in block_of if b is not None})
+    if fragments < 1 or fragments > count:
+        raise ValueError(f"streaming DiLoCo makes {fragments} fragments of whole blocks "
+                         f"(parameters named {blocks}.<i>.*), and this model has {count}: "
+                         f"set lowcomm.fragments between 1 and {max(count, 1)}")
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    current = 0
+    for index, block in enumerate(block_of):
+        if block is not None:
+            current = block % fragments
+        out[current].append(index)
+    assert all(out), f"a fragment without a block: blocks {sorted(set(block_of) - {None})}"
+    return out
+
+
+def sync_offsets(inner_steps: int, fragments: int) -> list[int]:
+    """Fragment p syncs at the steps s (counted from 1) with (s - offsets[p]) % H == 0."""
+    assert inner_steps % fragments == 0, (inner_steps, fragments)
+    return [p * inner_steps // fragments for p in range(fragments)]
+
+
+@dataclass
+class InFlight:
+    """One fragment's pseudo-gradient all-reduce, started at `launched_step`."""
+    fragment: int
+    launched_step: int
+    pseudo_gradient: torch.Tensor  # the sum over the replicas once `pending` is waited for
+    pending: object  # comm.Pending or comm.PendingQuantized
+    launched_s: float  # perf_counter at the launch
+    wire_bytes: int  # what this replica sends for it (comm's meter)
+
+
+class StreamingDiLoCo(LocalSGD):
+    """`model = StreamingDiLoCo(model, mesh, inner_steps=H, fragments=F, overlap_steps=tau)`;
+    the inner optimizer is the caller's, the F outer ones (SGD, Nesterov momentum when
+    `nesterov`) belong to the wrapper.
+
+    What a benchmark reads: `fragment_params` (the parameters of each fragment),
+    `sync_log` (one dict per landed sync: fragment, launched_step, landed_step, launched_s,
+    wait_s, landed_s, wire_bytes) and `metrics()`."""
+
+    def __init__(self, module: nn.Module, mesh, inner_steps: int, fragments: int = 1,
+                 overlap_steps: int = 0, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, quantize: str = "none", mix: float = 0.5,
+                 axis: str = "dp"):
+        super().__init__(module, mesh, inner_steps, axis)
+        if inner_steps % fragments or overlap_steps >= inner_steps // fragments:
+            raise ValueError(f"streaming DiLoCo needs inner_steps ({inner_steps}) a multiple of "
+                             f"fragments ({fragments}) and overlap_steps ({overlap_steps}) below "
+                             "their ratio")
+        assert quantize in ("none", "int8") and 0.0 <= mix < 1.0, (quantize, mix)
+        self.overlap_steps, self.quantize, self.mix = overlap_steps, quantize, mix
+        self.fragment_index = split_fragments(self.names, fragments)
+        self.fragment_params = [[self.params[i] for i in f] for f in self.fragment_index]
+        self.offsets = sync_offsets(inner_steps, fragments)
+        # theta_p: after the broadcast, every replica's copy is dp rank 0's parameters
+        self.global_params = [self._flat(p).clone() for p in range(fragments)]
+        momentum = outer_momentum if nesterov else 0.0
+        self.outer = [torch.optim.SGD([g], lr=outer_lr, momentum=momentum, nesterov=nesterov)
+                      for g in self.global_params]
+        self.in_flight: list[InFlight] = []
+        self.step = 0  # the last step after_step saw
+        self.differs = [False] * fragments  # whether the replicas may hold different values
+        self.sync_log: list[dict] = []
+        self._launched: int | None = None  # this step's, for metrics()
+        self._landed: int | None = None
+        self._window_bytes, self._window_payload, self._window_wait_s = 0, 0, 0.0
+
+    @property
+    def fragments(self) -> int:
+        return len(self.fragment_index)
+
+    def _flat(self, p: int) -> torch.Tensor:
+        return _flatten_dense_tensors([t.detach() for t in self.fragment_params[p]])
+
+    def _set_fragment(self, p: int, flat: torch.Tensor) -> None:
+        for t, value in zip(self.fragment_params[p],
+                            _unflatten_dense_tensors(flat, self.fragment_params[p])):
+            t.copy_(value)
+
+    def after_step(self, step: int, last: bool = False) -> bool:
+        """Call after optimizer step `step` (counted from 1) on every replica: launches the
+        all-reduce of each fragment whose sync step this is, lands those launched
+        `overlap_steps` steps ago, and on `last` ends on one model (`end_period`). Returns
+        whether a fragment was launched."""
+        self.step, self.differs = step, [True] * self.fragments
+        self._launched = self._landed = None
+        for p, offset in enumerate(self.offsets):
+            if (step - offset) % self.inner_steps == 0:
+                self._launch(p, step)
+        for sync in [s for s in self.in_flight if step >= s.launched_step + self.overlap_steps]:
+            self._land(sync)
+        if last:
+            self.end_period()
+        return self._launched is not None
+
+    @torch.no_grad()
+    def _launch(self, p: int, step: int) -> None:
+        """Start the all-reduce (sum) of fragment p's pseudo-gradient theta_p - theta_{i,p}."""
+        pseudo_gradient = torch.sub(self.global_params[p], self._flat(p))
+        sent = self.mesh.meter.total("wire_bytes")
+        reduce = comm.quantized_all_reduce if self.quantize == "int8" else comm.all_reduce
+        pending = reduce(pseudo_gradient, self.mesh, self.axis, async_op=True)
+        sent = self.mesh.meter.total("wire_bytes") - sent
+        self.in_flight.append(InFlight(p, step, pseudo_gradient, pending, time.perf_counter(),
+                                       sent))
+        self._launched = p
+        self._window_bytes += sent
+        self._window_payload += pseudo_gradient.numel() * pseudo_gradient.element_size()
+
+    @torch.no_grad()
+    def _land(self, sync: InFlight) -> None:
+        """Wait for `sync`, step theta_p on the mean pseudo-gradient, merge it into the local
+        fragment (replace with tau = 0 or mix = 0; mix * local + (1 - mix) * global else)."""
+        p, waited = sync.fragment, time.perf_counter()
+        sync.pending.wait()
+        landed = time.perf_counter()
+        self.in_flight.remove(sync)
+        sync.pseudo_gradient.div_(self.mesh.size(self.axis))
+        theta = self.global_params[p]
+        theta.grad = sync.pseudo_gradient
+        self.outer[p].step()
+        theta.grad = None
+        if self.overlap_steps == 0 or self.mix == 0.0:
+            self._set_fragment(p, theta)
+            self.differs[p] = False
+        else:
+            self._set_fragment(p, torch.lerp(theta, self._flat(p), self.mix))
+        self._landed = p
+        self._window_wait_s += landed - waited
+        self.sync_log.append(dict(fragment=p, launched_step=sync.launched_step,
+                                  landed_step=self.step, launched_s=sync.launched_s,
+                                  wait_s=waited, landed_s=landed, wire_bytes=sync.wire_bytes))
+
+    @torch.no_grad()
+    def end_period(self) -> None:
+        """Land every sync in flight now (in launch order), then average over the replicas the
+        local parameters of every fragment they may hold differently (one all-reduce): all
+        replicas hold one model and nothing is in flight. theta_p and the outer momenta are
+        left as they are."""
+        for sync in list(self.in_flight):
+            self._land(sync)
+        differing = [p for p in range(self.fragments) if self.differs[p]]
+        if not differing:
+            return
+        locals_ = [self._flat(p) for p in differing]
+        flat = _flatten_dense_tensors(locals_)
+        comm.all_reduce(flat, self.mesh, self.axis)
+        flat.div_(self.mesh.size(self.axis))
+        for p, value in zip(differing, _unflatten_dense_tensors(flat, locals_)):
+            self._set_fragment(p, value)
+            self.differs[p] = False
+
+    def synchronize(self) -> None:
+        """One model on every replica (LocalSGD's name for it): `end_period`."""
+        self.end_period()
+
+    def metrics(self) -> dict:
+        """Since the previous call: the fragment launched and the one landed at the last step
+        (None: none), the fragments in flight now, the wire and payload bytes this replica sent
+        for pseudo-gradients, and the seconds it blocked waiting for them."""
+        out = {"fragment_launched": self._launched, "fragment_landed": self._landed,
+               "fragments_in_flight": len(self.in_flight),
+               "pseudo_gradient_wire_bytes": self._window_bytes,
+               "pseudo_gradient_payload_bytes": self._window_payload,
+               "outer_wait_s": round(self._window_wait_s, 6)}
+        self._window_bytes, self._window_payload, self._window_wait_s = 0, 0, 0.0
+        return out
+
+    # checkpoint hooks (lowcomm/state.py): theta_p and the momentum of every fragment
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        """theta ("global.<name>") and the outer momentum ("momentum_buffer.<name>", without
+        momentum none) of every parameter, as fresh tensors: identical on every replica after
+        `end_period`."""
+        state = {}
+        for p, params in enumerate(self.fragment_params):
+            names = [self.names[i] for i in self.fragment_index[p]]
+            theta = self.global_params[p]
+            tensors = {"global": theta}
+            if self.outer[p].defaults["momentum"]:
+                buffer = self.outer[p].state[theta].get("momentum_buffer")
+                # before the first outer step: zero momentum, the same update
+                tensors["momentum_buffer"] = torch.zeros_like(theta) if buffer is None else buffer
+            for kind, flat in tensors.items():
+                for n, view in zip(names, _unflatten_dense_tensors(flat, params)):
+                    state[f"{kind}.{n}"] = view.clone()
+        return state
+
+    @torch.no_grad()
+    def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """After the model's parameters were loaded: theta_p and the momenta are the saved
+        ones; nothing in flight, every fragment one model."""
+        super().load_outer_state(state)
+        self.in_flight.clear()
+        self.differs = [False] * self.fragments
+        for p, indices in enumerate(self.fragment_index):
+            names = [self.names[i] for i in indices]
+            theta = _flatten_dense_tensors([state[f"global.{n}"] for n in names])
+            self.global_params[p].copy_(theta)
+            if self.outer[p].defaults["momentum"]:
+                buffer = _flatten_dense_tensors([state[f"momentum_buffer.{n}"] for n in names])
+                self.outer[p].state[self.global_params[p]]["momentum_buffer"] = buffer
