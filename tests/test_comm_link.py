@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_tree
 from harness import run_world
 from loomtrain import comm
-from loomtrain.comm.link import SlowLink
+from loomtrain.comm.link import SMALL_OP_BYTES, SlowLink
 from loomtrain.comm.meter import CommMeter
 from loomtrain.mesh import build_mesh
 from loomtrain.train.metrics import read_metrics
@@ -52,6 +52,11 @@ def test_ops_in_flight_queue_on_the_link_and_node_local_ops_do_not():
     # started at the same moment: its bytes cross after the first op's; latencies overlap
     assert link.due(10.0, [0, 3], WIRE) == pytest.approx(10.0 + 2 * transfer + 0.02)
     assert link.due(100.0, [0, 2], WIRE) == pytest.approx(100.0 + transfer + 0.02)  # idle again
+    # a small op (a control all-reduce) interleaves with the queue instead of waiting for it,
+    # and does not lengthen it
+    small = SMALL_OP_BYTES
+    assert link.due(100.0, [0, 2], small) == pytest.approx(100.0 + small * 8 / (GBPS * 1e9) + 0.02)
+    assert link.due(100.0, [0, 2], WIRE) == pytest.approx(100.0 + 2 * transfer + 0.02)
 
 
 @pytest.mark.parametrize("args", [(0.0, 1.0, 2), (1.0, -1.0, 2), (1.0, 1.0, 0)])

@@ -31,12 +31,19 @@ Limits, on purpose:
 
 Ops in flight on one rank share its link: their bytes cross it one op after the other, in the
 order they were started (`due`), while each op's latency runs alongside the queue. Without this,
-k buckets all-reduced asynchronously would cost one bucket's delay instead of k.
+k buckets all-reduced asynchronously would cost one bucket's delay instead of k. Small ops (at
+most SMALL_OP_BYTES on the wire: the trainer's control and loss all-reduces) do not queue: on a
+real link their few packets interleave with a bulk transfer's instead of waiting for all of it,
+so one costs its own delay from its start, and adds nothing to the queue. Without this a
+low-communication method that keeps a model-sized sync in flight over the next steps would
+see each step's 16-byte control all-reduce wait for the whole sync, and its overlap vanish.
 """
 
 from __future__ import annotations
 
 import threading
+
+SMALL_OP_BYTES = 64 * 1024  # wire bytes up to which an op interleaves instead of queueing
 
 
 class SlowLink:
@@ -71,9 +78,11 @@ class SlowLink:
     def due(self, start_s: float, group_ranks, wire_bytes: int) -> float | None:
         """The perf_counter time before which an op started at `start_s` is not complete, or
         None for a node-local op. Its bytes queue behind those of this rank's earlier ops still
-        on the link; with an idle link this is `start_s + delay_s(...)`."""
+        on the link; with an idle link, or for a small op, this is `start_s + delay_s(...)`."""
         if not self.crosses_nodes(group_ranks):
             return None
+        if wire_bytes <= SMALL_OP_BYTES:
+            return start_s + self.delay_s(group_ranks, wire_bytes)
         with self._lock:
             begin = max(start_s, self._free_at)
             self._free_at = begin + self.transfer_s(wire_bytes)
