@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
+import torch
+import torch.nn as nn
+
 from conftest import tiny_tree
 from harness import run_world
+from loomtrain import comm
 from loomtrain.errors import ConfigError
+from loomtrain.lowcomm.hpsgd import HPSGD
+from loomtrain.mesh import build_mesh
 from loomtrain.timeline import hidden_s
 from loomtrain.train.config import config_from_dict
 from test_lowcomm import _losses, _rel, _runs
@@ -29,6 +35,31 @@ LINK = {"parallel": {"nproc": 2, "ranks_per_node": 1},
 
 def hpsgd(overlap_steps: int) -> dict:
     return {"algorithm": "hpsgd", "overlap_steps": overlap_steps}
+
+
+def _runs_then_drain(rank, world, jobs, root):
+    """`_runs`, then the wrapper alone in this world: returns (rank 0's runs, whether every
+    replica holds the same parameters before and after `end_period`, the syncs merged)."""
+    out = _runs(rank, world, jobs, root)
+    torch.manual_seed(100 + rank)  # each rank its own rows (and initial weights, broadcast away)
+    mesh = build_mesh({"dp": world})
+    model = HPSGD(nn.Linear(8, 4), mesh, overlap_steps=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in range(1, 6):
+        model(torch.randn(16, 8)).square().mean().backward()
+        model.clip_grad_norm_(0.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        model.after_step(step)
+
+    def identical() -> bool:
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        every = torch.empty(world * flat.numel())
+        comm.all_gather(every, flat, mesh, "dp")
+        return all(torch.equal(row, flat) for row in every.view(world, -1))
+    before = identical()  # each replica: G plus its own change of step 5, in flight
+    model.end_period()
+    return out, before, identical(), model.syncs
 
 
 def test_world2_parity_timeline_and_resume(tmp_path, corpus):
@@ -94,12 +125,13 @@ def test_world2_parity_timeline_and_resume(tmp_path, corpus):
 
 def test_world4_one_step_stale_learns_like_dp_on_dp_bytes(tmp_path, corpus):
     """(b), (d): AdamW, 20 steps of the same rows: synchronous DP, HPSGD waiting at once, and
-    HPSGD with one step in flight."""
+    HPSGD with one step in flight; then the wrapper alone: end_period leaves one model."""
     names = ("dp", "hpsgd0", "hpsgd1")
     trees = [tiny_tree(tmp_path, corpus, parallel={"nproc": 4}, lowcomm=lowcomm)
              for lowcomm in ({}, hpsgd(0), hpsgd(1))]
     jobs = [(name, t, None, False) for name, t in zip(names, trees)]
-    out = run_world(_runs, 4, jobs, str(tmp_path / "w4"), timeout_s=300)[0]
+    ranks = run_world(_runs_then_drain, 4, jobs, str(tmp_path / "w4"), timeout_s=300)
+    out = ranks[0][0]
     dp, sync, stale = (_losses(out[name][0]) for name in names)
     assert stale[-1] < stale[0] - 0.3, stale  # it learns: measured 5.48 -> 4.20
     # the mean of 4 replicas' AdamW updates is not AdamW on the mean gradient: waiting at once
@@ -111,6 +143,9 @@ def test_world4_one_step_stale_learns_like_dp_on_dp_bytes(tmp_path, corpus):
     # one model-sized all-reduce per step each (the gradient, or the change), plus the same
     # control and loss all-reduces: equal to the byte, 4,163,280 bytes per rank each
     assert sent["hpsgd1"] == sent["hpsgd0"] == sent["dp"], sent
+    # end_period: one model on every replica, bitwise (G is built from all-reduced values
+    # only), where just before each held G plus its own change; 5 syncs merged
+    assert [r[1:] for r in ranks] == [(False, True, 5)] * 4, [r[1:] for r in ranks]
 
 
 @pytest.mark.parametrize("lowcomm,why", [

@@ -15,12 +15,14 @@ every replica) and trains the replica x_i = G + its own change not yet merged. A
     d_i,t = x_i - s_i                   this replica's change of step t (s_i: x_i before it)
     G    += (1/k) sum_j d_j,t-1         the previous step's sync, now complete (stale by one)
     x_i   = G + d_i,t                   own change at once, the others' when their sync lands
-    all-reduce d_i,t (sum, then / k)    in flight during step t+1's forward and backward
+    all-reduce d_i,t (sum, then / k)    launched by step t+1's first forward, in flight
+                                        during its forward, backward and optimizer step
 
-which is the paper's merge written as `x_i += mean(d_t-1) - d_i,t-1`: the replica's own stale
-change is replaced by the average of everyone's. `overlap_steps = 0` waits for the sync at
-once (x_i = G = G + mean(d_t) after every step): with plain SGD that is synchronous data
-parallelism, the mean of the updates -lr g_i being the update of the mean gradient.
+In place that is `x_i += mean(d_t-1) - d_i,t-1`: the replica's own stale change replaced by
+the average of everyone's, our reading of the paper's merge. `overlap_steps = 0` waits for
+the sync at once (G += mean(d_t), x_i = G after every step): with plain SGD that is
+synchronous data parallelism, the mean of the updates -lr g_i being the update of the mean
+gradient.
 `overlap_steps = 1` (the default) keeps one step's sync in flight, the paper's setting.
 
 One all-reduce of the model's size per step, like synchronous data parallelism: what HPSGD
@@ -39,7 +41,7 @@ What differs from the paper, and why:
 - Keeping G apart (rather than adding mean - d_i,t-1 into x_i in place) costs one more flat
   copy, and buys replicas that never drift apart by fp32 rounding: G is computed from
   all-reduced values only, so when nothing is in flight every replica holds G exactly.
-- At most one step in flight (`overlap_steps` 0 or 1, refused above at config time):
+- At most one step in flight (`overlap_steps` 0 or 1; more is refused at config time):
   more would need one buffer and one own-change copy per step in flight.
 
 Memory beyond the model and the optimizer: three flat fp32 copies of the parameters, G, s
@@ -92,7 +94,7 @@ class HPSGD(LocalSGD):
         self._global_views = _unflatten_dense_tensors(self.global_params, self.params)
         self._ready_step = 0  # the step whose change waits to be launched (0: none)
         self._in_flight = None  # (Pending, step, issued perf_counter, [completion time])
-        self.steps_done = 0
+        self.steps_done = 0  # the last step after_step saw (0 after a resume)
         self.sync_wait_s, self.syncs = 0.0, 0
         self._reported_wait_s, self._staleness = 0.0, 0  # since the previous record
         self.timeline = None  # the trainer's Timeline on a recorded step (run.timeline_step)
@@ -108,16 +110,16 @@ class HPSGD(LocalSGD):
     def before_update(self) -> None:
         """The end of the step's backward: only the timeline's boundary."""
         self._update_start = time.perf_counter()
-        if self.timeline is not None and self._compute_start is not None:
-            self.timeline.span("compute", f"forward+backward step {self.steps_done + 1}",
-                               self._compute_start, self._update_start)
 
     @torch.no_grad()
     def after_step(self, step: int, last: bool = False) -> bool:
         """Call after optimizer step `step` on every replica: merge the previous step's sync,
         start this step's (it leaves at the next forward; at once with `overlap_steps=0`, or
         when `last`, after which every replica holds G). Returns True (a sync every step)."""
-        if self.timeline is not None and self._update_start is not None:
+        recorded = (self.timeline, self._compute_start, self._update_start)
+        if all(x is not None for x in recorded):
+            self.timeline.span("compute", f"forward+backward step {step}", self._compute_start,
+                               self._update_start)
             self.timeline.span("compute", f"optimizer step {step}", self._update_start,
                                time.perf_counter())
         self._compute_start = self._update_start = None
