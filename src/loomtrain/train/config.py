@@ -158,7 +158,8 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
-LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco")  # the algorithms that run today
+LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco",
+                 "hpsgd")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -395,6 +396,12 @@ def _check_lowcomm(cfg: Config) -> None:
                          'outer_optimizer="sgd" has none: use "nesterov" or leave it unset')
     if lc.algorithm == "none":
         return
+    if lc.algorithm == "hpsgd" and lc.overlap_steps > 1:
+        raise ValueError(f"lowcomm.overlap_steps={lc.overlap_steps} with lowcomm.algorithm="
+                         "'hpsgd': HPSGD keeps at most one step's synchronization in flight "
+                         "while the next step computes (1, the paper's setting and the default; "
+                         "0: wait for it at once, synchronous data parallelism with plain SGD); "
+                         "set lowcomm.overlap_steps to 0 or 1")
     others = {"parallel.tp": (p.tp, 1), "parallel.pp": (p.pp, 1), "parallel.cp": (p.cp, 1),
               "parallel.zero_stage": (p.zero_stage, 0), "train.precision": (t.precision, "fp32"),
               "data.packing": (cfg.data.packing, False), "data.balance": (cfg.data.balance, False)}
