@@ -70,7 +70,6 @@ def test_two_replicas_make_heavy_ball_diloco_not_nesterov_diloco():
         results[gamma] = outer[0]
     # the pull term is gamma (phi_i - phi_bar) = 0: gamma changes only the rounding (of
     # weights of magnitude 0.01-3, whose ulp is up to 2.4e-7): measured 1.1e-6 after 6 steps
-    print("pull 0 against 0.7:", float((results[0.0] - results[0.7]).abs().max()))
     assert (results[0.0] - results[0.7]).abs().max() < 1e-5
 
     def diloco(nesterov: bool) -> torch.Tensor:
@@ -83,8 +82,6 @@ def test_two_replicas_make_heavy_ball_diloco_not_nesterov_diloco():
             theta.grad = ((theta - fast[0]) + (theta - fast[1])) / 2
             sgd.step()
         return theta.detach()
-    print("heavy ball:", float((results[0.7] - diloco(nesterov=False)).abs().max()),
-          "Nesterov:", float((results[0.7] - diloco(nesterov=True)).abs().max()))
     # measured: 8e-7 from heavy ball (rounding), 0.20 from Nesterov
     assert (results[0.7] - diloco(nesterov=False)).abs().max() < 1e-5
     assert (results[0.7] - diloco(nesterov=True)).abs().max() > 0.05
@@ -96,7 +93,7 @@ def test_world2_noloco_without_momentum_is_diloco_with_outer_sgd(tmp_path, corpu
     outer_pull=0 and the default 0.7 give the same run. The config refuses a momentum of 0:
     1e-9 it is, which moves the parameters by ~1e-9 of an outer step."""
     def tree(lowcomm):
-        return tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, lowcomm=lowcomm)
+        return tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, lowcomm=lowcomm, train={"steps": 12})
 
     h2 = {"inner_steps": 2, "outer_lr": 0.7}
     noloco = {"algorithm": "noloco", "outer_momentum": 1e-9, **h2}
@@ -106,26 +103,30 @@ def test_world2_noloco_without_momentum_is_diloco_with_outer_sgd(tmp_path, corpu
     out = run_world(_runs, 2, jobs, str(tmp_path / "w2"), timeout_s=300)[0]
     diloco = _losses(out["diloco"][0])
     assert diloco[-1] < diloco[0] - 0.3  # it learns
-    # pair means against all-reduced means: fp32 rounding apart, measured 1e-7 and 1e-7
+    # pair means against all-reduced means: fp32 rounding apart, measured 2.5e-8 for both
     for name in ("pull0", "pull"):
         assert _rel(_losses(out[name][0]), diloco) < 1e-6, name
     for r in out["pull"][0][:-1]:  # no all-reduce of the model before the final average
         assert r["comm_bytes"]["all_reduce"] < 100, r  # 36 wire bytes: control and loss
     spreads = [r["param_spread"] for r in out["pull"][0] if r["step"] % 2 == 0]
-    assert len(spreads) == 10 and min(spreads) > 0  # the replicas' weights differ at each exchange
+    # measured 0.054, 0.049, 0.032, 0.018, 0.009, 0.003: the inner steps' drift, shrinking with
+    # the learning rate's decay
+    assert len(spreads) == 6 and min(spreads) > 0  # the replicas' weights differ at each exchange
     assert all(r["partner"] == 1 for r in out["pull"][0][1:])  # rank 0's partner: always 1
 
 
 def test_world4_pairs_instead_of_an_all_reduce(tmp_path, corpus):
     link = dict(parallel={"nproc": 4, "ranks_per_node": 2}, comm={"inter_node_gbps": GBPS})
-    runs = {name: tiny_tree(tmp_path, corpus, lowcomm={"algorithm": name, "inner_steps": 4}, **link)
+    runs = {name: tiny_tree(tmp_path, corpus, lowcomm={"algorithm": name, "inner_steps": 4},
+                            train={"steps": 16}, **link)
             for name in ("noloco", "diloco")}
     # resume: H=2, checkpoints every 4 steps, dropout on (the per-rank RNG state matters)
     h2 = tiny_tree(tmp_path, corpus, parallel={"nproc": 4}, model={"dropout": 0.1},
                    lowcomm={"algorithm": "noloco", "inner_steps": 2},
                    train={"steps": 8}, checkpoint={"every": 4})
     jobs = [(name, t, None, False) for name, t in runs.items()]
-    jobs += [("h2", h2, None, False), ("h2_stopped", h2, 4, False), ("h2_stopped", h2, None, True)]
+    jobs += [("h2", h2, None, False), ("h2_stopped", h2, 4, False), ("h2_stopped", h2, None, True),
+             ("h2_mid", h2, 3, False), ("h2_mid", h2, None, True)]
     out = run_world(_runs, 4, jobs, str(tmp_path / "w4"), timeout_s=300)[0]
     noloco, diloco = out["noloco"][0], out["diloco"][0]
     cfg = config_from_dict(runs["noloco"])
@@ -141,34 +142,36 @@ def test_world4_pairs_instead_of_an_all_reduce(tmp_path, corpus):
     synced = [r["comm_bytes"]["all_reduce"] for r in diloco if r["step"] % 4 == 0]
     assert all(1.5 * model_bytes <= b < 1.5 * model_bytes + 100 for b in synced)
 
-    # simulated link time per outer step (steps 4-16: the 20th adds NoLoCo's final average).
+    # simulated link time per outer step (steps 4-12: the 16th adds NoLoCo's final average).
     # An exchange takes one message's time across nodes, 0 inside a node; DiLoCo's all-reduce
     # 1.5 messages' time, always across nodes. run.seed=1 draws cross-node pairs at outer
-    # steps 1-4, so this is NoLoCo's worst case: 2/3. comm_simulated_s also counts the
+    # steps 1-3, so this is NoLoCo's worst case: 2/3. comm_simulated_s also counts the
     # receive, which runs during the send: summed, NoLoCo's steps count 2 P, 4/3 of DiLoCo's
-    steady = slice(0, 16)
+    steady = slice(0, 12)
     exchange_s = sum(r["exchange_simulated_s"] for r in noloco[steady])
     noloco_s = sum(r["comm_simulated_s"] for r in noloco[steady])
     diloco_s = sum(r["comm_simulated_s"] for r in diloco[steady])
-    print(f"simulated s per outer step: exchange {exchange_s / 4:.4f}, summed noloco "
-          f"{noloco_s / 4:.4f}, diloco {diloco_s / 4:.4f}")
     assert exchange_s / diloco_s == pytest.approx(2 / 3, rel=1e-3)  # control ops: 1e-4 of it
     assert noloco_s / diloco_s == pytest.approx(4 / 3, rel=1e-3)
 
-    # it learns, as DiLoCo does (measured 3.27 against DiLoCo's 3.30, from 5.48)
+    # it learns, near DiLoCo: measured 5.48 -> 4.25 in 16 steps, DiLoCo 3.91 (heavy-ball
+    # momentum 0.9 against DiLoCo's Nesterov 0.9, and pairs instead of all four replicas)
     losses = _losses(noloco)
-    assert losses[-1] < losses[0] - 0.3 and losses[-1] < _losses(diloco)[-1] * 1.1, losses
-    # the spread between partners at each exchange: > 0, and it does not grow from one outer
-    # step to the next beyond the first (measured 0.027, 0.031, 0.030, 0.031, 0.031)
+    assert losses[-1] < losses[0] - 0.5 and losses[-1] < _losses(diloco)[-1] * 1.2, losses
+    # the spread between partners at each exchange (rank 0's pair): > 0, and it does not grow
+    # beyond twice the first (measured 0.107, 0.065, 0.124, 0.093)
     spreads = [r["param_spread"] for r in outer]
-    print("param_spread", spreads)
-    assert len(spreads) == 5 and min(spreads) > 0 and max(spreads) < 2 * spreads[0], spreads
+    assert len(spreads) == 4 and min(spreads) > 0 and max(spreads) < 2 * spreads[0], spreads
 
-    # resume: each replica's momentum and AdamW state, the RNG: bitwise
+    # resume at an outer step: each replica's momentum and AdamW state, the RNG: bitwise
     reference = _losses(out["h2"][0])
     records, saved = out["h2_stopped"]
     assert saved == ["step_00000004", "step_00000008"]
     assert _losses(records) == reference  # == on floats
+    # a stop between outer steps takes the pending one (and the average) first, then saves
+    losses = _losses(out["h2_mid"][0])
+    assert losses[:3] == reference[:3] and losses[3:] != reference[3:]
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize("lowcomm,why", [
