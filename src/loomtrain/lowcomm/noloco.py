@@ -13,11 +13,12 @@ the outer step is
     delta_i <- alpha delta_i - beta Delta_bar - gamma (phi_i - phi_bar)
     phi_i   <- phi_i + delta_i
 
-alpha = `outer_momentum`, beta = `outer_lr`, gamma = `outer_pull` (0.7: the paper's setting,
-equal to beta). The last term pulls each replica towards its pair's mean outer weights: it is
-what keeps replicas that never all-reduce from drifting apart. Its sign is the contracting one
-(pull towards the mean), as in the authors' code; readers of the paper report that one printed
-equation carries the opposite sign, which would push the pair apart.
+alpha = `outer_momentum`, beta = `outer_lr`, gamma = `outer_pull` (0.7 by default: equal to
+beta, as in the authors' released code, where the pull is the outer learning rate). The last
+term pulls each replica towards its pair's mean outer weights: it is what keeps replicas that
+never all-reduce from drifting apart. Its sign here is the contracting one (towards the mean),
+as in that code; an independent implementation notes that the paper's printed equation has the
+opposite sign, which would push the pair apart.
 
 What goes on the wire: the update needs from the partner only the combination
 s_j = beta theta_j - (beta - gamma) phi_j (`pair_message`), since
@@ -46,7 +47,7 @@ Differences from the paper, on purpose:
   all-reduce (`synchronize`). A checkpoint therefore holds the replicas' mean, and a run that
   saves is a different run from one that does not. Each replica's momentum delta_i stays its
   own and is saved under its own key.
-- the exchange blocks (the paper overlaps it with the next inner steps).
+- the exchange blocks the two partners until it completes (no other replica waits for it).
 
 Failure semantics: every replica must call `after_step` at the same steps (the trainer does);
 a replica that skips its optimizer step still exchanges. A partner that never answers makes
