@@ -1,22 +1,81 @@
-"""NoLoCo (arXiv 2506.10911), the pairing part: no all-reduce; at each outer step every
-replica averages with one peer chosen at random, the pairs drawn from a seed every replica
-shares, so that both ends of a pair choose each other without a message.
+"""NoLoCo: no all-reduce; at every outer step each replica meets one peer drawn at random and
+takes a modified momentum step on what the two hold.
 
-Pure: (replicas, seed, outer step) in, each replica's partner out. The pairs are a uniformly
-random perfect matching: a permutation seeded by (seed, step), cut into consecutive pairs.
-With an odd number of replicas the last one in the permutation sits the step out (its own
-partner), a different one each step. The outer step that uses the pairs is a later part of
-issue 7.
+Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training Method for Large
+Models" (arXiv 2506.10911). As in DiLoCo (diloco.py), every replica i keeps outer weights
+phi_i and trains H = `inner_steps` inner steps from them to theta_i; its pseudo-gradient is
+Delta_i = phi_i - theta_i. Unlike DiLoCo the phi_i are not one global copy: each replica has its
+own, and at an outer step it is paired with one partner j (`partners`, the same draw on every
+replica from run.seed and the outer step's index, so both ends choose each other without a
+message). With the pair means Delta_bar = (Delta_i + Delta_j) / 2 and phi_bar = (phi_i + phi_j) / 2
+the outer step is
+
+    delta_i <- alpha delta_i - beta Delta_bar - gamma (phi_i - phi_bar)
+    phi_i   <- phi_i + delta_i
+
+alpha = `outer_momentum`, beta = `outer_lr`, gamma = `outer_pull` (0.7 by default: equal to
+beta, as in the authors' released code, where the pull is the outer learning rate). The last
+term pulls each replica towards its pair's mean outer weights: it is what keeps replicas that
+never all-reduce from drifting apart. Its sign here is the contracting one (towards the mean),
+as in that code; an independent implementation notes that the paper's printed equation has the
+opposite sign, which would push the pair apart.
+
+What goes on the wire: the update needs from the partner only the combination
+s_j = beta theta_j - (beta - gamma) phi_j (`pair_message`), since
+
+    delta_i <- alpha delta_i + (s_i + s_j) / 2 - gamma phi_i        (the same update, rearranged)
+
+so the two replicas swap one flat buffer of the model's size P with `comm.send`/`comm.recv`
+(asynchronous, both ways at once): P bytes sent per replica per outer step, against a ring
+all-reduce's 2(N-1)/N x P, and no collective over the replicas. With gamma = beta (the default)
+the message is beta theta_j, the partner's weights, so their relative distance is known for
+free: `param_spread` = |theta_i - theta_j| / |theta_i|, at the moment of the exchange. With
+gamma != beta the message mixes the two weights and no spread is reported.
+
+How it relates to DiLoCo: with two replicas the pair is always (0, 1), the replicas start
+identical and make the same step, so phi_0 = phi_1 at every outer step and the pull term is
+zero whatever gamma: NoLoCo at world 2 is DiLoCo with *heavy-ball* outer momentum (torch's SGD
+with momentum alpha, lr beta, nesterov=False). It is not this repository's Nesterov DiLoCo: the
+first Nesterov step is already beta (1 + alpha) Delta_bar, against beta Delta_bar here.
+tests/test_lowcomm_noloco.py checks both on hand-computed tensors, and at world 2 in the
+trainer that NoLoCo with (almost) no momentum equals DiLoCo with outer SGD.
+
+Differences from the paper, on purpose:
+- no pipeline, so none of its random routing of activations between pipeline stages;
+- the end of a run and every checkpoint need one model (lowcomm/state.py): there the replicas
+  take their outer step if one is pending and then average their outer weights in one
+  all-reduce (`synchronize`). A checkpoint therefore holds the replicas' mean, and a run that
+  saves is a different run from one that does not. Each replica's momentum delta_i stays its
+  own and is saved under its own key.
+- the exchange blocks the two partners until it completes (no other replica waits for it).
+
+Failure semantics: every replica must call `after_step` at the same steps (the trainer does);
+a replica that skips its optimizer step still exchanges. A partner that never answers makes
+the receive fail after the process group's timeout (`CollectiveError`, naming the op). With an
+odd number of replicas one replica per outer step has no partner: it steps on its own
+pseudo-gradient, without a pull, and sends nothing.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from loomtrain import comm
+from loomtrain.lowcomm.local_sgd import LocalSGD
+
+EXCHANGE_TAG = 0x4E4C  # "NL": the pair exchange's point-to-point messages (0 is comm's default)
 
 
 def partners(replicas: int, seed: int, step: int) -> list[int]:
     """partner[r] for every replica r: a matching (partner[partner[r]] == r), the same on every
-    replica for the same (seed, step)."""
+    replica for the same (seed, step).
+
+    Pure. The pairs are a uniformly random perfect matching: a permutation seeded by
+    (seed, step), cut into consecutive pairs. With an odd number of replicas the last one in the
+    permutation sits the step out (its own partner), a different one each step."""
     if replicas < 1:
         raise ValueError(f"need at least one replica, got {replicas}")
     order = np.random.default_rng([seed, step]).permutation(replicas).tolist()
@@ -24,3 +83,141 @@ def partners(replicas: int, seed: int, step: int) -> list[int]:
     for a, b in zip(order[0::2], order[1::2]):
         partner[a], partner[b] = b, a
     return partner
+
+
+def pair_message(fast: torch.Tensor, outer: torch.Tensor, outer_lr: float,
+                 pull: float) -> torch.Tensor:
+    """s = beta theta - (beta - gamma) phi: all a partner needs of this replica's weights
+    (`fast` = theta, `outer` = phi) for its outer step. Pure (a new tensor)."""
+    return fast.mul(outer_lr).sub_(outer, alpha=outer_lr - pull)
+
+
+def outer_update(momentum: torch.Tensor, outer: torch.Tensor, own: torch.Tensor,
+                 received: torch.Tensor, outer_momentum: float, pull: float) -> None:
+    """NoLoCo's outer step in place: delta <- alpha delta + (s_own + s_received) / 2 - gamma phi,
+    then phi <- phi + delta (`momentum` = delta, `outer` = phi, s: `pair_message`). A replica
+    without a partner passes its own message twice: delta <- alpha delta - beta Delta."""
+    momentum.mul_(outer_momentum).add_(own.add(received).mul_(0.5)).sub_(outer, alpha=pull)
+    outer.add_(momentum)
+
+
+def exchange(message: torch.Tensor, mesh, axis: str, partner: int) -> torch.Tensor:
+    """Swap `message` with replica `partner` (its index on `axis`): one receive and one send,
+    both started before either is waited on, so neither end blocks the other. Returns the
+    partner's message."""
+    received = torch.empty_like(message)
+    pending = [comm.recv(received, mesh, axis, partner, async_op=True, tag=EXCHANGE_TAG),
+               comm.send(message, mesh, axis, partner, async_op=True, tag=EXCHANGE_TAG)]
+    for op in pending:
+        op.wait()
+    return received
+
+
+def build(model, optimizer, mesh, cfg, seed: int):
+    """apply_lowcomm's builder for algorithm="noloco"."""
+    return NoLoCo(model, mesh, cfg.inner_steps, seed, cfg.outer_lr, cfg.outer_momentum,
+                  cfg.outer_pull), optimizer
+
+
+class NoLoCo(LocalSGD):
+    """`model = NoLoCo(model, mesh, inner_steps=H, seed=run.seed)`; the inner optimizer is the
+    caller's. State per replica: its outer weights phi (`outer_params`, one flat copy) and its
+    momentum delta (`momentum`, another)."""
+
+    def __init__(self, module: nn.Module, mesh, inner_steps: int, seed: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_pull: float = 0.7,
+                 axis: str = "dp"):
+        super().__init__(module, mesh, inner_steps, axis)
+        self.seed, self.outer_lr, self.outer_momentum = seed, outer_lr, outer_momentum
+        self.outer_pull = outer_pull
+        self.outer_params = _flatten_dense_tensors([p.detach() for p in self.params]).clone()
+        self.momentum = torch.zeros_like(self.outer_params)
+        self.one_model = True  # every replica holds the same parameters (after the broadcast)
+        self.step = 0  # the last optimizer step seen by after_step
+        # what a benchmark reads: the last exchange's partner and spread, and the simulated
+        # seconds the exchanges took on the slow link since the last metrics() (the send and
+        # the receive run at once: one exchange takes the longer of the two, the same here)
+        self.partner: int | None = None
+        self.param_spread: float | None = None
+        self.exchange_simulated_s = 0.0
+
+    def after_step(self, step: int, last: bool = False) -> bool:
+        """Call after optimizer step `step` (counted from 1) on every replica: an outer step
+        with this outer step's partner when `step` is a multiple of `inner_steps`; after the
+        run's `last` step, the final average too. Returns whether it took an outer step."""
+        self.steps_since_sync += 1
+        self.one_model = False
+        self.step = step
+        outer = step % self.inner_steps == 0
+        if outer:
+            self.outer_step(step // self.inner_steps)
+        if last:
+            self.end_period()
+        return outer
+
+    def end_period(self) -> None:
+        """One model on every replica, nothing in flight: the pending outer step (drawn as the
+        next regular one) if the replicas stepped since the last, then the average."""
+        if self.steps_since_sync:
+            self.outer_step(self.step // self.inner_steps + 1)
+        if not self.one_model:
+            self.synchronize()
+
+    @torch.no_grad()
+    def outer_step(self, index: int) -> None:
+        """Outer step number `index`: swap messages with this step's partner and update."""
+        fast = _flatten_dense_tensors([p.detach() for p in self.params])
+        own = pair_message(fast, self.outer_params, self.outer_lr, self.outer_pull)
+        partner = partners(self.mesh.size(self.axis), self.seed, index)[self.replica]
+        received = own
+        if partner != self.replica:
+            received = exchange(own, self.mesh, self.axis, partner)
+            self.partner = partner
+            self.param_spread = None
+            if self.outer_pull == self.outer_lr:  # the messages are beta x the weights
+                distance = torch.linalg.vector_norm(own - received)
+                self.param_spread = float(distance / torch.linalg.vector_norm(own))
+            if self.mesh.link is not None:
+                ranks = self.mesh.group_ranks(self.axis)
+                self.exchange_simulated_s += self.mesh.link.delay_s(
+                    (ranks[self.replica], ranks[partner]), own.numel() * own.element_size())
+        outer_update(self.momentum, self.outer_params, own, received, self.outer_momentum,
+                     self.outer_pull)
+        self._set_params(self.outer_params)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Every replica's parameters and outer weights become their mean over the axis (one
+        all-reduce): only at the end of a run and before a checkpoint."""
+        super().synchronize()
+        self.outer_params.copy_(_flatten_dense_tensors([p.detach() for p in self.params]))
+        self.one_model = True
+
+    def metrics(self) -> dict:
+        """This replica's last partner and `param_spread` (when known), and with a slow link
+        `exchange_simulated_s`: the exchanges' simulated seconds since the last record."""
+        out = {}
+        if self.partner is not None:
+            out["partner"] = self.partner
+        if self.param_spread is not None:
+            out["param_spread"] = round(self.param_spread, 6)
+        if self.mesh.link is not None:
+            out["exchange_simulated_s"] = round(self.exchange_simulated_s, 6)
+            self.exchange_simulated_s = 0.0
+        return out
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        """This replica's momentum per parameter name, under its own key (the replicas' momenta
+        differ), as fresh tensors (DCP saves from them or loads into them)."""
+        views = _unflatten_dense_tensors(self.momentum, self.params)
+        return {f"replica{self.replica}.momentum.{n}": v.clone() for n, v in zip(self.names, views)}
+
+    @torch.no_grad()
+    def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """After the model's parameters were loaded: they are every replica's outer weights (a
+        checkpoint holds the average), the momentum is this replica's saved one."""
+        super().load_outer_state(state)
+        self.outer_params.copy_(_flatten_dense_tensors([p.detach() for p in self.params]))
+        self.momentum.copy_(_flatten_dense_tensors(
+            [state[f"replica{self.replica}.momentum.{n}"] for n in self.names]))
+        self.one_model = True

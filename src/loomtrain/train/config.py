@@ -158,8 +158,8 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
-LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco",
-                 "hpsgd")  # the algorithms that run today
+LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco", "hpsgd",
+                 "noloco")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -169,7 +169,7 @@ LOWCOMM_KEYS = {
     "diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum"),
     "streaming_diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum",
                          "fragments", "overlap_steps", "quantize", "mix"),
-    "noloco": ("inner_steps", "outer_lr", "outer_momentum"),
+    "noloco": ("inner_steps", "outer_lr", "outer_momentum", "outer_pull"),
     "dreamddp": ("inner_steps",),
     "hpsgd": ("overlap_steps",),
     "hierarchical": ("inner_steps", "overlap_steps"),
@@ -196,6 +196,9 @@ class LowcommConfig(Section):
     # paper's alpha; 0 replaces the local fragment); 1 would never adopt the global one
     mix: float = Field(0.5, ge=0.0, lt=1.0)
     rank: int = Field(16, ge=1)  # LoRDO: the rank r of the projected optimizer
+    # NoLoCo's gamma: how hard an outer step pulls a replica towards its pair's mean outer
+    # weights (0: no pull); 0.7, the paper's setting (equal to outer_lr)
+    outer_pull: float = Field(0.7, ge=0.0)
 
 
 class Config(Section):
@@ -394,6 +397,13 @@ def _check_lowcomm(cfg: Config) -> None:
     if lc.outer_optimizer == "sgd" and "outer_momentum" in changed:
         raise ValueError('lowcomm.outer_momentum is the Nesterov momentum; lowcomm.'
                          'outer_optimizer="sgd" has none: use "nesterov" or leave it unset')
+    if lc.algorithm == "noloco" and lc.outer_pull >= 2 * (1 + lc.outer_momentum):
+        raise ValueError(
+            f"lowcomm.outer_pull={lc.outer_pull} must be below 2 x (1 + lowcomm.outer_momentum) "
+            f"= {2 * (1 + lc.outer_momentum):g}: NoLoCo's outer step maps the difference between "
+            "two partners' weights through x <- (1 + momentum - pull) x - momentum x_prev, which "
+            "grows instead of shrinking from that pull on, so paired replicas would move apart; "
+            "the paper uses 0.7 (the default)")
     if lc.algorithm == "none":
         return
     if lc.algorithm == "hpsgd" and lc.overlap_steps > 1:
