@@ -27,7 +27,8 @@ Per run, figures of the whole run (rank means unless said):
   run takes on a cluster whose nodes compute like these ranks and talk over 1 Gbit/s;
 - `wall_s`: the same minus the seconds rank 0 waited on the simulated link after the real
   transfer had completed (`CommMeter.link_wait_s`): the run on this machine's own loopback;
-- `link_s`: simulated link seconds of all ops (hidden or not), and `link_wait_s`.
+- `link_s`: simulated link seconds of the ops this rank sent (hidden or not; a receive is
+  its sender's op, not counted twice), and `link_wait_s`.
 Top-level: the ratios the targets of issue 7 are about (docs/lowcomm.md).
 """
 
@@ -94,7 +95,9 @@ def run_rank(rank: int, port: int, jobs: list, root: str, out):
             trainer._loop(cfg, Path(root) / label, None, mesh, trainer.StopFlag())
             elapsed = time.perf_counter() - start
             m = mesh.meter
-            figures = {"bytes": m.total("wire_bytes"), "link_s": m.total("simulated_s"),
+            # a recv's simulated seconds are its sender's (comm.recv), counted there already
+            link_s = m.total("simulated_s") - m.total("simulated_s", op="recv")
+            figures = {"bytes": m.total("wire_bytes"), "link_s": link_s,
                        "link_wait_s": m.link_wait_s, "loop_s": elapsed}
             if rank == 0:
                 records = read_metrics(Path(root) / label)
