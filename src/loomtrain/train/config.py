@@ -158,7 +158,7 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
-LOWCOMM_BUILT = ("none", "local_sgd", "diloco")  # the algorithms that run today
+LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "hierarchical")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -171,7 +171,7 @@ LOWCOMM_KEYS = {
     "noloco": ("inner_steps", "outer_lr", "outer_momentum"),
     "dreamddp": ("inner_steps",),
     "hpsgd": ("overlap_steps",),
-    "hierarchical": ("inner_steps", "overlap_steps"),
+    "hierarchical": ("inner_steps", "overlap_steps", "adaptive_period"),
     "lordo": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "rank"),
 }
 
@@ -192,6 +192,9 @@ class LowcommConfig(Section):
     overlap_steps: int = Field(1, ge=0)
     quantize: Literal["none", "int8"] = "none"  # the pseudo-gradients on the wire
     rank: int = Field(16, ge=1)  # LoRDO: the rank r of the projected optimizer
+    # hierarchical (DASO): the global period halves when the loss plateaus, from inner_steps
+    # down to 1, then starts again at inner_steps (lowcomm/hierarchical.py)
+    adaptive_period: bool = False
 
 
 class Config(Section):
@@ -400,6 +403,8 @@ def _check_lowcomm(cfg: Config) -> None:
             raise ValueError(f"lowcomm.algorithm={lc.algorithm!r} with {key}={value!r} is not "
                              f"supported yet: its replicas are whole fp32 models over dp ({key}="
                              f"{allowed!r})")
+    if lc.algorithm == "hierarchical":
+        _check_hierarchical(lc, p)
     every = cfg.checkpoint.every
     if every % lc.inner_steps:
         fit = -(-every // lc.inner_steps) * lc.inner_steps
@@ -407,6 +412,25 @@ def _check_lowcomm(cfg: Config) -> None:
                          f"{lc.inner_steps}: a checkpoint holds one model, so it is written where "
                          f"the replicas synchronize; set checkpoint.every={fit} (or 0: only at "
                          "the end and on a signal)")
+
+
+def _check_hierarchical(lc: LowcommConfig, p: ParallelConfig) -> None:
+    """DASO syncs inside nodes every step and between them every inner_steps steps: it needs
+    several nodes, one step of staleness at most, and a period that can change."""
+    if p.ranks_per_node is None or p.ranks_per_node >= p.nproc:
+        rpn = "unset" if p.ranks_per_node is None else p.ranks_per_node
+        raise ValueError(f'lowcomm.algorithm="hierarchical" averages gradients inside each node and '
+                         f"parameters between nodes, but parallel.ranks_per_node={rpn} puts all "
+                         f"parallel.nproc={p.nproc} ranks on one node: set parallel.ranks_per_node "
+                         "to a divisor of nproc below it (e.g. 2 ranks per node)")
+    if lc.overlap_steps > 1:
+        raise ValueError(f'lowcomm.overlap_steps={lc.overlap_steps} with lowcomm.algorithm='
+                         '"hierarchical": its global sync is either waited for at once (0) or '
+                         "merged one step stale (1, DASO's asynchronous mode); set 0 or 1")
+    if lc.adaptive_period and lc.inner_steps == 1:
+        raise ValueError("lowcomm.adaptive_period=true halves the global period from "
+                         "lowcomm.inner_steps down to 1, but inner_steps=1 leaves nothing to "
+                         "adapt: set lowcomm.inner_steps >= 2 or adaptive_period=false")
 
 
 def _check_optimal(p: ParallelConfig) -> None:
