@@ -35,8 +35,9 @@ def test_world4_two_nodes(tmp_path, corpus):
         return tiny_tree(tmp_path, corpus, parallel=NODES, lowcomm=lowcomm or {}, **sections)
 
     # plain SGD, no momentum, no clipping (as in test_lowcomm.py): averaging updates is then
-    # updating with the averaged gradient
-    sgd = {"optimizer": "sgd", "beta1": 0.0, "grad_clip": 0.0, "lr": 0.5}
+    # updating with the averaged gradient. lr 0.3: at 0.5 the loss jumps up and down, which
+    # amplified the same rounding to 3.8e-7 here
+    sgd = {"optimizer": "sgd", "beta1": 0.0, "grad_clip": 0.0, "lr": 0.3}
     h4 = {**DASO, "inner_steps": 4}  # overlap_steps = 1 (the default): one step stale
     # a loss that cannot improve by 5% a window (lr 1e-6): DASO's plateau rule must fire
     flat = dict(lowcomm={**h4, "adaptive_period": True}, train={"lr": 1e-6})
@@ -58,7 +59,7 @@ def test_world4_two_nodes(tmp_path, corpus):
 
     # (a) H = 1, blocking, plain SGD is synchronous DP: the node averages the gradient, each
     # node steps, the nodes average x - lr g_node, i.e. x - lr mean(g). Only the fp32 summation
-    # order differs (node-local then cross-node against one ring over 4): measured 2.6e-8
+    # order differs (node-local then cross-node against one ring over 4): measured 3.6e-8
     dp, daso = _losses(out["dp_sgd"][0]), _losses(out["daso_sgd"][0])
     assert dp[-1] < dp[0] - 1.0  # it learns
     assert _rel(daso, dp) < 1e-6, (daso, dp)
@@ -96,14 +97,17 @@ def test_world4_two_nodes(tmp_path, corpus):
     assert _periods(records) == [4] * 16 + [2] * 4, _periods(records)
     assert _synced_at(records) == [4, 8, 12, 16, 18, 20]
 
-    # (e) resume after step 12: the model, every replica's AdamW and RNG, and the schedule
-    # (period, best window, windows without improvement, the open window): bitwise
+    # (e) resume after step 8: the model, every replica's AdamW and RNG, and the schedule
+    # (period, best window, windows without improvement, the open window): bitwise. Measured:
+    # the checkpoint holds the best window 3.2587 and one window (3.1759) without a 5%
+    # improvement; two more (3.3845, 3.3564) halve the period at step 12, which a resume that
+    # lost the schedule would not do
     reference = out["adaptive"][0]
     records, saved = out["adaptive_stopped"]
     assert saved == ["step_00000008", "step_00000012"]
     assert _losses(records) == _losses(reference)  # == on floats
     assert _periods(records) == _periods(reference)
-    assert len(set(_periods(reference))) > 1, _periods(reference)  # the period did change
+    assert _periods(reference) == [2] * 11 + [1], _periods(reference)
 
 
 def test_plateau_rule_on_synthetic_trends():
