@@ -74,6 +74,11 @@ class LocalSGD(nn.Module):
         `clip_grad_norm_`, which the loop calls there): where an algorithm finishes the
         communication of the step's backward. Nothing here."""
 
+    def observe_loss(self, loss_sum: torch.Tensor, tokens: int) -> None:
+        """Called by the loop after every optimizer step, before `after_step`, with this
+        replica's summed token loss of the step and its target tokens: for an algorithm whose
+        schedule follows the loss (DASO's adaptive period, hierarchical.py). Nothing here."""
+
     def metrics(self) -> dict:
         """What the algorithm adds to the step's metrics.jsonl record (a logged step): here
         nothing."""

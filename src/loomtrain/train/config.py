@@ -159,7 +159,7 @@ class CheckpointConfig(Section):
 
 
 LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco", "hpsgd",
-                 "noloco")  # the algorithms that run today
+                 "noloco", "hierarchical")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -172,7 +172,7 @@ LOWCOMM_KEYS = {
     "noloco": ("inner_steps", "outer_lr", "outer_momentum", "outer_pull"),
     "dreamddp": ("inner_steps",),
     "hpsgd": ("overlap_steps",),
-    "hierarchical": ("inner_steps", "overlap_steps"),
+    "hierarchical": ("inner_steps", "overlap_steps", "adaptive_period"),
     "lordo": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "rank"),
 }
 
@@ -199,6 +199,9 @@ class LowcommConfig(Section):
     # NoLoCo's gamma: how hard an outer step pulls a replica towards its pair's mean outer
     # weights (0: no pull); 0.7, the paper's setting (equal to outer_lr)
     outer_pull: float = Field(0.7, ge=0.0)
+    # hierarchical (DASO): the global period halves when the loss plateaus, from inner_steps
+    # down to 1, then starts again at inner_steps (lowcomm/hierarchical.py)
+    adaptive_period: bool = False
 
 
 class Config(Section):
@@ -422,6 +425,8 @@ def _check_lowcomm(cfg: Config) -> None:
                              f"{allowed!r})")
     if lc.algorithm == "streaming_diloco":
         _check_streaming(lc, cfg.model)
+    if lc.algorithm == "hierarchical":
+        _check_hierarchical(lc, p)
     every = cfg.checkpoint.every
     if every % lc.inner_steps:
         fit = -(-every // lc.inner_steps) * lc.inner_steps
@@ -451,6 +456,25 @@ def _check_streaming(lc: LowcommConfig, m: ModelConfig) -> None:
                          "so that one sync lands before the next starts; set lowcomm."
                          f"overlap_steps to at most {spacing - 1} (0: wait at once) or raise "
                          "lowcomm.inner_steps")
+
+
+def _check_hierarchical(lc: LowcommConfig, p: ParallelConfig) -> None:
+    """DASO syncs inside nodes every step and between them every inner_steps steps: it needs
+    several nodes, one step of staleness at most, and a period that can change."""
+    if p.ranks_per_node is None or p.ranks_per_node >= p.nproc:
+        rpn = "unset" if p.ranks_per_node is None else p.ranks_per_node
+        raise ValueError(f'lowcomm.algorithm="hierarchical" averages gradients inside each node and '
+                         f"parameters between nodes, but parallel.ranks_per_node={rpn} puts all "
+                         f"parallel.nproc={p.nproc} ranks on one node: set parallel.ranks_per_node "
+                         "to a divisor of nproc below it (e.g. 2 ranks per node)")
+    if lc.overlap_steps > 1:
+        raise ValueError(f'lowcomm.overlap_steps={lc.overlap_steps} with lowcomm.algorithm='
+                         '"hierarchical": its global sync is either waited for at once (0) or '
+                         "merged one step stale (1, DASO's asynchronous mode); set 0 or 1")
+    if lc.adaptive_period and lc.inner_steps == 1:
+        raise ValueError("lowcomm.adaptive_period=true halves the global period from "
+                         "lowcomm.inner_steps down to 1, but inner_steps=1 leaves nothing to "
+                         "adapt: set lowcomm.inner_steps >= 2 or adaptive_period=false")
 
 
 def _check_optimal(p: ParallelConfig) -> None:

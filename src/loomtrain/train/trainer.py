@@ -259,6 +259,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                                                       cfg.train.grad_clip, loss_sum_fn)
             done = step + 1
             if lowcomm:  # every inner_steps steps, and after the last, the replicas synchronize
+                model.observe_loss(loss_sum, loss_tokens)
                 model.after_step(done, last=done == cfg.train.steps)
             bubble = None
             if timeline is not None:
