@@ -158,7 +158,7 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
-LOWCOMM_BUILT = ("none", "local_sgd", "diloco")  # the algorithms that run today
+LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "lordo")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -192,6 +192,18 @@ class LowcommConfig(Section):
     overlap_steps: int = Field(1, ge=0)
     quantize: Literal["none", "int8"] = "none"  # the pseudo-gradients on the wire
     rank: int = Field(16, ge=1)  # LoRDO: the rank r of the projected optimizer
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lordo_averages(cls, values: Any) -> Any:
+        """LoRDO's paper averages the replicas (arXiv 2602.04396, as DES-LOC): for
+        algorithm="lordo" outer_optimizer defaults to "sgd", and then outer_lr to 1 (the
+        mean); an explicit "nesterov" keeps DiLoCo's defaults."""
+        if isinstance(values, dict) and values.get("algorithm") == "lordo":
+            values = {"outer_optimizer": "sgd", **values}
+            if values["outer_optimizer"] == "sgd":
+                values.setdefault("outer_lr", 1.0)
+        return values
 
 
 class Config(Section):
@@ -400,6 +412,12 @@ def _check_lowcomm(cfg: Config) -> None:
             raise ValueError(f"lowcomm.algorithm={lc.algorithm!r} with {key}={value!r} is not "
                              f"supported yet: its replicas are whole fp32 models over dp ({key}="
                              f"{allowed!r})")
+    if lc.algorithm == "lordo" and t.optimizer != "adamw":
+        raise ValueError(f'lowcomm.algorithm="lordo" replaces train.optimizer with its own '
+                         f"low-rank AdamW (the moments of each matrix in a rank-lowcomm.rank "
+                         f"subspace), built from train.lr, beta1, beta2 and weight_decay; "
+                         f'train.optimizer={t.optimizer!r} has no moments to project: set '
+                         f'train.optimizer="adamw"')
     every = cfg.checkpoint.every
     if every % lc.inner_steps:
         fit = -(-every // lc.inner_steps) * lc.inner_steps
