@@ -162,13 +162,14 @@ def test_world2_shared_projections_and_resume(tmp_path, corpus):
         for name, q in mine.items():
             assert torch.equal(q, other[name]), name
             assert q.shape == (32, 4)
-            assert torch.allclose(q.T @ q, torch.eye(4), atol=1e-5), name  # measured 4e-7
+            assert torch.allclose(q.T @ q, torch.eye(4), atol=1e-5), name  # measured 1.2e-6
     for name in seen0[0]:  # every sync computes new ones
         assert not torch.equal(seen0[0][name], seen0[1][name])
         assert not torch.equal(seen0[1][name], seen0[2][name])
     # the top-4 singular subspace holds the most of the pseudo-gradient that any 4-dimensional
     # one can (Eckart-Young), more than the projection the period ran in; the full-rank
-    # term leaves part of it outside that one. Measured 0.962 and 0.748
+    # term leaves part of it outside that one. Measured 0.811 and 0.742
+
     assert 0 < metrics0["lordo_captured_before"] < metrics0["lordo_captured"] <= 1 + 1e-6
 
     # (e) resume at a sync: each replica's moments and projections, the RNG: bitwise
@@ -178,7 +179,7 @@ def test_world2_shared_projections_and_resume(tmp_path, corpus):
     assert _losses(records) == reference  # == on floats
     assert reference[-1] < reference[0]
     # what the checkpoint holds: the projections once, each replica's moments at r x n
-    meta = FileSystemReader(str(tmp_path / "runs" / "h2_stopped" / "checkpoints" / "step_00000004"))
+    meta = FileSystemReader(str(tmp_path / "w2" / "h2_stopped" / "checkpoints" / "step_00000004"))
     sizes = {k: tuple(v.size) for k, v in meta.read_metadata().state_dict_metadata.items()
              if hasattr(v, "size")}
     assert sizes["lowcomm.projection.blocks.0.mlp.fc.weight"] == (32, 4)
@@ -186,7 +187,7 @@ def test_world2_shared_projections_and_resume(tmp_path, corpus):
         assert sizes[f"optim.replica{replica}.state.blocks.0.mlp.fc.weight.exp_avg"] == (4, 128)
 
 
-def test_world4_lordo_learns_on_a_quarter_of_the_bytes(tmp_path, corpus):
+def test_world4_lordo_learns_on_about_a_quarter_of_the_bytes(tmp_path, corpus):
     """LoRDO with H = 4 and rank 8 against synchronous DP with AdamW, on the same 20 steps of
     the same rows, with the paper's outer step (the average)."""
     trees = [tiny_tree(tmp_path, corpus, parallel={"nproc": 4}, lowcomm=lowcomm)
@@ -195,13 +196,13 @@ def test_world4_lordo_learns_on_a_quarter_of_the_bytes(tmp_path, corpus):
     out = run_world(_runs, 4, jobs, str(tmp_path / "w4"), timeout_s=300)[0]
     dp, lordo = (_losses(out[name][0]) for name in ("dp", "lordo"))
     assert lordo[-1] < lordo[0] - 0.3, lordo  # it learns
-    assert lordo[-1] < dp[-1] * 1.15, (lordo, dp)  # measured X against DP's Y
+    assert lordo[-1] < dp[-1] * 1.15, (lordo, dp)  # measured 5.48 -> 4.22, DP's 4.06
     sent = {name: sum(r["comm_bytes"].get("all_reduce", 0) for r in out[name][0])
             for name in ("dp", "lordo")}
     # DP sends the model's P parameters every step; LoRDO every 4th, plus once the gradient
     # of its projected matrices (the initial projections): (5 P + L) / (20 P) with L the 8
     # block matrices' 24,576 of the tiny GPT's 34,688 parameters, 0.2854; the 24 bytes of
-    # control and logged loss per step, in both, raise it a little: measured X
+    # control and logged loss per step, in both, raise it a little: measured 0.28555
     model = build_model(config_from_dict(trees[0]).model)
     params = sum(p.numel() for p in model.parameters())
     projected = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks")
@@ -209,7 +210,8 @@ def test_world4_lordo_learns_on_a_quarter_of_the_bytes(tmp_path, corpus):
     expected = (5 * params + projected) / (20 * params)
     ratio = sent["lordo"] / sent["dp"]
     assert expected <= ratio < expected + 1e-3, (ratio, expected, sent)
-    # the optimizer state, as logged: measured X of AdamW's
+    # the optimizer state, as logged: measured 0.498 of AdamW's (rank 8 of sides of 32; the
+    # 256 x 32 embedding, tied to the head, keeps AdamW's moments)
     last = out["lordo"][0][-1]
     assert last["lordo_rank"] == 8
     assert last["lordo_state_bytes"] < 0.6 * last["lordo_adamw_state_bytes"], last
