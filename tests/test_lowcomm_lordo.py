@@ -156,8 +156,9 @@ def test_world2_shared_projections_and_resume(tmp_path, corpus):
     # from the averaged first gradient, then from each averaged pseudo-gradient), orthonormal
     # columns, rank 4 (the model's matrices are 32 x 32 to 32 x 128: shorter side 32)
     (seen0, metrics0), (seen1, _) = results[0][1], results[1][1]
-    assert len(seen0) == 3 and seen0[0].keys() == {
-        f"blocks.{b}.{m}.weight" for b in (0, 1) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    matrices = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    assert len(seen0) == 3
+    assert seen0[0].keys() == {f"blocks.{b}.{m}.weight" for b in (0, 1) for m in matrices}
     for mine, other in zip(seen0, seen1):
         for name, q in mine.items():
             assert torch.equal(q, other[name]), name

@@ -35,11 +35,15 @@ full-rank term already puts the residual into every step); the full-rank term's
 denominator and the moments' rotation are this library's choices (lowrank_adamw.py); the
 quasi-hyperbolic weight is QHM's recommended 0.7.
 
-Failure semantics: as DiLoCo's. The projections are identical on every replica because they
-are computed from identical all-reduced data by the same code (an SVD that gives the same
-bits for the same input on the same software and hardware); replicas on different LAPACK
-builds could disagree in rounding. A checkpoint (written at a sync) holds the projections
-once (`lowcomm.projection.<name>`) and each replica's moments under its own key.
+Failure semantics: as DiLoCo's. A non-finite entry in the averaged gradient or
+pseudo-gradient (a replica's overflow, which the trainer skips the step for) is read as 0
+when a projection is computed from it, the same on every replica, so that the SVD does not
+fail and the replicas keep one projection. The projections are identical on every replica
+because they are computed from identical all-reduced data by the same code (an SVD that
+gives the same bits for the same input on the same software and hardware); replicas on
+different LAPACK builds could disagree in rounding. A checkpoint (written at a sync) holds
+the projections once (`lowcomm.projection.<name>`) and each replica's moments under its own
+key.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ class LoRDO(DiLoCo):
         flat = _flatten_dense_tensors(grads)
         comm.all_reduce(flat, self.mesh, self.axis)
         flat.div_(self.mesh.size(self.axis))
+        flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)  # see failure semantics
         for average, (i, rank) in zip(_unflatten_dense_tensors(flat, grads), self.matrices):
             self.optimizer.set_projection(self.params[i],
                                           top_singular_vectors(oriented(average), rank))
@@ -138,7 +143,8 @@ class LoRDO(DiLoCo):
     def _refresh_projections(self, pseudo_gradients) -> None:
         total, new, old = 0.0, 0.0, 0.0
         for i, rank in self.matrices:
-            block = oriented(pseudo_gradients[i])
+            block = torch.nan_to_num(oriented(pseudo_gradients[i]), nan=0.0, posinf=0.0,
+                                     neginf=0.0)
             projection = top_singular_vectors(block, rank)
             previous = self.optimizer.state[self.params[i]].get("projection")
             total += float(block.square().sum())
@@ -179,7 +185,8 @@ class LoRDO(DiLoCo):
     def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
         """After the model and the inner optimizer were loaded: the projections are the
         saved ones (equal to the ones in each replica's optimizer state)."""
-        super().load_outer_state({k: v for k, v in state.items() if not k.startswith("projection.")})
+        outer = {k: v for k, v in state.items() if not k.startswith("projection.")}
+        super().load_outer_state(outer)
         for i, _ in self.matrices:
             key = f"projection.{self.names[i]}"
             if key in state:
