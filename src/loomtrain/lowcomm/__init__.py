@@ -17,7 +17,8 @@ module, which has `build(model, optimizer, mesh, cfg, seed) -> (wrapped model, o
 - dreamddp.py: DreamDDP, layer-wise partial syncs scheduled behind backward;
 - hpsgd.py: HPSGD, each step's sync in flight during the next step;
 - hierarchical.py: DASO, node-local every step, across nodes every H steps;
-- lordo.py: LoRDO, a rank-r projected optimizer with infrequent syncs;
+- lordo.py: LoRDO, a rank-r projected optimizer with infrequent syncs (its optimizer:
+  lowrank_adamw.py);
 - state.py: their checkpoints.
 Guide: docs/lowcomm.md.
 """

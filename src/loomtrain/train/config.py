@@ -159,7 +159,7 @@ class CheckpointConfig(Section):
 
 
 LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco", "hpsgd",
-                 "noloco", "hierarchical")  # the algorithms that run today
+                 "noloco", "hierarchical", "lordo")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -202,6 +202,18 @@ class LowcommConfig(Section):
     # hierarchical (DASO): the global period halves when the loss plateaus, from inner_steps
     # down to 1, then starts again at inner_steps (lowcomm/hierarchical.py)
     adaptive_period: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lordo_averages(cls, values: Any) -> Any:
+        """LoRDO's paper averages the replicas (arXiv 2602.04396, as DES-LOC): for
+        algorithm="lordo" outer_optimizer defaults to "sgd", and then outer_lr to 1 (the
+        mean); an explicit "nesterov" keeps DiLoCo's defaults."""
+        if isinstance(values, dict) and values.get("algorithm") == "lordo":
+            values = {"outer_optimizer": "sgd", **values}
+            if values["outer_optimizer"] == "sgd":
+                values.setdefault("outer_lr", 1.0)
+        return values
 
 
 class Config(Section):
@@ -427,6 +439,12 @@ def _check_lowcomm(cfg: Config) -> None:
         _check_streaming(lc, cfg.model)
     if lc.algorithm == "hierarchical":
         _check_hierarchical(lc, p)
+    if lc.algorithm == "lordo" and t.optimizer != "adamw":
+        raise ValueError(f'lowcomm.algorithm="lordo" replaces train.optimizer with its own '
+                         f"low-rank AdamW (the moments of each matrix in a rank-lowcomm.rank "
+                         f"subspace), built from train.lr, beta1, beta2 and weight_decay; "
+                         f'train.optimizer={t.optimizer!r} has no moments to project: set '
+                         f'train.optimizer="adamw"')
     every = cfg.checkpoint.every
     if every % lc.inner_steps:
         fit = -(-every // lc.inner_steps) * lc.inner_steps

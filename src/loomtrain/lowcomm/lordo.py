@@ -1,0 +1,194 @@
+"""LoRDO: a rank-r projected AdamW on every replica, synchronized every H steps, its
+projection computed globally from the averaged pseudo-gradient.
+
+Jovanovic et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication"
+(arXiv 2602.04396). Low-rank optimizers (GaLore, arXiv 2403.03507) choose the subspace of
+Adam's moments from the gradient; under infrequent communication a replica only sees its own
+noisy gradient, so LoRDO computes the projection from what the replicas share, the averaged
+pseudo-gradient of the last period, identical on every replica without a further message.
+Because a projected optimizer's updates stay in the span of its projection, and the next
+projection is computed from those updates, the trajectory would stay in one subspace for
+ever; the full-rank quasi-hyperbolic term (lowrank_adamw.py) mixes the raw gradient into
+every step to leave it.
+
+As built, per replica and period of H = `inner_steps` optimizer steps:
+
+1. the inner optimizer (`LowRankAdamW`, lowrank_adamw.py) steps on this replica's rows; the
+   weights of the model's nn.Linear layers are projected at rank r = `rank` (at most their
+   shorter side), everything else (embeddings and the head tied to them, biases, norms) gets
+   plain AdamW, as GaLore does;
+2. after H steps the replicas all-reduce the pseudo-gradient, theta - theta_i (DiLoCo's outer
+   step, diloco.py); the paper averages the replicas (its outer step is the mean, as in
+   DES-LOC, arXiv 2505.22549), which is this library's default for LoRDO: outer SGD with
+   learning rate 1 (config.py); DiLoCo's Nesterov is `outer_optimizer = "nesterov"`;
+3. every projected matrix's projection becomes the top-r left singular vectors of its block of
+   the averaged pseudo-gradient (its shorter side), and the replica's moments are rotated into
+   the new basis (`LowRankAdamW.set_projection`).
+
+Before the first sync there is no pseudo-gradient: at the first step the replicas all-reduce
+their gradients of the projected matrices once and take the projections from that average
+(the bytes of one data-parallel step over those matrices, once per run).
+
+What differs from the paper, and why (docs/lowcomm-lordo.md): no error feedback of the
+projection residual (it needs an m x n buffer per matrix, AdamW's memory again; the
+full-rank term already puts the residual into every step); the full-rank term's
+denominator and the moments' rotation are this library's choices (lowrank_adamw.py); the
+quasi-hyperbolic weight is QHM's recommended 0.7.
+
+Failure semantics: as DiLoCo's. A non-finite entry in the averaged gradient or
+pseudo-gradient (a replica's overflow, which the trainer skips the step for) is read as 0
+when a projection is computed from it, the same on every replica, so that the SVD does not
+fail and the replicas keep one projection. The projections are identical on every replica
+because they are computed from identical all-reduced data by the same code (an SVD that
+gives the same bits for the same input on the same software and hardware); replicas on
+different LAPACK builds could disagree in rounding. A checkpoint (written at a sync) holds
+the projections once (`lowcomm.projection.<name>`) and each replica's moments under its own
+key.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from loomtrain import comm
+from loomtrain.lowcomm.diloco import DiLoCo
+from loomtrain.lowcomm.lowrank_adamw import LowRankAdamW, oriented, top_singular_vectors
+
+
+def build(model, optimizer, mesh, cfg, seed: int):
+    """apply_lowcomm's builder for algorithm="lordo": returns the wrapper and its own inner
+    optimizer, with the hyperparameters and weight-decay groups of the trainer's AdamW."""
+    inner = lowrank_adamw(model, optimizer, cfg.rank)
+    return LoRDO(model, inner, mesh, cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum,
+                 nesterov=cfg.outer_optimizer == "nesterov"), inner
+
+
+def projected_matrices(model: nn.Module) -> set[torch.Tensor]:
+    """The weights LoRDO projects: those of nn.Linear layers, except one tied to an embedding
+    (GaLore projects the transformer blocks' matrices, not the embeddings)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {m.weight for m in model.modules() if isinstance(m, nn.Linear)
+            and m.weight.dim() == 2 and id(m.weight) not in embedded}
+
+
+def lowrank_adamw(model: nn.Module, adamw: torch.optim.AdamW, rank: int) -> LowRankAdamW:
+    """A LowRankAdamW over `adamw`'s parameters with its hyperparameters: each of its groups
+    split in two, the projected matrices (`rank`) and the rest (rank 0)."""
+    assert isinstance(adamw, torch.optim.AdamW), "config: lordo needs train.optimizer=adamw"
+    matrices = projected_matrices(model)
+    groups = []
+    for group in adamw.param_groups:
+        options = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        for r in (rank, 0):
+            params = [p for p in group["params"] if (p in matrices) == (r > 0)]
+            if params:
+                groups.append({"params": params, "rank": r, **options})
+    return LowRankAdamW(groups)
+
+
+class LoRDO(DiLoCo):
+    """`model = LoRDO(model, optimizer, mesh, inner_steps=H)` with `optimizer` a LowRankAdamW
+    over the model's parameters; then as DiLoCo. The outer optimizer defaults to the paper's
+    plain average (SGD, learning rate 1)."""
+
+    def __init__(self, module: nn.Module, optimizer: LowRankAdamW, mesh, inner_steps: int,
+                 outer_lr: float = 1.0, outer_momentum: float = 0.9, nesterov: bool = False,
+                 axis: str = "dp"):
+        super().__init__(module, mesh, inner_steps, outer_lr, outer_momentum, nesterov, axis)
+        self.optimizer = optimizer
+        ranks = dict((id(p), r) for p, r in optimizer.projected())
+        # (index in self.params, rank) of every projected matrix
+        self.matrices = [(i, ranks[id(p)]) for i, p in enumerate(self.params) if id(p) in ranks]
+        self.rank = max((r for _, r in self.matrices), default=0)
+        self.has_projections = False  # set at the first step, or by a checkpoint
+        self.captured: float | None = None  # share of the last pseudo-gradient's norm ...
+        self.captured_before: float | None = None  # ... in the new and the old projections
+
+    def before_update(self) -> None:
+        """At the run's first step: the initial projections, from the replicas' averaged
+        gradients of the projected matrices (one all-reduce, once)."""
+        if not self.has_projections:
+            self._initial_projections()
+
+    @torch.no_grad()
+    def _initial_projections(self) -> None:
+        grads = [self.params[i].grad for i, _ in self.matrices]
+        grads = [g if g is not None else torch.zeros_like(self.params[i])
+                 for g, (i, _) in zip(grads, self.matrices)]
+        flat = _flatten_dense_tensors(grads)
+        comm.all_reduce(flat, self.mesh, self.axis)
+        flat.div_(self.mesh.size(self.axis))
+        flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)  # see failure semantics
+        for average, (i, rank) in zip(_unflatten_dense_tensors(flat, grads), self.matrices):
+            self.optimizer.set_projection(self.params[i],
+                                          top_singular_vectors(oriented(average), rank))
+        self.has_projections = True
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """DiLoCo's outer step on the averaged pseudo-gradient, then every projection
+        recomputed from that pseudo-gradient."""
+        local = _flatten_dense_tensors([p.detach() for p in self.params])
+        pseudo_gradient = torch.sub(self.global_params, local)
+        comm.all_reduce(pseudo_gradient, self.mesh, self.axis)
+        pseudo_gradient.div_(self.mesh.size(self.axis))
+        self.global_params.grad = pseudo_gradient
+        self.outer.step()
+        self.global_params.grad = None
+        self._set_params(self.global_params)
+        self._refresh_projections(_unflatten_dense_tensors(pseudo_gradient, self.params))
+
+    def _refresh_projections(self, pseudo_gradients) -> None:
+        total, new, old = 0.0, 0.0, 0.0
+        for i, rank in self.matrices:
+            block = torch.nan_to_num(oriented(pseudo_gradients[i]), nan=0.0, posinf=0.0,
+                                     neginf=0.0)
+            projection = top_singular_vectors(block, rank)
+            previous = self.optimizer.state[self.params[i]].get("projection")
+            total += float(block.square().sum())
+            new += float((projection.T @ block).square().sum())
+            if previous is not None:
+                old += float((previous.T @ block).square().sum())
+            self.optimizer.set_projection(self.params[i], projection)
+        self.has_projections = True
+        if total > 0:
+            self.captured, self.captured_before = (new / total) ** 0.5, (old / total) ** 0.5
+
+    def metrics(self) -> dict:
+        """The rank, the optimizer state's bytes against AdamW's (this replica's; equal on
+        every replica), and the share of the last averaged pseudo-gradient's norm (over all
+        projected matrices) inside the new projections and inside the ones it was made with."""
+        state, adamw = self.optimizer.state_bytes()
+        out = {"lordo_rank": self.rank, "lordo_state_bytes": state,
+               "lordo_adamw_state_bytes": adamw}
+        if self.captured is not None:
+            out["lordo_captured"] = round(self.captured, 6)
+            out["lordo_captured_before"] = round(self.captured_before, 6)
+        return out
+
+    def projections(self) -> dict[str, torch.Tensor]:
+        """Every projected matrix's projection by parameter name (shorter side x rank)."""
+        states = [(self.names[i], self.optimizer.state.get(self.params[i], {}))
+                  for i, _ in self.matrices]  # .get: no empty entries in the defaultdict
+        return {name: state["projection"] for name, state in states if "projection" in state}
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        """DiLoCo's (the outer momentum, with Nesterov) and the projections, identical on
+        every replica at a sync: "projection.<name>"."""
+        state = super().outer_state()
+        state.update({f"projection.{n}": q.clone() for n, q in self.projections().items()})
+        return state
+
+    @torch.no_grad()
+    def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """After the model and the inner optimizer were loaded: the projections are the
+        saved ones (equal to the ones in each replica's optimizer state)."""
+        outer = {k: v for k, v in state.items() if not k.startswith("projection.")}
+        super().load_outer_state(outer)
+        for i, _ in self.matrices:
+            key = f"projection.{self.names[i]}"
+            if key in state:
+                self.optimizer.state[self.params[i]]["projection"] = state[key].clone()
+                self.has_projections = True
