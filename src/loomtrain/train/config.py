@@ -158,7 +158,7 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
-LOWCOMM_BUILT = ("none", "local_sgd", "diloco")  # the algorithms that run today
+LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "dreamddp")  # the algorithms that run today
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
