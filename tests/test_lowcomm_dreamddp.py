@@ -176,34 +176,39 @@ def test_world2_each_unit_once_per_period_during_backward_and_resume(tmp_path, c
 def test_world4_learns_on_a_quarter_of_the_bytes_behind_a_slow_link(tmp_path, corpus):
     """DreamDDP with H = 4 against synchronous DP, both AdamW, the same 20 steps of the same
     rows, world 4 as 2 simulated nodes of 2 with a slow link between them (comm/link.py), so
-    the schedule comes from the link's formula."""
-    link = dict(parallel={"nproc": 4, "ranks_per_node": 2},
-                comm={"inter_node_gbps": 0.05, "inter_node_latency_ms": 2.0})
+    the schedule comes from the link's formula. Four blocks, so that several units have
+    backward left behind them to hide in (with two, syncing all at once is already optimal)."""
+    link = dict(parallel={"nproc": 4, "ranks_per_node": 2}, model={"n_layers": 4},
+                comm={"inter_node_gbps": 0.25, "inter_node_latency_ms": 0.5})
     trees = {"dp": tiny_tree(tmp_path, corpus, **link),
              "dreamddp": _dreamddp(tmp_path, corpus, 4, {"inner_steps": 4}, **link)}
     out = run_world(_runs, 4, [(name, t, None, False) for name, t in trees.items()],
                     str(tmp_path / "w4"), timeout_s=300)[0]
     dp, dream = (_losses(out[name][0]) for name in ("dp", "dreamddp"))
-    assert dream[-1] < dream[0] - 0.3, dream  # it learns: measured 5.48 -> 4.22
-    assert dream[-1] < dp[-1] * 1.1, (dream, dp)  # measured 4.22 against DP's 4.06
+    assert dream[-1] < dream[0] - 0.3, dream  # it learns: measured 5.48 -> 4.24
+    # measured 4.24 against DP's 4.10; the losses depend on the measured schedule (4.2432 and
+    # 4.2439 in two runs), not enough to come near the bound
+    assert dream[-1] < dp[-1] * 1.1, (dream, dp)
     # (d) bytes: every 4 steps one model's worth (each unit once), DP a gradient every step;
     # over steps 5-16 (three whole periods) that is 1/4, raised by the trainer's 36 wire bytes
-    # per step of control and loss that both send: measured 0.25013. Over the whole run the
-    # last step's full sync adds one model: (20/4 + 1) / 20 = 0.30, measured 0.30015
+    # per step of control and loss that both send: measured 0.25007. Over the whole run the
+    # last step's full sync adds one model: (20/4 + 1) / 20 = 0.30, measured 0.30009
     def sent(name, steps=range(1, 21)):
         return sum(r["comm_bytes"].get("all_reduce", 0) for r in out[name][0] if r["step"] in steps)
     steady = sent("dreamddp", range(5, 17)) / sent("dp", range(5, 17))
     assert 0.25 <= steady < 0.2502, steady
     assert 0.30 <= sent("dreamddp") / sent("dp") < 0.301
     # the schedule's all-reduce seconds are the link's: each tensor's ring wire bytes (1.5 x
-    # payload at world 4) at 0.05 Gbit/s, its 2 ms latency apart; in all, one model's bytes
+    # payload at world 4) at 0.25 Gbit/s, its 0.5 ms latency apart; in all, one model's bytes
+    # (60,096 fp32 parameters with four blocks). Predicted exposed per period, two runs:
+    # 6.1 ms against the naive schedule's 8.1, and 6.2 against 6.5
     records = out["dreamddp"][0]
     schedule = next(r["dreamddp_schedule"] for r in records if "dreamddp_schedule" in r)
-    assert (schedule["time_model"], schedule["latency_s"]) == ("link", 0.002)
-    assert sum(schedule["comm_s"]) == pytest.approx(1.5 * PARAM_BYTES * 8 / 0.05e9, abs=3e-6)
+    assert (schedule["time_model"], schedule["latency_s"]) == ("link", 0.0005)
+    assert sum(schedule["comm_s"]) == pytest.approx(1.5 * 60_096 * 4 * 8 / 0.25e9, abs=3e-6)
     assert schedule["exposed_s"] <= schedule["naive_exposed_s"]
     for start in range(4, 20, 4):  # each unit once per period after the warm-up
-        assert sorted(u for r in records[start:start + 4] for u in r["dreamddp_synced"]) == sorted(UNITS)
+        assert sorted(u for r in records[start:start + 4] for u in r["dreamddp_synced"]) == sorted(schedule["units"])
 
 
 def test_config_builds_dreamddp_and_refuses_keys_it_does_not_read(tmp_path, corpus):

@@ -60,7 +60,8 @@ import torch.nn as nn
 
 from loomtrain import comm
 from loomtrain.comm.meter import wire_bytes
-from loomtrain.lowcomm.dreamddp_schedule import exposed_s, fit_alpha_beta, naive, plan
+from loomtrain.lowcomm.dreamddp_schedule import (backward_order, exposed_s, fit_alpha_beta, naive,
+                                                 plan)
 from loomtrain.lowcomm.local_sgd import LocalSGD
 
 
@@ -123,8 +124,8 @@ class DreamDDP(LocalSGD):
     def _syncs_now(self, u: int) -> bool:
         """Whether unit u is averaged in the step under way (iteration steps_done mod H)."""
         k = self.steps_done % self.inner_steps
-        if self.iteration_of is None:  # warm-up: the naive schedule
-            return k == naive(1, self.inner_steps)[0]
+        if self.iteration_of is None:  # warm-up: the naive schedule, every unit at the last
+            return k == self.inner_steps - 1
         return self.iteration_of[u] == k
 
     def _measuring(self) -> bool:
@@ -259,9 +260,7 @@ class DreamDDP(LocalSGD):
         comm.all_reduce(stats, self.mesh, self.axis)
         stats /= self.mesh.size(self.axis)
         ready, comm_s = stats[:n].tolist(), stats[n:].tolist()
-        order = sorted(range(n), key=lambda u: ready[u])
-        backward = [ready[b] - (ready[a] if a is not None else 0.0)
-                    for a, b in zip([None] + order[:-1], order)]
+        order, backward = backward_order(ready)
         found = plan(backward, [comm_s[u] for u in order], self.inner_steps, self._latency_s())
         iteration = torch.zeros(n, dtype=torch.int64)
         for position, u in enumerate(order):
@@ -271,9 +270,7 @@ class DreamDDP(LocalSGD):
 
     def _set_schedule(self, iteration, ready, comm_s, exact=None) -> None:
         self.iteration_of, self.ready_s, self.comm_s = list(iteration), list(ready), list(comm_s)
-        order = sorted(range(len(ready)), key=lambda u: ready[u])
-        backward = [ready[b] - (ready[a] if a is not None else 0.0)
-                    for a, b in zip([None] + order[:-1], order)]
+        order, backward = backward_order(ready)
         comm_in_order = [comm_s[u] for u in order]
         H, latency = self.inner_steps, self._latency_s()
 

@@ -64,6 +64,14 @@ def exposed_s(backward_s, comm_s, iteration, iterations: int, latency_s: float =
     return sum(max(0.0, f + latency_s - end) for f in free if f is not None)
 
 
+def backward_order(ready_s) -> tuple[list[int], list[float]]:
+    """(the units in backward order, each one's backward seconds) from the time each unit's
+    gradients were complete, counted from the start of the backward."""
+    order = sorted(range(len(ready_s)), key=lambda u: ready_s[u])
+    done = [0.0] + [ready_s[u] for u in order]
+    return order, [b - a for a, b in zip(done, done[1:])]
+
+
 def naive(units: int, iterations: int) -> tuple[int, ...]:
     """Every unit in the period's last iteration: local SGD's timing, with DreamDDP's overlap."""
     return (iterations - 1,) * units
