@@ -157,7 +157,8 @@ def test_world2_each_unit_once_per_period_during_backward_and_resume(tmp_path, c
     assert [r["dreamddp_full_sync"] for r in records] == [False] * 11 + [True]  # the last step
     # (c) an all-reduce issued during the backward: whenever a step syncs a unit other than the
     # backward's last (tok_emb, ready last), its first issue precedes the last gradient.
-    # Measured 0.4-21 ms ahead (blocks.1 is ready ~1.3 ms before tok_emb on a quiet machine)
+    # Measured 0.5-5 ms ahead (the agreed ready times: blocks.1 0.51 ms into the backward,
+    # tok_emb 0.80 ms; more in the steps that sync, whose all-reduces slow the backward down)
     last = max(UNITS, key=lambda u: schedule["ready_s"][UNITS.index(u)])
     assert last == "tok_emb"
     overlapped = [r["dreamddp_issue_lead_s"] for r in records if set(r["dreamddp_synced"]) - {last}]
@@ -205,7 +206,7 @@ def test_world4_learns_on_a_quarter_of_the_bytes_behind_a_slow_link(tmp_path, co
     records = out["dreamddp"][0]
     schedule = next(r["dreamddp_schedule"] for r in records if "dreamddp_schedule" in r)
     assert (schedule["time_model"], schedule["latency_s"]) == ("link", 0.0005)
-    assert sum(schedule["comm_s"]) == pytest.approx(1.5 * 60_096 * 4 * 8 / 0.25e9, abs=3e-6)
+    assert sum(schedule["comm_s"]) == pytest.approx(1.5 * 60_096 * 4 * 8 / 0.25e9, abs=4e-6)
     assert schedule["exposed_s"] <= schedule["naive_exposed_s"]
     for start in range(4, 20, 4):  # each unit once per period after the warm-up
         assert sorted(u for r in records[start:start + 4] for u in r["dreamddp_synced"]) == sorted(schedule["units"])
