@@ -26,8 +26,8 @@ The algorithm as built:
   every unit syncs every step: there is nothing to choose or measure.
 - The sync of a unit: when the last of its tensors has its gradient accumulated in the step's
   last backward (a post-accumulate-grad hook: a tied tensor's fires once, after both uses),
-  each tensor is all-reduced in place, asynchronously; `before_update()` (the optimizer step's
-  eve) waits and divides by the replica count. No copy: the all-reduce writes into the
+  each tensor is all-reduced in place, asynchronously; `before_update()` (after the last
+  backward, before the optimizer step) waits and divides by the replica count. No copy: the all-reduce writes into the
   parameters, which the rest of the backward does not read (their own backward is done).
 - Update order and its maths, replica i, unit u synced at step t with gradient g_i taken at
   its own parameters theta_i(t):  theta_i(t+1) = mean_j theta_j(t) - lr * update_i(g_i),
@@ -40,7 +40,7 @@ The algorithm as built:
 What differs from the paper, and why: the paper searches contiguous runs of layers per
 iteration and fills spare time with extra syncs of some layers; here any assignment is
 searched (an exact branch and bound within a budget) and each unit syncs exactly once per
-period, so the bytes are exactly 1/H of local SGD's every step (dreamddp_schedule.py). The
+period, so a period sends one model, as local SGD's sync (dreamddp_schedule.py). The
 paper profiles offline; here the first period measures. The full sync before checkpoints and
 at the end is ours: a checkpoint holds one model.
 
@@ -256,15 +256,16 @@ class DreamDDP(LocalSGD):
         ready = [s / self._measured for s in self._ready_sum]
         comm_s = [sum(self._op_s(_nbytes(p), alpha, beta) for p in tensors)
                   for _, tensors in self.units]
-        stats = torch.tensor(ready + comm_s, dtype=torch.float64)
+        stats = torch.tensor(ready + comm_s, dtype=torch.float64, device=self.mesh.device)
         comm.all_reduce(stats, self.mesh, self.axis)
         stats /= self.mesh.size(self.axis)
         ready, comm_s = stats[:n].tolist(), stats[n:].tolist()
         order, backward = backward_order(ready)
         found = plan(backward, [comm_s[u] for u in order], self.inner_steps, self._latency_s())
-        iteration = torch.zeros(n, dtype=torch.int64)
+        mine = [0] * n
         for position, u in enumerate(order):
-            iteration[u] = found.iteration[position]
+            mine[u] = found.iteration[position]
+        iteration = torch.tensor(mine, dtype=torch.int64, device=self.mesh.device)
         comm.broadcast(iteration, self.mesh, self.axis, 0)
         self._set_schedule(iteration.tolist(), ready, comm_s, exact=found.exact)
 

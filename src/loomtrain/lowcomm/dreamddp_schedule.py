@@ -31,7 +31,7 @@ under the model (`Plan.exact`); past it, the best found so far (at least the gre
 The paper instead restricts the search to contiguous runs of layers, the first iteration taking
 the layers nearest the output, and may sync a layer more than once per period where time is
 left over; here any assignment is allowed (contiguous ones included) and every unit is synced
-exactly once per period, so the bytes are exactly 1/H of a full sync per step.
+exactly once per period, so a period sends one model, as local SGD's sync does.
 """
 
 from __future__ import annotations
