@@ -81,7 +81,7 @@ def test_schedule_of_a_large_model_stops_at_its_budget():
     comm = [rng.uniform(0.5, 8.0) for _ in range(48)]
     started = time.perf_counter()
     found = plan(backward, comm, 16, budget=20_000)
-    assert time.perf_counter() - started < 20  # measured 0.2 s on a quiet machine
+    assert time.perf_counter() - started < 20  # measured 0.5-1.2 s, the machine shared
     assert not found.exact and found.exposed_s < found.naive_exposed_s
     assert plan(backward, comm, 1).iteration == naive(48, 1)  # H = 1: nothing to choose
 
