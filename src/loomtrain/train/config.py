@@ -158,9 +158,6 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1)
 
 
-LOWCOMM_BUILT = ("none", "local_sgd", "diloco", "streaming_diloco", "hpsgd",
-                 "noloco", "hierarchical", "lordo")  # the algorithms that run today
-
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
 LOWCOMM_KEYS = {
@@ -179,8 +176,7 @@ LOWCOMM_KEYS = {
 
 class LowcommConfig(Section):
     # low-communication data parallelism (lowcomm/, docs/lowcomm.md): replicas train apart
-    # and synchronize every inner_steps optimizer steps; LOWCOMM_BUILT: the ones that run today,
-    # LOWCOMM_KEYS: the keys each one reads
+    # and synchronize every inner_steps optimizer steps; LOWCOMM_KEYS: the keys each one reads
     algorithm: Literal["none", "local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp",
                        "hpsgd", "hierarchical", "lordo"] = "none"
     inner_steps: int = Field(1, ge=1)  # H
@@ -397,9 +393,6 @@ def _check_lowcomm(cfg: Config) -> None:
     """Low-communication replicas run today as plain fp32 replicas of the whole model over dp,
     each on its own rows, checkpointed only where they are synchronized."""
     lc, p, t = cfg.lowcomm, cfg.parallel, cfg.train
-    if lc.algorithm not in LOWCOMM_BUILT:
-        raise ValueError(f"lowcomm.algorithm={lc.algorithm!r} is not built yet; choose one of "
-                         f"{', '.join(repr(a) for a in LOWCOMM_BUILT)}")
     changed = [k for k in LowcommConfig.model_fields if k != "algorithm"
                and getattr(lc, k) != LowcommConfig.model_fields[k].default]
     unread = [k for k in changed if k not in LOWCOMM_KEYS[lc.algorithm]]

@@ -1,0 +1,337 @@
+"""DreamDDP: local SGD whose parameter averaging is split by layer over the H steps of a
+period, each layer averaged while the backward of the layers before it computes.
+
+Tang et al., "DreamDDP: Accelerating Data Parallel Distributed LLM Training with Layer-wise
+Scheduled Partial Synchronization" (arXiv 2502.11058). Local SGD (local_sgd.py) averages the
+whole model every H steps, after the optimizer step, with nothing left to hide it behind.
+DreamDDP averages each layer once per period instead, in the iteration a schedule gives it,
+during that iteration's backward, so its all-reduce overlaps the backward of the layers
+nearer the input.
+
+The algorithm as built:
+- Units (`layer_units`): the model's top-level modules, a ModuleList (the transformer blocks)
+  split into its elements; for the GPT: tok_emb, pos_emb, blocks.0 ... blocks.L-1, ln_f. A
+  tied tensor belongs to the unit of its first name (the head's weight is tok_emb's).
+- The schedule (dreamddp_schedule.py, pure): unit u is averaged at iteration s_u of every
+  period of H = `inner_steps` steps (step t is iteration (t - 1) mod H), s_u chosen to
+  minimize the communication the backward does not hide.
+- Warm-up: during the first period every unit syncs at its last step (local SGD's timing,
+  with the overlap); its other H - 1 steps measure when each unit's gradients are complete,
+  from the start of the backward (hooks, last micro-batch only). At the period's end the
+  replicas average their measurements (one all-reduce), rank 0's schedule is broadcast (so a
+  floating-point tie cannot split the replicas), and it stays fixed for the run (and its
+  resumes: it is checkpointed). All-reduce seconds per tensor come from the simulated link's
+  formula when the dp group crosses it (comm/link.py), else from an alpha-beta fit of the
+  warm-up sync's own all-reduces (launch to completion, one after the other). With H = 1
+  every unit syncs every step: there is nothing to choose or measure.
+- The sync of a unit: when the last of its tensors has its gradient accumulated in the step's
+  last backward (a post-accumulate-grad hook: a tied tensor's fires once, after both uses),
+  each tensor is all-reduced in place, asynchronously; `before_update()` (after the last
+  backward, before the optimizer step) waits and divides by the replica count. No copy: the all-reduce writes into the
+  parameters, which the rest of the backward does not read (their own backward is done).
+- Update order and its maths, replica i, unit u synced at step t with gradient g_i taken at
+  its own parameters theta_i(t):  theta_i(t+1) = mean_j theta_j(t) - lr * update_i(g_i),
+  the average of the step's starting point, then the replica's own step. Local SGD steps then
+  averages, mean_j (theta_j(t) - lr * update_j): here the update of the sync step stays
+  local until the next period. So a partial sync does not leave the replicas equal.
+- A full sync (every tensor averaged in place, no flat copy) follows the run's last step and
+  precedes every checkpoint (`end_period`), so a run and a checkpoint hold one model.
+
+What differs from the paper, and why: the paper searches contiguous runs of layers per
+iteration and fills spare time with extra syncs of some layers; here any assignment is
+searched (an exact branch and bound within a budget) and each unit syncs exactly once per
+period, so a period sends one model, as local SGD's sync (dreamddp_schedule.py). The
+paper profiles offline; here the first period measures. The full sync before checkpoints and
+at the end is ours: a checkpoint holds one model.
+
+Failure semantics: as local SGD's. Every replica must run the same steps with the same
+micro-batch count (the hooks issue the all-reduces in the backward's order, the same on every
+replica); a replica that skips its optimizer step (non-finite gradient) has still averaged.
+A unit with a tensor that got no gradient in a step is synced in `before_update`, exposed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn as nn
+
+from loomtrain import comm
+from loomtrain.comm.meter import wire_bytes
+from loomtrain.lowcomm.dreamddp_schedule import (backward_order, exposed_s, fit_alpha_beta, naive,
+                                                 plan)
+from loomtrain.lowcomm.local_sgd import LocalSGD
+
+
+def build(model, optimizer, mesh, cfg, seed: int):
+    """apply_lowcomm's builder for algorithm="dreamddp"."""
+    return DreamDDP(model, mesh, cfg.inner_steps), optimizer
+
+
+def layer_units(module: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
+    """(unit name, its trainable tensors) in the module's order: each top-level child, a
+    ModuleList or Sequential split into its elements; a tied tensor once, under its first name."""
+    units: dict[str, list[nn.Parameter]] = {}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        parts = name.split(".")
+        unit = parts[0]
+        if len(parts) > 2 and isinstance(module.get_submodule(unit), (nn.ModuleList, nn.Sequential)):
+            unit = f"{parts[0]}.{parts[1]}"
+        units.setdefault(unit, []).append(p)
+    return list(units.items())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class DreamDDP(LocalSGD):
+    """`model = DreamDDP(model, mesh, inner_steps=H)`; per step `loss.backward();
+    model.clip_grad_norm_(c)` (or `model.before_update()`), `optimizer.step();
+    model.after_step(step)`. The schedule is `iteration_of` (None during the warm-up)."""
+
+    def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str = "dp"):
+        super().__init__(module, mesh, inner_steps, axis)
+        self.units = layer_units(module)
+        self.unit_names = [name for name, _ in self.units]
+        self._unit_of = {p: u for u, (_, tensors) in enumerate(self.units) for p in tensors}
+        self.iteration_of: list[int] | None = None
+        self.ready_s: list[float] = []  # agreed: each unit's gradients complete, from backward start
+        self.comm_s: list[float] = []  # agreed: each unit's all-reduce seconds
+        self.schedule_record: dict | None = None
+        self.steps_done = 0
+        self._accumulating = False
+        self._ready_sum, self._measured, self._samples = [0.0] * len(self.units), 0, []
+        self._launches = []  # the warm-up sync's all-reduces: [wire bytes, launched, completed]
+        self._wait_s, self._logged = 0.0, False
+        self._synced, self._synced_tensors, self._lead_s, self._full = [], 0, None, False
+        self._reset_step()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in self.params]
+
+    # --- the current step ---
+    def _reset_step(self) -> None:
+        self._left = [len(tensors) for _, tensors in self.units]
+        self._ready_at = [None] * len(self.units)
+        self._issued = [False] * len(self.units)
+        self._pending = []
+        self._backward_t0 = self._first_issue = None
+
+    def _syncs_now(self, u: int) -> bool:
+        """Whether unit u is averaged in the step under way (iteration steps_done mod H)."""
+        k = self.steps_done % self.inner_steps
+        if self.iteration_of is None:  # warm-up: the naive schedule, every unit at the last
+            return k == self.inner_steps - 1
+        return self.iteration_of[u] == k
+
+    def _measuring(self) -> bool:
+        return self.iteration_of is None and self.inner_steps > 1 and not self._syncs_now(0)
+
+    def _link_times_dp(self) -> bool:
+        link = self.mesh.link
+        return link is not None and link.crosses_nodes(self.mesh.group_ranks(self.axis))
+
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if not self._accumulating and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(self._on_backward_start)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches before the last: their backward neither syncs nor measures."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def _on_backward_start(self, grad):
+        self._backward_t0 = time.perf_counter()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self._accumulating:
+            return
+        u = self._unit_of[p]
+        self._left[u] -= 1
+        if self._left[u] == 0:  # the unit's last tensor: its gradients are complete
+            self._ready_at[u] = time.perf_counter()
+            if self._syncs_now(u):
+                self._issue(u)
+
+    def _issue(self, u: int) -> None:
+        """All-reduce (sum) unit u's tensors in place, asynchronously."""
+        self._issued[u] = True
+        if self._first_issue is None:
+            self._first_issue = time.perf_counter()
+        sampling = self.iteration_of is None and not self._link_times_dp()
+        n = self.mesh.size(self.axis)
+        for p in self.units[u][1]:
+            tensor = p.detach()
+            launched = time.perf_counter()
+            work = comm.all_reduce(tensor, self.mesh, self.axis, async_op=True)
+            self._pending.append((tensor, work))
+            if sampling:  # the warm-up sync times its own all-reduces for the fit
+                sample = [wire_bytes("ring_all_reduce", _nbytes(tensor), n), launched, None]
+                self._launches.append(sample)
+                work.when_done(lambda t, s=sample: s.__setitem__(2, t))
+
+    @torch.no_grad()
+    def before_update(self) -> None:
+        """Finish the step's syncs: wait for the all-reduces, divide by the replica count."""
+        started = time.perf_counter()
+        for u in range(len(self.units)):
+            if self._syncs_now(u) and not self._issued[u]:  # a tensor got no gradient
+                self._issue(u)
+        for tensor, work in self._pending:
+            work.wait()
+        n = self.mesh.size(self.axis)
+        for tensor, _ in self._pending:
+            tensor.div_(n)
+        self._wait_s += time.perf_counter() - started
+        self._note_step(started)
+        self._reset_step()
+
+    def _note_step(self, backward_end: float) -> None:
+        """What the step leaves for metrics and for the warm-up's measurement."""
+        self._synced = [self.unit_names[u] for u in range(len(self.units)) if self._issued[u]]
+        self._synced_tensors = len(self._pending)
+        done = [t for t in self._ready_at if t is not None]
+        self._lead_s = None
+        if self._first_issue is not None and done:
+            self._lead_s = max(done) - self._first_issue
+        if self._measuring() and self._backward_t0 is not None:
+            self._measured += 1
+            for u, t in enumerate(self._ready_at):  # no gradient: ready at the backward's end
+                self._ready_sum[u] += (backward_end if t is None else t) - self._backward_t0
+
+    def after_step(self, step: int, last: bool = False) -> bool:
+        """Call after optimizer step `step` (from 1). Ends the warm-up at its period's end;
+        after the run's `last` step, a full sync. Returns whether the replicas are one model."""
+        assert not self._pending, "call before_update() (or clip_grad_norm_) before the step"
+        self.steps_done = step
+        self.steps_since_sync += 1
+        self._full = False
+        self._take_samples()
+        if self.iteration_of is None and step % self.inner_steps == 0 and self._measured:
+            self._fix_schedule()
+        if last:
+            self.synchronize()
+            return True
+        return False
+
+    # --- the schedule ---
+    def _take_samples(self) -> None:
+        """(wire bytes, seconds) of each timed all-reduce: from its launch, or from the end of
+        the one before it if later (they queue), to its completion. Taken after the optimizer
+        step, so that the completion callbacks (run by the communication thread) have run."""
+        previous = None
+        for wire, launched, end in self._launches:
+            if end is None:
+                continue
+            start = launched if previous is None else max(launched, previous)
+            self._samples.append((wire, max(0.0, end - start)))
+            previous = end
+        self._launches = []
+
+    def _op_s(self, payload_bytes: int, alpha: float, beta: float) -> float:
+        """Seconds an all-reduce of `payload_bytes` occupies the link: the simulated link's
+        transfer (its latency runs alongside: `_latency_s`), or the fitted alpha-beta."""
+        wire = wire_bytes("ring_all_reduce", payload_bytes, self.mesh.size(self.axis))
+        if self._link_times_dp():
+            return self.mesh.link.transfer_s(wire)
+        return alpha + beta * wire
+
+    def _latency_s(self) -> float:
+        return self.mesh.link.latency_ms / 1e3 if self._link_times_dp() else 0.0
+
+    def _fix_schedule(self) -> None:
+        """Agree on the measurements (their mean over the replicas) and on rank 0's plan."""
+        n = len(self.units)
+        alpha, beta = fit_alpha_beta(self._samples)
+        ready = [s / self._measured for s in self._ready_sum]
+        comm_s = [sum(self._op_s(_nbytes(p), alpha, beta) for p in tensors)
+                  for _, tensors in self.units]
+        stats = torch.tensor(ready + comm_s, dtype=torch.float64, device=self.mesh.device)
+        comm.all_reduce(stats, self.mesh, self.axis)
+        stats /= self.mesh.size(self.axis)
+        ready, comm_s = stats[:n].tolist(), stats[n:].tolist()
+        order, backward = backward_order(ready)
+        found = plan(backward, [comm_s[u] for u in order], self.inner_steps, self._latency_s())
+        mine = [0] * n
+        for position, u in enumerate(order):
+            mine[u] = found.iteration[position]
+        iteration = torch.tensor(mine, dtype=torch.int64, device=self.mesh.device)
+        comm.broadcast(iteration, self.mesh, self.axis, 0)
+        self._set_schedule(iteration.tolist(), ready, comm_s, exact=found.exact)
+
+    def _set_schedule(self, iteration, ready, comm_s, exact=None) -> None:
+        self.iteration_of, self.ready_s, self.comm_s = list(iteration), list(ready), list(comm_s)
+        order, backward = backward_order(ready)
+        comm_in_order = [comm_s[u] for u in order]
+        H, latency = self.inner_steps, self._latency_s()
+
+        def predicted(iteration) -> float:
+            return round(exposed_s(backward, comm_in_order, iteration, H, latency), 6)
+        self.schedule_record = {
+            "units": self.unit_names, "iteration": self.iteration_of,
+            "ready_s": [round(t, 6) for t in ready], "comm_s": [round(t, 6) for t in comm_s],
+            "latency_s": latency,
+            "exposed_s": predicted([self.iteration_of[u] for u in order]),
+            "naive_exposed_s": predicted(naive(len(order), H)),
+            "exact": exact, "time_model": "link" if self._link_times_dp() else "measured"}
+        self._logged = False
+
+    # --- full syncs, metrics, checkpoints ---
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Every tensor becomes its mean over the replicas, in place (no flat copy)."""
+        works = [comm.all_reduce(p.detach(), self.mesh, self.axis, async_op=True)
+                 for p in self.params]
+        for work in works:
+            work.wait()
+        n = self.mesh.size(self.axis)
+        for p in self.params:
+            p.div_(n)
+        self.steps_since_sync = 0
+        self._full = True
+
+    def metrics(self) -> dict:
+        """The units synced in the logged step and their tensor count, the seconds waited for
+        syncs since the previous record (exposed), how long before the backward's last gradient
+        the step's first all-reduce was issued (the overlap; None without a sync), whether a
+        full sync ran, and the schedule once."""
+        rec = {"dreamddp_synced": self._synced, "dreamddp_synced_tensors": self._synced_tensors,
+               "dreamddp_wait_s": round(self._wait_s, 6),
+               "dreamddp_issue_lead_s": None if self._lead_s is None else round(self._lead_s, 6),
+               "dreamddp_full_sync": self._full}
+        self._wait_s = 0.0
+        if self.schedule_record is not None and not self._logged:
+            rec["dreamddp_schedule"] = self.schedule_record
+            self._logged = True
+        return rec
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        """The schedule and the measurements it came from (-1 and 0 during the warm-up) and
+        the step count: identical on every replica (agreed), so written once."""
+        n = len(self.units)
+        fixed = self.iteration_of is not None
+        return {"schedule": torch.tensor(self.iteration_of if fixed else [-1] * n),
+                "ready_s": torch.tensor(self.ready_s if fixed else [0.0] * n, dtype=torch.float64),
+                "comm_s": torch.tensor(self.comm_s if fixed else [0.0] * n, dtype=torch.float64),
+                "steps_done": torch.tensor([self.steps_done])}
+
+    def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint from the warm-up starts measuring again at its next period."""
+        super().load_outer_state(state)
+        self.steps_done = int(state["steps_done"][0])
+        self._ready_sum, self._measured, self._samples = [0.0] * len(self.units), 0, []
+        self.iteration_of, self.schedule_record = None, None
+        if int(state["schedule"][0]) >= 0:
+            self._set_schedule(state["schedule"].tolist(), state["ready_s"].tolist(),
+                               state["comm_s"].tolist())
+        self._reset_step()
