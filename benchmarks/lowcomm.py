@@ -13,7 +13,7 @@ tokens, AdamW, the default GPT at d_model 128, global batch 4 (one row of 128 to
 synchronous DP's gradient all-reduce is a large part of a step. Runs, in this order (DP first
 and again last, so drift over the session shows as the difference of its two runs):
 
-    (an unreported 5-step DP warm-up), dp, local_sgd (H=50), diloco_h50, diloco_h200, streaming_diloco (H=50, F=5, one step
+    (an unreported 5-step DP warm-up), dp, local_sgd (H=50), diloco_h50, diloco_h200, streaming_diloco (H=50, F=2, one step
     in flight), noloco (H=50), dreamddp (H=10), hpsgd (one step in flight), hierarchical
     (DASO, H=10, one step stale), lordo (H=50, rank 16), dp again
 
@@ -21,7 +21,8 @@ Per run, figures of the whole run (rank means unless said):
 - `val_loss`: the final validation loss (the trainer's evaluation after the last step, which
   ends every method on one model);
 - `bytes_per_rank`: wire bytes one rank sent (comm/meter.py), everything the run sent,
-  the trainer's small control all-reduces included;
+  the trainer's small control all-reduces included; `inter_node_bytes_per_rank`: of those, the
+  bytes of ops whose group spans both nodes (the ones on the slow link);
 - `simulated_wall_s`: rank 0's measured seconds for the loop (from start to the final
   checkpoint) with the simulated link in place: its delays are real waits, so this is what the
   run takes on a cluster whose nodes compute like these ranks and talk over 1 Gbit/s;
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
 import tempfile
 import time
@@ -54,7 +56,7 @@ RUNS = {
     "local_sgd": {"algorithm": "local_sgd", "inner_steps": 50},
     "diloco_h50": {"algorithm": "diloco", "inner_steps": 50},
     "diloco_h200": {"algorithm": "diloco", "inner_steps": 200},
-    "streaming_diloco": {"algorithm": "streaming_diloco", "inner_steps": 50, "fragments": 5},
+    "streaming_diloco": {"algorithm": "streaming_diloco", "inner_steps": 50, "fragments": 2},
     "noloco": {"algorithm": "noloco", "inner_steps": 50},
     "dreamddp": {"algorithm": "dreamddp", "inner_steps": 10},
     "hpsgd": {"algorithm": "hpsgd"},
@@ -97,7 +99,8 @@ def run_rank(rank: int, port: int, jobs: list, root: str, out):
             m = mesh.meter
             # a recv's simulated seconds are its sender's (comm.recv), counted there already
             link_s = m.total("simulated_s") - m.total("simulated_s", op="recv")
-            figures = {"bytes": m.total("wire_bytes"), "link_s": link_s,
+            figures = {"bytes": m.total("wire_bytes"), "inter_node_bytes": m.inter_node_bytes,
+                       "link_s": link_s,
                        "link_wait_s": m.link_wait_s, "loop_s": elapsed}
             if rank == 0:
                 records = read_metrics(Path(root) / label)
@@ -168,7 +171,15 @@ def main() -> None:
         p.start()
     got: dict[str, dict] = {}
     for _ in range(WORLD * len(order)):
-        rank, label, name, figures = out.get(timeout=3600)
+        while True:
+            try:
+                rank, label, name, figures = out.get(timeout=5)
+                break
+            except queue.Empty:  # a rank that died (a config it refused) ends the benchmark
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    for p in procs:
+                        p.kill()
+                    sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
         got.setdefault(label, {"name": name, "ranks": {}})["ranks"][rank] = figures
         if len(got[label]["ranks"]) == WORLD:
             print(f"  {label}: done", file=sys.stderr, flush=True)
@@ -182,6 +193,7 @@ def main() -> None:
             "val_loss": round(r0["val_loss"], 4),
             "train_loss": round(r0["loss"], 4),
             "bytes_per_rank": round(sum(r["bytes"] for r in ranks.values()) / WORLD),
+            "inter_node_bytes_per_rank": round(sum(r["inter_node_bytes"] for r in ranks.values()) / WORLD),
             "wall_s": round(r0["loop_s"] - r0["link_wait_s"], 2),
             "simulated_wall_s": round(r0["loop_s"], 2),
             "link_s": round(sum(r["link_s"] for r in ranks.values()) / WORLD, 3),
@@ -191,7 +203,8 @@ def main() -> None:
     if args.plot:
         plot(args.plot, {label: got[label]["ranks"][0]["curve"] for label, _ in order}, steps)
     dp = {k: (runs["dp_first"][k] + runs["dp_last"][k]) / 2
-          for k in ("val_loss", "bytes_per_rank", "simulated_wall_s", "wall_s")}
+          for k in ("val_loss", "bytes_per_rank", "inter_node_bytes_per_rank", "simulated_wall_s",
+                    "wall_s")}
     runs["dp"] = {**runs["dp_first"], **{k: round(v, 4) for k, v in dp.items()}}
     summary = {}
     for label in runs:
@@ -199,6 +212,8 @@ def main() -> None:
             continue
         r = runs[label]
         summary[label] = {"bytes_vs_dp": round(dp["bytes_per_rank"] / r["bytes_per_rank"], 1),
+                          "inter_node_bytes_vs_dp": round(
+                              dp["inter_node_bytes_per_rank"] / r["inter_node_bytes_per_rank"], 1),
                           "val_loss_vs_dp": round(r["val_loss"] / dp["val_loss"] - 1, 4),
                           "simulated_wall_vs_dp": round(r["simulated_wall_s"] / dp["simulated_wall_s"], 3)}
     outer = {"noloco": RUNS["noloco"].get("inner_steps"), "diloco_h50": 50}

@@ -111,6 +111,8 @@ def _start(mesh, op: str, axis: str, payload: int, algorithm: str, call, async_o
         on_link = wire_bytes(algorithm, payload, n)
         simulated_s = mesh.link.delay_s(ranks, on_link)
         due = mesh.link.due(started, ranks, on_link)
+        if mesh.link.crosses_nodes(ranks):
+            mesh.meter.inter_node_bytes += wire
     mesh.meter.record(axis, op, payload, wire, simulated_s=simulated_s)
     mesh.meter.last_op = f"{op} on {axis} ({payload} bytes)"
     try:

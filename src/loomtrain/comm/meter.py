@@ -61,6 +61,9 @@ class CommMeter:
     # simulated time that no computation hid): cumulative, and a window for `take_link_wait`
     link_wait_s: float = 0.0
     link_wait_window: float = 0.0
+    # wire bytes of the ops whose group spans several nodes of the simulated link (cumulative;
+    # counted only when a link is simulated)
+    inter_node_bytes: int = 0
 
     def record(self, axis: str, op: str, payload_bytes: int, wire: int,
                simulated_s: float = 0.0) -> None:
