@@ -14,7 +14,8 @@ module, which has `build(model, optimizer, mesh, cfg, seed) -> (wrapped model, o
   pseudo-gradient;
 - streaming.py: streaming DiLoCo, fragments synced at staggered steps, overlapped;
 - noloco.py: NoLoCo, each outer step averaged with one random peer, no all-reduce;
-- dreamddp.py: DreamDDP, layer-wise partial syncs scheduled behind backward;
+- dreamddp.py: DreamDDP, layer-wise partial syncs scheduled behind backward (its schedule:
+  dreamddp_schedule.py, pure);
 - hpsgd.py: HPSGD, each step's sync in flight during the next step;
 - hierarchical.py: DASO, node-local every step, across nodes every H steps;
 - lordo.py: LoRDO, a rank-r projected optimizer with infrequent syncs (its optimizer:

@@ -45,8 +45,8 @@ def check_replicas(keys, model) -> str | None:
     if not isinstance(model, LocalSGD):
         if saved:
             return (f"it holds the optimizer states of {len(saved)} low-communication replicas "
-                    "(lowcomm.algorithm was set); resume it with lowcomm.algorithm=\"local_sgd\" or "
-                    "\"diloco\"")
+                    "(lowcomm.algorithm was set); resume it with the lowcomm.algorithm it was "
+                    "written by (its config.toml says which)")
         return None
     if not saved:
         return ("it was written without lowcomm.algorithm (one optimizer state for all "
