@@ -1,7 +1,8 @@
 """Low-communication data parallelism against synchronous data parallelism, on a simulated
 slow link between two nodes: bytes, validation loss, wall time.
 
-    .venv/bin/python benchmarks/lowcomm.py [--steps 400] [--only dp,diloco_h50]
+    .venv/bin/python benchmarks/lowcomm.py [--steps 2000] [--only diloco_h50,noloco] [--plot PNG]
+        [--d-model 64] [--layers 2] [--seq-len 64] [--rows 2]      # ~9 min on 2 CPU cores
     .venv/bin/python benchmarks/lowcomm.py --small     # smoke test: tiny model, 40 steps
 
 One gloo world of 4 spawned ranks on 127.0.0.1 (one torch thread each), split into 2 simulated
@@ -9,12 +10,16 @@ nodes of 2 ranks with a 1 Gbit/s link between them (`[comm] inter_node_gbps = 1`
 op; comm/link.py: a cross-node op completes no sooner than latency + its wire bytes over the
 bandwidth). Every run is the trainer's own loop (`trainer._loop`) on the default corpus (the
 standard library's source) with the same config but for `[lowcomm]`: the same steps, rows and
-tokens, AdamW, the default GPT at d_model 128, global batch 4 (one row of 128 tokens per replica and step), so that
-synchronous DP's gradient all-reduce is a large part of a step. Runs, in this order (DP first
-and again last, so drift over the session shows as the difference of its two runs):
+tokens, AdamW (the trainer's defaults: lr 3e-3, cosine), the default GPT made small (d_model
+64, 2 blocks, rows of 64 tokens, ~0.1 M parameters), 2 rows per replica and step (global
+batch 8), 2000 steps: small enough that DiLoCo at H = 200 gets 10 outer steps in a few
+minutes of 2 CPU cores, and synchronous DP's gradient all-reduce is a visible part of a step.
+Runs, in this order (DP first and again last, so drift over the session shows as the
+difference of its two runs):
 
-    (an unreported 5-step DP warm-up), dp, local_sgd (H=50), diloco_h50, diloco_h200, streaming_diloco (H=50, F=2, one step
-    in flight), noloco (H=50), dreamddp (H=10), hpsgd (one step in flight), hierarchical
+    (an unreported 5-step DP warm-up), dp, local_sgd (H=50), diloco_h50, diloco_h200,
+    streaming_diloco (H=50, F=2, one step in flight), noloco (H=50), dreamddp (H=10),
+    hpsgd (one step in flight), hierarchical
     (DASO, H=10, one step stale), lordo (H=50, rank 16), dp again
 
 Per run, figures of the whole run (rank means unless said):
@@ -65,14 +70,15 @@ RUNS = {
 }
 
 
-def tree(lowcomm: dict, root: str, name: str, steps: int, small: bool) -> dict:
+def tree(lowcomm: dict, root: str, name: str, steps: int, small: bool, args) -> dict:
     model = ({"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32} if small
-             else {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128})
+             else {"d_model": args.d_model, "n_layers": args.layers, "n_heads": 4,
+                   "seq_len": args.seq_len})
     return {
         "run": {"dir": root, "name": name, "log_every": 10, "eval_every": 10 ** 9,
                 "eval_batches": 16, "progress": False, "seed": 1},
         "model": {"name": "gpt", **model},
-        "train": {"steps": steps, "global_batch": 4, "micro_batch": 1},
+        "train": {"steps": steps, "global_batch": WORLD * args.rows, "micro_batch": args.rows},
         "parallel": {"nproc": WORLD, "ranks_per_node": RANKS_PER_NODE},
         "comm": {"inter_node_gbps": 1.0, "inter_node_latency_ms": 1.0},
         "checkpoint": {"every": 0},
@@ -106,18 +112,24 @@ def run_rank(rank: int, port: int, jobs: list, root: str, out):
                 records = read_metrics(Path(root) / label)
                 figures["val_loss"] = records[-1]["val_loss"]
                 figures["loss"] = records[-1]["loss"]
-                sent, curve = 0, []  # rank 0's cumulative wire bytes against the logged loss
-                for r in records:
-                    sent += r["comm_bytes"]["total"]
-                    curve.append((sent, r["loss"]))
-                figures["curve"] = curve
+                figures["curve"] = loss_curve(records)
             if label != "warmup":
                 out.put((rank, label, name, figures))
 
 
-def plot(path: str, curves: dict[str, list], steps: int) -> None:
-    """Training loss (logged every 10 steps, rank 0's view of the global mean) against the
-    wire bytes rank 0 had sent by then, one line per run, log-scale bytes."""
+def loss_curve(records: list[dict]) -> list[tuple[int, float]]:
+    """(rank 0's cumulative wire bytes, the logged training loss) at every metrics record."""
+    sent, curve = 0, []
+    for r in records:
+        sent += r["comm_bytes"]["total"]
+        curve.append((sent, r["loss"]))
+    return curve
+
+
+def plot(path: str, curves: dict[str, list], steps: int, smooth: int = 10) -> None:
+    """Training loss (logged every 10 steps, rank 0's view of the global mean; a moving mean
+    over `smooth` records, as one step's loss on 8 rows is noisy) against the wire bytes rank
+    0 had sent by then, one line per run, log-scale bytes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter
@@ -128,13 +140,15 @@ def plot(path: str, curves: dict[str, list], steps: int) -> None:
     for label, curve in curves.items():
         if label == "dp_last":
             continue
-        xs, ys = zip(*[(b / 2 ** 20, loss) for b, loss in curve if b > 0])
+        points = [(b / 2 ** 20, sum(loss for _, loss in curve[i - smooth + 1:i + 1]) / smooth)
+                  for i, (b, _) in enumerate(curve) if i + 1 >= smooth]
+        xs, ys = zip(*points)
         style = {"color": "black", "linewidth": 2.5} if label == "dp_first" else {}
         ax.plot(xs, ys, label="dp" if label == "dp_first" else label, **style)
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("MiB sent by one rank (log scale)")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel(f"training loss (mean of {smooth} records)")
     ax.set_title(f"loss against bytes sent: world 4 (2 nodes x 2, 1 Gbit/s), {steps} steps, "
                  "same tokens", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
@@ -145,12 +159,25 @@ def plot(path: str, curves: dict[str, list], steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--only", default="", help="comma-separated run names (dp is always run)")
     parser.add_argument("--small", action="store_true", help="smoke test: tiny model, 40 steps")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=2, help="rows per replica and step")
     parser.add_argument("--plot", default="", help="write the loss-vs-bytes plot (PNG) here")
+    parser.add_argument("--replot", default="", help="only redraw --plot from the run folders "
+                        "a finished benchmark left in this directory (its metrics.jsonl files)")
     args = parser.parse_args()
     steps = 40 if args.small else args.steps
+    if args.replot:
+        from loomtrain.train.metrics import read_metrics
+
+        runs = sorted(p.name for p in Path(args.replot).iterdir() if (p / "metrics.jsonl").exists())
+        order = ["dp_first"] + [r for r in runs if r not in ("dp_first", "dp_last", "warmup")]
+        plot(args.plot, {r: loss_curve(read_metrics(Path(args.replot) / r)) for r in order}, steps)
+        return
     names = [n for n in RUNS if n != "dp" and (not args.only or n in args.only.split(","))]
     order = [("dp_first", "dp")] + [(n, n) for n in names] + [("dp_last", "dp")]
     root = tempfile.mkdtemp(prefix="loom-lowcomm-")
@@ -159,10 +186,10 @@ def main() -> None:
         for n, lc in lowcomm_of.items():
             if "inner_steps" in lc:
                 lc["inner_steps"] = {"diloco_h200": 20, "streaming_diloco": 10}.get(n, 10)
-    jobs = [(label, name, tree(lowcomm_of[name], root, label, steps, args.small))
+    jobs = [(label, name, tree(lowcomm_of[name], root, label, steps, args.small, args))
             for label, name in order]
     # imports, allocator and thread pools warm before the first measured run: 5 steps of DP
-    jobs.insert(0, ("warmup", "dp", tree({}, root, "warmup", 5, args.small)))
+    jobs.insert(0, ("warmup", "dp", tree({}, root, "warmup", 5, args.small, args)))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -228,7 +255,9 @@ def main() -> None:
         s["simulated_wall_vs_dp"] < 1 for s in summary.values())
     print(json.dumps({"benchmark": "lowcomm", "world": WORLD, "ranks_per_node": RANKS_PER_NODE,
                       "inter_node_gbps": 1.0, "inter_node_latency_ms": 1.0, "steps": steps,
-                      "small": args.small, "tokens_per_run": steps * 4 * (32 if args.small else 128),
+                      "small": args.small, "tokens_per_run": steps * WORLD * args.rows * (32 if args.small else args.seq_len),
+                      "model": {"d_model": args.d_model, "n_layers": args.layers,
+                                "seq_len": args.seq_len}, "rows_per_replica": args.rows,
                       "dp_runs": {"first": runs.pop("dp_first"), "last": runs.pop("dp_last")},
                       "runs": runs, "vs_dp": summary, "targets": targets}))
 
