@@ -1,7 +1,5 @@
 """`python -m loomtrain ...` (what torchrun runs on every node) is the `loom` command."""
 
-import sys
+from loomtrain.cli import entry
 
-from loomtrain.cli import main
-
-sys.exit(main())
+entry()

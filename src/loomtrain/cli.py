@@ -188,3 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def entry() -> None:
+    """The process entry point (`loom`, `python -m loomtrain`): exit with main()'s code. A
+    failure's code leaves through os._exit once the message is flushed: at interpreter
+    teardown after a failed run, a torch/gloo background thread has been seen to abort the
+    process ("terminate called without an active exception", SIGABRT) now and then, which
+    would replace exit code 2 (bad input) with -6; nothing is left to write at that point."""
+    code = main()
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
