@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_tree
 from harness import run_world
@@ -43,6 +44,35 @@ def test_units_partition_the_parameters_tied_once():
     mlp = MLP(vocab_size=64, d_model=16, n_layers=2)
     assert [name for name, _ in layer_units(mlp)] == ["tok_emb", "blocks.0", "blocks.1", "ln_f",
                                                        "head"]
+
+
+def _wrap_and_sync(rank, world):
+    """A GPT wrapped in DreamDDP: whether its values survived the move into the units' flat
+    buffers, whether each unit's tensors share one storage, and the all-reduces of a full sync."""
+    from loomtrain.lowcomm.dreamddp import DreamDDP
+    from loomtrain.mesh import build_mesh
+    torch.manual_seed(0)  # the same initial weights on both ranks
+    gpt = GPT(vocab_size=64, seq_len=16, d_model=16, n_layers=2, n_heads=2)
+    before = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+    mesh = build_mesh({"dp": world})
+    model = DreamDDP(gpt, mesh, inner_steps=2)
+    kept = all(torch.equal(p, before[n]) for n, p in gpt.named_parameters())
+    shared = [len({p.untyped_storage().data_ptr() for p in ps}) == 1 for _, ps in model.units]
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.fill_(float(rank))  # replica r holds r everywhere: the mean is 0.5
+    mesh.meter.take()
+    calls_before = mesh.meter.counts[("dp", "all_reduce")].calls
+    model.synchronize()
+    calls = mesh.meter.counts[("dp", "all_reduce")].calls - calls_before
+    averaged = all(bool((p == 0.5).all()) for p in gpt.parameters())
+    return kept, shared, calls, len(model.units), averaged
+
+
+def test_a_unit_is_one_buffer_and_one_all_reduce():
+    for kept, shared, calls, units, averaged in run_world(_wrap_and_sync, 2, timeout_s=120):
+        assert kept and all(shared) and averaged
+        assert calls == units == 5  # tok_emb, pos_emb, blocks.0, blocks.1, ln_f
 
 
 def test_schedule_is_optimal_on_small_cases_and_never_worse_than_naive():

@@ -20,21 +20,27 @@ The algorithm as built:
   from the start of the backward (hooks, last micro-batch only). At the period's end the
   replicas average their measurements (one all-reduce), rank 0's schedule is broadcast (so a
   floating-point tie cannot split the replicas), and it stays fixed for the run (and its
-  resumes: it is checkpointed). All-reduce seconds per tensor come from the simulated link's
+  resumes: it is checkpointed). All-reduce seconds per unit come from the simulated link's
   formula when the dp group crosses it (comm/link.py), else from an alpha-beta fit of the
   warm-up sync's own all-reduces (launch to completion, one after the other). With H = 1
   every unit syncs every step: there is nothing to choose or measure.
+- A unit's tensors are views of one flat buffer (made at wrap time: the parameters' storage
+  moves into it, as a ZeRO flat parameter does), so a unit is one all-reduce, not one per
+  tensor, and costs no memory. Per tensor (12 all-reduces for a GPT block), benchmarks/
+  lowcomm.py measured DreamDDP at 1.14x DP's simulated wall time; one per unit, 0.69x
+  (each op pays the link latency and gloo's per-op cost; docs/lowcomm.md).
 - The sync of a unit: when the last of its tensors has its gradient accumulated in the step's
   last backward (a post-accumulate-grad hook: a tied tensor's fires once, after both uses),
-  each tensor is all-reduced in place, asynchronously; `before_update()` (after the last
-  backward, before the optimizer step) waits and divides by the replica count. No copy: the all-reduce writes into the
-  parameters, which the rest of the backward does not read (their own backward is done).
+  its flat buffer is all-reduced in place, asynchronously; `before_update()` (after the last
+  backward, before the optimizer step) waits and divides by the replica count. No copy: the
+  all-reduce writes into the parameters, which the rest of the backward does not read (their
+  own backward is done).
 - Update order and its maths, replica i, unit u synced at step t with gradient g_i taken at
   its own parameters theta_i(t):  theta_i(t+1) = mean_j theta_j(t) - lr * update_i(g_i),
   the average of the step's starting point, then the replica's own step. Local SGD steps then
   averages, mean_j (theta_j(t) - lr * update_j): here the update of the sync step stays
   local until the next period. So a partial sync does not leave the replicas equal.
-- A full sync (every tensor averaged in place, no flat copy) follows the run's last step and
+- A full sync (every unit's buffer averaged in place, no copy) follows the run's last step and
   precedes every checkpoint (`end_period`), so a run and a checkpoint hold one model.
 
 What differs from the paper, and why: the paper searches contiguous runs of layers per
@@ -89,6 +95,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@torch.no_grad()
+def _flatten_into_one(tensors: list[nn.Parameter]) -> torch.Tensor:
+    """One buffer holding `tensors` back to back; each becomes a view of its slice (same
+    Parameter objects, so optimizers and hooks keep them). One dtype (LocalSGD asserts it)."""
+    if len(tensors) == 1:
+        return tensors[0].detach()
+    flat = torch.cat([p.detach().reshape(-1) for p in tensors])
+    offset = 0
+    for p in tensors:
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
 class DreamDDP(LocalSGD):
     """`model = DreamDDP(model, mesh, inner_steps=H)`; per step `loss.backward();
     model.clip_grad_norm_(c)` (or `model.before_update()`), `optimizer.step();
@@ -98,6 +118,7 @@ class DreamDDP(LocalSGD):
         super().__init__(module, mesh, inner_steps, axis)
         self.units = layer_units(module)
         self.unit_names = [name for name, _ in self.units]
+        self._flat = [_flatten_into_one(tensors) for _, tensors in self.units]
         self._unit_of = {p: u for u, (_, tensors) in enumerate(self.units) for p in tensors}
         self.iteration_of: list[int] | None = None
         self.ready_s: list[float] = []  # agreed: each unit's gradients complete, from backward start
@@ -164,21 +185,20 @@ class DreamDDP(LocalSGD):
                 self._issue(u)
 
     def _issue(self, u: int) -> None:
-        """All-reduce (sum) unit u's tensors in place, asynchronously."""
+        """All-reduce (sum) unit u's flat buffer in place, asynchronously."""
         self._issued[u] = True
         if self._first_issue is None:
             self._first_issue = time.perf_counter()
-        sampling = self.iteration_of is None and not self._link_times_dp()
-        n = self.mesh.size(self.axis)
-        for p in self.units[u][1]:
-            tensor = p.detach()
-            launched = time.perf_counter()
-            work = comm.all_reduce(tensor, self.mesh, self.axis, async_op=True)
-            self._pending.append((tensor, work))
-            if sampling:  # the warm-up sync times its own all-reduces for the fit
-                sample = [wire_bytes("ring_all_reduce", _nbytes(tensor), n), launched, None]
-                self._launches.append(sample)
-                work.when_done(lambda t, s=sample: s.__setitem__(2, t))
+        flat = self._flat[u]
+        launched = time.perf_counter()
+        work = comm.all_reduce(flat, self.mesh, self.axis, async_op=True)
+        self._pending.append((u, work))
+        if self.iteration_of is None and not self._link_times_dp():
+            # the warm-up sync times its own all-reduces for the fit
+            sample = [wire_bytes("ring_all_reduce", _nbytes(flat), self.mesh.size(self.axis)),
+                      launched, None]
+            self._launches.append(sample)
+            work.when_done(lambda t, s=sample: s.__setitem__(2, t))
 
     @torch.no_grad()
     def before_update(self) -> None:
@@ -187,11 +207,11 @@ class DreamDDP(LocalSGD):
         for u in range(len(self.units)):
             if self._syncs_now(u) and not self._issued[u]:  # a tensor got no gradient
                 self._issue(u)
-        for tensor, work in self._pending:
+        for _, work in self._pending:
             work.wait()
         n = self.mesh.size(self.axis)
-        for tensor, _ in self._pending:
-            tensor.div_(n)
+        for u, _ in self._pending:
+            self._flat[u].div_(n)
         self._wait_s += time.perf_counter() - started
         self._note_step(started)
         self._reset_step()
@@ -199,7 +219,7 @@ class DreamDDP(LocalSGD):
     def _note_step(self, backward_end: float) -> None:
         """What the step leaves for metrics and for the warm-up's measurement."""
         self._synced = [self.unit_names[u] for u in range(len(self.units)) if self._issued[u]]
-        self._synced_tensors = len(self._pending)
+        self._synced_tensors = sum(len(self.units[u][1]) for u, _ in self._pending)
         done = [t for t in self._ready_at if t is not None]
         self._lead_s = None
         if self._first_issue is not None and done:
@@ -254,8 +274,7 @@ class DreamDDP(LocalSGD):
         n = len(self.units)
         alpha, beta = fit_alpha_beta(self._samples)
         ready = [s / self._measured for s in self._ready_sum]
-        comm_s = [sum(self._op_s(_nbytes(p), alpha, beta) for p in tensors)
-                  for _, tensors in self.units]
+        comm_s = [self._op_s(_nbytes(flat), alpha, beta) for flat in self._flat]
         stats = torch.tensor(ready + comm_s, dtype=torch.float64, device=self.mesh.device)
         comm.all_reduce(stats, self.mesh, self.axis)
         stats /= self.mesh.size(self.axis)
@@ -289,14 +308,13 @@ class DreamDDP(LocalSGD):
     # --- full syncs, metrics, checkpoints ---
     @torch.no_grad()
     def synchronize(self) -> None:
-        """Every tensor becomes its mean over the replicas, in place (no flat copy)."""
-        works = [comm.all_reduce(p.detach(), self.mesh, self.axis, async_op=True)
-                 for p in self.params]
+        """Every tensor becomes its mean over the replicas, in place: one all-reduce per unit."""
+        works = [comm.all_reduce(flat, self.mesh, self.axis, async_op=True) for flat in self._flat]
         for work in works:
             work.wait()
         n = self.mesh.size(self.axis)
-        for p in self.params:
-            p.div_(n)
+        for flat in self._flat:
+            flat.div_(n)
         self.steps_since_sync = 0
         self._full = True
 
