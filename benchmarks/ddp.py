@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+from worlds import World, free_port, peak_rss_bytes, rss_bytes
 
 from loomtrain import comm
 from loomtrain.data import WindowSampler, load_corpus, rank_samples
@@ -49,7 +50,6 @@ from loomtrain.parallel.data import DataParallel
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.trainer import train_step
-from worlds import World, free_port, peak_rss_bytes, rss_bytes
 
 WORLD = 2
 ENGINES = ("loomtrain", "torch_ddp")

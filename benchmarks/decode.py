@@ -43,14 +43,18 @@ import statistics
 import time
 
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from worlds import World, free_port, tp_rank
 
 from loomtrain import comm
 from loomtrain.inference import Decoder
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT
 from loomtrain.parallel.tensor import parallelize_tensor
-from worlds import World, free_port, tp_rank
 
 VARIANTS = {"exact": {}, "compressed": {"compress": "int8"}, "overlap": {"overlap": True},
             "compressed_overlap": {"compress": "int8", "overlap": True}, "torch": {}}
@@ -58,7 +62,11 @@ VARIANTS = {"exact": {}, "compressed": {"compress": "int8"}, "overlap": {"overla
 
 def _reference(d_model, n_layers, n_heads, vocab, seq_len, weight_scale, run_dir) -> GPT:
     if run_dir is not None:
-        from loomtrain.inference.run_dir import GenerateRequest, check_request, load_model
+        from loomtrain.inference.run_dir import (
+            GenerateRequest,
+            check_request,
+            load_model,
+        )
         model_cfg, path = check_request(GenerateRequest(str(run_dir)))
         return load_model(model_cfg, path)
     torch.manual_seed(0)  # the same weights on every rank

@@ -42,16 +42,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
-from worlds import free_port, joined_world
+from trainruns import add_run_arguments, loss_curve, run_jobs
 
 WORLD, RANKS_PER_NODE = 4, 2
 
@@ -84,46 +78,6 @@ def tree(lowcomm: dict, root: str, name: str, steps: int, small: bool, args) -> 
         "checkpoint": {"every": 0},
         "lowcomm": lowcomm,
     }
-
-
-def run_rank(rank: int, port: int, jobs: list, root: str, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD))
-    from loomtrain.train import trainer
-    from loomtrain.train.config import config_from_dict
-    from loomtrain.train.launch import init_distributed
-    from loomtrain.train.metrics import read_metrics
-
-    sys.stdout = open(os.devnull, "w")  # the trainer's log: stdout carries the one JSON line
-    with joined_world(rank, WORLD, port, timeout_s=600):
-        for label, name, t in jobs:
-            cfg = config_from_dict(t)
-            mesh = init_distributed(cfg)
-            start = time.perf_counter()
-            trainer._loop(cfg, Path(root) / label, None, mesh, trainer.StopFlag())
-            elapsed = time.perf_counter() - start
-            m = mesh.meter
-            # a recv's simulated seconds are its sender's (comm.recv), counted there already
-            link_s = m.total("simulated_s") - m.total("simulated_s", op="recv")
-            figures = {"bytes": m.total("wire_bytes"), "inter_node_bytes": m.inter_node_bytes,
-                       "link_s": link_s,
-                       "link_wait_s": m.link_wait_s, "loop_s": elapsed}
-            if rank == 0:
-                records = read_metrics(Path(root) / label)
-                figures["val_loss"] = records[-1]["val_loss"]
-                figures["loss"] = records[-1]["loss"]
-                figures["curve"] = loss_curve(records)
-            if label != "warmup":
-                out.put((rank, label, name, figures))
-
-
-def loss_curve(records: list[dict]) -> list[tuple[int, float]]:
-    """(rank 0's cumulative wire bytes, the logged training loss) at every metrics record."""
-    sent, curve = 0, []
-    for r in records:
-        sent += r["comm_bytes"]["total"]
-        curve.append((sent, r["loss"]))
-    return curve
 
 
 def plot(path: str, curves: dict[str, list], steps: int, smooth: int = 10) -> None:
@@ -159,13 +113,7 @@ def plot(path: str, curves: dict[str, list], steps: int, smooth: int = 10) -> No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--only", default="", help="comma-separated run names (dp is always run)")
-    parser.add_argument("--small", action="store_true", help="smoke test: tiny model, 40 steps")
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=2, help="rows per replica and step")
+    add_run_arguments(parser)
     parser.add_argument("--plot", default="", help="write the loss-vs-bytes plot (PNG) here")
     parser.add_argument("--replot", default="", help="only redraw --plot from the run folders "
                         "a finished benchmark left in this directory (its metrics.jsonl files)")
@@ -186,35 +134,15 @@ def main() -> None:
         for n, lc in lowcomm_of.items():
             if "inner_steps" in lc:
                 lc["inner_steps"] = {"diloco_h200": 20, "streaming_diloco": 10}.get(n, 10)
-    jobs = [(label, name, tree(lowcomm_of[name], root, label, steps, args.small, args))
+    jobs = [(label, tree(lowcomm_of[name], root, label, steps, args.small, args))
             for label, name in order]
     # imports, allocator and thread pools warm before the first measured run: 5 steps of DP
-    jobs.insert(0, ("warmup", "dp", tree({}, root, "warmup", 5, args.small, args)))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, port, jobs, root, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[str, dict] = {}
-    for _ in range(WORLD * len(order)):
-        while True:
-            try:
-                rank, label, name, figures = out.get(timeout=5)
-                break
-            except queue.Empty:  # a rank that died (a config it refused) ends the benchmark
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    for p in procs:
-                        p.kill()
-                    sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
-        got.setdefault(label, {"name": name, "ranks": {}})["ranks"][rank] = figures
-        if len(got[label]["ranks"]) == WORLD:
-            print(f"  {label}: done", file=sys.stderr, flush=True)
-    for p in procs:
-        p.join()
+    jobs.insert(0, ("warmup", tree({}, root, "warmup", 5, args.small, args)))
+    got = run_jobs(jobs, WORLD, root)
+    name_of = dict(order)
     runs = {}
     for label, _ in order:
-        ranks = got[label]["ranks"]
+        ranks = got[label]
         r0 = ranks[0]
         runs[label] = {
             "val_loss": round(r0["val_loss"], 4),
@@ -225,10 +153,10 @@ def main() -> None:
             "simulated_wall_s": round(r0["loop_s"], 2),
             "link_s": round(sum(r["link_s"] for r in ranks.values()) / WORLD, 3),
             "link_wait_s": round(r0["link_wait_s"], 3),
-            "lowcomm": lowcomm_of[got[label]["name"]],
+            "lowcomm": lowcomm_of[name_of[label]],
         }
     if args.plot:
-        plot(args.plot, {label: got[label]["ranks"][0]["curve"] for label, _ in order}, steps)
+        plot(args.plot, {label: got[label][0]["curve"] for label, _ in order}, steps)
     dp = {k: (runs["dp_first"][k] + runs["dp_last"][k]) / 2
           for k in ("val_loss", "bytes_per_rank", "inter_node_bytes_per_rank", "simulated_wall_s",
                     "wall_s")}

@@ -84,7 +84,12 @@ from loomtrain import comm
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
 from loomtrain.parallel.data import apply_data_parallel
-from loomtrain.parallel.pipeline import apply_pipeline, build_schedule, schedules, split_model
+from loomtrain.parallel.pipeline import (
+    apply_pipeline,
+    build_schedule,
+    schedules,
+    split_model,
+)
 from loomtrain.parallel.pipeline.optimal import compare
 from loomtrain.parallel.pipeline.runtime import PipelineRuntime
 from loomtrain.timeline import WORK_KINDS, measured_bubble

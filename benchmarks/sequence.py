@@ -40,11 +40,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from worlds import World, closing_worlds, free_port, joined_world
 
 from loomtrain import comm
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
-from worlds import World, closing_worlds, free_port, joined_world
 
 MODEL = {"vocab_size": 256, "seq_len": 32768, "d_model": 32, "n_layers": 2, "n_heads": 4}
 METHODS = {"ring": "softmax", "ulysses": "softmax", "lasp": "linear"}

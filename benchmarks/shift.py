@@ -31,12 +31,12 @@ import statistics
 import time
 
 import torch
+from worlds import World, free_port, tp_rank
 
 from loomtrain import comm
 from loomtrain.inference.shift import Request, ShiftServer
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT
-from worlds import World, free_port, tp_rank
 
 POLICIES = {"tp": "tp", "sp": "sp", "shift": None}  # forced mode, or the threshold's choice
 SMALL, LARGE = (1, 8), (8, 64)  # (requests, prompt tokens) of the trace's two group kinds

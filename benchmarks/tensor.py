@@ -62,7 +62,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from worlds import World, closing_worlds, free_port, serve_commands
 
 from loomtrain import comm
 from loomtrain.comm.collectives import choose_impl
@@ -70,7 +75,6 @@ from loomtrain.comm.meter import wire_bytes
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
 from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_sum
-from worlds import World, closing_worlds, free_port, serve_commands
 
 WORLD = 2  # = tp
 MODEL = {"vocab_size": 256, "seq_len": 128, "d_model": 384, "n_layers": 4, "n_heads": 8}

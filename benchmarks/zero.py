@@ -59,6 +59,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from worlds import World, free_port, peak_rss_bytes, rss_bytes, serve_commands
 
 from loomtrain import comm
 from loomtrain.data import WindowSampler, load_corpus, rank_samples
@@ -73,7 +74,6 @@ from loomtrain.train.config import config_from_dict
 from loomtrain.train.dryrun import activation_bytes
 from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.trainer import train_step
-from worlds import World, free_port, peak_rss_bytes, rss_bytes, serve_commands
 
 MODEL = {"d_model": 512, "n_layers": 16, "n_heads": 8, "seq_len": 128, "vocab_size": 256}
 SMALL_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32, "vocab_size": 256}

@@ -17,10 +17,12 @@ from loomtrain.comm.collectives import (
 from loomtrain.comm.link import SlowLink
 from loomtrain.comm.meter import CommMeter, wire_bytes
 from loomtrain.comm.quantized import PendingQuantized, quantized_all_reduce
+from loomtrain.comm.sparse import PendingSparse, SparseResult, sparse_all_reduce
 
 __all__ = [
     "CollectiveError", "CommMeter", "Pending", "all_reduce", "barrier", "broadcast", "recv",
     "send", "wire_bytes",
     "IMPLS", "all_gather", "all_to_all", "choose_impl", "reduce_scatter",
     "PendingQuantized", "quantized_all_reduce", "SlowLink",
+    "PendingSparse", "SparseResult", "sparse_all_reduce",
 ]

@@ -97,14 +97,15 @@ def _report_done(work, fn) -> None:
 
 
 def _start(mesh, op: str, axis: str, payload: int, algorithm: str, call, async_op: bool,
-           *, from_root: int = 0, on_done=None, link_ranks=None):
+           *, from_root: int = 0, on_done=None, link_ranks=None, on_link: bool = True):
     """Count, start and (sync) wait for an op. `link_ranks`: the ranks whose nodes decide
-    whether it crosses the simulated link (default: the axis group; send: the two ends)."""
+    whether it crosses the simulated link (default: the axis group; send: the two ends).
+    `on_link=False`: never delayed by the simulated link (a diagnostic)."""
     started = time.perf_counter()
     n = mesh.size(axis)
     wire = wire_bytes(algorithm, payload, n, from_root=from_root)
     simulated_s, due = 0.0, None
-    if mesh.link is not None:
+    if mesh.link is not None and on_link:
         ranks = mesh.group_ranks(axis) if link_ranks is None else link_ranks
         # the bytes of the rank that sends the most: this rank's own in every algorithm but
         # the broadcast's tree, which is paced by its root (comm/link.py)
@@ -130,14 +131,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, mesh, axis: str, op: str = "sum", async_op: bool = False):
-    """In-place all-reduce of `tensor` over `axis` (ring: 2(N-1)/N x S on the wire)."""
+def all_reduce(tensor: torch.Tensor, mesh, axis: str, op: str = "sum", async_op: bool = False,
+               diagnostic: bool = False):
+    """In-place all-reduce of `tensor` over `axis` (ring: 2(N-1)/N x S on the wire).
+
+    `diagnostic`: a measurement outside the algorithm (compression's error against the dense
+    sum): counted apart, as op "all_reduce_diagnostic", and never delayed by the simulated link.
+    """
+    name = "all_reduce_diagnostic" if diagnostic else "all_reduce"
     if mesh.size(axis) == 1:
-        return Pending(None, mesh, "all_reduce", axis) if async_op else None
+        return Pending(None, mesh, name, axis) if async_op else None
     return _start(
-        mesh, "all_reduce", axis, _nbytes(tensor), "ring_all_reduce",
+        mesh, name, axis, _nbytes(tensor), "ring_all_reduce",
         lambda g: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=g, async_op=True),
-        async_op,
+        async_op, on_link=not diagnostic,
     )
 
 

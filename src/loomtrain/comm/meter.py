@@ -112,10 +112,11 @@ class CommMeter:
 
 
 def _by_op(values) -> dict:
-    """((axis, op), value) pairs summed per op, sorted by op, plus "total"."""
+    """((axis, op), value) pairs summed per op, sorted by op, plus "total": the algorithm's
+    traffic, without the diagnostic ops (named "..._diagnostic", listed on their own)."""
     by_op: dict = defaultdict(int)
     for (_axis, op), value in values:
         by_op[op] += value
     out = dict(sorted(by_op.items()))
-    out["total"] = sum(by_op.values())
+    out["total"] = sum(v for op, v in by_op.items() if not op.endswith("_diagnostic"))
     return out

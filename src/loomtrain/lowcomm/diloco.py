@@ -30,6 +30,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loomtrain import comm
 from loomtrain.lowcomm.local_sgd import LocalSGD
+from loomtrain.comm.compress import relative_error
+from loomtrain.parallel.data import CompressionWindow
 
 
 def build(model, optimizer, mesh, cfg, seed: int):
@@ -51,6 +53,18 @@ class DiLoCo(LocalSGD):
         momentum = outer_momentum if nesterov else 0.0
         self.outer = torch.optim.SGD([self.global_params], lr=outer_lr, momentum=momentum,
                                      nesterov=nesterov)
+        # `[compression] applies_to = "pseudo_gradients"`: the trainer sets a compressor
+        # (comm/compress/) for the outer all-reduce; its figures go to metrics()
+        self.compressor, self.compression = None, CompressionWindow()
+        self._measure = False
+
+    def measure_error(self) -> None:
+        """With a compressor: measure the next outer all-reduce's error against the dense one."""
+        self._measure = self.compressor is not None
+
+    def metrics(self) -> dict:
+        """With a compressor: the compression figures since the previous record."""
+        return {} if self.compressor is None else self.compression.take()
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -58,7 +72,17 @@ class DiLoCo(LocalSGD):
         theta into this replica's parameters."""
         local = _flatten_dense_tensors([p.detach() for p in self.params])
         pseudo_gradient = torch.sub(self.global_params, local)
-        comm.all_reduce(pseudo_gradient, self.mesh, self.axis)
+        if self.compressor is None:
+            comm.all_reduce(pseudo_gradient, self.mesh, self.axis)
+        else:  # the sum of every replica's compressed pseudo-gradient
+            dense = pseudo_gradient.clone() if self._measure else None
+            exchange = self.compressor.start("pseudo_gradient", pseudo_gradient,
+                                             [p.shape for p in self.params], self.mesh, self.axis)
+            self.compression.add(exchange.wait())
+            if dense is not None:  # the error diagnostic: off the link, counted apart
+                comm.all_reduce(dense, self.mesh, self.axis, diagnostic=True)
+                self.compression.error = relative_error(pseudo_gradient, dense)
+                self._measure = False
         pseudo_gradient.div_(self.mesh.size(self.axis))
         self.global_params.grad = pseudo_gradient
         self.outer.step()

@@ -31,16 +31,20 @@ def parallelize(model, mesh, cfg, make_optimizer):
 
         model = apply_sequence(model, mesh, cfg)
     optimizer = make_optimizer(model)
+    compressor = build_compression(cfg)
     if cfg.lowcomm.algorithm != "none":  # config validation: dp only, fp32, no ZeRO
         from loomtrain.lowcomm import apply_lowcomm
 
-        return (*apply_lowcomm(model, optimizer, mesh, cfg.lowcomm, cfg.run.seed), loss_sum)
+        model, optimizer = apply_lowcomm(model, optimizer, mesh, cfg.lowcomm, cfg.run.seed)
+        if compressor is not None:  # applies_to="pseudo_gradients": DiLoCo's outer all-reduce
+            model.compressor = compressor
+        return model, optimizer, loss_sum
     from loomtrain.parallel.data import apply_data_parallel
     from loomtrain.parallel.zero import shard
 
     p = cfg.parallel
     if p.zero_stage == 0 and cfg.train.precision == "fp32":
-        return apply_data_parallel(model, mesh, p), optimizer, loss_sum
+        return apply_data_parallel(model, mesh, p, compressor), optimizer, loss_sum
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     try:
         model, optimizer = shard(model, optimizer, mesh, p.zero_stage, hierarchical=p.hierarchical,
@@ -50,6 +54,19 @@ def parallelize(model, mesh, cfg, make_optimizer):
     except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
     return model, optimizer, loss_sum
+
+
+def build_compression(cfg):
+    """The `[compression]` section's compressor, or None (config validation has checked where
+    it applies). Error feedback defaults to on, except for int8 (its error is small)."""
+    c = cfg.compression
+    if c.method == "none":
+        return None
+    from loomtrain.comm.compress import build_compressor
+
+    error_feedback = c.error_feedback if c.error_feedback is not None else c.method != "int8"
+    return build_compressor(c.method, c.ratio, c.rank, error_feedback, cfg.run.seed,
+                            scheme=cfg.comm.sparse_allreduce)
 
 
 # the MLP model's blocks split Megatron-style; its head and embedding stay whole

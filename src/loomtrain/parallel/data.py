@@ -16,6 +16,15 @@ Inside `no_sync()` (gradient-accumulation micro-steps) nothing is communicated.
 
 Gradients reduce with "sum" or "mean" over the dp axis; the trainer uses "sum" with the loss
 already divided by the global token count, so the result equals the single-process gradient.
+
+With a `compressor` (comm/compress/, docs/compression.md) a full bucket is compressed where it
+would have been all-reduced (on the backward's thread, in the hook) and its exchange starts
+at once, so it overlaps the rest of the backward like the dense all-reduce; the end of
+backward completes each exchange (a method with a second phase, PowerSGD, runs it there) and
+the bucket holds the sum of every rank's decompressed contribution. Every `error_every`-th
+call of `measure_error()` keeps the uncompressed buckets and, after the exchange, all-reduces
+them densely (a diagnostic: counted apart, off the simulated link) to log the relative error
+of the compressed sum against the dense one.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loomtrain import comm
+from loomtrain.comm.compress import relative_error
 from loomtrain.parallel.placement import placement_of
 
 # The hook that runs at the end of backward: the same engine callback DDP and FSDP use.
@@ -156,11 +166,15 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", bucket_mb: float = 4.0,
-                 gradient_reduce: str = "mean", last_bucket_mb: float = 1.0):
+                 gradient_reduce: str = "mean", last_bucket_mb: float = 1.0, compressor=None):
         super().__init__()
         assert gradient_reduce in ("sum", "mean"), gradient_reduce
         self.module, self.mesh, self.axis = module, mesh, axis
         self.gradient_reduce = gradient_reduce
+        self.compressor = compressor
+        self._measure = False  # this step: keep the dense buckets for the error diagnostic
+        self._dense: dict[int, torch.Tensor] = {}
+        self._window = CompressionWindow()
         self._sync = True
         self._callback_queued = False
         broadcast_state(module, mesh, axis)
@@ -171,6 +185,7 @@ class DataParallel(nn.Module):
         self.buckets = build_buckets(params[::-1], int(bucket_mb * 2**20),
                                      int(min(last_bucket_mb, bucket_mb) * 2**20))
         self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
+        self._index = {id(bucket): i for i, bucket in enumerate(self.buckets)}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._where[p] = (bucket, i)
@@ -237,28 +252,93 @@ class DataParallel(nn.Module):
                 view.copy_(p.grad)  # the user set grads to None; copy into the bucket
         if self.gradient_reduce == "mean":
             bucket.buffer.div_(self.mesh.size(self.axis))
-        bucket.pending = comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True)
+        if self.compressor is None:
+            bucket.pending = comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True)
+        else:
+            index = self._index[id(bucket)]
+            if self._measure:
+                self._dense[index] = bucket.buffer.clone()
+            bucket.pending = self.compressor.start(index, bucket.buffer,
+                                                   [p.shape for p in bucket.params],
+                                                   self.mesh, self.axis)
         bucket.launched = True
 
     def _finish(self) -> None:
         """End of backward: launch what is left, wait for everything, point grads at buckets."""
         self._launch_ready(force=True)
         for bucket in self.buckets:
-            bucket.pending.wait()
+            stats = bucket.pending.wait()
+            if self.compressor is not None:
+                self._window.add(stats)
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
             bucket.ready, bucket.pending, bucket.launched = 0, None, False
         self._callback_queued = False
+        if self._dense:
+            self._measure_error()
+
+    # --- compression: the error diagnostic and the per-step figures ---
+    def measure_error(self) -> None:
+        """Measure the compressed sum's error against the dense sum in the next reduction."""
+        self._measure = self.compressor is not None
+
+    @torch.no_grad()
+    def _measure_error(self) -> None:
+        dense = [self._dense[i] for i in sorted(self._dense)]
+        flat = torch.cat(dense) if len(dense) > 1 else dense[0]
+        comm.all_reduce(flat, self.mesh, self.axis, diagnostic=True)
+        compressed = torch.cat([self.buckets[i].buffer for i in sorted(self._dense)])
+        self._window.error = relative_error(compressed, flat)
+        self._dense, self._measure = {}, False
+
+    def metrics(self) -> dict:
+        """The compression figures since the previous call (empty without a compressor)."""
+        if self.compressor is None:
+            return {}
+        return self._window.take()
 
 
-def apply_data_parallel(model: nn.Module, mesh, cfg) -> DataParallel:
+@dataclass
+class CompressionWindow:
+    """Compression figures summed over the exchanges since the last record: the ratio (the
+    dense ring all-reduce's wire bytes over what was sent), the bytes sent, the mean over the
+    exchanges of this rank's local error ||x - D(C(x))|| / ||x||, and the last measured error
+    of the compressed sum against the dense sum (None when not measured)."""
+
+    dense_wire: int = 0
+    wire: int = 0
+    exchanges: int = 0
+    local_error: float = 0.0
+    error: float | None = None
+
+    def add(self, stats: dict) -> None:
+        self.exchanges += 1
+        self.wire += stats["wire_bytes"]
+        self.dense_wire += round(stats["ratio"] * stats["wire_bytes"])
+        self.local_error += stats["local_error"]
+
+    def take(self) -> dict:
+        """{compression_ratio, compression_wire_bytes, compression_local_error and, when it
+        was measured, compression_error}; resets the window."""
+        rec = {"compression_ratio": round(self.dense_wire / self.wire, 3) if self.wire else None,
+               "compression_wire_bytes": self.wire,
+               "compression_local_error": (round(self.local_error / self.exchanges, 6)
+                                           if self.exchanges else None)}
+        if self.error is not None:
+            rec["compression_error"] = round(self.error, 6)
+        self.__init__()
+        return rec
+
+
+def apply_data_parallel(model: nn.Module, mesh, cfg, compressor=None) -> DataParallel:
     """The dp-axis strategy: `cfg` is the ParallelConfig (bucket_mb). Gradients are summed;
     the trainer normalizes the loss by the global token count. With cp > 1 over dp and cp
     together: context-parallel peers hold the same replica, each with the gradient of its
-    own tokens."""
+    own tokens. `compressor`: compress each bucket (comm/compress/)."""
     axis = "dpcp" if cfg.cp > 1 else "dp"  # the same group at cp = 1; bytes counted as dp
-    return DataParallel(model, mesh, axis, cfg.bucket_mb, gradient_reduce="sum")
+    return DataParallel(model, mesh, axis, cfg.bucket_mb, gradient_reduce="sum",
+                        compressor=compressor)
 
 
-__all__ = ["Bucket", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets",
+__all__ = ["Bucket", "CompressionWindow", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets",
            "grad_norm", "norm_weight", "weighted_groups"]

@@ -193,6 +193,27 @@ def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
+def _compression_prefix(model, rank: int) -> str | None:
+    """The checkpoint keys of this rank's compressor state (error-feedback residuals,
+    PowerSGD's factors, random-k's counters): they differ per rank, so the keys name the rank,
+    and the method, so that a resume with another method starts its own state afresh."""
+    compressor = getattr(model, "compressor", None)
+    return None if compressor is None else f"compression.{compressor.name}.rank{rank}."
+
+
+def _compression_state(model, rank: int, metadata: Metadata | None = None) -> dict:
+    """This rank's compressor state under its keys. For loading (`metadata`): tensors shaped
+    as the checkpoint's entries, for DCP to fill (none: the run starts its state afresh)."""
+    prefix = _compression_prefix(model, rank)
+    if prefix is None:
+        return {}
+    if metadata is None:
+        return {prefix + k: v for k, v in model.compressor.state_dict().items()}
+    return {k: torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and hasattr(m, "size")}
+
+
 def _root_causes(err: CheckpointException) -> str:
     """One line per failed rank instead of DCP's concatenated tracebacks."""
     parts = []
@@ -228,7 +249,8 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
         final.parent.mkdir(parents=True, exist_ok=True)
         _discard(partial)  # what a crash during an earlier save of this step left
     comm.barrier(mesh)  # nobody writes into `partial` before it is clean
-    state = {**training_state(model, optimizer), **_rng_state(mesh.rank, mesh.device)}
+    state = {**training_state(model, optimizer), **_rng_state(mesh.rank, mesh.device),
+             **_compression_state(model, mesh.rank)}
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
                  planner=_SavePlanner())
@@ -359,6 +381,8 @@ def load(path: Path, model, optimizer, mesh) -> dict:
     # a checkpoint written on CPU has no CUDA RNG state: restore what it holds
     rng = {k: v for k, v in _rng_state(mesh.rank, mesh.device).items() if k in metadata.state_dict_metadata}
     state.update(rng)
+    compression = _compression_state(model, mesh.rank, metadata)
+    state.update(compression)
     _dcp_load(path, state, metadata)
     try:
         if zero:
@@ -373,6 +397,9 @@ def load(path: Path, model, optimizer, mesh) -> dict:
                                                         get_state_dict(module, optimizer)[1]["param_groups"])
             set_state_dict(module, optimizer, model_state_dict=_unboxed(state["model"]),
                            optim_state_dict=optim, options=StateDictOptions(strict=True))
+        if compression:
+            prefix = _compression_prefix(model, mesh.rank)
+            model.compressor.load_state_dict({k[len(prefix):]: v for k, v in compression.items()})
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
     for key in rng:

@@ -151,6 +151,10 @@ class CommConfig(Section):
     # every cross-node op pays once
     inter_node_gbps: float | None = Field(None, gt=0.0)
     inter_node_latency_ms: float = Field(0.0, ge=0.0)
+    # how a sparse tensor (a top-k payload) is summed over ranks (comm/sparse.py): an
+    # all-gather of (index, value) pairs, Zen's hash-balanced partition, or the cheaper of
+    # the two by their cost formulas
+    sparse_allreduce: Literal["auto", "allgather", "balanced"] = "auto"
 
 
 class CheckpointConfig(Section):
@@ -212,6 +216,28 @@ class LowcommConfig(Section):
         return values
 
 
+# the [compression] keys each method reads (besides method, error_feedback and applies_to)
+COMPRESSION_KEYS = {"none": (), "topk": ("ratio",), "randomk": ("ratio",), "powersgd": ("rank",),
+                    "int8": (), "sign": ()}
+
+
+class CompressionConfig(Section):
+    # gradient compression (comm/compress/, docs/compression.md): what each rank sends of a
+    # gradient bucket (applies_to="gradients", the data-parallel engine) or of DiLoCo's
+    # pseudo-gradient (applies_to="pseudo_gradients")
+    method: Literal["none", "topk", "randomk", "powersgd", "int8", "sign"] = "none"
+    ratio: float = Field(0.01, gt=0.0, le=1.0)  # top-k, random-k: the fraction of values sent
+    rank: int = Field(4, ge=1)  # PowerSGD's rank r
+    # keep what compression dropped and add it to the next bucket; None: the method's default
+    # (on for topk, randomk, powersgd and sign; off for int8)
+    error_feedback: bool | None = None
+    applies_to: Literal["gradients", "pseudo_gradients"] = "gradients"
+    # every N optimizer steps, measure the error of the compressed sum against the dense sum
+    # (a dense all-reduce off the simulated link, counted apart as "all_reduce_diagnostic");
+    # 0: never
+    error_every: int = Field(0, ge=0)
+
+
 class Config(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -221,6 +247,7 @@ class Config(Section):
     comm: CommConfig = CommConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lowcomm: LowcommConfig = LowcommConfig()
+    compression: CompressionConfig = CompressionConfig()
 
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
@@ -258,6 +285,7 @@ class Config(Section):
         _check_pipeline(p, self.model, t)
         _check_sequence(p, self.model, t, self.data)
         _check_lowcomm(self)
+        _check_compression(self)
         if p.schedule == "async" and self.run.timeline_step:
             raise ValueError('run.timeline_step records one step of a fixed schedule; parallel.'
                              'schedule="async" streams micro-batches across steps: set '
@@ -387,6 +415,44 @@ def _check_sequence(p: ParallelConfig, m: ModelConfig, t: TrainConfig, d: DataCo
         why = "two zig-zag chunks per rank" if method != "ulysses" else "one chunk per rank"
         raise ValueError(f"model.seq_len={m.seq_len} must be divisible by {pieces} for "
                          f"parallel.cp_method={method!r} at parallel.cp={p.cp} ({why})")
+
+
+def _check_compression(cfg: Config) -> None:
+    """Compression runs in the plain data-parallel engine (fp32, no ZeRO, no low-communication
+    wrapper) for gradients, and in DiLoCo's outer all-reduce for pseudo-gradients."""
+    c, p = cfg.compression, cfg.parallel
+    changed = [k for k in ("ratio", "rank") if getattr(c, k) != CompressionConfig.model_fields[k].default]
+    unread = [k for k in changed if k not in COMPRESSION_KEYS[c.method]]
+    if unread:
+        readers = [m for m, keys in COMPRESSION_KEYS.items() if unread[0] in keys]
+        raise ValueError(f"compression.{unread[0]} is not read by compression.method={c.method!r}; "
+                         f"it is a setting of {', '.join(repr(m) for m in readers)}: set "
+                         "compression.method to one of them or leave the key at its default")
+    if c.method == "none":
+        others = [k for k in ("error_feedback", "applies_to", "error_every")
+                  if getattr(c, k) != CompressionConfig.model_fields[k].default]
+        if others:
+            raise ValueError(f"compression.{others[0]} is set but compression.method=\"none\": "
+                             "choose a method (topk, randomk, powersgd, int8, sign) or leave it unset")
+        return
+    if c.applies_to == "pseudo_gradients":
+        if cfg.lowcomm.algorithm != "diloco":
+            raise ValueError(
+                f'compression.applies_to="pseudo_gradients" compresses DiLoCo\'s outer all-reduce; '
+                f"lowcomm.algorithm={cfg.lowcomm.algorithm!r} has none to compress: set "
+                'lowcomm.algorithm="diloco", or applies_to="gradients" without lowcomm')
+        return
+    if cfg.lowcomm.algorithm != "none":
+        raise ValueError(
+            f"compression.method={c.method!r} on gradients needs the data-parallel engine, but "
+            f"lowcomm.algorithm={cfg.lowcomm.algorithm!r} reduces no gradients: set "
+            'compression.applies_to="pseudo_gradients" (DiLoCo) or lowcomm.algorithm="none"')
+    if p.zero_stage > 0 or cfg.train.precision != "fp32":
+        raise ValueError(
+            f"compression.method={c.method!r} runs in the plain data-parallel engine (fp32, "
+            f"ZeRO stage 0); parallel.zero_stage={p.zero_stage}, train.precision="
+            f"{cfg.train.precision!r} use the sharded engine, whose reduce-scatter it does not "
+            "compress: set parallel.zero_stage=0 and train.precision=\"fp32\"")
 
 
 def _check_lowcomm(cfg: Config) -> None:

@@ -234,6 +234,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
     saved_at = start  # the newest checkpoint (if any) holds the state after this step
     lowcomm = cfg.lowcomm.algorithm != "none"
+    compressed = cfg.compression.method != "none"
     mesh.meter.take()
     mesh.meter.take_simulated()
     mesh.meter.take_link_wait()
@@ -253,6 +254,9 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             lr = lr_at(step, cfg.train)
             set_lr(optimizer, lr)
             timeline = _start_timeline(model, step, cfg)
+            every = cfg.compression.error_every
+            if every and (step + 1) % every == 0 and hasattr(model, "measure_error"):
+                model.measure_error()  # compressed gradients: this step's error against dense
             # low-communication replicas step on their own rows: each normalizes by its tokens
             loss_tokens = _target_tokens(batches) if lowcomm else global_tokens
             loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, loss_tokens,
@@ -285,7 +289,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                     sequence = sequence_of(model)
                     rec["work_imbalance"] = round(sequence.imbalance, 4)
                     rec["dp_work_imbalance"] = round(sequence.dp_imbalance, 4)
-                if lowcomm:  # the algorithm's own figures (a spread, a period, ...)
+                if lowcomm or compressed:  # the algorithm's own figures (a spread, a ratio, ...)
                     rec.update(model.metrics())
                 if is_eval:
                     rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device, loss_sum_fn)

@@ -1,0 +1,56 @@
+"""int8 quantization with one fp32 scale per chunk of 64 values, exchanged by
+`comm.quantized.quantized_all_reduce` (one all-gather; every rank adds the N dequantized
+contributions in rank order, so all hold the same bits).
+
+Per element the contribution is within absmax_chunk / 254 of x (half a quantization step).
+Wire bytes per rank: (N-1) x numel x (1 + 4/64) against the ring's 2 (N-1)/N x 4 numel, a
+ratio of 8 / (N (1 + 4/64)): 3.8 on 2 ranks, 1.9 on 4, none from 8 (comm/quantized.py).
+
+EF is off by default (the rounding moves each value by at most half a step); on, the
+residual carries the rounding to the next call.
+The bucket is quantized twice, once here for the residual and the stats and once inside
+`quantized_all_reduce`, with identical results (the quantizer is deterministic): O(numel)
+arithmetic traded for not duplicating the exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loomtrain.comm.compress.base import Compressor, gather_wire_bytes
+from loomtrain.comm.quantized import (
+    CHUNK,
+    dequantize_int8,
+    quantize_int8,
+    quantized_all_reduce,
+)
+
+
+class Int8(Compressor):
+    name = "int8"
+
+    def __init__(self, error_feedback: bool = False, chunk: int = CHUNK):
+        super().__init__(error_feedback)
+        self.chunk = chunk
+
+    def _encode(self, key: str, x: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8(x, self.chunk)
+
+    def decompress(self, payload, like: torch.Tensor) -> torch.Tensor:
+        q, scales = payload
+        values = dequantize_int8(q, scales).view(-1)[:like.numel()]
+        return values.to(like.dtype).view_as(like)
+
+    def _send(self, x, payload, flat, mesh, axis: str):
+        n = mesh.size(axis)
+        # alone, quantized_all_reduce leaves its input exact: the sum must be the contribution
+        # the residual was kept against, or EF would count the rounding twice
+        flat.copy_(self.decompress(payload, flat) if n == 1 else x)
+        pending = quantized_all_reduce(flat, mesh, axis, self.chunk, async_op=True)
+        q, scales = payload
+        sent = gather_wire_bytes(n * (q.numel() + scales.numel() * scales.element_size()), n)
+
+        def finish() -> int:
+            pending.wait()
+            return sent
+        return finish

@@ -1,0 +1,255 @@
+"""The pure half of the sparse all-reduce (comm/sparse.py): who owns which index, how a chunk
+is laid out in bytes and what it costs in each format, what each scheme sends, and which
+scheme to run.
+
+Notation: N ranks, k pairs per rank (k_max the largest), numel elements, u distinct indices
+over all ranks, b_i index bytes on the wire (`index_wire_dtype`), b_v value bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+PARTITIONS = ("hash", "range")
+FORMATS = ("pairs", "bitmap", "dense")  # how an owner's sums travel; a tie goes to the earlier
+# Knuth's multiplicative ("Fibonacci") hashing, TAOCP vol. 3, section 6.4: floor(2^32 / phi),
+# odd, so multiplying by it modulo 2^32 permutes 32-bit keys.
+FIBONACCI_32 = 2654435769
+SKETCH_SIZE = 256  # at most this many bottom-k hashes per rank go with "auto"'s counts (2 KiB)
+SKETCH_PER = 4096  # ... one per this many elements of out (`sketch_size`)
+SKETCH_MIN = 16  # ... and none when fewer would fit
+NO_HASH = 1 << 32  # fills the sketch of a rank with fewer pairs: above every hash
+COLLECTIVES = {"allgather": 2, "balanced": 4}
+
+
+# --- the partition of the index space -----------------------------------------------------------
+
+
+def fibonacci_hash(indices: torch.Tensor) -> torch.Tensor:
+    """h(i) = key(i) x 2654435769 mod 2^32 (int64), key(i) = (i xor (i >> 31)) mod 2^31.
+
+    key(i) = i below 2^31, so h is injective there; every product stays below 2^63 (no signed
+    overflow). h(i) / 2^32 is the golden-ratio sequence {i / phi} to 32 bits, the most evenly
+    spread sequence for consecutive i (the three-distance theorem)."""
+    key = (indices ^ (indices >> 31)) & ((1 << 31) - 1)
+    return (key * FIBONACCI_32) & (NO_HASH - 1)
+
+
+def owner_of(indices: torch.Tensor, n: int) -> torch.Tensor:
+    """The rank (0..n-1) that owns each index under "balanced": floor(h(i) n / 2^32).
+
+    A pure function of (index, n). The hash's high bits, by multiply-and-shift rather than
+    h mod n, keep the golden-ratio spread: a contiguous hot range of L indices gives every owner
+    L/n of them to within a few (2^22 indices over 4: 1048578, 1048576, 1048579, 1048571),
+    where contiguous ranges of numel/n would give one rank all of them."""
+    return (fibonacci_hash(indices) * n) >> 32
+
+
+def partition_loads(indices: torch.Tensor, n: int, numel: int, how: str = "hash") -> list[int]:
+    """Pairs landing on each of n ranks: "hash" as `owner_of` (the balanced scheme), "range"
+    the naive contiguous ranges of ceil(numel / n) indices."""
+    if how not in PARTITIONS:
+        raise ValueError(f"partition how={how!r} is not one of {PARTITIONS}")
+    owners = owner_of(indices, n) if how == "hash" else indices // math.ceil(numel / n)
+    return torch.bincount(owners, minlength=n).tolist()
+
+
+def index_wire_dtype(numel: int) -> torch.dtype:
+    """The dtype indices travel as: int32 when every index fits, else int64."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Owner p's partition P_p: `members[p]`, its indices in increasing order (the canonical
+    order of its bitmaps and dense slices), and `position[i]`, i's place in its partition."""
+
+    members: tuple[torch.Tensor, ...]
+    position: torch.Tensor
+
+    @property
+    def sizes(self) -> list[int]:
+        return [m.numel() for m in self.members]
+
+
+@functools.lru_cache(maxsize=4)
+def partition_layout(numel: int, n: int, device: torch.device) -> Layout:
+    """The `Layout` of numel elements over n owners (int32 below 2^31 elements, so 8 bytes per
+    element; one pass over numel, cached for the last few (numel, n, device))."""
+    owners = owner_of(torch.arange(numel, device=device), n)
+    dtype = index_wire_dtype(numel)
+    members = tuple((owners == p).nonzero().view(-1).to(dtype) for p in range(n))
+    position = torch.empty(numel, dtype=dtype, device=device)
+    for m in members:
+        position[m] = torch.arange(m.numel(), dtype=dtype, device=device)
+    return Layout(members, position)
+
+
+# --- chunk formats -------------------------------------------------------------------------------
+
+
+def chunk_bytes(fmt: str, count: int, size: int, index_bytes: int, value_bytes: int) -> int:
+    """Bytes of `count` pairs of a partition of `size` elements sent as `fmt`: pairs
+    count (b_i + b_v); bitmap ceil(size / 8) + count b_v (Zen's hash bitmap); dense size b_v."""
+    if fmt == "pairs":
+        return count * (index_bytes + value_bytes)
+    if fmt == "bitmap":
+        return math.ceil(size / 8) + count * value_bytes
+    return size * value_bytes
+
+
+def best_format(count: int, size: int, index_bytes: int, value_bytes: int,
+                formats=FORMATS) -> str:
+    """The format of `formats` with the fewest bytes: a pure function of counts, so a sender and
+    every receiver pick the same. Bitmaps win from density count/size = 1/(8 b_i) (3% with
+    int32 indices), dense slices only from 1 - 1/(8 b_v) (97% with fp32)."""
+    return min(formats, key=lambda f: chunk_bytes(f, count, size, index_bytes, value_bytes))
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """Chunks as bytes. pairs: the positions (`index_dtype`), then the values; bitmap: bit j of
+    byte b marks position 8b + j, then the values present in position order; dense: the value
+    of every position. A position is an index in the partition (balanced) or in out."""
+
+    index_dtype: torch.dtype
+    value_dtype: torch.dtype
+
+    def bytes(self, fmt: str, count: int, size: int) -> int:
+        return chunk_bytes(fmt, count, size, self.index_dtype.itemsize, self.value_dtype.itemsize)
+
+    def best(self, count: int, size: int, formats) -> str:
+        return best_format(count, size, self.index_dtype.itemsize, self.value_dtype.itemsize,
+                           formats)
+
+    def encode(self, fmt: str, positions, values, size: int) -> torch.Tensor:
+        """`positions` increasing for a bitmap; `values` of every position when dense."""
+        if fmt == "pairs":
+            head = positions.to(self.index_dtype).view(torch.uint8)
+        elif fmt == "bitmap":
+            bits = torch.zeros(math.ceil(size / 8) * 8, dtype=torch.uint8, device=values.device)
+            bits[positions] = 1
+            head = (bits.view(-1, 8) << _shifts(bits.device)).sum(1, dtype=torch.uint8)
+        else:
+            head = values.new_empty(0, dtype=torch.uint8)
+        return torch.cat([head, values.contiguous().view(torch.uint8)])
+
+    def decode(self, fmt: str, chunk: torch.Tensor, count: int, size: int):
+        """(positions, or None for all of them, values) of an `encode`d chunk."""
+        if fmt == "pairs":
+            positions = _from_bytes(chunk, 0, count, self.index_dtype)
+            start = count * self.index_dtype.itemsize
+        elif fmt == "bitmap":
+            start = math.ceil(size / 8)
+            bits = (chunk[:start, None] >> _shifts(chunk.device)) & 1
+            positions = bits.view(-1)[:size].nonzero().view(-1)
+        else:
+            positions, start, count = None, 0, size
+        return positions, _from_bytes(chunk, start, count, self.value_dtype)
+
+
+def _shifts(device) -> torch.Tensor:
+    return torch.arange(8, dtype=torch.uint8, device=device)
+
+
+def _from_bytes(chunk: torch.Tensor, start: int, count: int, dtype) -> torch.Tensor:
+    # the copy aligns the bytes for the dtype view (a chunk may start anywhere)
+    return chunk[start:start + count * dtype.itemsize].clone().view(dtype)
+
+
+# --- the cost model and the choice ---------------------------------------------------------------
+
+
+def independent_union(nnz_per_rank: int, numel: int, n: int) -> float:
+    """E[u] for n independent uniform sets of nnz_per_rank indices: numel (1 - (1 - d)^n)."""
+    return numel * (1 - (1 - min(nnz_per_rank / numel, 1.0)) ** n)
+
+
+def estimated_wire_bytes(scheme: str, nnz_per_rank: int, numel: int, n: int, *,
+                         max_nnz: int | None = None, union: float | None = None,
+                         index_bytes: int | None = None, value_bytes: int = 4) -> float:
+    """Bytes one rank sends, with k_max = max_nnz (default nnz_per_rank), u = union (default
+    `independent_union`), b_i = index_bytes (default `index_wire_dtype`), b_v = value_bytes,
+    s = ceil(numel / N), c = ceil(k_max / N), u_p = ceil(u / N), B(f, m) = `chunk_bytes`:
+
+        allgather: 8 (N-1) + (N-1) k_max (b_i + b_v)
+        balanced:  8 N (N-1) + (N-1) c (b_i + b_v) + 8 (N-1)
+                   + (N-1) min(B(pairs, u_p), B(bitmap, u_p), B(dense, u_p))
+
+    The terms are the phases in order: counts, pairs (allgather); counts, pairs to the owners,
+    reduced counts, the owners' sums (balanced). Balanced's chunks are padded to its largest
+    (sender, owner) count and its largest partition, taken here as the means a balanced hash
+    gives."""
+    k_max = nnz_per_rank if max_nnz is None else max_nnz
+    u = independent_union(nnz_per_rank, numel, n) if union is None else union
+    b_i = index_wire_dtype(numel).itemsize if index_bytes is None else index_bytes
+    pair = b_i + value_bytes
+    if scheme == "allgather":
+        return 8 * (n - 1) + (n - 1) * k_max * pair
+    size, u_p = math.ceil(numel / n), math.ceil(u / n)
+    from_owners = min(chunk_bytes(f, u_p, size, b_i, value_bytes) for f in FORMATS)
+    return 8 * n * (n - 1) + (n - 1) * math.ceil(k_max / n) * pair + 8 * (n - 1) \
+        + (n - 1) * from_owners
+
+
+def choose_scheme(nnz_per_rank: int, numel: int, n: int, *, max_nnz: int | None = None,
+                  union: float | None = None, index_bytes: int | None = None,
+                  value_bytes: int = 4, latency_s: float = 1e-3, gbps: float = 1.0) -> str:
+    """The scheme with the lower estimated time, in the alpha-beta model of comm/link.py:
+
+        T = collectives x latency_s + estimated_wire_bytes x 8 / (gbps 1e9),
+
+    2 collectives for "allgather", 4 for "balanced"; a tie goes to "allgather".
+
+    What the rule does: allgather sends every pair N-1 times; balanced sends it about once,
+    then the union once per rank, as pairs, bitmap or dense slice. So balanced wins by overlap
+    (u < N k), by bitmaps (union density above 1/(8 b_i) in a partition), and with N; allgather
+    wins with few pairs, where its copies cost less than balanced's all-to-all plus the union,
+    and its two fewer latencies decide. Under `independent_union`, numel 2^22, fp32, defaults,
+    the lowest density at which it picks balanced is 25% for N = 2, 2.4% for N = 4 (at 10%:
+    7.2 MB against 10.1 MB), 0.78% for N = 8, 0.33% for N = 16; overlap lowers it."""
+    if n <= 1:
+        return "allgather"
+    kwargs = {"max_nnz": max_nnz, "union": union, "index_bytes": index_bytes,
+              "value_bytes": value_bytes}
+    seconds = {
+        scheme: COLLECTIVES[scheme] * latency_s
+        + estimated_wire_bytes(scheme, nnz_per_rank, numel, n, **kwargs) * 8 / (gbps * 1e9)
+        for scheme in ("allgather", "balanced")
+    }
+    return "balanced" if seconds["balanced"] < seconds["allgather"] else "allgather"
+
+
+def sketch_size(numel: int) -> int:
+    """How many hashes "auto" sends per rank for an out of `numel` elements: numel / 4096, at
+    most 256, so the sketch costs at most 1/2048 of the dense fp32 tensor's bytes (top-k at 1%
+    over 4 ranks: 0.8% of its pairs); none below 16 hashes (numel < 65,536), where the rule
+    falls back to `independent_union`, a pure function of the density and N. A function of
+    numel alone, so every rank sends the same row length."""
+    size = min(SKETCH_SIZE, numel // SKETCH_PER)
+    return size if size >= SKETCH_MIN else 0
+
+
+def bottom_hashes(indices: torch.Tensor, size: int = SKETCH_SIZE) -> torch.Tensor:
+    """The `size` smallest `fibonacci_hash`es of `indices`, filled up with 2^32: a bottom-k
+    (KMV) sketch of the set, whose union over ranks estimates u (`estimate_union`)."""
+    sketch = torch.full((size,), NO_HASH, dtype=torch.int64, device=indices.device)
+    hashes = fibonacci_hash(indices)
+    m = min(size, hashes.numel())
+    sketch[:m] = torch.topk(hashes, m, largest=False).values
+    return sketch
+
+
+def estimate_union(sketches: torch.Tensor, size: int = SKETCH_SIZE) -> float:
+    """u from every rank's `bottom_hashes` (Bar-Yossef et al., RANDOM 2002; Beyer et al.,
+    SIGMOD 2007): the `size` smallest hashes of the union are among the ranks' own, and with
+    h_k the k-th smallest, u ~ (k - 1) 2^32 / h_k (relative error about 1/sqrt(k - 2), 6% at
+    256). Exact when the union holds fewer than `size` hashes: then every rank sent all."""
+    hashes = torch.unique(sketches[sketches < NO_HASH])
+    if hashes.numel() < size:
+        return float(hashes.numel())
+    return (size - 1) * float(NO_HASH) / (hashes[size - 1].item() + 1)

@@ -1,0 +1,108 @@
+"""Gradient compression in training (parallel/data.py, lowcomm/diloco.py, the trainer, the
+checkpoint): the config's rules, the oracle (top-k keeping everything at world 2 is DP bit for
+bit, on gradients and on DiLoCo's pseudo-gradients), top-k 1% learning on fewer bytes with
+its figures logged, and a resume that restores the error-feedback residuals bitwise.
+
+One spawn at world 2 runs every training case."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import tiny_tree
+from harness import run_world
+from loomtrain.errors import ConfigError
+from loomtrain.train.config import config_from_dict
+from test_lowcomm import _losses, _runs
+
+
+@pytest.mark.parametrize("sections, says", [
+    ({"compression": {"method": "powersgd", "ratio": 0.1}}, "compression.ratio is not read"),
+    ({"compression": {"method": "topk", "rank": 8}}, "compression.rank is not read"),
+    ({"compression": {"error_feedback": False}}, 'compression.method="none"'),
+    ({"compression": {"method": "topk", "applies_to": "pseudo_gradients"}},
+     'lowcomm.algorithm="diloco"'),
+    ({"compression": {"method": "sign"}, "lowcomm": {"algorithm": "local_sgd"}},
+     "reduces no gradients"),
+    ({"compression": {"method": "int8"}, "parallel": {"nproc": 2, "zero_stage": 2}},
+     "ZeRO stage 0"),
+    ({"compression": {"method": "zip"}}, "method"),
+])
+def test_config_refuses_what_compression_does_not_do(tmp_path, corpus, sections, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        config_from_dict(tiny_tree(tmp_path, corpus, **sections))
+
+
+def test_config_accepts_each_method(tmp_path, corpus):
+    for method in ("topk", "randomk", "powersgd", "int8", "sign"):
+        cfg = config_from_dict(tiny_tree(tmp_path, corpus, compression={"method": method},
+                                         comm={"sparse_allreduce": "balanced"}))
+        assert cfg.compression.method == method and cfg.comm.sparse_allreduce == "balanced"
+    cfg = config_from_dict(tiny_tree(tmp_path, corpus, lowcomm={"algorithm": "diloco"},
+                                     compression={"method": "powersgd",
+                                                  "applies_to": "pseudo_gradients"}))
+    assert cfg.compression.applies_to == "pseudo_gradients"
+
+
+def test_world2_oracle_learning_metrics_and_resume(tmp_path, corpus):
+    def tree(compression=None, **sections):
+        return tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, compression=compression or {},
+                         **sections)
+
+    everything = {"method": "topk", "ratio": 1.0}  # sends every value, with its index
+    diloco = {"algorithm": "diloco", "inner_steps": 2}
+    topk = {"method": "topk", "ratio": 0.01, "error_every": 5}
+    # top-k 5% with error feedback, 8 steps, checkpoints every 4: the residual must come back
+    stopping = dict(compression={"method": "topk", "ratio": 0.05}, train={"steps": 8},
+                    checkpoint={"every": 4})
+    jobs = [("dp", tree(), None, False),
+            ("topk_all", tree(everything), None, False),
+            ("topk_all_balanced", tree(everything, comm={"sparse_allreduce": "balanced"}), None,
+             False),
+            ("topk_1pct", tree(topk), None, False),
+            ("diloco", tree(lowcomm=diloco), None, False),
+            ("diloco_topk_all", tree({**everything, "applies_to": "pseudo_gradients"},
+                                     lowcomm=diloco), None, False),
+            ("ref", tree(**stopping), None, False),
+            ("stopped", tree(**stopping), 6, False),  # stops after step 6, with a checkpoint
+            ("stopped", tree(**stopping), None, True)]
+    out = run_world(_runs, 2, jobs, str(tmp_path / "w2"), timeout_s=300)[0]
+
+    # the oracle: at world 2 a sum of two values is the same float in any order, so top-k
+    # keeping every value (an all-gather of every (index, value) pair, or Zen's partitions)
+    # reproduces the dense all-reduce, and DP's losses, bit for bit
+    dp = _losses(out["dp"][0])
+    assert dp[-1] < dp[0] - 0.3
+    assert _losses(out["topk_all"][0]) == dp  # == on floats
+    assert _losses(out["topk_all_balanced"][0]) == dp
+    assert _losses(out["diloco_topk_all"][0]) == _losses(out["diloco"][0])
+
+    # top-k 1% with error feedback learns, on far fewer gradient bytes, and logs its figures
+    records = out["topk_1pct"][0]
+    losses = _losses(records)
+    assert losses[-1] < losses[0] - 0.2, losses
+    sent = {name: sum(sum(v for k, v in r["comm_bytes"].items() if k in ("all_gather", "all_to_all",
+                                                                           "all_reduce"))
+                      for r in out[name][0]) for name in ("dp", "topk_1pct")}
+    assert sent["topk_1pct"] < sent["dp"] / 5, sent
+    assert all(r["compression_ratio"] > 5 and 0 < r["compression_local_error"] < 1
+               for r in records)
+    measured = [r for r in records if "compression_error" in r]
+    assert [r["step"] for r in measured] == [5, 10, 15, 20]
+    assert all(0 < r["compression_error"] < 1.5 for r in measured)
+    assert all(r["comm_bytes"].get("all_reduce_diagnostic", 0) > 0 for r in measured)
+    # the diagnostic is listed, not counted in the total
+    for r in measured:
+        assert r["comm_bytes"]["total"] == sum(v for k, v in r["comm_bytes"].items()
+                                               if k not in ("total", "all_reduce_diagnostic"))
+    assert all("compression_ratio" not in r for r in out["dp"][0])
+
+    # resume: the error-feedback residual of every rank comes back, so steps 7-8 are bitwise
+    # the unstopped run's (without it they would differ: the residual carries 95% of each
+    # gradient)
+    reference = _losses(out["ref"][0])
+    records, saved = out["stopped"]
+    assert saved == ["step_00000006", "step_00000008"]
+    assert _losses(records) == reference
