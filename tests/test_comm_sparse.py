@@ -25,8 +25,12 @@ from loomtrain.comm.sparse_plan import (
     estimated_wire_bytes,
     index_wire_dtype,
     owner_of,
+    pack_bits,
+    partition_layout,
     partition_loads,
     sketch_size,
+    true_positions,
+    unpack_bits,
 )
 from loomtrain.mesh import build_mesh
 
@@ -231,11 +235,39 @@ def test_each_chunk_format_round_trips_and_is_the_cheapest(count, fmt):
     values = torch.randn(count, dtype=torch.float64)
     enc = Encoding(torch.int32, torch.float64)
     assert enc.best(count, size, FORMATS) == fmt == best_format(count, size, 4, 8)
-    chunk = enc.encode(fmt, positions, values, size)
+    where = torch.zeros(size, dtype=torch.bool).index_fill_(0, positions, True)
+    chunk = enc.encode(fmt, where if fmt == "bitmap" else positions, values, size)
     assert chunk.numel() == enc.bytes(fmt, count, size)
-    got_positions, got_values = enc.decode(fmt, chunk, count, size)
+    got_where, got_values = enc.decode(fmt, chunk, count, size)
     assert torch.equal(got_values, values)
-    assert got_positions is None if fmt == "dense" else got_positions.tolist() == positions.tolist()
+    if fmt == "dense":
+        assert got_where is None
+    elif fmt == "bitmap":
+        assert torch.equal(got_where, where)
+    else:
+        assert got_where.tolist() == positions.tolist()
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 64, 1001])
+def test_bit_codecs_match_the_bit_by_bit_definition(size):
+    mask = torch.rand(size, generator=torch.Generator().manual_seed(size)) < 0.3
+    padded = torch.zeros(8 * math.ceil(size / 8), dtype=torch.uint8)
+    padded[:size] = mask
+    expected = (padded.view(-1, 8).long() << torch.arange(8)).sum(1).to(torch.uint8)
+    assert torch.equal(pack_bits(mask), expected)
+    assert torch.equal(pack_bits(torch.cat([mask[:1], mask])[1:]), expected)  # unaligned start
+    assert torch.equal(unpack_bits(expected, size), mask)
+    assert torch.equal(true_positions(mask), mask.nonzero().view(-1))
+
+
+def test_partition_layout_orders_each_owners_indices_and_inverts():
+    numel, n = 1000, 4
+    layout = partition_layout(numel, n, torch.device("cpu"))
+    owners = owner_of(torch.arange(numel), n)
+    assert list(layout.sizes) == partition_loads(torch.arange(numel), n, numel)
+    for p in range(n):
+        assert torch.equal(layout.members(p).long(), (owners == p).nonzero().view(-1))
+    assert torch.equal(layout.by_owner.long()[layout.slot.long()], torch.arange(numel))
 
 
 def test_sketch_size_grows_with_out_and_vanishes_when_small():

@@ -21,7 +21,8 @@ collectives, so the meter and the simulated link see every byte:
   per rank: an index several ranks hold leaves its owner once, summed, and the second phase
   never exceeds an all-gather of numel values. (Bitmaps for the first phase too would save a
   further 0.87 MB per rank at density 10% of 2^22, N = 4, but cost more CPU here than that
-  saves at 1 Gbit/s: measured 174 ms against 135 ms, docs/sparse-allreduce.md.)
+  saves at 1 Gbit/s: measured 174 ms against 135 ms, docs/sparse-allreduce.md, before the
+  bit codecs got cheaper.)
 - "auto": the one `sparse_plan.choose_scheme` prices lower, from the exchanged counts and,
   for an out of 65,536 elements or more, a sketch of each rank's indices that estimates u
   (`sparse_plan.sketch_size`: at most 1/2048 of the dense tensor's bytes); below that, u is
@@ -56,6 +57,7 @@ from loomtrain.comm.sparse_plan import (
     partition_layout,
     partition_loads,
     sketch_size,
+    true_positions,
 )
 
 SCHEMES = ("auto", "allgather", "balanced")
@@ -181,10 +183,17 @@ def _auto(counts: torch.Tensor, sketches: torch.Tensor | None, flat: torch.Tenso
 
 def _exchange(row: torch.Tensor, mesh, axis: str) -> tuple[torch.Tensor, int]:
     """Every rank's int64 `row`, as an (N, len) matrix; and this rank's wire bytes for it."""
+    pending, table, sent = _start_exchange(row, mesh, axis)
+    pending.wait()
+    return table, sent
+
+
+def _start_exchange(row: torch.Tensor, mesh, axis: str):
+    """`_exchange` in flight: (its `Pending`, the matrix once waited for, the wire bytes)."""
     n = mesh.size(axis)
     table = torch.empty(n * row.numel(), dtype=torch.int64, device=row.device)
-    all_gather(table, row.contiguous(), mesh, axis)
-    return table.view(n, -1), wire_bytes("ring_all_gather", table.numel() * 8, n)
+    pending = all_gather(table, row.contiguous(), mesh, axis, async_op=True)
+    return pending, table.view(n, -1), wire_bytes("ring_all_gather", table.numel() * 8, n)
 
 
 def _encoding(flat: torch.Tensor) -> Encoding:
@@ -243,59 +252,109 @@ def _start_balanced(indices, values, owners, flat, mesh, axis, counts: list[list
     if chunk == 0:
         return _nothing_sent(flat, SparseResult("balanced", sum(phases.values()), phases,
                                                 union_pairs=0))
-    # grouped by owner, by index within (owner x numel + index < 2^63 for any numel in memory)
-    indices, values = _sorted_pairs(indices, values, owners * numel + indices, n * numel)
-    positions = layout.position.index_select(0, indices)
-    parts = [enc.encode("pairs", pos, vals, 0)
-             for pos, vals in zip(positions.split(counts[me]), values.split(counts[me]))]
+    order = _grouped_by_owner(owners, n)
+    values = values.index_select(0, order)
+    slots = layout.slot.index_select(0, indices.index_select(0, order))
+    parts = [enc.encode("pairs", slots_p - offset, values_p, 0) for slots_p, values_p, offset
+             in zip(slots.split(counts[me]), values.split(counts[me]), layout.offsets)]
     sends = _padded(parts, chunk, flat.device)
     received = torch.empty_like(sends)
     pending = all_to_all(received.view(-1), sends.view(-1), mesh, axis, async_op=True)
     phases["to_owners"] = wire_bytes("all_to_all", sends.numel(), n)
 
     def finish() -> SparseResult:
-        sums, present = _sum_at_owner(received, [row[me] for row in counts], layout.sizes[me],
-                                      enc)
-        owner_formats, union = _gather_sums(sums, present, layout, flat, mesh, axis, phases)
-        return SparseResult("balanced", sum(phases.values()), phases, owner_formats, union)
+        return _reduce_and_gather(received, [row[me] for row in counts], layout, flat, mesh,
+                                  axis, phases)
     return PendingSparse(pending, finish)
 
 
-def _sum_at_owner(received, counts_from: list[int], size: int, enc: Encoding):
-    """(the sums over this owner's partition, the positions present, increasing): the senders'
-    pairs added in rank order, as allgather adds them."""
-    sums = torch.zeros(size, dtype=enc.value_dtype, device=received.device)
-    present = torch.zeros(size, dtype=torch.bool, device=received.device)
-    for chunk, count in zip(received, counts_from):
-        positions, vals = enc.decode("pairs", chunk, count, size)
-        sums.index_add_(0, positions, vals)
-        present[positions] = True
-    return sums, present.nonzero().view(-1)
+def _grouped_by_owner(owners: torch.Tensor, n: int) -> torch.Tensor:
+    """The order that groups the pairs by owner, each owner's in their given order: a stable
+    sort of the owners as the narrowest integer type, 0.9 ms for 419,430 pairs as int8 here
+    (one thread), against 1.9 ms sorting them by (owner, index) as int32 keys. The order
+    within an owner changes no bits (each position gets one value per sender) and little
+    time: its sums, 1/N of out, stay in cache (105k random `index_add_`s: 0.13 ms, sorted
+    0.10)."""
+    narrow = torch.int8 if n <= 2**7 else torch.int16 if n <= 2**15 else torch.int32
+    return torch.sort(owners.to(narrow), stable=True).indices
 
 
-def _gather_sums(sums, present, layout, flat, mesh, axis, phases):
-    """All-gather every owner's sums in its cheapest format (chosen from the exchanged counts:
-    alike on every rank) and write them all into `flat`. Returns (the formats, u)."""
+def _reduce_and_gather(received, counts_from: list[int], layout, flat, mesh, axis, phases):
+    """The owner's sums (`_sum_at_owner`), all-gathered from every owner in its cheapest format
+    (chosen from the exchanged union sizes: alike on every rank) and written into `flat`
+    (`_write_sums`). The exchange of union sizes overlaps the owner's sums; the all-gather, the
+    zeroing of the slices it fills."""
     n, me, enc = mesh.size(axis), mesh.local_rank(axis), _encoding(flat)
-    unions, phases["reduced_counts"] = _exchange(
-        torch.tensor([present.numel()], device=flat.device), mesh, axis)
-    unions, sizes = unions[:, 0].tolist(), layout.sizes
+    sizes = layout.sizes
+    sent = [enc.decode("pairs", chunk, count, sizes[me]) for chunk, count
+            in zip(received, counts_from)]
+    present = torch.zeros(8 * math.ceil(sizes[me] / 8), dtype=torch.bool, device=flat.device)
+    for positions, _ in sent:
+        present[positions] = True
+    union = present.count_nonzero()
+    pending, unions, phases["reduced_counts"] = _start_exchange(union.view(1), mesh, axis)
+    partitions = torch.empty_like(flat)  # the partitions' values, in `Layout.by_owner` order
+    fmt = enc.best(union.item(), sizes[me], FORMATS)  # this owner's: known before the wait
+    mine = _sum_at_owner(sent, present, fmt, layout.part(partitions, me))
+    encoded = enc.encode(fmt, *mine, sizes[me])
+    pending.wait()
+    unions = unions[:, 0].tolist()
     formats = tuple(enc.best(u, s, FORMATS) for u, s in zip(unions, sizes))
     chunk = max(enc.bytes(f, u, s) for f, u, s in zip(formats, unions, sizes))  # > 0: u >= 1
-    flat.zero_()
-    mine = enc.encode(formats[me], present,
-                      sums if formats[me] == "dense" else sums[present], sizes[me])
     gathered = torch.empty(n * chunk, dtype=torch.uint8, device=flat.device)
-    all_gather(gathered, _padded([mine], chunk, flat.device).view(-1), mesh, axis)
+    pending = all_gather(gathered, _padded([encoded], chunk, flat.device).view(-1), mesh, axis,
+                         async_op=True)
     phases["from_owners"] = wire_bytes("ring_all_gather", gathered.numel(), n)
-    for p, chunk_p in enumerate(gathered.view(n, chunk)):
-        if p == me:  # what this owner sent, without decoding it
-            positions, vals = (None, sums) if formats[p] == "dense" else (present, sums[present])
-        else:
-            positions, vals = enc.decode(formats[p], chunk_p, unions[p], sizes[p])
-        members = layout.members[p]
-        flat[members if positions is None else members[positions]] = vals
-    return formats, sum(unions)
+    scatter = all(f == "pairs" for f in formats)  # few values: into a zeroed `flat`
+    for target in [flat] if scatter else [layout.part(partitions, p) for p, f
+                                          in enumerate(formats) if p != me and f != "dense"]:
+        target.zero_()  # while the sums travel
+    pending.wait()
+    chunks = gathered.view(n, chunk)
+    decoded = [mine if p == me else enc.decode(formats[p], chunks[p], unions[p], sizes[p])
+               for p in range(n)]
+    _write_sums(decoded, formats, me, scatter, layout, partitions, flat)
+    return SparseResult("balanced", sum(phases.values()), phases, formats, sum(unions))
+
+
+def _sum_at_owner(sent, present, fmt: str, sums: torch.Tensor):
+    """Add the senders' (positions, values) into `sums` (this owner's slice of the partitions),
+    in rank order as allgather adds them; return (where, values) for this owner's chunk in
+    `fmt`, `present` the mask of the positions received (padded to whole bytes)."""
+    sums.zero_()
+    for positions, vals in sent:
+        sums.index_add_(0, positions, vals)
+    if fmt == "dense":
+        return None, sums
+    positions = true_positions(present[:sums.numel()])
+    return present if fmt == "bitmap" else positions, sums.index_select(0, positions)
+
+
+def _write_sums(decoded, formats, me: int, scatter: bool, layout, partitions, flat) -> None:
+    """Every owner's (where, values) into `flat`, zeroed if `scatter`, else through
+    `partitions`, where this owner's sums already are and the others' slices are zeroed
+    unless dense.
+
+    Through `partitions`: each other owner's sums fill its slice (`index_copy_` at the
+    positions, 1 ms per million here, one thread), then one gather by `Layout.slot` writes
+    every element of `flat` in memory order: 2.6 ms per 2^22. Scattering each owner's values
+    straight into a zeroed `flat` costs 1.7 ms per million (its writes land all over out),
+    so it runs only when every owner sent pairs: fewer values than elements."""
+    for p, (where, vals) in enumerate(decoded):
+        if scatter:
+            flat[layout.members(p)[where]] = vals
+        elif p != me:
+            _write_partition(formats[p], where, vals, layout.part(partitions, p))
+    if not scatter:
+        torch.index_select(partitions, 0, layout.slot, out=flat)
+
+
+def _write_partition(fmt: str, where, vals, part: torch.Tensor) -> None:
+    """An owner's decoded sums into its slice `part` of the partitions (zeroed unless dense)."""
+    if fmt == "dense":
+        part.copy_(vals)
+    else:
+        part.index_copy_(0, true_positions(where) if fmt == "bitmap" else where.long(), vals)
 
 
 __all__ = ["SCHEMES", "PendingSparse", "SparseResult", "choose_scheme",

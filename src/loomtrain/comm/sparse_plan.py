@@ -9,9 +9,12 @@ over all ranks, b_i index bytes on the wire (`index_wire_dtype`), b_v value byte
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PARTITIONS = ("hash", "range")
@@ -65,28 +68,37 @@ def index_wire_dtype(numel: int) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Layout:
-    """Owner p's partition P_p: `members[p]`, its indices in increasing order (the canonical
-    order of its bitmaps and dense slices), and `position[i]`, i's place in its partition."""
+    """The owners' partitions, one after another: `by_owner` holds P_0's indices in increasing
+    order (the canonical order of its bitmaps and dense slices), then P_1's, ...; P_p starts at
+    `offsets[p]` and holds `sizes[p]` indices. `slot[i]` is where index i sits in `by_owner`:
+    sorting indices by slot sorts them by (owner, index), i's position in its partition is
+    slot[i] - offsets[owner(i)], and out = (the partitions' values, concatenated)[slot]."""
 
-    members: tuple[torch.Tensor, ...]
-    position: torch.Tensor
+    by_owner: torch.Tensor
+    slot: torch.Tensor
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
 
-    @property
-    def sizes(self) -> list[int]:
-        return [m.numel() for m in self.members]
+    def members(self, p: int) -> torch.Tensor:
+        return self.part(self.by_owner, p)
+
+    def part(self, concatenated: torch.Tensor, p: int) -> torch.Tensor:
+        """P_p's slice of a tensor laid out as `by_owner`."""
+        return concatenated[self.offsets[p]:self.offsets[p] + self.sizes[p]]
 
 
 @functools.lru_cache(maxsize=4)
 def partition_layout(numel: int, n: int, device: torch.device) -> Layout:
     """The `Layout` of numel elements over n owners (int32 below 2^31 elements, so 8 bytes per
-    element; one pass over numel, cached for the last few (numel, n, device))."""
+    element; one stable sort of numel owners, cached for the last few (numel, n, device))."""
     owners = owner_of(torch.arange(numel, device=device), n)
     dtype = index_wire_dtype(numel)
-    members = tuple((owners == p).nonzero().view(-1).to(dtype) for p in range(n))
-    position = torch.empty(numel, dtype=dtype, device=device)
-    for m in members:
-        position[m] = torch.arange(m.numel(), dtype=dtype, device=device)
-    return Layout(members, position)
+    by_owner = torch.sort(owners, stable=True).indices
+    slot = torch.empty(numel, dtype=dtype, device=device)
+    slot[by_owner] = torch.arange(numel, dtype=dtype, device=device)
+    sizes = torch.bincount(owners, minlength=n).tolist()
+    offsets = [0, *itertools.accumulate(sizes)][:n]
+    return Layout(by_owner.to(dtype), slot, tuple(sizes), tuple(offsets))
 
 
 # --- chunk formats -------------------------------------------------------------------------------
@@ -113,8 +125,9 @@ def best_format(count: int, size: int, index_bytes: int, value_bytes: int,
 @dataclass(frozen=True)
 class Encoding:
     """Chunks as bytes. pairs: the positions (`index_dtype`), then the values; bitmap: bit j of
-    byte b marks position 8b + j, then the values present in position order; dense: the value
-    of every position. A position is an index in the partition (balanced) or in out."""
+    byte b marks position 8b + j (`pack_bits`), then the values present in position order;
+    dense: the value of every position. A position is an index in the partition (balanced) or
+    in out."""
 
     index_dtype: torch.dtype
     value_dtype: torch.dtype
@@ -126,39 +139,83 @@ class Encoding:
         return best_format(count, size, self.index_dtype.itemsize, self.value_dtype.itemsize,
                            formats)
 
-    def encode(self, fmt: str, positions, values, size: int) -> torch.Tensor:
-        """`positions` increasing for a bitmap; `values` of every position when dense."""
+    def encode(self, fmt: str, where, values, size: int) -> torch.Tensor:
+        """`where`: for pairs the positions of `values`; for a bitmap a bool mask over the
+        positions (`pack_bits`), `values` those present, in order; unused when dense, `values`
+        then of every position."""
         if fmt == "pairs":
-            head = positions.to(self.index_dtype).view(torch.uint8)
+            head = where.to(self.index_dtype).view(torch.uint8)
         elif fmt == "bitmap":
-            bits = torch.zeros(math.ceil(size / 8) * 8, dtype=torch.uint8, device=values.device)
-            bits[positions] = 1
-            head = (bits.view(-1, 8) << _shifts(bits.device)).sum(1, dtype=torch.uint8)
+            head = pack_bits(where)[:math.ceil(size / 8)]
         else:
             head = values.new_empty(0, dtype=torch.uint8)
         return torch.cat([head, values.contiguous().view(torch.uint8)])
 
     def decode(self, fmt: str, chunk: torch.Tensor, count: int, size: int):
-        """(positions, or None for all of them, values) of an `encode`d chunk."""
+        """(where, as `encode` takes it, or None when dense; values) of an `encode`d chunk,
+        views into `chunk` where its bytes are aligned for the dtypes."""
         if fmt == "pairs":
-            positions = _from_bytes(chunk, 0, count, self.index_dtype)
+            where = _from_bytes(chunk, 0, count, self.index_dtype)
             start = count * self.index_dtype.itemsize
         elif fmt == "bitmap":
             start = math.ceil(size / 8)
-            bits = (chunk[:start, None] >> _shifts(chunk.device)) & 1
-            positions = bits.view(-1)[:size].nonzero().view(-1)
+            where = unpack_bits(chunk[:start], size)
         else:
-            positions, start, count = None, 0, size
-        return positions, _from_bytes(chunk, start, count, self.value_dtype)
+            where, start, count = None, 0, size
+        return where, _from_bytes(chunk, start, count, self.value_dtype)
 
 
-def _shifts(device) -> torch.Tensor:
-    return torch.arange(8, dtype=torch.uint8, device=device)
+# Both bit codecs read 8 bytes as one int64 word, byte j its bits 8j..8j+7: little-endian, as
+# on every device torch runs on (x86, ARM, CUDA).
+assert sys.byteorder == "little"
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Bit j of byte b = mask[8b + j], the mask (bool) padded with False to whole bytes.
+
+    Each 8 bools read as one int64 word, whose byte j is 0 or 1, fold into its low byte by
+    three shift-ors (w |= w >> 7, >> 14, >> 28): 0.18 ms per million positions here (one
+    thread), where shifting each bool into place and summing took 0.9 ms. No copy when the
+    mask's length is a multiple of 8 and it starts 8-aligned."""
+    flat = mask.view(torch.uint8)
+    if flat.numel() % 8 or flat.storage_offset() % 8:
+        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)])
+    word = flat.view(torch.int64)
+    word = word | (word >> 7)  # byte k: entries k, k + 1 of the 8 in its bits 0, 1
+    word |= word >> 14  # ... entries k .. k + 3 in bits 0 .. 3
+    word |= word >> 28  # ... entries k .. k + 7 in bits 0 .. 7: byte 0 is the packed byte
+    return (word & 0xFF).to(torch.uint8)
+
+
+def unpack_bits(bitmap: torch.Tensor, size: int) -> torch.Tensor:
+    """The bool mask of `size` positions that `pack_bits` packed into `bitmap` (uint8): one
+    lookup per byte in a 256-entry table of int64 words whose byte j is bit j of the index,
+    viewed as 8 bools: 0.06 ms per million positions here (one thread), where shifting and
+    masking every bit took 0.4 ms."""
+    words = _byte_to_bools(bitmap.device).index_select(0, bitmap.int())
+    return words.view(torch.uint8).view(torch.bool)[:size]
+
+
+@functools.lru_cache(maxsize=4)
+def _byte_to_bools(device: torch.device) -> torch.Tensor:
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return (bits << (8 * torch.arange(8, device=device))).sum(1)
+
+
+def true_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The positions of a 1-D bool mask's True entries, increasing (int64): `mask.nonzero()`,
+    on CPU by numpy's `flatnonzero`, which vectorizes: 0.4 ms per million positions here
+    against 3 ms by torch's (one thread). The same result either way."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().view(-1)
 
 
 def _from_bytes(chunk: torch.Tensor, start: int, count: int, dtype) -> torch.Tensor:
-    # the copy aligns the bytes for the dtype view (a chunk may start anywhere)
-    return chunk[start:start + count * dtype.itemsize].clone().view(dtype)
+    part = chunk[start:start + count * dtype.itemsize]
+    if part.storage_offset() % dtype.itemsize:  # a view needs aligned bytes: copy to align
+        part = part.clone()
+    return part.view(dtype)
 
 
 # --- the cost model and the choice ---------------------------------------------------------------
