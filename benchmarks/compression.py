@@ -55,6 +55,7 @@ ERROR_EVERY = 100
 
 def compression_tree(compression: dict, root: str, label: str, steps: int, args) -> dict:
     t = tree({}, root, label, steps, args.small, args)
+    t["train"].update(json.loads(args.train))
     if compression:
         t["compression"] = {**compression, "error_every": ERROR_EVERY if not args.small else 10}
     return t
@@ -88,6 +89,8 @@ def sparse_allreduce(small: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_arguments(parser)
+    parser.add_argument("--train", default="{}", help="[train] keys for every run, as JSON "
+                        '(e.g. \'{"optimizer": "sgd", "lr": 0.3}\')')
     parser.add_argument("--skip-sparse", action="store_true", help="no sparse all-reduce part")
     args = parser.parse_args()
     steps = 40 if args.small else args.steps
@@ -116,6 +119,7 @@ def main() -> None:
             "small": args.small, "model": {"d_model": args.d_model, "n_layers": args.layers,
                                            "seq_len": args.seq_len},
             "rows_per_replica": args.rows, "error_every": ERROR_EVERY,
+            "train": json.loads(args.train),
             "dp_runs": {"first": first, "last": last}, "runs": runs, "vs_dp": vs_dp}
     if not args.skip_sparse:
         sparse = sparse_allreduce(args.small)

@@ -23,6 +23,8 @@ from loomtrain.comm.sparse_plan import (
     chunk_bytes,
     estimate_union,
     estimated_wire_bytes,
+    gap_decode,
+    gap_encode,
     index_wire_dtype,
     owner_of,
     pack_bits,
@@ -124,11 +126,15 @@ def _expected_phases(name: str, world: int, requested: str, ran: str) -> dict[st
     """This rank's wire bytes per phase, from every rank's input (the same on every rank)."""
     inputs = [_case(name, r, world) for r in range(world)]
     numel, n, value = inputs[0][0], world, inputs[0][2].element_size()
-    counts = {"allgather": 8, "balanced": 8 * n, "auto": 8 * (n + sketch_size(numel))}[requested]
-    phases = {"counts": (n - 1) * counts}  # an all-gather of one row per rank
+    # a row per rank: allgather its count without and with gap fillers, balanced its count
+    # per owner, auto both and its sketch
+    counts = {"allgather": 16, "balanced": 8 * n, "auto": 8 * (n + 1 + sketch_size(numel))}
+    phases = {"counts": (n - 1) * counts[requested]}
     if ran == "allgather":
         k_max = max(idx.numel() for _, idx, _ in inputs)
-        return phases | ({"pairs": (n - 1) * k_max * (INDEX_BYTES + value)} if k_max else {})
+        filled = max(gap_encode(idx.sort().values, v)[0].numel() for _, idx, v in inputs)
+        chunk = min(filled * (2 + value), k_max * (INDEX_BYTES + value))  # int16 gaps if fewer
+        return phases | ({"pairs": (n - 1) * chunk} if k_max else {})
     to_owners = max(max(partition_loads(idx, n, numel)) for _, idx, _ in inputs)
     if to_owners == 0:
         return phases
@@ -167,8 +173,12 @@ def test_auto_picks_the_rules_scheme_from_the_exchanged_counts(worlds):
             union = estimate_union(torch.stack([bottom_hashes(idx, size) for _, idx, _ in inputs]),
                                    size)
             union = min(max(union, max(ks)), numel)
+        value = inputs[0][2].element_size()
+        filled = max(gap_encode(idx.sort().values, v)[0].numel() for _, idx, v in inputs)
+        narrow = filled * (2 + value) < max(ks) * (INDEX_BYTES + value)
         expected = choose_scheme(math.ceil(sum(ks) / world), numel, world, max_nnz=max(ks),
-                                 union=union, value_bytes=inputs[0][2].element_size())
+                                 union=union, value_bytes=value,
+                                 gap_bytes=2 if narrow else None)
         assert {r[name]["auto"][1].scheme for r in results} == {expected}, name
     if world == 4:  # the sketch-informed path to balanced ran
         assert results[0]["hot"]["auto"][1].scheme == "balanced"
@@ -223,7 +233,8 @@ def test_scheme_rule_follows_its_documented_behaviour():
     assert choose_scheme(100, 10**6, 4, union=100) == "allgather"  # the latencies decide
     assert choose_scheme(k, numel, 1) == "allgather"
     # the docstring's figures at 10%, N = 4: 10.1 MB against 7.2 MB
-    assert estimated_wire_bytes("allgather", k, numel, 4) == 8 * 3 + 3 * k * 8
+    assert estimated_wire_bytes("allgather", k, numel, 4) == 16 * 3 + 3 * k * 8
+    assert estimated_wire_bytes("allgather", k, numel, 4, gap_bytes=2) == 16 * 3 + 3 * k * 6
     assert estimated_wire_bytes("balanced", k, numel, 4) == pytest.approx(7.237e6, rel=1e-3)
 
 
@@ -268,6 +279,21 @@ def test_partition_layout_orders_each_owners_indices_and_inverts():
     for p in range(n):
         assert torch.equal(layout.members(p).long(), (owners == p).nonzero().view(-1))
     assert torch.equal(layout.by_owner.long()[layout.slot.long()], torch.arange(numel))
+
+
+def test_gap_encoding_bridges_long_gaps_with_zero_fillers_and_round_trips():
+    indices = torch.tensor([0, 3, 4, 10, 70_000, 70_001])
+    values = torch.arange(1.0, 7.0)
+    gaps, padded = gap_encode(indices, values)
+    # 69,990 = 2 x 32,767 + 4,456: two fillers of value 0 before 70,000
+    assert gaps.tolist() == [0, 3, 1, 6, 32_767, 32_767, 4_456, 1]
+    assert padded.tolist() == [1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 5.0, 6.0]
+    assert int(gaps.max()) <= 2**15 - 1
+    positions = gap_decode(gaps.to(torch.int16))
+    dense = torch.zeros(70_002).index_add_(0, positions, padded)
+    assert torch.equal(dense, torch.zeros(70_002).index_put_((indices,), values))
+    empty = torch.tensor([], dtype=torch.int64)
+    assert gap_encode(empty, empty.float())[0].numel() == 0
 
 
 def test_sketch_size_grows_with_out_and_vanishes_when_small():

@@ -6,9 +6,13 @@ gradient touches, the live weights of a masked model. N ranks, rank r holding k_
 the wire (4 below 2^31 elements, else 8), b_v value bytes. Two schemes, built from comm/'s
 collectives, so the meter and the simulated link see every byte:
 
-- "allgather": exchange the counts, all-gather every rank's (index, value) pairs padded to
-  k_max, and let every rank add them all up. 2 collectives, (N-1) k_max (b_i + b_v) bytes
-  per rank: every rank receives every contribution, so the bytes grow with N.
+- "allgather": exchange the counts (and each rank's largest index gap), all-gather every
+  rank's (index, value) pairs padded to k_max, and let every rank add them all up. The
+  indices travel sorted, as int16 gaps (`sparse_plan.gap_encode`: b_g = 2, plus a filler pair
+  per empty stretch of 32,767 values) when that is fewer bytes for the largest rank than
+  b_i-byte indices (decided from the exchanged counts, alike everywhere). 2 collectives,
+  (N-1) k_max (b_g + b_v) bytes per rank: every rank receives every contribution, so the
+  bytes grow with N.
 - "balanced", after Zen (Wang et al., "Zen: Near-Optimal Sparse Tensor Synchronization for
   Distributed DNN Training", arXiv 2309.13254; OSDI 2025 as "ZEN: Empowering Distributed
   Training with Sparsity-driven Data Synchronization"): the index space is split among the
@@ -52,6 +56,8 @@ from loomtrain.comm.sparse_plan import (
     bottom_hashes,
     choose_scheme,
     estimate_union,
+    gap_decode,
+    gap_encode,
     index_wire_dtype,
     owner_of,
     partition_layout,
@@ -114,24 +120,34 @@ def sparse_all_reduce(indices: torch.Tensor, values: torch.Tensor, out: torch.Te
     flat, n = out.view(-1), mesh.size(axis)
     if n == 1:
         return _run(PendingSparse(None, lambda: _alone(indices, values, flat, scheme)), async_op)
-    owners = counts = None
+    owners = counts = gapped = None
+    if scheme != "balanced":  # allgather sends the pairs sorted, maybe as int16 gaps
+        indices, values = _sorted_pairs(indices, values, indices, flat.numel())
+        gapped = gap_encode(indices, values)
+        with_fillers = torch.tensor([gapped[0].numel()], device=flat.device)
     if scheme == "allgather":
-        table, sent = _exchange(torch.tensor([indices.numel()], device=flat.device), mesh, axis)
-        per_rank = table[:, 0]
+        table, sent = _exchange(torch.cat([torch.tensor([indices.numel()], device=flat.device),
+                                           with_fillers]), mesh, axis)
+        per_rank, filled = table[:, 0], table[:, 1]
     else:
         owners = owner_of(indices, n)
         row = torch.bincount(owners, minlength=n)
         size = sketch_size(flat.numel()) if scheme == "auto" else 0
-        if size:
-            row = torch.cat([row, bottom_hashes(indices, size)])
+        if scheme == "auto":
+            row = torch.cat([row, with_fillers, bottom_hashes(indices, size)])
         table, sent = _exchange(row, mesh, axis)
         counts = table[:, :n]  # counts[sender, owner]: the pairs sender holds in owner's part
         per_rank = counts.sum(1)
         if scheme == "auto":
-            scheme = _auto(counts, table[:, n:] if size else None, flat)
+            filled = table[:, n]
+            narrow = _narrow(per_rank, filled, flat)
+            scheme = _auto(counts, table[:, n + 1:] if size else None, flat, narrow)
     phases = {"counts": sent}
     if scheme == "allgather":
-        pending = _start_allgather(indices, values, flat, mesh, axis, per_rank.tolist(), phases)
+        if not _narrow(per_rank, filled, flat):
+            gapped = None
+        pending = _start_allgather(indices, values, gapped, flat, mesh, axis,
+                                   (filled if gapped else per_rank).tolist(), phases)
     else:
         pending = _start_balanced(indices, values, owners, flat, mesh, axis, counts.tolist(),
                                   phases)
@@ -169,7 +185,15 @@ def _alone(indices, values, flat, scheme: str) -> SparseResult:
                         if scheme == "auto" else scheme, 0)
 
 
-def _auto(counts: torch.Tensor, sketches: torch.Tensor | None, flat: torch.Tensor) -> str:
+def _narrow(per_rank: torch.Tensor, filled: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether int16 gaps (fillers included) make allgather's padded chunk smaller than
+    indices of `index_wire_dtype`: from the exchanged counts, so alike on every rank."""
+    b_i, b_v = _encoding(flat).index_dtype.itemsize, flat.element_size()
+    return int(filled.max()) * (2 + b_v) < int(per_rank.max()) * (b_i + b_v)
+
+
+def _auto(counts: torch.Tensor, sketches: torch.Tensor | None, flat: torch.Tensor,
+          narrow: bool) -> str:
     """`choose_scheme` on what every rank received alike, so every rank picks the same."""
     n, per_rank = counts.shape[0], counts.sum(1)
     union = None  # without sketches: independent sets of the same density
@@ -178,7 +202,7 @@ def _auto(counts: torch.Tensor, sketches: torch.Tensor | None, flat: torch.Tenso
         union = min(max(estimate, per_rank.max().item()), flat.numel())
     return choose_scheme(math.ceil(per_rank.sum().item() / n), flat.numel(), n,
                          max_nnz=per_rank.max().item(), union=union,
-                         value_bytes=flat.element_size())
+                         value_bytes=flat.element_size(), gap_bytes=2 if narrow else None)
 
 
 def _exchange(row: torch.Tensor, mesh, axis: str) -> tuple[torch.Tensor, int]:
@@ -226,13 +250,16 @@ def _nothing_sent(flat, result: SparseResult) -> PendingSparse:
     return PendingSparse(None, finish)
 
 
-def _start_allgather(indices, values, flat, mesh, axis, counts: list[int], phases):
-    n, enc, numel = len(counts), _encoding(flat), flat.numel()
+def _start_allgather(indices, values, gapped, flat, mesh, axis, counts: list[int], phases):
+    """`indices` sorted; `gapped`: `gap_encode`'s (gaps, values) to send as int16, or None
+    (send `indices`); `counts`: every rank's pairs as sent."""
+    n, numel = len(counts), flat.numel()
+    enc = Encoding(torch.int16, flat.dtype) if gapped else _encoding(flat)
     chunk = enc.bytes("pairs", max(counts), numel)
     if chunk == 0:
         return _nothing_sent(flat, SparseResult("allgather", sum(phases.values()), phases))
-    indices, values = _sorted_pairs(indices, values, indices, numel)
-    mine = _padded([enc.encode("pairs", indices, values, numel)], chunk, flat.device).view(-1)
+    positions, values = gapped if gapped else (indices, values)
+    mine = _padded([enc.encode("pairs", positions, values, numel)], chunk, flat.device).view(-1)
     gathered = torch.empty(n * chunk, dtype=torch.uint8, device=flat.device)
     pending = all_gather(gathered, mine, mesh, axis, async_op=True)
     phases["pairs"] = wire_bytes("ring_all_gather", gathered.numel(), n)
@@ -240,7 +267,10 @@ def _start_allgather(indices, values, flat, mesh, axis, counts: list[int], phase
     def finish() -> SparseResult:
         flat.zero_()
         for chunk_r, count in zip(gathered.view(n, chunk), counts):  # in rank order
-            flat.index_add_(0, *enc.decode("pairs", chunk_r, count, numel))
+            positions, vals = enc.decode("pairs", chunk_r, count, numel)
+            if gapped:
+                positions = gap_decode(positions)
+            flat.index_add_(0, positions, vals)
         return SparseResult("allgather", sum(phases.values()), phases)
     return PendingSparse(pending, finish)
 

@@ -226,19 +226,50 @@ def independent_union(nnz_per_rank: int, numel: int, n: int) -> float:
     return numel * (1 - (1 - min(nnz_per_rank / numel, 1.0)) ** n)
 
 
+GAP_MAX = (1 << 15) - 1  # the largest gap an int16 holds
+
+
+def gap_encode(sorted_indices: torch.Tensor, values: torch.Tensor):
+    """(gaps, values) for sending indices as int16: the first index, then the differences of
+    consecutive ones; a gap above 32,767 is bridged by filler pairs of gap 32,767 and value 0
+    (adding 0 to an element is what the dense all-reduce does for every rank without an entry
+    there, so the sum's bits do not change). Top-k at 1% density has gaps of ~100: 2 bytes an
+    index instead of 4, and a filler only where a whole stretch of 32,767 values holds none.
+    `gap_decode` inverts it (fillers included)."""
+    if sorted_indices.numel() == 0:
+        return sorted_indices, values
+    d = torch.diff(sorted_indices, prepend=sorted_indices.new_zeros(1))
+    fillers = ((d - 1) // GAP_MAX).clamp(min=0)  # before each entry
+    slots = torch.cumsum(fillers + 1, 0) - 1  # each entry's place after its fillers
+    total = int(slots[-1]) + 1
+    out_gaps = torch.full((total,), GAP_MAX, dtype=torch.int64, device=d.device)
+    out_gaps[slots] = d - fillers * GAP_MAX
+    out_values = values.new_zeros(total)
+    out_values[slots] = values
+    return out_gaps, out_values
+
+
+def gap_decode(gaps: torch.Tensor) -> torch.Tensor:
+    """The positions of `gap_encode`'s pairs (int64), fillers included."""
+    return gaps.long().cumsum(0)
+
+
 def estimated_wire_bytes(scheme: str, nnz_per_rank: int, numel: int, n: int, *,
                          max_nnz: int | None = None, union: float | None = None,
-                         index_bytes: int | None = None, value_bytes: int = 4) -> float:
+                         index_bytes: int | None = None, value_bytes: int = 4,
+                         gap_bytes: int | None = None) -> float:
     """Bytes one rank sends, with k_max = max_nnz (default nnz_per_rank), u = union (default
     `independent_union`), b_i = index_bytes (default `index_wire_dtype`), b_v = value_bytes,
-    s = ceil(numel / N), c = ceil(k_max / N), u_p = ceil(u / N), B(f, m) = `chunk_bytes`:
+    b_g = gap_bytes (allgather's index bytes: 2 when its indices travel as int16 gaps,
+    `gap_encode`, fillers not counted; default b_i), s = ceil(numel / N), c = ceil(k_max / N), u_p = ceil(u / N), B(f, m) = `chunk_bytes`:
 
-        allgather: 8 (N-1) + (N-1) k_max (b_i + b_v)
+        allgather: 16 (N-1) + (N-1) k_max (b_g + b_v)
         balanced:  8 N (N-1) + (N-1) c (b_i + b_v) + 8 (N-1)
                    + (N-1) min(B(pairs, u_p), B(bitmap, u_p), B(dense, u_p))
 
     The terms are the phases in order: counts, pairs (allgather); counts, pairs to the owners,
-    reduced counts, the owners' sums (balanced). Balanced's chunks are padded to its largest
+    reduced counts, the owners' sums (balanced); allgather's counts are two per rank (16
+    bytes: with and without gap fillers). Balanced's chunks are padded to its largest
     (sender, owner) count and its largest partition, taken here as the means a balanced hash
     gives."""
     k_max = nnz_per_rank if max_nnz is None else max_nnz
@@ -246,7 +277,8 @@ def estimated_wire_bytes(scheme: str, nnz_per_rank: int, numel: int, n: int, *,
     b_i = index_wire_dtype(numel).itemsize if index_bytes is None else index_bytes
     pair = b_i + value_bytes
     if scheme == "allgather":
-        return 8 * (n - 1) + (n - 1) * k_max * pair
+        b_g = b_i if gap_bytes is None else gap_bytes
+        return 16 * (n - 1) + (n - 1) * k_max * (b_g + value_bytes)
     size, u_p = math.ceil(numel / n), math.ceil(u / n)
     from_owners = min(chunk_bytes(f, u_p, size, b_i, value_bytes) for f in FORMATS)
     return 8 * n * (n - 1) + (n - 1) * math.ceil(k_max / n) * pair + 8 * (n - 1) \
@@ -255,7 +287,8 @@ def estimated_wire_bytes(scheme: str, nnz_per_rank: int, numel: int, n: int, *,
 
 def choose_scheme(nnz_per_rank: int, numel: int, n: int, *, max_nnz: int | None = None,
                   union: float | None = None, index_bytes: int | None = None,
-                  value_bytes: int = 4, latency_s: float = 1e-3, gbps: float = 1.0) -> str:
+                  value_bytes: int = 4, gap_bytes: int | None = None, latency_s: float = 1e-3,
+                  gbps: float = 1.0) -> str:
     """The scheme with the lower estimated time, in the alpha-beta model of comm/link.py:
 
         T = collectives x latency_s + estimated_wire_bytes x 8 / (gbps 1e9),
@@ -272,7 +305,7 @@ def choose_scheme(nnz_per_rank: int, numel: int, n: int, *, max_nnz: int | None 
     if n <= 1:
         return "allgather"
     kwargs = {"max_nnz": max_nnz, "union": union, "index_bytes": index_bytes,
-              "value_bytes": value_bytes}
+              "value_bytes": value_bytes, "gap_bytes": gap_bytes}
     seconds = {
         scheme: COLLECTIVES[scheme] * latency_s
         + estimated_wire_bytes(scheme, nnz_per_rank, numel, n, **kwargs) * 8 / (gbps * 1e9)
