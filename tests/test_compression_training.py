@@ -106,3 +106,37 @@ def test_world2_oracle_learning_metrics_and_resume(tmp_path, corpus):
     records, saved = out["stopped"]
     assert saved == ["step_00000006", "step_00000008"]
     assert _losses(records) == reference
+
+
+def _resume_with_other_buckets(rank, world, first, second, root):
+    """Train `first` to its end, then resume its folder under `second`: the CheckpointError's
+    message (None if it resumed)."""
+    from pathlib import Path
+
+    from loomtrain import comm
+    from loomtrain.errors import CheckpointError
+    from loomtrain.train import checkpoint, trainer
+    from loomtrain.train.launch import init_distributed
+
+    run_dir = Path(root) / "run"
+    cfg = config_from_dict(first)
+    trainer._loop(cfg, run_dir, None, init_distributed(cfg), trainer.StopFlag())
+    cfg = config_from_dict(second)
+    mesh = init_distributed(cfg)
+    comm.barrier(mesh)  # rank 0 has published the last checkpoint
+    try:
+        trainer._loop(cfg, run_dir, checkpoint.list_checkpoints(run_dir)[-1], mesh,
+                      trainer.StopFlag())
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_residuals_that_do_not_fit_the_buckets_are_refused(tmp_path, corpus):
+    def tree(bucket_mb, steps):
+        return tiny_tree(tmp_path, corpus, parallel={"nproc": 2, "bucket_mb": bucket_mb},
+                         compression={"method": "topk", "ratio": 0.05}, train={"steps": steps})
+    messages = run_world(_resume_with_other_buckets, 2, tree(0.01, 2), tree(0.05, 4),
+                         str(tmp_path), timeout_s=120)
+    assert all(m and "does not fit this run's" in m and "parallel.bucket_mb" in m
+               for m in messages), messages

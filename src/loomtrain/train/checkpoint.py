@@ -214,6 +214,22 @@ def _compression_state(model, rank: int, metadata: Metadata | None = None) -> di
             if k.startswith(prefix) and hasattr(m, "size")}
 
 
+def _check_residuals(model, state: dict) -> None:
+    """Error-feedback residuals fit the engine's gradient buckets (ValueError if not)."""
+    buckets = getattr(model, "buckets", None)
+    if buckets is None:
+        return
+    for name, tensor in state.items():
+        slot, _, key = name.partition("/")
+        if slot == "residual" and (not key.isdigit() or int(key) >= len(buckets)
+                                   or buckets[int(key)].buffer.numel() != tensor.numel()):
+            raise ValueError(
+                f"its compression residual {key!r} ({tensor.numel()} values) does not fit this "
+                f"run's {len(buckets)} gradient buckets: the buckets changed (parallel.bucket_mb, "
+                "the model or tp/pp differ from the checkpoint's config.toml); resume with those "
+                "settings")
+
+
 def _root_causes(err: CheckpointException) -> str:
     """One line per failed rank instead of DCP's concatenated tracebacks."""
     parts = []
@@ -399,6 +415,7 @@ def load(path: Path, model, optimizer, mesh) -> dict:
                            optim_state_dict=optim, options=StateDictOptions(strict=True))
         if compression:
             prefix = _compression_prefix(model, mesh.rank)
+            _check_residuals(model, {k[len(prefix):]: v for k, v in compression.items()})
             model.compressor.load_state_dict({k[len(prefix):]: v for k, v in compression.items()})
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
