@@ -27,7 +27,7 @@ The algorithm as built:
 - A unit's tensors are views of one flat buffer (made at wrap time: the parameters' storage
   moves into it, as a ZeRO flat parameter does), so a unit is one all-reduce, not one per
   tensor, and costs no memory. Per tensor (12 all-reduces for a GPT block), benchmarks/
-  lowcomm.py measured DreamDDP at 1.14x DP's simulated wall time; one per unit, 0.69x
+  lowcomm.py measured DreamDDP at 1.14x DP's simulated wall time; one per unit, 0.89x
   (each op pays the link latency and gloo's per-op cost; docs/lowcomm.md).
 - The sync of a unit: when the last of its tensors has its gradient accumulated in the step's
   last backward (a post-accumulate-grad hook: a tied tensor's fires once, after both uses),
