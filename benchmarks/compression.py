@@ -56,6 +56,7 @@ ERROR_EVERY = 100
 def compression_tree(compression: dict, root: str, label: str, steps: int, args) -> dict:
     t = tree({}, root, label, steps, args.small, args)
     t["train"].update(json.loads(args.train))
+    t["comm"]["inter_node_gbps"] = args.gbps
     if compression:
         t["compression"] = {**compression, "error_every": ERROR_EVERY if not args.small else 10}
     return t
@@ -91,6 +92,8 @@ def main() -> None:
     add_run_arguments(parser)
     parser.add_argument("--train", default="{}", help="[train] keys for every run, as JSON "
                         '(e.g. \'{"optimizer": "sgd", "lr": 0.3}\')')
+    parser.add_argument("--gbps", type=float, default=1.0, help="the simulated inter-node "
+                        "link's bandwidth, Gbit/s (the sparse all-reduce part keeps its own)")
     parser.add_argument("--skip-sparse", action="store_true", help="no sparse all-reduce part")
     args = parser.parse_args()
     steps = 40 if args.small else args.steps
@@ -115,7 +118,7 @@ def main() -> None:
         targets["topk_1pct_within_3pct"] = abs(vs_dp["topk_1pct"]["val_loss_vs_dp"]) <= 0.03
         targets["topk_1pct_30x_fewer_bytes"] = vs_dp["topk_1pct"]["bytes_vs_dp"] >= 30
     line = {"benchmark": "compression", "world": WORLD, "ranks_per_node": RANKS_PER_NODE,
-            "inter_node_gbps": 1.0, "inter_node_latency_ms": 1.0, "steps": steps,
+            "inter_node_gbps": args.gbps, "inter_node_latency_ms": 1.0, "steps": steps,
             "small": args.small, "model": {"d_model": args.d_model, "n_layers": args.layers,
                                            "seq_len": args.seq_len},
             "rows_per_replica": args.rows, "error_every": ERROR_EVERY,
