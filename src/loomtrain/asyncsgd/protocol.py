@@ -1,0 +1,116 @@
+"""The wire protocol of the parameter server (server.py) and its workers (worker.py).
+
+Ranks: member 0 of the axis is the server, members 1..W are workers; worker index w (what
+policies and the staleness log call a worker) is member w + 1.
+
+Messages, each one `comm.send` of one byte buffer: an int64 header of `HEADER_WORDS` words
+followed by an fp32 body. Tags name the kind, so a receiver that expects one kind never takes
+another (gloo matches a send to the receive of the same tag and source):
+
+    kind    tag        direction         header                      body
+    PULL    TAG_PULL   worker -> server  (-1, 0, 0)                  none
+    PUSH    TAG_PUSH   worker -> server  (pulled version, step, 0)   gradient, numel fp32
+    PARAMS  TAG_PARAMS server -> worker  (version, 0, stop)          parameters, numel fp32
+
+A worker sends PULL once; after that each PUSH is also its request for the next PARAMS (one
+message per step each way instead of three). The reply with stop = 1 carries the final
+parameters and ends the worker. Per worker the kinds strictly alternate, so the server knows
+which tag its one posted receive per worker must use.
+
+Sharding the parameters over S server ranks later: server s owns a contiguous slice of the
+flat vector; the layout stays as it is with the body being that slice. A worker sends PULL and
+PUSH (its gradient's slice) to every server and receives S PARAMS replies; every server keeps
+its own version and log, and the PUSH header carries the version of that server's slice the
+gradient was computed on. Nothing else in the layout changes.
+
+Costs: a PUSH or PARAMS message sends 8 x HEADER_WORDS + 4 x numel bytes (counted by
+`comm.send` as that many wire bytes); PULL sends 8 x HEADER_WORDS once per worker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from loomtrain import comm
+
+HEADER_WORDS = 3
+VERSION, STEP, STOP = 0, 1, 2  # header word indices
+# distinct from 0 (comm.send's default) and unlikely to meet a ring op's crc-derived tag
+TAG_PULL, TAG_PUSH, TAG_PARAMS = 0x41530001, 0x41530002, 0x41530003
+
+
+@dataclass
+class Message:
+    """A message's buffer (what is sent) and its two views into it."""
+
+    buffer: torch.Tensor  # uint8: header bytes, then body bytes
+    header: torch.Tensor  # int64 [HEADER_WORDS]
+    body: torch.Tensor  # fp32 [numel] (empty for PULL)
+
+
+def message(numel: int) -> Message:
+    """An uninitialized message with a body of `numel` fp32 values."""
+    head = 8 * HEADER_WORDS
+    buffer = torch.empty(head + 4 * numel, dtype=torch.uint8)
+    return Message(buffer, buffer[:head].view(torch.int64), buffer[head:].view(torch.float32))
+
+
+def write_header(msg: Message, version: int, step: int = 0, stop: bool = False) -> None:
+    msg.header[VERSION], msg.header[STEP], msg.header[STOP] = version, step, int(stop)
+
+
+class Inbox:
+    """Completion events of p2p ops, in the order they complete, so the server blocks on
+    `next()` instead of polling its receives.
+
+    Why threads: gloo's send/recv works have no future (`Work::getFuture not implemented`) and
+    `is_completed()` stays False forever when the peer has died, while `wait()` raises at once
+    ("Connection closed by peer", measured with torch 2.13). So one lane thread per key (per
+    worker) calls `Pending.wait()` on that key's ops in order and reports either completion or
+    the `CollectiveError`: a dead peer is noticed at once, and the server sleeps until
+    something happens or its next deadline. A hung (alive, silent) peer's op stays in its lane
+    until the process-group timeout; the server does not wait for it (its own deadline
+    decides), and the lane is a daemon thread, so it never blocks the process from ending.
+
+    Every torch.distributed call stays on the caller's thread: lanes only wait.
+    """
+
+    def __init__(self):
+        self._events: queue.Queue = queue.Queue()
+        self._lanes: dict[int, queue.Queue] = {}
+
+    def watch(self, key: int, what: str, pending: comm.Pending) -> None:
+        """Report `(key, what, None)` when `pending` completes, `(key, what, error)` if it
+        fails; a key's ops are reported in the order they were given."""
+        if key not in self._lanes:
+            self._lanes[key] = queue.Queue()
+            threading.Thread(target=self._lane, args=(key, self._lanes[key]), daemon=True,
+                             name=f"asyncsgd-inbox-{key}").start()
+        self._lanes[key].put((what, pending))
+
+    def next(self, timeout_s: float | None):
+        """The next event, or None when none came within `timeout_s` (None: wait forever)."""
+        try:
+            return self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        """End every lane once its ops are done (a lane stuck on a hung peer ends at the
+        process-group timeout)."""
+        for lane in self._lanes.values():
+            lane.put(None)
+
+    def _lane(self, key: int, lane: queue.Queue) -> None:
+        while (item := lane.get()) is not None:
+            what, pending = item
+            try:
+                pending.wait()
+            except comm.CollectiveError as err:
+                self._events.put((key, what, err))
+                continue
+            self._events.put((key, what, None))

@@ -1,0 +1,149 @@
+"""Ringleader ASGD's gradient table: every update averages one entry per worker, so workers
+that hold different data weigh the same however fast they are.
+
+Maranjyan & Richtárik, "Ringleader ASGD: The First Asynchronous SGD with Optimal Time
+Complexity under Data Heterogeneity" (arXiv 2509.22860, ICLR 2026). The problem is
+min f(x) = (1/n) sum_i f_i(x), where worker i samples only its own f_i. Plain asynchronous SGD
+applies whichever gradient arrives, so a worker k times faster moves the model k times as often
+towards its own f_i. Ringleader keeps, for every worker i, an entry (G_i, b_i): the sum of the
+b_i gradients of worker i gathered for the current round, and steps along their mean of means
+
+    g = (1/n) sum_i G_i / b_i,        x <- x - gamma g.
+
+The round structure (from the paper):
+- Phase 1 collects and applies nothing: arrivals are added to their worker's entry until every
+  entry holds at least one gradient. The arrival that fills the last empty entry triggers the
+  round's first update; its worker counts as served.
+- Phase 2 serves every other worker exactly once: the next arrival from a worker not yet
+  served this round is added to its entry and triggers one update. So a round makes exactly n
+  updates, one per worker.
+- An arrival in Phase 2 from a worker already served goes to a second table (G_i^+, b_i^+)
+  instead: it is neither applied now nor discarded. When the last worker is served the round
+  ends, the second table becomes the main one (entries it lacks start empty) and Phase 1 begins.
+The paper proves that every gradient in the table is then at most 2n - 2 updates old, whatever
+the workers' speeds, and that no worker ever waits (`may_start` is always true for this policy).
+
+The fast worker's extra gradients are averaged inside its own entry: they lower its variance
+and do not raise its weight, which stays 1/n. With one worker every arrival is a full round of
+one update on that gradient alone: Ringleader with one worker is SGD.
+
+Choices of this implementation (the paper leaves them open or does not apply):
+- the table is kept as sums and counts, as in the paper; the direction is recomputed from the
+  n entries at each update (n tensors of the model's size: fine for the few workers of a
+  parameter server, O(n) memory like the paper's table);
+- each entry also records the oldest version its gradients were computed on, so the delay of
+  every update in the paper's sense is known (`served_oldest`); the tests check it against
+  2n - 2;
+- the state (both tables, the phase, who is still to be served) is a plain dict of ints and
+  tensors for the server's checkpoint; a restored table continues the round where it was.
+
+Failure semantics: a round needs every worker. A worker that is lost for good stalls Phase 1
+(its entry stays empty) or Phase 2 (it is never served): the other workers keep computing and
+their gradients are held, but no update is made again. The table has no way to forget a worker,
+on purpose: dropping one would silently drop its share of the data from the objective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _Table:
+    """Per worker: the sum of its gradients, their count, the oldest version among them."""
+
+    def __init__(self, workers: int):
+        self.sums: list[torch.Tensor | None] = [None] * workers
+        self.counts = [0] * workers
+        self.oldest: list[int | None] = [None] * workers
+
+    def add(self, worker: int, grad: torch.Tensor, pulled_version: int) -> None:
+        if self.sums[worker] is None:
+            self.sums[worker] = grad.detach().clone()  # never alias (or grow) the caller's tensor
+        else:
+            self.sums[worker].add_(grad)
+        self.counts[worker] += 1
+        previous = self.oldest[worker]
+        self.oldest[worker] = pulled_version if previous is None else min(previous, pulled_version)
+
+    def full(self) -> bool:
+        return all(c > 0 for c in self.counts)
+
+    def mean_of_means(self) -> torch.Tensor:
+        """(1/n) sum_i G_i / b_i; every entry must hold a gradient."""
+        direction = torch.zeros_like(self.sums[0])
+        for total, count in zip(self.sums, self.counts):
+            direction.add_(total, alpha=1.0 / count)
+        return direction.div_(len(self.sums))
+
+    def state(self) -> dict:
+        return {"sums": [None if s is None else s.clone() for s in self.sums],
+                "counts": list(self.counts), "oldest": list(self.oldest)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> _Table:
+        table = cls(len(state["counts"]))
+        table.sums = [None if s is None else s.clone() for s in state["sums"]]
+        table.counts = [int(c) for c in state["counts"]]
+        table.oldest = [None if v is None else int(v) for v in state["oldest"]]
+        return table
+
+
+class RingleaderTable:
+    """The server's side of Ringleader ASGD: `add` one arrival, get the direction of the update
+    it triggers, or None when the arrival is held for a later update."""
+
+    def __init__(self, workers: int):
+        assert workers >= 1, workers
+        self.workers = workers
+        self.main = _Table(workers)
+        self.buffer = _Table(workers)  # the paper's (G^+, b^+): next round's start
+        self.unserved: set[int] | None = None  # None: Phase 1; else Phase 2's workers left
+        self.rounds = 0  # completed rounds
+        # the oldest version a gradient of the last update was computed on: that update's delay
+        # in the paper's sense is (server version before it) - served_oldest <= 2n - 2
+        self.served_oldest: int | None = None
+
+    @property
+    def phase(self) -> int:
+        return 1 if self.unserved is None else 2
+
+    def add(self, worker: int, grad: torch.Tensor, pulled_version: int) -> torch.Tensor | None:
+        """Place `grad` (computed on `pulled_version`) by the round rules above; return the
+        update direction when this arrival triggers one, else None."""
+        if self.unserved is None:
+            return self._collect(worker, grad, pulled_version)
+        if worker not in self.unserved:
+            self.buffer.add(worker, grad, pulled_version)
+            return None
+        self.main.add(worker, grad, pulled_version)
+        return self._serve(worker)
+
+    def _collect(self, worker: int, grad: torch.Tensor, pulled_version: int):
+        self.main.add(worker, grad, pulled_version)
+        if not self.main.full():
+            return None
+        self.unserved = set(range(self.workers))  # Phase 2 starts; this arrival is served first
+        return self._serve(worker)
+
+    def _serve(self, worker: int) -> torch.Tensor:
+        direction = self.main.mean_of_means()
+        self.served_oldest = min(self.main.oldest)
+        self.unserved.discard(worker)
+        if not self.unserved:
+            self.main, self.buffer = self.buffer, _Table(self.workers)
+            self.unserved = None
+            self.rounds += 1
+        return direction
+
+    def state_dict(self) -> dict:
+        return {"main": self.main.state(), "buffer": self.buffer.state(), "rounds": self.rounds,
+                "unserved": None if self.unserved is None else sorted(self.unserved),
+                "served_oldest": self.served_oldest}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.main = _Table.from_state(state["main"])
+        self.buffer = _Table.from_state(state["buffer"])
+        self.rounds = int(state["rounds"])
+        unserved = state["unserved"]
+        self.unserved = None if unserved is None else {int(w) for w in unserved}
+        self.served_oldest = state["served_oldest"]

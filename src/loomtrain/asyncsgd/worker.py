@@ -1,0 +1,68 @@
+"""An asynchronous SGD worker: pull, compute a gradient, push, until the server says stop.
+
+The worker side of server.py (protocol in protocol.py): one PULL, then per step it receives
+PARAMS (version v), calls `grad_fn(params, step)` and sends PUSH (the gradient and v). It never
+talks to another worker. It blocks only on its own reply, for as long as the server's policy
+holds it back or the server is busy.
+
+Failure semantics: if the server dies, the next send or receive raises `comm.CollectiveError`
+(at once for a closed connection, after the process-group timeout for a silent server). A
+worker the server has dropped as lost (too slow for `worker_timeout_s`) gets no reply: it
+fails the same way, at the process-group timeout at the latest.
+
+Costs per step: sends 24 + 4 x numel bytes (counted in `mesh.meter` as op "send"), receives the
+same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loomtrain import comm
+from loomtrain.asyncsgd.protocol import (
+    STOP,
+    TAG_PARAMS,
+    TAG_PULL,
+    TAG_PUSH,
+    VERSION,
+    message,
+    write_header,
+)
+
+
+@dataclass
+class WorkerResult:
+    params: torch.Tensor  # the final parameters, sent with the stop
+    version: int  # the server's version at the stop
+    steps: int  # gradients this worker pushed
+
+
+def run_worker(mesh, grad_fn: Callable[[torch.Tensor, int], torch.Tensor], numel: int, *,
+               axis: str = "world") -> WorkerResult:
+    """Work for the server on member 0 of `axis` until it sends stop.
+
+    `grad_fn(params, step)`: the gradient (numel values, any float dtype, sent as fp32) of this
+    worker's loss at the flat fp32 `params` on its batch number `step` (0, 1, ...). `params`
+    is this worker's own copy: grad_fn may keep it or write into it."""
+    if mesh.local_rank(axis) == 0:
+        raise ValueError(f"member 0 of axis {axis!r} is the parameter server, not a worker")
+    pull = message(0)
+    write_header(pull, version=-1)
+    comm.send(pull.buffer, mesh, axis, 0, tag=TAG_PULL)
+    step = 0
+    while True:
+        reply = message(numel)
+        comm.recv(reply.buffer, mesh, axis, 0, tag=TAG_PARAMS)
+        version = int(reply.header[VERSION])
+        if reply.header[STOP]:
+            return WorkerResult(reply.body, version, step)
+        push = message(numel)
+        push.body.copy_(grad_fn(reply.body, step).reshape(-1))
+        write_header(push, version, step)
+        # the server always has this worker's receive posted, so the send does not wait on it
+        comm.send(push.buffer, mesh, axis, 0, tag=TAG_PUSH)
+        step += 1
+
