@@ -225,3 +225,89 @@ def test_state_dict_round_trip_continues_identically():
 def test_build_policy_names_the_bad_input(args, message):
     with pytest.raises(ValueError, match=message):
         build_policy(*args)
+
+
+# A lost worker (`on_lost`): Ringleader drops it from its table and closes rounds without it;
+# the other policies keep no per-worker state
+
+
+def test_ringleader_lost_in_phase_1_rounds_close_over_the_others():
+    policy = build_policy("ringleader", 3, 0)
+    e = [unit(i, 3) for i in range(3)]
+    assert policy.on_gradient(0, e[0], 0, 0) is None
+    assert policy.on_gradient(2, 5 * e[2], 0, 0) is None  # worker 2's gathered gradient...
+    policy.on_lost(2)  # ...goes with it; worker 1 alone fills the table now
+    direction, _ = policy.on_gradient(1, e[1], 0, 0)
+    assert torch.allclose(direction, torch.tensor([0.5, 0.5, 0.0]))  # mean of the two left
+    direction, _ = policy.on_gradient(0, 3 * e[0], 0, 1)  # round 1 closes after 2 updates
+    assert torch.allclose(direction, torch.tensor([1.0, 0.5, 0.0]))  # worker 0's entry: (1+3)/2
+    assert policy.table.rounds == 1 and policy.table.phase == 1
+    # round 2: two updates, each the mean of the latest gradients of workers 0 and 1
+    assert policy.on_gradient(0, 2 * e[0], 2, 2) is None
+    direction, _ = policy.on_gradient(1, 4 * e[1], 2, 2)
+    assert torch.allclose(direction, torch.tensor([1.0, 2.0, 0.0]))
+    direction, _ = policy.on_gradient(0, 6 * e[0], 3, 3)
+    assert torch.allclose(direction, torch.tensor([2.0, 2.0, 0.0]))
+    assert policy.table.rounds == 2
+
+
+def test_ringleader_lost_last_to_serve_closes_the_round_at_once():
+    policy = build_policy("ringleader", 3, 0)
+    e = [unit(i, 3) for i in range(3)]
+    for w in range(3):
+        policy.on_gradient(w, e[w], 0, 0)  # the third arrival serves worker 2
+    policy.on_gradient(0, e[0], 0, 1)  # serves worker 0
+    assert policy.on_gradient(0, 3 * e[0], 2, 2) is None  # served: buffered for round 2
+    assert policy.on_gradient(2, 5 * e[2], 2, 2) is None
+    policy.on_lost(1)  # the only one left to serve: the round closes without an update
+    assert policy.table.rounds == 1 and policy.table.phase == 1
+    # round 2 started from the buffer (workers 0 and 2): the next arrival fills nothing new
+    # but finds the table full over the remaining workers, and updates
+    direction, _ = policy.on_gradient(0, e[0], 2, 2)
+    assert torch.allclose(direction, torch.tensor([2.0, 0.0, 5.0]) / 2)
+
+
+def test_ringleader_discards_a_lost_workers_late_gradient():
+    policy = build_policy("ringleader", 2, 0)
+    assert policy.on_gradient(0, torch.ones(2), 0, 0) is None
+    policy.on_lost(1)
+    assert policy.on_gradient(1, torch.ones(2), 0, 0) is None
+    assert policy.last_outcome == "discarded"
+    assert policy.table.main.counts == [1, 0] and policy.table.buffer.counts == [0, 0]
+    direction, _ = policy.on_gradient(0, 3 * torch.ones(2), 0, 0)  # one worker left: SGD-like
+    assert torch.allclose(direction, 2 * torch.ones(2)) and policy.last_outcome == "applied"
+
+
+def test_ringleader_keeps_going_after_a_loss_in_simulation():
+    # worker 2 (of 4) is lost after 20 arrivals: every later update is the mean of the three
+    # others' unit gradients, and the rounds keep closing (n - 1 updates each)
+    workers = 4
+    ring = build_policy("ringleader", workers, 0)
+    simulate(ring, [1.0, 2.0, 3.0, 1.5], 20, grad=lambda w, p: unit(w, workers))
+    ring.on_lost(2)
+    rounds = ring.table.rounds
+    durations = [1.0, 2.0, 1e9, 1.5]  # the lost worker never arrives again
+    log, applied, _ = simulate(ring, durations, 60, grad=lambda w, p: unit(w, workers))
+    assert applied and all(torch.allclose(d, torch.tensor([1.0, 1.0, 0.0, 1.0]) / 3)
+                           for d, _ in applied)
+    assert ring.table.rounds >= rounds + 5
+    assert sum(a.applied for a in log.arrivals) <= 3 * (ring.table.rounds - rounds + 1)
+
+
+def test_ringleader_state_keeps_the_lost_worker_out():
+    first = build_policy("ringleader", 3, 0)
+    first.on_lost(1)
+    second = build_policy("ringleader", 3, 0)
+    second.load_state_dict(first.state_dict())
+    assert second.table.members == {0, 2}
+    assert second.on_gradient(1, torch.ones(1), 0, 0) is None
+    assert second.last_outcome == "discarded"
+
+
+@pytest.mark.parametrize("name", ["plain", "bounded", "drop_stale", "staleness_scaled"])
+def test_on_lost_changes_nothing_for_stateless_policies(name):
+    policy = build_policy(name, 3, 1)
+    policy.on_lost(1)
+    assert policy.on_gradient(0, torch.ones(1), 0, 0) is not None
+    # bounded: the server passes only live workers in `pulled`, so a lost one holds none back
+    assert policy.may_start(0, 5, {2: 5})

@@ -15,6 +15,10 @@ number of updates it has not seen. A policy answers two questions for the server
   x <- x - lr * lr_scale * direction and then v <- v + 1, or None: nothing applied now.
   `last_outcome` then says why: "applied", "held" (kept for a later update: Ringleader) or
   "discarded".
+- `on_lost(worker)`: the server lost the worker (its process died or it timed out) and will
+  never hear from it again. Nothing to do for the stateless policies; Ringleader removes it
+  from its table (see there). The server also drops a lost worker from `pulled`, so bounded
+  staleness never holds the others back for it: `may_start` sees only live workers computing.
 
 The policies (`build_policy` by the name of config key async.policy):
 
@@ -58,6 +62,10 @@ class Policy:
 
     def may_start(self, worker: int, version: int, pulled: dict[int, int]) -> bool:
         return True
+
+    def on_lost(self, worker: int) -> None:
+        """The server lost `worker` for good. Nothing to forget here: the policy keeps no state
+        per worker, and `pulled` (from the server) no longer names it."""
 
     def on_gradient(self, worker: int, grad: torch.Tensor, pulled_version: int, version: int
                     ) -> tuple[torch.Tensor, float] | None:
@@ -111,6 +119,9 @@ class BoundedStaleness(Policy):
       never wait; when nobody computes, `pulled` is empty and every request is granted. So as
       long as the server asks its waiting workers again after each arrival, some worker always
       makes progress, and the straggler a worker waits for is never the one waiting.
+    - a lost worker holds nobody back: the server removes it from `pulled` when it loses it
+      and asks the waiting workers again, so the rule then runs over the live workers only
+      (no `on_lost` state needed).
     """
 
     name = "bounded"
@@ -145,7 +156,12 @@ class RingleaderPolicy(Policy):
     """Ringleader ASGD (arXiv 2509.22860): the update is the mean over workers of each
     worker's mean gradient in the table, in rounds of one update per worker; arrivals are held
     ("held"), never discarded, and no worker ever waits. The rules are in ringleader.py.
-    max_staleness is not used: the paper bounds every delay by 2n - 2 by construction."""
+    max_staleness is not used: the paper bounds every delay by 2n - 2 by construction.
+
+    A lost worker (`on_lost`) leaves the table and the rounds go on over the others, so the
+    objective becomes the remaining workers' data (the paper assumes no worker fails; the
+    choice and its consequences are in ringleader.py). A gradient from it that still arrives
+    is "discarded"."""
 
     name = "ringleader"
 
@@ -157,9 +173,15 @@ class RingleaderPolicy(Policy):
                     ) -> tuple[torch.Tensor, float] | None:
         assert 0 <= worker < self.workers and 0 <= pulled_version <= version, (
             worker, pulled_version, version)
+        if worker not in self.table.members:
+            self.last_outcome = "discarded"
+            return None
         direction = self.table.add(worker, grad, pulled_version)
         self.last_outcome = "held" if direction is None else "applied"
         return None if direction is None else (direction, 1.0)
+
+    def on_lost(self, worker: int) -> None:
+        self.table.remove(worker)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "table": self.table.state_dict()}

@@ -7,10 +7,15 @@ Messages, each one `comm.send` of one byte buffer: an int64 header of `HEADER_WO
 followed by an fp32 body. Tags name the kind, so a receiver that expects one kind never takes
 another (gloo matches a send to the receive of the same tag and source):
 
-    kind    tag        direction         header                      body
-    PULL    TAG_PULL   worker -> server  (-1, 0, 0)                  none
-    PUSH    TAG_PUSH   worker -> server  (pulled version, step, 0)   gradient, numel fp32
-    PARAMS  TAG_PARAMS server -> worker  (version, 0, stop)          parameters, numel fp32
+    kind    tag        direction         header                         body
+    PULL    TAG_PULL   worker -> server  (-1, 0, 0)                     none
+    PUSH    TAG_PUSH   worker -> server  (pulled version, step, loss)   gradient, numel fp32
+    PARAMS  TAG_PARAMS server -> worker  (version, 0, stop)             parameters, numel fp32
+
+The third word is kind-specific: in PARAMS it is the stop flag, in PUSH the worker's training
+loss on the batch of that gradient (the bits of an fp64, NaN when the worker reports none),
+which the server averages into its metrics. Reusing the word keeps every message the size it
+was: the loss costs no byte on the wire.
 
 A worker sends PULL once; after that each PUSH is also its request for the next PARAMS (one
 message per step each way instead of three). The reply with stop = 1 carries the final
@@ -39,6 +44,7 @@ from loomtrain import comm
 
 HEADER_WORDS = 3
 VERSION, STEP, STOP = 0, 1, 2  # header word indices
+LOSS = 2  # PUSH: the word PARAMS uses for STOP holds the loss (fp64 bits)
 # distinct from 0 (comm.send's default) and unlikely to meet a ring op's crc-derived tag
 TAG_PULL, TAG_PUSH, TAG_PARAMS = 0x41530001, 0x41530002, 0x41530003
 
@@ -61,6 +67,16 @@ def message(numel: int) -> Message:
 
 def write_header(msg: Message, version: int, step: int = 0, stop: bool = False) -> None:
     msg.header[VERSION], msg.header[STEP], msg.header[STOP] = version, step, int(stop)
+
+
+def write_loss(msg: Message, loss: float | None) -> None:
+    """A PUSH's loss into header word LOSS (None: not reported, sent as NaN)."""
+    msg.header[LOSS:LOSS + 1].view(torch.float64)[0] = float("nan") if loss is None else loss
+
+
+def read_loss(msg: Message) -> float:
+    """The loss a PUSH carries (NaN: the worker reported none)."""
+    return float(msg.header[LOSS:LOSS + 1].view(torch.float64)[0])
 
 
 class Inbox:

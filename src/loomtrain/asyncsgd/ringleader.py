@@ -37,10 +37,18 @@ Choices of this implementation (the paper leaves them open or does not apply):
 - the state (both tables, the phase, who is still to be served) is a plain dict of ints and
   tensors for the server's checkpoint; a restored table continues the round where it was.
 
-Failure semantics: a round needs every worker. A worker that is lost for good stalls Phase 1
-(its entry stays empty) or Phase 2 (it is never served): the other workers keep computing and
-their gradients are held, but no update is made again. The table has no way to forget a worker,
-on purpose: dropping one would silently drop its share of the data from the objective.
+Failure semantics: a round needs every worker in the table, so a worker lost for good would
+stall Phase 1 (its entry stays empty) or Phase 2 (it is never served) forever. The paper
+assumes workers do not fail; our choice is that the server calls `remove(worker)` when it loses
+one, and the worker leaves the table: its entries in both tables are dropped (the gradients it
+had gathered are never applied), the current round goes on over the remaining workers (a
+Phase 1 table is then full at the next arrival, a Phase 2 round closes once the others are
+served, at once if it was the last one left to serve), and every later round has one entry
+fewer. The update is then the mean over the *remaining* workers, so the objective becomes
+(1/m) sum of their f_i over the m workers left: the lost worker's data is no longer trained
+on, and nothing can restore its share. A gradient it sent before it was lost that still
+arrives is discarded (`add` returns None; the policy reports "discarded"). The set of workers
+in the table is part of the state, so a worker stays out after a resume from it.
 """
 
 from __future__ import annotations
@@ -65,15 +73,18 @@ class _Table:
         previous = self.oldest[worker]
         self.oldest[worker] = pulled_version if previous is None else min(previous, pulled_version)
 
-    def full(self) -> bool:
-        return all(c > 0 for c in self.counts)
+    def drop(self, worker: int) -> None:
+        self.sums[worker], self.counts[worker], self.oldest[worker] = None, 0, None
 
-    def mean_of_means(self) -> torch.Tensor:
-        """(1/n) sum_i G_i / b_i; every entry must hold a gradient."""
-        direction = torch.zeros_like(self.sums[0])
-        for total, count in zip(self.sums, self.counts):
-            direction.add_(total, alpha=1.0 / count)
-        return direction.div_(len(self.sums))
+    def full(self, members: set[int]) -> bool:
+        return all(self.counts[w] > 0 for w in members)
+
+    def mean_of_means(self, members: set[int]) -> torch.Tensor:
+        """(1/m) sum_{i in members} G_i / b_i; every member's entry must hold a gradient."""
+        direction = torch.zeros_like(self.sums[min(members)])
+        for w in sorted(members):
+            direction.add_(self.sums[w], alpha=1.0 / self.counts[w])
+        return direction.div_(len(members))
 
     def state(self) -> dict:
         return {"sums": [None if s is None else s.clone() for s in self.sums],
@@ -98,6 +109,7 @@ class RingleaderTable:
         self.main = _Table(workers)
         self.buffer = _Table(workers)  # the paper's (G^+, b^+): next round's start
         self.unserved: set[int] | None = None  # None: Phase 1; else Phase 2's workers left
+        self.members = set(range(workers))  # the workers in the table: not lost (`remove`)
         self.rounds = 0  # completed rounds
         # the oldest version a gradient of the last update was computed on: that update's delay
         # in the paper's sense is (server version before it) - served_oldest <= 2n - 2
@@ -109,7 +121,10 @@ class RingleaderTable:
 
     def add(self, worker: int, grad: torch.Tensor, pulled_version: int) -> torch.Tensor | None:
         """Place `grad` (computed on `pulled_version`) by the round rules above; return the
-        update direction when this arrival triggers one, else None."""
+        update direction when this arrival triggers one, else None (also for a removed worker,
+        whose gradient is dropped)."""
+        if worker not in self.members:
+            return None
         if self.unserved is None:
             return self._collect(worker, grad, pulled_version)
         if worker not in self.unserved:
@@ -120,25 +135,38 @@ class RingleaderTable:
 
     def _collect(self, worker: int, grad: torch.Tensor, pulled_version: int):
         self.main.add(worker, grad, pulled_version)
-        if not self.main.full():
+        if not self.main.full(self.members):
             return None
-        self.unserved = set(range(self.workers))  # Phase 2 starts; this arrival is served first
+        self.unserved = set(self.members)  # Phase 2 starts; this arrival is served first
         return self._serve(worker)
 
     def _serve(self, worker: int) -> torch.Tensor:
-        direction = self.main.mean_of_means()
-        self.served_oldest = min(self.main.oldest)
+        direction = self.main.mean_of_means(self.members)
+        self.served_oldest = min(self.main.oldest[w] for w in self.members)
         self.unserved.discard(worker)
-        if not self.unserved:
+        self._close_if_served()
+        return direction
+
+    def _close_if_served(self) -> None:
+        if self.unserved is not None and not self.unserved:
             self.main, self.buffer = self.buffer, _Table(self.workers)
             self.unserved = None
             self.rounds += 1
-        return direction
+
+    def remove(self, worker: int) -> None:
+        """The worker is lost: it leaves the table (failure semantics in the module docstring).
+        No update is made here; the next arrival from a remaining worker makes the next one."""
+        self.members.discard(worker)
+        self.main.drop(worker)
+        self.buffer.drop(worker)
+        if self.unserved is not None:
+            self.unserved.discard(worker)
+            self._close_if_served()
 
     def state_dict(self) -> dict:
         return {"main": self.main.state(), "buffer": self.buffer.state(), "rounds": self.rounds,
                 "unserved": None if self.unserved is None else sorted(self.unserved),
-                "served_oldest": self.served_oldest}
+                "served_oldest": self.served_oldest, "members": sorted(self.members)}
 
     def load_state_dict(self, state: dict) -> None:
         self.main = _Table.from_state(state["main"])
@@ -147,3 +175,4 @@ class RingleaderTable:
         unserved = state["unserved"]
         self.unserved = None if unserved is None else {int(w) for w in unserved}
         self.served_oldest = state["served_oldest"]
+        self.members = {int(w) for w in state["members"]}

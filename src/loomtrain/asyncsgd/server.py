@@ -5,7 +5,9 @@ parameters, compute a gradient on their own batch, push it; the server applies i
     params <- params - lr * lr_scale * direction,    version <- version + 1,
 where the policy (policies.py) turns the gradient into (direction, lr_scale) or drops it, and
 may hold a worker back before it starts a step (bounded staleness). Plain SGD on one flat fp32
-buffer; the staleness of an arrival is (version when it arrived) - (version it was pulled at).
+buffer by default; with an `optimizer` (the trainer's AdamW or SGD over views into that buffer)
+the direction becomes the buffer's gradient and the optimizer steps at lr x lr_scale instead.
+The staleness of an arrival is (version when it arrived) - (version it was pulled at).
 
 Protocol and message layout: protocol.py. The server keeps exactly one posted receive per live
 worker (PULL first, then PUSH) and serves the completions in the order they happen; it never
@@ -25,17 +27,19 @@ Failure semantics: a worker is lost when its receive fails (its process died: gl
 the server expecting it to (it hung; the deadline runs from the PARAMS reply, so it must cover
 one gradient computation). A lost worker is logged, dropped from the policy's `pulled` map,
 and never waited for or answered again; its posted receive stays posted, so one process group
-serves one run when a worker was lost. If every worker is lost the run returns early, with
-fewer than `total_updates` updates (the result says so).
+serves one run when a worker was lost. A policy with `on_lost(worker)` is told. If every worker
+is lost the run returns early, with fewer than `total_updates` updates (the result says so).
 
 Costs per applied gradient: one PUSH received and one PARAMS sent, 24 + 4 x numel bytes each
-way (`mesh.meter`: the server's sends are counted there; receives send nothing).
+way (`mesh.meter`: the server's sends are counted there; receives send nothing). The PUSH's
+loss rides in its header (protocol.py): no extra bytes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +55,7 @@ from loomtrain.asyncsgd.protocol import (
     Inbox,
     Message,
     message,
+    read_loss,
     write_header,
 )
 
@@ -63,6 +68,9 @@ class ServerResult:
     version: int  # updates applied
     staleness: StalenessLog  # every gradient received, in arrival order
     lost: dict[int, str] = field(default_factory=dict)  # worker -> why it was dropped
+    # per arrival, in the staleness log's order: (the loss its worker reported, the outcome:
+    # "applied" | "held" | "discarded" (the policy's word) | "late" (after the last update))
+    reports: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -83,12 +91,20 @@ class ParameterServer:
     """Server loop state; `serve()` is the entry point."""
 
     def __init__(self, mesh, axis: str, params: torch.Tensor, policy, lr: float,
-                 total_updates: int, worker_timeout_s: float):
+                 total_updates: int, worker_timeout_s: float, optimizer=None,
+                 lr_schedule: Callable[[int], float] | None = None,
+                 on_update: Callable[["ParameterServer"], None] | None = None):
         self.mesh, self.axis, self.policy, self.lr = mesh, axis, policy, lr
-        self.params = params.detach().to(torch.float32).flatten().clone()
+        self.optimizer, self.lr_schedule, self.on_update = optimizer, lr_schedule, on_update
+        if optimizer is None:
+            self.params = params.detach().to(torch.float32).flatten().clone()
+        else:  # the optimizer's parameters are views into it: updated in place
+            self.params = params
         self.total_updates, self.timeout_s = total_updates, worker_timeout_s
         self.version = 0
+        self.last_lr = lr  # the schedule's lr of the latest update (before lr_scale)
         self.staleness = StalenessLog()
+        self.reports: list[tuple[float, str]] = []
         self.lost: dict[int, str] = {}
         self.pulled: dict[int, int] = {}  # live worker -> version of the parameters it holds
         self.waiting: list[int] = []  # workers whose pull is not answered yet, in order
@@ -108,7 +124,7 @@ class ParameterServer:
         if self.version < self.total_updates:
             log.error("async SGD stopped after %d of %d updates: every worker was lost (%s)",
                       self.version, self.total_updates, self.lost)
-        return ServerResult(self.params, self.version, self.staleness, self.lost)
+        return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports)
 
     def _post(self, w: int, expect: str, msg: Message, tag: int) -> None:
         peer = self.peers[w]
@@ -150,16 +166,32 @@ class ParameterServer:
         gets a fresh buffer, so a policy may keep the gradient (a gradient table)."""
         pulled_version = int(msg.header[VERSION])
         arrived_at = self.version
-        update = None
+        update, outcome = None, "late"
         if self.version < self.total_updates:
             update = self.policy.on_gradient(w, msg.body, pulled_version, self.version)
+            outcome = self.policy.last_outcome
         if update is not None:
-            direction, lr_scale = update
-            self.params.add_(direction, alpha=-self.lr * lr_scale)
+            self._apply(*update)
             self.version += 1
         self.staleness.record(w, pulled_version, arrived_at, update is not None)
-        log.debug("worker %d step %d: pulled v%d, arrived at v%d, applied %s", w,
-                  int(msg.header[STEP]), pulled_version, arrived_at, update is not None)
+        self.reports.append((read_loss(msg), outcome))
+        log.debug("worker %d step %d: pulled v%d, arrived at v%d, %s", w,
+                  int(msg.header[STEP]), pulled_version, arrived_at, outcome)
+        if update is not None and self.on_update is not None:
+            self.on_update(self)  # may lower total_updates to version: the run then stops
+
+    def _apply(self, direction: torch.Tensor, lr_scale: float) -> None:
+        """params <- params - lr * lr_scale * direction, or the optimizer's step on it, with
+        lr from the schedule at the current version (the constant `lr` without one)."""
+        lr = self.lr if self.lr_schedule is None else self.lr_schedule(self.version)
+        self.last_lr = lr
+        if self.optimizer is None:
+            self.params.add_(direction, alpha=-lr * lr_scale)
+            return
+        self.params.grad.copy_(direction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * lr_scale
+        self.optimizer.step()
 
     def _answer_waiting(self) -> None:
         """Reply to every waiting worker the policy lets start (all of them once stopping)."""
@@ -197,6 +229,8 @@ class ParameterServer:
         peer.expect, peer.deadline = "lost", None
         self.lost[w] = reason
         self.pulled.pop(w, None)
+        if hasattr(self.policy, "on_lost"):  # e.g. a gradient table forgetting the worker
+            self.policy.on_lost(w)
         if w in self.waiting:
             self.waiting.remove(w)
         log.warning("async SGD: worker %d (rank %d) lost at version %d: %s", w,
@@ -206,17 +240,31 @@ class ParameterServer:
 
 
 def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
-          worker_timeout_s: float = 60.0, axis: str = "world") -> ServerResult:
+          worker_timeout_s: float = 60.0, axis: str = "world", optimizer=None,
+          lr_schedule: Callable[[int], float] | None = None,
+          on_update: Callable[[ParameterServer], None] | None = None) -> ServerResult:
     """Run the parameter server on member 0 of `axis` until `total_updates` updates are
     applied; members 1.. run `worker.run_worker`. `params`: the initial parameters (copied,
     flattened to fp32). `policy`: has `may_start(worker, version, pulled)` and
     `on_gradient(worker, grad, pulled_version, version)` (policies.py). Protocol, stopping and
-    failure semantics: the module docstring."""
+    failure semantics: the module docstring.
+
+    `optimizer`: a torch optimizer whose parameters are views into `params` (a flat fp32
+    tensor, then used in place, not copied) and whose gradients are views into `params.grad`;
+    each update writes the direction there and steps with every group's lr = lr x lr_scale.
+    `lr_schedule(version)`: the lr of the update made at `version` (default: `lr`).
+    `on_update(server)`: called after every update (metrics, evaluation); it may end the run
+    early by setting `server.total_updates = server.version`."""
+    if optimizer is not None and (params.dim() != 1 or params.dtype != torch.float32
+                                  or params.grad is None or params.grad.shape != params.shape):
+        raise ValueError("with an optimizer, params must be a flat fp32 tensor whose .grad is a "
+                         "flat buffer of the same size (the optimizer's gradients view into it)")
     if total_updates < 1 or lr <= 0 or worker_timeout_s <= 0:
         raise ValueError(f"total_updates={total_updates} must be >= 1, lr={lr} and "
                          f"worker_timeout_s={worker_timeout_s} must be > 0")
     if mesh.size(axis) < 2 or mesh.local_rank(axis) != 0:
         raise ValueError(f"serve runs on member 0 of axis {axis!r} with at least one worker; "
                          f"this is member {mesh.local_rank(axis)} of {mesh.size(axis)}")
-    server = ParameterServer(mesh, axis, params, policy, lr, total_updates, worker_timeout_s)
+    server = ParameterServer(mesh, axis, params, policy, lr, total_updates, worker_timeout_s,
+                             optimizer, lr_schedule, on_update)
     return server.run()

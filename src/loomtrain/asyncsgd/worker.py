@@ -1,8 +1,8 @@
 """An asynchronous SGD worker: pull, compute a gradient, push, until the server says stop.
 
 The worker side of server.py (protocol in protocol.py): one PULL, then per step it receives
-PARAMS (version v), calls `grad_fn(params, step)` and sends PUSH (the gradient and v). It never
-talks to another worker. It blocks only on its own reply, for as long as the server's policy
+PARAMS (version v), calls `grad_fn(params, step)` and sends PUSH (the gradient, v and the
+loss grad_fn reports, if any). It never talks to another worker. It blocks only on its own reply, for as long as the server's policy
 holds it back or the server is busy.
 
 Failure semantics: if the server dies, the next send or receive raises `comm.CollectiveError`
@@ -30,6 +30,7 @@ from loomtrain.asyncsgd.protocol import (
     VERSION,
     message,
     write_header,
+    write_loss,
 )
 
 
@@ -40,13 +41,16 @@ class WorkerResult:
     steps: int  # gradients this worker pushed
 
 
-def run_worker(mesh, grad_fn: Callable[[torch.Tensor, int], torch.Tensor], numel: int, *,
-               axis: str = "world") -> WorkerResult:
+GradFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, float]"]
+
+
+def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world") -> WorkerResult:
     """Work for the server on member 0 of `axis` until it sends stop.
 
     `grad_fn(params, step)`: the gradient (numel values, any float dtype, sent as fp32) of this
-    worker's loss at the flat fp32 `params` on its batch number `step` (0, 1, ...). `params`
-    is this worker's own copy: grad_fn may keep it or write into it."""
+    worker's loss at the flat fp32 `params` on its batch number `step` (0, 1, ...), or
+    (gradient, loss): the loss then travels in the PUSH header (protocol.py) to the server's
+    metrics. `params` is this worker's own copy: grad_fn may keep it or write into it."""
     if mesh.local_rank(axis) == 0:
         raise ValueError(f"member 0 of axis {axis!r} is the parameter server, not a worker")
     pull = message(0)
@@ -60,8 +64,11 @@ def run_worker(mesh, grad_fn: Callable[[torch.Tensor, int], torch.Tensor], numel
         if reply.header[STOP]:
             return WorkerResult(reply.body, version, step)
         push = message(numel)
-        push.body.copy_(grad_fn(reply.body, step).reshape(-1))
+        out = grad_fn(reply.body, step)
+        grad, loss = out if isinstance(out, tuple) else (out, None)
+        push.body.copy_(grad.reshape(-1))
         write_header(push, version, step)
+        write_loss(push, loss)
         # the server always has this worker's receive posted, so the send does not wait on it
         comm.send(push.buffer, mesh, axis, 0, tag=TAG_PUSH)
         step += 1

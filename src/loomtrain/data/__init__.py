@@ -1,7 +1,20 @@
-"""Byte-level corpora, token files and the deterministic distributed sampler."""
+"""Byte-level corpora, token files, the deterministic distributed sampler and the non-IID split
+of the files between workers."""
 
-from loomtrain.data.corpus import Corpus, load_corpus, require_documents, require_windows
+from loomtrain.data.corpus import (
+    Corpus,
+    load_corpus,
+    require_documents,
+    require_windows,
+)
+from loomtrain.data.partition import (
+    PartitionedSampler,
+    file_groups,
+    part_sampler,
+    partition_windows,
+)
 from loomtrain.data.sampler import WindowSampler, eval_samples, rank_samples
 
-__all__ = ["Corpus", "WindowSampler", "eval_samples", "load_corpus", "rank_samples",
+__all__ = ["Corpus", "PartitionedSampler", "WindowSampler", "eval_samples", "file_groups",
+           "load_corpus", "part_sampler", "partition_windows", "rank_samples",
            "require_documents", "require_windows"]

@@ -6,6 +6,8 @@ seeded by (seed, e). Step s covers samples [s*B, (s+1)*B) of the global batch B;
 rank r takes the r-th contiguous slice of B/dp, cut into micro-batches. Hence:
 - the ranks' slices are disjoint, and together they are exactly the single-process batch;
 - the data-loader position is the step number alone, so resuming needs no other state.
+A sampler may also draw from a given list of window starts instead of the whole stream: one
+part of a non-IID split (partition.py), whose samples are then numbered within the part.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 
 class WindowSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int,
-                 doc_starts: np.ndarray | None = None):
+                 doc_starts: np.ndarray | None = None, starts: np.ndarray | None = None):
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.doc_starts = doc_starts  # ascending offsets of documents' first tokens (packing)
-        self.windows = (len(tokens) - 1) // seq_len
+        self.starts = starts  # token offsets of the windows (None: every seq_len-th from 0)
+        self.windows = (len(tokens) - 1) // seq_len if starts is None else len(starts)
         if self.windows < 1:
             raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len + 1}")
         self._perm_epoch, self._perm = -1, None
@@ -31,11 +34,16 @@ class WindowSampler:
             self._perm, self._perm_epoch = rng.permutation(self.windows), epoch
         return int(self._perm[offset])
 
+    def start_of(self, sample: int) -> int:
+        """The token offset of the window of `sample`."""
+        window = self.window_of(sample)
+        return window * self.seq_len if self.starts is None else int(self.starts[window])
+
     def batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each [len(samples), seq_len] int64."""
         rows = []
         for g in samples:
-            start = self.window_of(g) * self.seq_len
+            start = self.start_of(g)
             rows.append(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
         block = torch.from_numpy(np.stack(rows))
         return block[:, :-1], block[:, 1:]
@@ -45,7 +53,7 @@ class WindowSampler:
         number of its document in the stream; a window packs the documents it cuts through."""
         assert self.doc_starts is not None, "the sampler was built without document starts"
         offsets = np.arange(self.seq_len)
-        positions = np.stack([self.window_of(g) * self.seq_len + offsets for g in samples])
+        positions = np.stack([self.start_of(g) + offsets for g in samples])
         return torch.from_numpy(np.searchsorted(self.doc_starts, positions, side="right") - 1)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from loomtrain.errors import ConfigError
 
@@ -82,6 +82,20 @@ class DataConfig(Section):
     packing: bool = False
     # dynamic hybrid dp x cp (ByteScale): documents dealt to ranks by attention work
     balance: bool = False
+    # "by_file": each data-parallel or async worker trains on its own contiguous group of the
+    # source's files (non-IID); data/partition.py
+    partition: Literal["iid", "by_file"] = "iid"
+
+    @model_validator(mode="after")
+    def _partition_needs_files(self) -> "DataConfig":
+        # a path that does not exist is left to the corpus loader, which names it
+        source = self.source
+        if self.partition == "by_file" and source != "stdlib" and Path(source).expanduser().is_file():
+            raise ValueError(
+                f"data.partition=\"by_file\" gives each worker its own group of the source's "
+                f"files, but data.source={self.source!r} is a single file; give \"stdlib\" or a "
+                f"folder of text files, or set data.partition=\"iid\"")
+        return self
 
 
 class TrainConfig(Section):
@@ -238,7 +252,21 @@ class CompressionConfig(Section):
     error_every: int = Field(0, ge=0)
 
 
-class Config(Section):
+class AsyncConfig(Section):
+    # asynchronous SGD with a parameter server (asyncsgd/, docs/async.md): mode "ps" makes
+    # rank 0 the server and ranks 1.. its workers; the other keys are read only then
+    mode: Literal["none", "ps"] = "none"
+    # the staleness policy (asyncsgd/policies.py: POLICIES)
+    policy: Literal["plain", "bounded", "drop_stale", "staleness_scaled", "ringleader"] = "plain"
+    max_staleness: int = Field(4, ge=0)  # "bounded": the spread s; "drop_stale": the threshold
+    # per worker (ranks 1..), a factor >= 1 on its step time: it sleeps (f - 1) x its measured
+    # compute time after each gradient; empty: every worker at full speed
+    worker_slowdown: list[float] = []
+    # a worker that sends nothing for this long after the server expects it is dropped
+    worker_timeout_s: float = Field(60.0, gt=0.0)
+
+
+class _Sections(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -276,11 +304,13 @@ class Config(Section):
                 f"parallel.ranks_per_node={p.ranks_per_node} must divide parallel.nproc={p.nproc}"
             )
         _check_link(self.comm, p)
-        per_rank = p.dp_size * t.micro_batch
+        _check_async_sgd(self)
+        per_rank = self.batch_ranks * t.micro_batch
         if t.global_batch % per_rank:
+            ranks = "workers" if self.asgd.mode == "ps" else "dp"
             raise ValueError(
-                f"train.global_batch={t.global_batch} must be divisible by dp*micro_batch = "
-                f"{p.dp_size}*{t.micro_batch} = {per_rank}"
+                f"train.global_batch={t.global_batch} must be divisible by {ranks}*micro_batch = "
+                f"{self.batch_ranks}*{t.micro_batch} = {per_rank}"
             )
         _check_pipeline(p, self.model, t)
         _check_sequence(p, self.model, t, self.data)
@@ -293,8 +323,65 @@ class Config(Section):
         return self
 
     @property
+    def asgd(self) -> AsyncConfig:
+        """The [async] section (`async` is a Python keyword: no attribute can have its name)."""
+        return getattr(self, "async")
+
+    @property
+    def batch_ranks(self) -> int:
+        """The ranks that share each step's global batch: dp, or the workers (nproc - 1) of
+        an asynchronous parameter server, which take global_batch / workers rows per step."""
+        return self.parallel.nproc - 1 if self.asgd.mode == "ps" else self.parallel.dp_size
+
+    @property
     def accumulation_steps(self) -> int:
-        return self.train.global_batch // (self.parallel.dp_size * self.train.micro_batch)
+        return self.train.global_batch // (self.batch_ranks * self.train.micro_batch)
+
+
+# `async` is a keyword, so the [async] section is added by name instead of in the class body;
+# code reads it as `cfg.asgd`
+Config = create_model("Config", __base__=_Sections, __module__=__name__,
+                      **{"async": (AsyncConfig, AsyncConfig())})
+
+
+def _check_async_sgd(cfg) -> None:
+    """[async] mode="ps" (asyncsgd/train.py): rank 0 serves whole fp32 parameters to plain
+    single-rank workers; its keys mean nothing without it."""
+    a, p, t = cfg.asgd, cfg.parallel, cfg.train
+    if a.mode == "none":
+        changed = [k for k in AsyncConfig.model_fields if k != "mode"
+                   and getattr(a, k) != AsyncConfig.model_fields[k].default]
+        if changed:
+            raise ValueError(f'async.{changed[0]} is a setting of the asynchronous parameter '
+                             f'server, which is off (async.mode="none"): set async.mode="ps" '
+                             "or leave the key unset")
+        return
+    if p.nproc < 2:
+        raise ValueError(f'async.mode="ps" runs the parameter server on rank 0 and workers on '
+                         f"ranks 1..: it needs parallel.nproc >= 2 (got {p.nproc})")
+    others = {"parallel.tp": (p.tp, 1), "parallel.pp": (p.pp, 1), "parallel.cp": (p.cp, 1),
+              "parallel.zero_stage": (p.zero_stage, 0), "train.precision": (t.precision, "fp32"),
+              "lowcomm.algorithm": (cfg.lowcomm.algorithm, "none"),
+              "compression.method": (cfg.compression.method, "none"),
+              "data.packing": (cfg.data.packing, False), "data.balance": (cfg.data.balance, False),
+              "run.timeline_step": (cfg.run.timeline_step, 0)}
+    for key, (value, allowed) in others.items():
+        if value != allowed:
+            raise ValueError(f'async.mode="ps" with {key}={value!r} is not supported: the server '
+                             "and every worker hold the whole fp32 model, each worker computes "
+                             f"its gradient alone, with no collective ({key}={allowed!r})")
+    if "every" in cfg.checkpoint.model_fields_set and cfg.checkpoint.every:
+        raise ValueError(f'async.mode="ps" saves the model once, at the end: checkpoints during '
+                         f"the run (the server's state) are not built yet; set checkpoint.every=0 "
+                         f"(got {cfg.checkpoint.every})")
+    workers = p.nproc - 1
+    if a.worker_slowdown and len(a.worker_slowdown) != workers:
+        raise ValueError(f"async.worker_slowdown={a.worker_slowdown} needs one factor per worker: "
+                         f"parallel.nproc={p.nproc} gives {workers} (ranks 1..{workers}; rank 0 "
+                         "is the server); leave it empty for all at full speed")
+    if any(f < 1.0 for f in a.worker_slowdown):
+        raise ValueError(f"async.worker_slowdown={a.worker_slowdown}: each factor must be >= 1 "
+                         "(a worker with factor f sleeps (f - 1) x its compute time per step)")
 
 
 def _check_link(c: CommConfig, p: ParallelConfig) -> None:

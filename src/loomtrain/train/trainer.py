@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from loomtrain import comm
-from loomtrain.data import (WindowSampler, eval_samples, load_corpus, rank_samples,
-                            require_documents)
+from loomtrain.data import (PartitionedSampler, WindowSampler, eval_samples, load_corpus,
+                            rank_samples, require_documents)
 from loomtrain.errors import UserError
 from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
 from loomtrain.parallel import parallelize
@@ -197,6 +197,10 @@ def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
 
 
 def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
+    if cfg.asgd.mode == "ps":  # rank 0 serves parameters, ranks 1.. compute gradients
+        from loomtrain.asyncsgd.train import train_async  # it uses this module's pieces
+
+        return train_async(cfg, run_dir, resume, mesh, stop)
     device = mesh.device
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
@@ -204,6 +208,10 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     if cfg.data.packing:
         require_documents(corpus, cfg.data.source)
     train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed, corpus.train_doc_starts)
+    if cfg.data.partition == "by_file":  # dp rank r reads only the r-th group of files
+        dp = mesh.size("dp")
+        train_data = PartitionedSampler(corpus, cfg.model.seq_len, cfg.run.seed, dp,
+                                        cfg.train.global_batch // dp)
     val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1, corpus.val_doc_starts)
     model = build_model(cfg.model).to(device)
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
