@@ -115,6 +115,14 @@ def _cfg(tmp_path, corpus, **sections):
      r"async.max_staleness"),
     ({"async": {"mode": "ps", "worker_timeout_s": 0}, "parallel": {"nproc": 3}},
      r"async.worker_timeout_s"),
+    # with mode "none" worker_slowdown slows synchronous ranks: one factor per rank, >= 1
+    ({"async": {"worker_slowdown": [1.0, 3.0]}, "parallel": {"nproc": 3}},
+     r"async.worker_slowdown=\[1.0, 3.0\] with async.mode=\"none\" .* one factor per rank, "
+     r"parallel.nproc=3 \(got 2\)"),
+    ({"async": {"worker_slowdown": [1.0, 0.5]}, "parallel": {"nproc": 2}},
+     r"each factor must be >= 1"),
+    ({"async": {"worker_slowdown": [1.0, 3.0], "max_staleness": 2}, "parallel": {"nproc": 2}},
+     r"async.max_staleness is a setting .*\(async.mode=\"none\"\)"),
 ])
 def test_refused_combinations(tmp_path, corpus, sections, match):
     with pytest.raises(ConfigError, match=match):
@@ -136,3 +144,38 @@ def test_accepted_and_written_as_the_async_table(tmp_path, corpus):
     assert config_from_dict(tomllib.loads(text)) == cfg  # the written config reads back
     # the config's choices are the policies the server knows
     assert set(AsyncConfig.model_fields["policy"].annotation.__args__) == set(POLICIES)
+
+
+def test_worker_slowdown_with_mode_none_is_one_factor_per_rank(tmp_path, corpus):
+    cfg = _cfg(tmp_path, corpus, parallel={"nproc": 2}, **{"async": {"worker_slowdown": [1, 3]}})
+    assert cfg.asgd.mode == "none" and cfg.asgd.worker_slowdown == [1.0, 3.0]
+    assert cfg.batch_ranks == 2  # still synchronous dp over both ranks
+
+
+def _plain_then_slowed(rank, world, plain_tree, slowed_tree, root):
+    """Both runs in one world, the plain one first (its warm-up costs, if anything, make it
+    the slower: the comparison below is conservative)."""
+    out = []
+    for name, tree in (("plain", plain_tree), ("slowed", slowed_tree)):
+        cfg = config_from_dict(tree)
+        trainer._loop(cfg, Path(root) / name, None, init_distributed(cfg), trainer.StopFlag())
+        out.append(read_metrics(Path(root) / name) if rank == 0 else None)
+    return out
+
+
+def test_a_straggler_slows_synchronous_data_parallel_steps(tmp_path, corpus):
+    # rank 1 sleeps 2x its measured step time after every step; rank 0 waits for it at the
+    # next collective, so every step of the world takes ~3x as long (both runs identical
+    # otherwise: the sleep changes no number of the training)
+    sections = dict(parallel={"nproc": 2}, train={"steps": 12},
+                    run={"log_every": 100, "eval_every": 100})
+    plain = tiny_tree(tmp_path, corpus, **sections)
+    slowed = tiny_tree(tmp_path, corpus, **sections, **{"async": {"worker_slowdown": [1, 3]}})
+    plain_records, slowed_records = run_world(_plain_then_slowed, 2, plain, slowed,
+                                              str(tmp_path / "dp"), timeout_s=180)[0]
+    assert [r["step"] for r in slowed_records] == [12]
+    assert slowed_records[-1]["loss"] == plain_records[-1]["loss"]
+    # elapsed_s at the last step (before its evaluation): ~3x when the machine is idle; 1.5x
+    # leaves room for load on a shared CI machine (fixed per-step costs are not multiplied)
+    assert slowed_records[-1]["elapsed_s"] > 1.5 * plain_records[-1]["elapsed_s"], (
+        plain_records[-1]["elapsed_s"], slowed_records[-1]["elapsed_s"])

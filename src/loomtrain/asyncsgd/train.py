@@ -175,7 +175,7 @@ class ServerMetrics:
         self.optimizer = None
         self.seen = 0  # arrivals already in a record
         self.recorded = 0  # the version of the latest record
-        self.window_t0 = self.advanced_t0 = time.perf_counter()
+        self.window_t0 = self.advanced_t0 = self.t0 = time.perf_counter()
         self.advanced_seen = 0  # arrivals when the progress bar last moved
         # every arrival was computed on global_batch / workers rows
         self.tokens_per_gradient = (cfg.train.global_batch // (mesh.world - 1)) * cfg.model.seq_len
@@ -220,7 +220,8 @@ class ServerMetrics:
                "staleness_max": max(applied, default=0), "applied": len(applied),
                "discarded": sum(outcome == "discarded" for _, outcome in reports),
                "held": sum(outcome == "held" for _, outcome in reports),
-               "workers_lost": len(server.lost)}
+               "workers_lost": len(server.lost),
+               "elapsed_s": round(time.perf_counter() - self.t0, 3)}
         if is_eval:
             rec["val_loss"] = evaluate(self.model, self.val_data, self.cfg, alone(self.mesh),
                                        self.mesh.device)

@@ -260,7 +260,8 @@ class AsyncConfig(Section):
     policy: Literal["plain", "bounded", "drop_stale", "staleness_scaled", "ringleader"] = "plain"
     max_staleness: int = Field(4, ge=0)  # "bounded": the spread s; "drop_stale": the threshold
     # per worker (ranks 1..), a factor >= 1 on its step time: it sleeps (f - 1) x its measured
-    # compute time after each gradient; empty: every worker at full speed
+    # compute time after each gradient; empty: every worker at full speed. With mode "none",
+    # one factor per rank of the synchronous trainer (a straggler for synchronous DP)
     worker_slowdown: list[float] = []
     # a worker that sends nothing for this long after the server expects it is dropped
     worker_timeout_s: float = Field(60.0, gt=0.0)
@@ -346,15 +347,22 @@ Config = create_model("Config", __base__=_Sections, __module__=__name__,
 
 def _check_async_sgd(cfg) -> None:
     """[async] mode="ps" (asyncsgd/train.py): rank 0 serves whole fp32 parameters to plain
-    single-rank workers; its keys mean nothing without it."""
+    single-rank workers; its keys mean nothing without it, except worker_slowdown, which with
+    mode "none" slows ranks of the synchronous trainer (trainer._loop): one factor per rank."""
     a, p, t = cfg.asgd, cfg.parallel, cfg.train
     if a.mode == "none":
-        changed = [k for k in AsyncConfig.model_fields if k != "mode"
+        changed = [k for k in AsyncConfig.model_fields if k not in ("mode", "worker_slowdown")
                    and getattr(a, k) != AsyncConfig.model_fields[k].default]
         if changed:
             raise ValueError(f'async.{changed[0]} is a setting of the asynchronous parameter '
                              f'server, which is off (async.mode="none"): set async.mode="ps" '
                              "or leave the key unset")
+        if a.worker_slowdown and len(a.worker_slowdown) != p.nproc:
+            raise ValueError(f'async.worker_slowdown={a.worker_slowdown} with async.mode="none" '
+                             "slows ranks of synchronous training: it needs one factor per rank, "
+                             f"parallel.nproc={p.nproc} (got {len(a.worker_slowdown)}); leave it "
+                             "empty for all at full speed")
+        _check_slowdown_factors(a.worker_slowdown)
         return
     if p.nproc < 2:
         raise ValueError(f'async.mode="ps" runs the parameter server on rank 0 and workers on '
@@ -379,8 +387,12 @@ def _check_async_sgd(cfg) -> None:
         raise ValueError(f"async.worker_slowdown={a.worker_slowdown} needs one factor per worker: "
                          f"parallel.nproc={p.nproc} gives {workers} (ranks 1..{workers}; rank 0 "
                          "is the server); leave it empty for all at full speed")
-    if any(f < 1.0 for f in a.worker_slowdown):
-        raise ValueError(f"async.worker_slowdown={a.worker_slowdown}: each factor must be >= 1 "
+    _check_slowdown_factors(a.worker_slowdown)
+
+
+def _check_slowdown_factors(factors: list[float]) -> None:
+    if any(f < 1.0 for f in factors):
+        raise ValueError(f"async.worker_slowdown={factors}: each factor must be >= 1 "
                          "(a worker with factor f sleeps (f - 1) x its compute time per step)")
 
 

@@ -240,6 +240,9 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
         log.message(f"automatic sequence parallelism: {plan.describe()}")
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
+    loop_t0 = window_t0  # each record's elapsed_s counts from here
+    # async.worker_slowdown with async.mode="none": this rank a straggler on purpose
+    slowdown = cfg.asgd.worker_slowdown[mesh.rank] if cfg.asgd.worker_slowdown else 1.0
     saved_at = start  # the newest checkpoint (if any) holds the state after this step
     lowcomm = cfg.lowcomm.algorithm != "none"
     compressed = cfg.compression.method != "none"
@@ -267,8 +270,12 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 model.measure_error()  # compressed gradients: this step's error against dense
             # low-communication replicas step on their own rows: each normalizes by its tokens
             loss_tokens = _target_tokens(batches) if lowcomm else global_tokens
+            compute_t0 = time.perf_counter()
             loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, loss_tokens,
                                                       cfg.train.grad_clip, loss_sum_fn)
+            if slowdown > 1.0:  # the async workers' rule: sleep (f - 1) x this step's measured
+                # forward/backward/step time; the other ranks wait for it at the next collective
+                time.sleep((slowdown - 1.0) * (time.perf_counter() - compute_t0))
             done = step + 1
             if lowcomm:  # every inner_steps steps, and after the last, the replicas synchronize
                 model.observe_loss(loss_sum, loss_tokens)
@@ -291,6 +298,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 rec = _record(done, loss_sum, global_tokens, lr, grad_norm, stepped, mesh,
                               window_steps * tokens_per_step / (time.perf_counter() - window_t0))
                 loss = rec["loss"]
+                rec["elapsed_s"] = round(time.perf_counter() - loop_t0, 3)
                 if bubble is not None:
                     rec["bubble"] = bubble
                 if cfg.data.balance:  # the step's last micro-batch: dealt, and whole rows per rank
