@@ -308,7 +308,7 @@ class CompressionWindow:
     dense_wire: int = 0
     wire: int = 0
     exchanges: int = 0
-    local_error: float = 0.0
+    local_error: float | torch.Tensor = 0.0  # a tensor sum: read at take(), not per step
     error: float | None = None
 
     def add(self, stats: dict) -> None:
@@ -322,7 +322,7 @@ class CompressionWindow:
         was measured, compression_error}; resets the window."""
         rec = {"compression_ratio": round(self.dense_wire / self.wire, 3) if self.wire else None,
                "compression_wire_bytes": self.wire,
-               "compression_local_error": (round(self.local_error / self.exchanges, 6)
+               "compression_local_error": (round(float(self.local_error) / self.exchanges, 6)
                                            if self.exchanges else None)}
         if self.error is not None:
             rec["compression_error"] = round(self.error, 6)

@@ -51,7 +51,17 @@ def gather_wire_bytes(gathered_nbytes: int, n: int) -> int:
     return wire_bytes("ring_all_gather", gathered_nbytes, n)
 
 
-def exchange_stats(flat: torch.Tensor, n: int, sent_bytes: int, local_error: float) -> dict:
+def local_relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """`relative_error` as a 0-d tensor on the tensors' device, with no host synchronization:
+    it is computed for every exchange, on the backward's hot path, and read only when a
+    metrics record is written."""
+    norm = torch.linalg.vector_norm(exact.float())
+    diff = torch.linalg.vector_norm((approx - exact).float())
+    return torch.where(norm > 0, diff / torch.where(norm > 0, norm, 1.0), 0.0)
+
+
+def exchange_stats(flat: torch.Tensor, n: int, sent_bytes: int,
+                   local_error: float | torch.Tensor) -> dict:
     """The stats of one exchange of `flat` over `n` ranks: `dense_bytes` (the bucket),
     `wire_bytes` (what this rank sent), `ratio` (the dense ring all-reduce's wire bytes over
     `wire_bytes`; 1.0 on a group of one, where neither sends anything) and `local_error`."""
@@ -185,11 +195,11 @@ class Compressor:
                              f"{e.numel()}: the buckets changed since the state was saved")
         return flat + e.view_as(flat).to(flat.device)  # a checkpoint may load on the CPU
 
-    def _settle(self, key: str, x: torch.Tensor, contribution: torch.Tensor) -> float:
+    def _settle(self, key: str, x: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
         """Keep e = x - contribution under EF; return ||x - contribution|| / ||x||."""
         if self.error_feedback:
             self._state["residual"][key] = x - contribution
-        return relative_error(contribution, x)
+        return local_relative_error(contribution, x)
 
     def _prepare(self, key: str, flat: torch.Tensor, shapes):
         x = self._input(key, flat)
