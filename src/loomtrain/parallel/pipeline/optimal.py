@@ -98,7 +98,8 @@ class Plan:
     first and last compute: zero-bubble's bubble, what a rank loses when consecutive steps
     overlap), `bubble` (sum(idle) / (pp * makespan)) and `peak_bytes` come from simulate();
     `objective`: the MILP's makespan on its grid (equal to `makespan` when the grid holds the
-    costs exactly), the heuristic's own timing otherwise; `method`: "milp" or "heuristic";
+    costs exactly), the heuristic's own timing otherwise; `method`: "milp", "heuristic" or "baseline" (a fixed-rule
+    schedule made to fit, when it beat the search: `_no_worse_than_baselines`);
     `status`: the solver's word ("optimal", "time limit", why the heuristic's plan stands)."""
     schedule: Schedule
     makespan: float
@@ -249,6 +250,7 @@ def solve(pp: int, microbatches: int, costs, budget_bytes, time_limit_s: float =
                 best = (schedule, got, objective, "milp", status)
             else:
                 best = best[:4] + (f"milp ({status}) gave no better plan within budget",)
+    best = _no_worse_than_baselines(pp, microbatches, costs, budgets, split, best)
     schedule, got, objective, used, status = best
     return Plan(schedule, got["makespan"], objective, got["idle"], got["span_idle"], got["bubble"],
                 got["peak_bytes"], used, status, time.perf_counter() - t0)
@@ -259,6 +261,25 @@ def _planned(orders, decisions, costs, budgets, split) -> tuple[Schedule, dict]:
 
     schedule = to_schedule(orders, prune(orders, decisions, costs, split, budgets), split)
     return schedule, measure(schedule, costs)
+
+
+def _no_worse_than_baselines(pp, microbatches, costs, budgets, split, best) -> tuple:
+    """`best`, or a fixed-rule baseline (1F1B, ZB-H1 when split, made to fit by `_fitted`) that
+    fits and ranks better. The search should never lose to them, but a MILP stopped by its time
+    limit on a loaded machine, or the greedy heuristic, can (measured: 1F1B with offload beat a
+    time-limited plan by 5% at half of ZB-H1's budget); the planner then returns the baseline."""
+    baselines = {"1f1b": one_f_one_b(pp, microbatches)}
+    if split:
+        baselines["zb-h1"] = zb_h1(pp, microbatches)
+    for name, schedule in baselines.items():
+        schedule, fit = _fitted(schedule, costs, budgets)
+        if fit == "does not fit":
+            continue
+        got = measure(schedule, costs)
+        if _rank(got) < _rank(best[1]):
+            best = (schedule, got, got["makespan"], "baseline",
+                    f"{name} ({fit}) beat the search's plan ({best[3]}: {best[4]})")
+    return best
 
 
 def _rank(got: dict) -> tuple[float, float]:
@@ -279,11 +300,13 @@ def _fitted(schedule: Schedule, costs, budgets) -> tuple[Schedule, str]:
     if fits(schedule):
         return schedule, "as is"
     M = schedule.microbatches
-    if all(c.offload is not None for c in costs):
-        for k in range(1, M + 1):
-            trial = with_offload(schedule, k / M)
-            if fits(trial):
-                return trial, f"offload {k}/{M}"
+    if all(c.offload is not None for c in costs) and fits(with_offload(schedule, 1.0)):
+        # offloading more micro-batches never raises a peak: bisect for the least k that fits
+        low, high = 0, M  # with_offload(k=low) does not fit, k=high does
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if fits(with_offload(schedule, mid / M)) else (mid, high)
+        return with_offload(schedule, high / M), f"offload {high}/{M}"
     over = [r for r, (p, b) in enumerate(zip(measure(schedule, costs)["peak_bytes"], budgets)) if p > b]
     trial = replace(schedule, recompute=frozenset((m, r) for r in over for m in range(M)))
     return (trial, f"recompute ranks {over}") if fits(trial) else (schedule, "does not fit")
