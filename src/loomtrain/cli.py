@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     train.add_argument("--dry-run", action="store_true",
                        help="resolve the config and build the mesh without training; print layout, memory and collectives")
+    train.add_argument("--rejoin", metavar="RUN_DIR",
+                       help='restart a lost worker of the running async.mode="ps" run in RUN_DIR (with --worker)')
+    train.add_argument("--worker", type=int, metavar="W", help="the worker index (0..nproc-2) --rejoin restarts")
 
     report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report.png (and its timelines, if recorded)")
     report.add_argument("run_dir")
@@ -95,10 +98,30 @@ def _resolve_train(args):
     return cfg, None, None
 
 
+def _rejoin(args) -> int:
+    """`loom train --rejoin RUN_DIR --worker W`: this one process takes worker W's place in the
+    run's parameter server (asyncsgd/train.py rejoin_async); the rest is checked there."""
+    from loomtrain.train.config import load_config
+
+    if args.rejoin is None or args.worker is None:
+        raise ConfigError("--rejoin RUN_DIR and --worker W go together: they restart worker W "
+                          'of the async.mode="ps" run in RUN_DIR')
+    if args.config or args.resume or args.overrides or args.nproc is not None or args.dry_run:
+        raise ConfigError("--rejoin uses RUN_DIR/config.toml as it is: give no CONFIG, --set, "
+                          "--nproc, --resume or --dry-run with it")
+    run_dir = Path(args.rejoin)
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"--rejoin {str(run_dir)!r}: no config.toml there; is it a loom run folder?")
+    from loomtrain.asyncsgd.train import rejoin_async
+    return rejoin_async(load_config(run_dir / "config.toml"), run_dir, args.worker)
+
+
 def cmd_train(args) -> int:
     from loomtrain.train.launch import in_torchrun, launch_forwarding_signals
     from loomtrain.train.trainer import train_worker, write_config
 
+    if args.rejoin is not None or args.worker is not None:
+        return _rejoin(args)
     cfg, run_dir, resume = _resolve_train(args)
     if args.dry_run:
         from loomtrain.train.dryrun_text import dry_run

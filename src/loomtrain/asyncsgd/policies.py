@@ -19,6 +19,11 @@ number of updates it has not seen. A policy answers two questions for the server
   never hear from it again. Nothing to do for the stateless policies; Ringleader removes it
   from its table (see there). The server also drops a lost worker from `pulled`, so bounded
   staleness never holds the others back for it: `may_start` sees only live workers computing.
+- `on_rejoin(worker)`: a lost worker is back (a hung one that answered late, or a restarted
+  process: server.py). The stateless policies need nothing: the server puts it in `pulled`
+  again at its next reply, so bounded staleness counts it again from then on. Ringleader gives
+  it its table entry back (ringleader.py). Its first gradient may be very stale; each policy
+  treats it by its own rule.
 
 The policies (`build_policy` by the name of config key async.policy):
 
@@ -64,8 +69,11 @@ class Policy:
         return True
 
     def on_lost(self, worker: int) -> None:
-        """The server lost `worker` for good. Nothing to forget here: the policy keeps no state
-        per worker, and `pulled` (from the server) no longer names it."""
+        """The server lost `worker`. Nothing to forget here: the policy keeps no state per
+        worker, and `pulled` (from the server) no longer names it."""
+
+    def on_rejoin(self, worker: int) -> None:
+        """The lost `worker` is live again. Nothing to restore here (see `on_lost`)."""
 
     def on_gradient(self, worker: int, grad: torch.Tensor, pulled_version: int, version: int
                     ) -> tuple[torch.Tensor, float] | None:
@@ -161,7 +169,8 @@ class RingleaderPolicy(Policy):
     A lost worker (`on_lost`) leaves the table and the rounds go on over the others, so the
     objective becomes the remaining workers' data (the paper assumes no worker fails; the
     choice and its consequences are in ringleader.py). A gradient from it that still arrives
-    is "discarded"."""
+    is "discarded". A worker that rejoins (`on_rejoin`) gets an entry again: at once in Phase
+    1, from the next round in Phase 2 (held for it meanwhile)."""
 
     name = "ringleader"
 
@@ -173,7 +182,7 @@ class RingleaderPolicy(Policy):
                     ) -> tuple[torch.Tensor, float] | None:
         assert 0 <= worker < self.workers and 0 <= pulled_version <= version, (
             worker, pulled_version, version)
-        if worker not in self.table.members:
+        if worker not in self.table.members and worker not in self.table.joining:
             self.last_outcome = "discarded"
             return None
         direction = self.table.add(worker, grad, pulled_version)
@@ -182,6 +191,9 @@ class RingleaderPolicy(Policy):
 
     def on_lost(self, worker: int) -> None:
         self.table.remove(worker)
+
+    def on_rejoin(self, worker: int) -> None:
+        self.table.readmit(worker)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "table": self.table.state_dict()}

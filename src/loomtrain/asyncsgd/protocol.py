@@ -92,21 +92,28 @@ class Inbox:
     until the process-group timeout; the server does not wait for it (its own deadline
     decides), and the lane is a daemon thread, so it never blocks the process from ending.
 
-    Every torch.distributed call stays on the caller's thread: lanes only wait.
+    Every torch.distributed call stays on the caller's thread: lanes only wait. Other threads
+    that wait for something (a rejoin request: comm.PairHost's watcher) `report` into the same
+    queue, so the server still sleeps on one `next()`.
     """
 
     def __init__(self):
         self._events: queue.Queue = queue.Queue()
         self._lanes: dict[int, queue.Queue] = {}
 
-    def watch(self, key: int, what: str, pending: comm.Pending) -> None:
-        """Report `(key, what, None)` when `pending` completes, `(key, what, error)` if it
-        fails; a key's ops are reported in the order they were given."""
+    def watch(self, key, what: str, pending: comm.Pending) -> None:
+        """Report `(key, what, None)` when `pending` (anything with `wait()`) completes,
+        `(key, what, error)` if it fails; a key's ops are reported in the order they were given,
+        by one lane per key (any hashable)."""
         if key not in self._lanes:
             self._lanes[key] = queue.Queue()
             threading.Thread(target=self._lane, args=(key, self._lanes[key]), daemon=True,
                              name=f"asyncsgd-inbox-{key}").start()
         self._lanes[key].put((what, pending))
+
+    def report(self, key, what: str, detail=None) -> None:
+        """Queue the event `(key, what, detail)` (from any thread)."""
+        self._events.put((key, what, detail))
 
     def next(self, timeout_s: float | None):
         """The next event, or None when none came within `timeout_s` (None: wait forever)."""

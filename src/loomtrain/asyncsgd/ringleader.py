@@ -49,6 +49,15 @@ fewer. The update is then the mean over the *remaining* workers, so the objectiv
 on, and nothing can restore its share. A gradient it sent before it was lost that still
 arrives is discarded (`add` returns None; the policy reports "discarded"). The set of workers
 in the table is part of the state, so a worker stays out after a resume from it.
+
+Rejoining (`readmit`, when the server takes a lost worker back): in Phase 1 it is a member
+again at once, with an empty entry, so the round's first update waits for its next gradient
+as it waits for everyone's. In Phase 2 it cannot be: the round's updates average one entry per
+member and its entry is empty; it joins when the round closes, and its arrivals meanwhile go to
+the second table, the next round's start, as an already-served worker's do. From then on the
+update is the mean over all workers again and its data weighs 1/n again. Its first gradient
+after a long absence may be far older than 2n - 2 updates (the bound assumes no worker
+stops); `served_oldest` shows it.
 """
 
 from __future__ import annotations
@@ -110,6 +119,7 @@ class RingleaderTable:
         self.buffer = _Table(workers)  # the paper's (G^+, b^+): next round's start
         self.unserved: set[int] | None = None  # None: Phase 1; else Phase 2's workers left
         self.members = set(range(workers))  # the workers in the table: not lost (`remove`)
+        self.joining: set[int] = set()  # readmitted in Phase 2: members from the next round
         self.rounds = 0  # completed rounds
         # the oldest version a gradient of the last update was computed on: that update's delay
         # in the paper's sense is (server version before it) - served_oldest <= 2n - 2
@@ -124,6 +134,8 @@ class RingleaderTable:
         update direction when this arrival triggers one, else None (also for a removed worker,
         whose gradient is dropped)."""
         if worker not in self.members:
+            if worker in self.joining:  # next round's entry
+                self.buffer.add(worker, grad, pulled_version)
             return None
         if self.unserved is None:
             return self._collect(worker, grad, pulled_version)
@@ -152,21 +164,31 @@ class RingleaderTable:
             self.main, self.buffer = self.buffer, _Table(self.workers)
             self.unserved = None
             self.rounds += 1
+            self.members |= self.joining
+            self.joining.clear()
 
     def remove(self, worker: int) -> None:
         """The worker is lost: it leaves the table (failure semantics in the module docstring).
         No update is made here; the next arrival from a remaining worker makes the next one."""
         self.members.discard(worker)
+        self.joining.discard(worker)
         self.main.drop(worker)
         self.buffer.drop(worker)
         if self.unserved is not None:
             self.unserved.discard(worker)
             self._close_if_served()
 
+    def readmit(self, worker: int) -> None:
+        """The removed `worker` is back (rejoining, module docstring): a member again now in
+        Phase 1, at the next round in Phase 2."""
+        assert worker not in self.members and worker not in self.joining, worker
+        (self.members if self.unserved is None else self.joining).add(worker)
+
     def state_dict(self) -> dict:
         return {"main": self.main.state(), "buffer": self.buffer.state(), "rounds": self.rounds,
                 "unserved": None if self.unserved is None else sorted(self.unserved),
-                "served_oldest": self.served_oldest, "members": sorted(self.members)}
+                "served_oldest": self.served_oldest, "members": sorted(self.members),
+                "joining": sorted(self.joining)}
 
     def load_state_dict(self, state: dict) -> None:
         self.main = _Table.from_state(state["main"])
@@ -176,3 +198,4 @@ class RingleaderTable:
         self.unserved = None if unserved is None else {int(w) for w in unserved}
         self.served_oldest = state["served_oldest"]
         self.members = {int(w) for w in state["members"]}
+        self.joining = {int(w) for w in state.get("joining", ())}

@@ -25,10 +25,28 @@ sent its stop and has read it, or is lost.
 Failure semantics: a worker is lost when its receive fails (its process died: gloo reports
 "Connection closed by peer" at once), or when it sends nothing within `worker_timeout_s` of
 the server expecting it to (it hung; the deadline runs from the PARAMS reply, so it must cover
-one gradient computation). A lost worker is logged, dropped from the policy's `pulled` map,
-and never waited for or answered again; its posted receive stays posted, so one process group
-serves one run when a worker was lost. A policy with `on_lost(worker)` is told. If every worker
-is lost the run returns early, with fewer than `total_updates` updates (the result says so).
+one gradient computation). A lost worker is logged, dropped from the policy's `pulled` map and
+not waited for; a policy with `on_lost(worker)` is told. Its posted receive stays posted, so
+one process group serves one run when a worker was lost. If every worker is lost the run
+returns early, with fewer than `total_updates` updates (the result says so).
+
+Rejoining (recorded in `ServerResult.membership`, logged; a policy with `on_rejoin(worker)` is
+told, e.g. Ringleader gives it its table entry back):
+- "returned": a worker dropped as hung whose late message then completes that posted receive
+  is readmitted. A late PUSH is treated like any gradient, by the policy at its staleness
+  (plain applies it, drop_stale discards it when too stale, Ringleader files it in the
+  worker's entry): it is a correct gradient, only old, and judging old gradients is what a
+  policy is for. The worker then gets fresh parameters and goes on with its own step counter.
+- "restarted": a new process asks the `rejoin` host (comm.PairHost) for worker w's place. It is
+  refused (with the reason, which the newcomer raises) unless w is lost and the run is not
+  stopping; else the server builds a pair channel with it (comm/pair.py, on this thread), tells
+  it the step to resume at (one after the last step of w's that arrived), posts its PULL and
+  from then on talks to w over that channel only. Events of w's earlier channel (the old
+  process, if it was hung rather than dead, and comes back) are ignored: its late message gets
+  no reply. The rejoin request reaches the server through the inbox (PairHost's watcher thread
+  blocks on the store's queue), so it still never polls.
+Not recovered: the gradient a dead worker was computing, and (Ringleader) what its table entry
+held when it was lost. The run never waits for a rejoin: with every worker lost it ends.
 
 Costs per applied gradient: one PUSH received and one PARAMS sent, 24 + 4 x numel bytes each
 way (`mesh.meter`: the server's sends are counted there; receives send nothing). The PUSH's
@@ -41,6 +59,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -62,15 +81,26 @@ from loomtrain.asyncsgd.protocol import (
 log = logging.getLogger(__name__)
 
 
+class Membership(NamedTuple):
+    """A change in the set of live workers."""
+
+    worker: int
+    event: str  # "lost" | "returned" (a hung worker came back) | "restarted" (a new process)
+    version: int  # the server's version at that moment
+    arrivals: int  # gradients received before it: staleness.arrivals[arrivals:] came after
+
+
 @dataclass
 class ServerResult:
     params: torch.Tensor  # the final flat fp32 parameters
     version: int  # updates applied
     staleness: StalenessLog  # every gradient received, in arrival order
-    lost: dict[int, str] = field(default_factory=dict)  # worker -> why it was dropped
+    # worker -> why it was (last) dropped; a worker that rejoined stays listed
+    lost: dict[int, str] = field(default_factory=dict)
     # per arrival, in the staleness log's order: (the loss its worker reported, the outcome:
     # "applied" | "held" | "discarded" (the policy's word) | "late" (after the last update))
     reports: list[tuple[float, str]] = field(default_factory=list)
+    membership: list[Membership] = field(default_factory=list)  # losses and rejoins, in order
 
 
 @dataclass
@@ -85,6 +115,10 @@ class _Peer:
     # the last PARAMS send: held until the next one, because gloo drops a queued send whose
     # work object is freed (measured: the worker then waits forever for that reply)
     sending: comm.Pending | None = None
+    channel: comm.MeshChannel | comm.PairChannel | None = None  # how the server reaches it
+    generation: int = 0  # of the channel: 0 the mesh, n the n-th pair channel of this worker
+    posted: str = "pull"  # the kind of its posted receive (kept when lost: a late message)
+    next_step: int = 0  # one after the last step of its that arrived: a restart resumes there
 
 
 class ParameterServer:
@@ -93,8 +127,10 @@ class ParameterServer:
     def __init__(self, mesh, axis: str, params: torch.Tensor, policy, lr: float,
                  total_updates: int, worker_timeout_s: float, optimizer=None,
                  lr_schedule: Callable[[int], float] | None = None,
-                 on_update: Callable[["ParameterServer"], None] | None = None):
+                 on_update: Callable[["ParameterServer"], None] | None = None,
+                 rejoin: comm.PairHost | None = None):
         self.mesh, self.axis, self.policy, self.lr = mesh, axis, policy, lr
+        self.rejoin = rejoin
         self.optimizer, self.lr_schedule, self.on_update = optimizer, lr_schedule, on_update
         if optimizer is None:
             self.params = params.detach().to(torch.float32).flatten().clone()
@@ -106,32 +142,42 @@ class ParameterServer:
         self.staleness = StalenessLog()
         self.reports: list[tuple[float, str]] = []
         self.lost: dict[int, str] = {}
+        self.membership: list[Membership] = []
         self.pulled: dict[int, int] = {}  # live worker -> version of the parameters it holds
         self.waiting: list[int] = []  # workers whose pull is not answered yet, in order
-        self.peers = [_Peer() for _ in range(mesh.size(axis) - 1)]
+        self.peers = [_Peer(channel=comm.MeshChannel(mesh, axis, w + 1))
+                      for w in range(mesh.size(axis) - 1)]
         self.inbox = Inbox()
 
     def run(self) -> ServerResult:
         for w in range(len(self.peers)):
             self._post(w, "pull", message(0), TAG_PULL)
-        while any(p.expect not in ("done", "lost") for p in self.peers):
-            event = self.inbox.next(self._time_to_deadline())
-            if event is None:
-                self._expire()
-            else:
-                self._on_event(*event)
+        if self.rejoin is not None:
+            self.rejoin.watch(lambda w, generation: self.inbox.report((w, generation), "rejoin"))
+        try:
+            while any(p.expect not in ("done", "lost") for p in self.peers):
+                event = self.inbox.next(self._time_to_deadline())
+                if event is None:
+                    self._expire()
+                else:
+                    self._on_event(*event)
+        finally:
+            if self.rejoin is not None:
+                self.rejoin.close()
         self.inbox.close()
         if self.version < self.total_updates:
             log.error("async SGD stopped after %d of %d updates: every worker was lost (%s)",
                       self.version, self.total_updates, self.lost)
-        return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports)
+        return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports,
+                            self.membership)
 
     def _post(self, w: int, expect: str, msg: Message, tag: int) -> None:
         peer = self.peers[w]
         peer.expect, peer.inbox = expect, msg
         peer.deadline = time.perf_counter() + self.timeout_s
-        pending = comm.recv(msg.buffer, self.mesh, self.axis, w + 1, async_op=True, tag=tag)
-        self.inbox.watch(w, "recv", pending)
+        peer.posted = expect
+        pending = peer.channel.recv(msg.buffer, tag=tag, async_op=True)
+        self.inbox.watch((w, peer.generation), "recv", pending)
 
     def _time_to_deadline(self) -> float | None:
         deadlines = [p.deadline for p in self.peers if p.deadline is not None]
@@ -144,10 +190,18 @@ class ParameterServer:
                 self._lose(w, f"no message within worker_timeout_s={self.timeout_s} "
                               f"(expected {peer.expect})")
 
-    def _on_event(self, w: int, what: str, error: Exception | None) -> None:
+    def _on_event(self, key: tuple[int, int], what: str, error: Exception | None) -> None:
+        w, generation = key
+        if what == "rejoin":  # from the rejoin host: (worker, request's generation), no error
+            self._on_rejoin_request(w, generation)
+            return
         peer = self.peers[w]
+        if generation != peer.generation:
+            return  # an op on the channel this worker had before it restarted
         if peer.expect == "lost":
-            return  # a late completion (or failure) of a worker already dropped
+            if error is not None or what != "recv":
+                return  # a late failure, or stop send, of a worker already dropped
+            self._readmit(w, "returned")  # its late message: it was hung, not dead
         if error is not None:
             self._lose(w, str(error))
             return
@@ -166,6 +220,7 @@ class ParameterServer:
         gets a fresh buffer, so a policy may keep the gradient (a gradient table)."""
         pulled_version = int(msg.header[VERSION])
         arrived_at = self.version
+        self.peers[w].next_step = int(msg.header[STEP]) + 1
         update, outcome = None, "late"
         if self.version < self.total_updates:
             update = self.policy.on_gradient(w, msg.body, pulled_version, self.version)
@@ -218,31 +273,76 @@ class ParameterServer:
         if peer.sending is not None:
             # the PUSH that came since proves the worker read the previous PARAMS: at once
             peer.sending.wait()
-        peer.sending = comm.send(reply.buffer, self.mesh, self.axis, w + 1, async_op=True,
-                                 tag=TAG_PARAMS)
+        peer.sending = peer.channel.send(reply.buffer, tag=TAG_PARAMS, async_op=True)
         if stop:  # watched: its completion (the worker read it) ends this worker
             peer.expect, peer.deadline = "stopping", time.perf_counter() + self.timeout_s
-            self.inbox.watch(w, "send", peer.sending)
+            self.inbox.watch((w, peer.generation), "send", peer.sending)
 
     def _lose(self, w: int, reason: str) -> None:
         peer = self.peers[w]
         peer.expect, peer.deadline = "lost", None
         self.lost[w] = reason
+        self.membership.append(Membership(w, "lost", self.version, len(self.staleness.arrivals)))
         self.pulled.pop(w, None)
         if hasattr(self.policy, "on_lost"):  # e.g. a gradient table forgetting the worker
             self.policy.on_lost(w)
         if w in self.waiting:
             self.waiting.remove(w)
-        log.warning("async SGD: worker %d (rank %d) lost at version %d: %s", w,
-                    self.mesh.group_ranks(self.axis)[w + 1], self.version, reason)
+        log.warning("async SGD: worker %d (%s) lost at version %d: %s", w, peer.channel.name,
+                    self.version, reason)
         if any(p.expect not in ("done", "lost") for p in self.peers):
             self._answer_waiting()  # a policy may have been holding others back for it
+
+    def _readmit(self, w: int, event: str) -> None:
+        """Worker w, lost, is live again ("returned" | "restarted"); its receive is posted."""
+        peer = self.peers[w]
+        peer.expect = peer.posted
+        peer.deadline = time.perf_counter() + self.timeout_s
+        self.membership.append(Membership(w, event, self.version, len(self.staleness.arrivals)))
+        if hasattr(self.policy, "on_rejoin"):  # e.g. a gradient table taking it back
+            self.policy.on_rejoin(w)
+        log.warning("async SGD: worker %d (%s) rejoined (%s) at version %d", w,
+                    peer.channel.name, event, self.version)
+
+    def _on_rejoin_request(self, w: int, generation: int) -> None:
+        """A new process asks to be worker w (module docstring): refuse, or build its channel,
+        readmit w and post its PULL."""
+        refusal = self._rejoin_refusal(w)
+        if refusal is not None:
+            self.rejoin.refuse(w, generation, refusal)
+            log.warning("async SGD: refused a rejoin as worker %d: %s", w, refusal)
+            return
+        peer = self.peers[w]
+        try:
+            channel = self.rejoin.accept(w, generation, {"step": peer.next_step,
+                                                         "version": self.version},
+                                         self.mesh.meter, self.axis)
+        except comm.PairError as err:
+            log.warning("async SGD: worker %d's rejoin failed; it stays lost: %s", w, err)
+            return
+        peer.channel, peer.generation, peer.sending = channel, generation, None
+        self._post(w, "pull", message(0), TAG_PULL)
+        self._readmit(w, "restarted")
+
+    def _rejoin_refusal(self, w: int) -> str | None:
+        if not 0 <= w < len(self.peers):
+            return f"worker {w} does not exist: this run has workers 0..{len(self.peers) - 1}"
+        state = self.peers[w].expect
+        if state != "lost":
+            what = "has finished" if state in ("stopping", "done") else "is alive"
+            return (f"worker {w} {what}: only a worker the server has lost may rejoin (a dead "
+                    f"process is lost at once, a silent one after worker_timeout_s="
+                    f"{self.timeout_s})")
+        if self.version >= self.total_updates:
+            return f"the run is stopping (all {self.total_updates} updates are applied)"
+        return None
 
 
 def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
           worker_timeout_s: float = 60.0, axis: str = "world", optimizer=None,
           lr_schedule: Callable[[int], float] | None = None,
-          on_update: Callable[[ParameterServer], None] | None = None) -> ServerResult:
+          on_update: Callable[[ParameterServer], None] | None = None,
+          rejoin: comm.PairHost | None = None) -> ServerResult:
     """Run the parameter server on member 0 of `axis` until `total_updates` updates are
     applied; members 1.. run `worker.run_worker`. `params`: the initial parameters (copied,
     flattened to fp32). `policy`: has `may_start(worker, version, pulled)` and
@@ -254,7 +354,9 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
     each update writes the direction there and steps with every group's lr = lr x lr_scale.
     `lr_schedule(version)`: the lr of the update made at `version` (default: `lr`).
     `on_update(server)`: called after every update (metrics, evaluation); it may end the run
-    early by setting `server.total_updates = server.version`."""
+    early by setting `server.total_updates = server.version`.
+    `rejoin`: a comm.PairHost whose address the caller has published: restarted workers ask it
+    for a lost worker's place (module docstring); serve watches it and closes it at the end."""
     if optimizer is not None and (params.dim() != 1 or params.dtype != torch.float32
                                   or params.grad is None or params.grad.shape != params.shape):
         raise ValueError("with an optimizer, params must be a flat fp32 tensor whose .grad is a "
@@ -266,5 +368,5 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
         raise ValueError(f"serve runs on member 0 of axis {axis!r} with at least one worker; "
                          f"this is member {mesh.local_rank(axis)} of {mesh.size(axis)}")
     server = ParameterServer(mesh, axis, params, policy, lr, total_updates, worker_timeout_s,
-                             optimizer, lr_schedule, on_update)
+                             optimizer, lr_schedule, on_update, rejoin)
     return server.run()

@@ -19,6 +19,11 @@ without reshaping.
   server updates. It writes metrics.jsonl (the trainer's RunLog), evaluates on its own (a
   one-rank mesh: no collective with the workers, who never evaluate) and saves the final model.
 
+- A worker that died rejoins by `loom train --rejoin RUN_DIR --worker W` (`rejoin_async`): while
+  the server runs, the run folder holds its rejoin address (rejoin.ADDRESS_FILE); the new
+  process builds the same model and data as rank W + 1 did, asks the server for W's place
+  and resumes at the step the server gives (rejoin.py, server.py).
+
 Not built yet: checkpoints during the run and resume (the server's optimizer, policy and
 version), skipping non-finite gradients (the server applies what arrives).
 """
@@ -29,6 +34,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -36,14 +42,23 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from loomtrain import comm
 from loomtrain.asyncsgd.policies import build_policy
+from loomtrain.asyncsgd.rejoin import (
+    ADDRESS_FILE,
+    publish_address,
+    read_address,
+    rejoin_worker,
+    withdraw_address,
+)
 from loomtrain.asyncsgd.server import ParameterServer, serve
 from loomtrain.asyncsgd.worker import run_worker
 from loomtrain.data import WindowSampler, load_corpus, part_sampler, rank_samples
-from loomtrain.errors import ConfigError
+from loomtrain.errors import ConfigError, UserError
 from loomtrain.mesh import AXES, Mesh
 from loomtrain.models import build_model, token_loss_sum
 from loomtrain.train import checkpoint
+from loomtrain.train.launch import pick_device
 from loomtrain.train.metrics import RunLog, peak_mem_bytes
 from loomtrain.train.optim import build_optimizer, lr_at
 from loomtrain.train.trainer import _load, _target_tokens, evaluate
@@ -67,14 +82,17 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
                                  corpus.val_doc_starts)
         _serve(cfg, run_dir, mesh, stop, model, flat, val_data, corpus.description)
     else:
-        if cfg.data.partition == "by_file":  # worker w reads only its own files
-            train_data = part_sampler(corpus, cfg.model.seq_len, cfg.run.seed, mesh.rank - 1,
-                                      mesh.world - 1)
-        else:
-            train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed,
-                                       corpus.train_doc_starts)
+        train_data = worker_data(cfg, corpus, mesh.rank - 1, mesh.world - 1)
         run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS)
     return 0
+
+
+def worker_data(cfg, corpus, worker: int, workers: int) -> WindowSampler:
+    """The sampler of worker `worker` of `workers`: its own files with data.partition =
+    "by_file", else the shared windows (WorkerStep picks its rows)."""
+    if cfg.data.partition == "by_file":
+        return part_sampler(corpus, cfg.model.seq_len, cfg.run.seed, worker, workers)
+    return WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed, corpus.train_doc_starts)
 
 
 def flatten_parameters(model) -> torch.Tensor:
@@ -146,15 +164,21 @@ def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: s
                     + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else ""))
         metrics = ServerMetrics(cfg, model, val_data, mesh, log, stop)
         mesh.meter.take()
-        result = serve(mesh, flat, build_policy(a.policy, workers, a.max_staleness),
-                       lr=cfg.train.lr, total_updates=cfg.train.steps,
-                       worker_timeout_s=a.worker_timeout_s, axis=AXIS,
-                       optimizer=build_optimizer(model, cfg.train),
-                       lr_schedule=lambda version: lr_at(version, cfg.train),
-                       on_update=metrics.after_update)
+        rejoin = comm.PairHost(cfg.parallel.timeout_s)
+        publish_address(run_dir, rejoin.address, workers, flat.numel())
+        try:
+            result = serve(mesh, flat, build_policy(a.policy, workers, a.max_staleness),
+                           lr=cfg.train.lr, total_updates=cfg.train.steps,
+                           worker_timeout_s=a.worker_timeout_s, axis=AXIS,
+                           optimizer=build_optimizer(model, cfg.train),
+                           lr_schedule=lambda version: lr_at(version, cfg.train),
+                           on_update=metrics.after_update, rejoin=rejoin)
+        finally:
+            withdraw_address(run_dir)
         metrics.finish()
         if result.lost:
-            log.message(f"workers lost: {result.lost}")
+            log.message(f"workers lost: {result.lost}; rejoins: "
+                        f"{[(m.worker, m.event) for m in result.membership if m.event != 'lost']}")
         if result.version:
             path = save_model(run_dir, result.version, model, metrics.optimizer,
                               {"async": a.policy, "workers": workers})
@@ -221,6 +245,7 @@ class ServerMetrics:
                "discarded": sum(outcome == "discarded" for _, outcome in reports),
                "held": sum(outcome == "held" for _, outcome in reports),
                "workers_lost": len(server.lost),
+               "workers_rejoined": sum(m.event != "lost" for m in server.membership),
                "elapsed_s": round(time.perf_counter() - self.t0, 3)}
         if is_eval:
             rec["val_loss"] = evaluate(self.model, self.val_data, self.cfg, alone(self.mesh),
@@ -258,3 +283,49 @@ def save_model(run_dir: Path, step: int, model, optimizer, extra: dict) -> Path:
     shutil.rmtree(final, ignore_errors=True)  # a fresh run under torchrun may reuse a folder
     os.replace(partial, final)
     return final
+
+
+def rejoin_async(cfg, run_dir: Path, worker: int) -> int:
+    """`loom train --rejoin RUN_DIR --worker W`: this process takes lost worker W's place in
+    the running server of RUN_DIR (cfg: its config.toml) and works until the server stops it.
+    Bad input (not a running parameter-server run, W out of range or not lost) is a UserError,
+    raised before anything is computed."""
+    where = f"--rejoin {run_dir} --worker {worker}"
+    workers = cfg.parallel.nproc - 1
+    if cfg.asgd.mode != "ps":
+        raise ConfigError(f'{where}: the run has async.mode={cfg.asgd.mode!r}; only the workers '
+                          f'of a parameter server (async.mode="ps") rejoin')
+    if not 0 <= worker < workers:
+        raise ConfigError(f"{where}: the run has {workers} workers, numbered 0..{workers - 1}")
+    published = read_address(run_dir)
+    if published is None:
+        raise UserError(f"{where}: no parameter server of this run is running (no "
+                        f"{ADDRESS_FILE} there: it has finished, or not started)")
+    try:
+        comm.probe(published["address"], cfg.parallel.timeout_s)
+    except comm.PairError as err:
+        raise UserError(f"{where}: the run's server does not answer ({err}): it has ended "
+                        f"(killed before it could remove {ADDRESS_FILE})") from None
+    device = pick_device(cfg.run, 0)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model).to(device)
+    flat = flatten_parameters(model)
+    if flat.numel() != published["numel"]:
+        raise ConfigError(f"{where}: {run_dir}/config.toml builds {flat.numel():,} parameters, "
+                          f"the running server has {published['numel']:,}: the config changed")
+    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
+    # the world's geometry as rank worker + 1 saw it, without its process groups: WorkerStep
+    # reads only the rank, the world size and the device
+    place = Mesh(sizes={**dict.fromkeys(AXES, 1), "dp": workers + 1}, rank=worker + 1,
+                 ranks_per_node=workers + 1, device=device)
+    grad_fn = WorkerStep(cfg, model, flat, worker_data(cfg, corpus, worker, workers), place)
+    try:
+        result = rejoin_worker(published["address"], worker, grad_fn, flat.numel(),
+                               timeout_s=cfg.parallel.timeout_s, meter=place.meter, axis=AXIS)
+    except comm.PairRefused as err:
+        raise UserError(f"{where}: the server refused: {err}") from None
+    except comm.PairError as err:
+        raise UserError(f"{where}: {err}") from None
+    print(f"worker {worker} stopped by the server at update {result.version} after "
+          f"{result.steps} gradients", file=sys.stderr)
+    return 0

@@ -7,8 +7,11 @@ holds it back or the server is busy.
 
 Failure semantics: if the server dies, the next send or receive raises `comm.CollectiveError`
 (at once for a closed connection, after the process-group timeout for a silent server). A
-worker the server has dropped as lost (too slow for `worker_timeout_s`) gets no reply: it
-fails the same way, at the process-group timeout at the latest.
+worker the server has dropped as lost (too slow for `worker_timeout_s`) is readmitted when its
+late PUSH arrives (server.py) and goes on; if the run has ended meanwhile, or another process
+has rejoined in its place, it gets no reply and fails the same way, at the process-group
+timeout at the latest. A restarted worker talks to the server over a pair channel
+(asyncsgd/rejoin.py) and runs this same loop on it.
 
 Costs per step: sends 24 + 4 x numel bytes (counted in `mesh.meter` as op "send"), receives the
 same.
@@ -44,25 +47,30 @@ class WorkerResult:
 GradFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, float]"]
 
 
-def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world") -> WorkerResult:
+def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world", channel=None,
+               first_step: int = 0) -> WorkerResult:
     """Work for the server on member 0 of `axis` until it sends stop.
 
     `grad_fn(params, step)`: the gradient (numel values, any float dtype, sent as fp32) of this
-    worker's loss at the flat fp32 `params` on its batch number `step` (0, 1, ...), or
-    (gradient, loss): the loss then travels in the PUSH header (protocol.py) to the server's
-    metrics. `params` is this worker's own copy: grad_fn may keep it or write into it."""
-    if mesh.local_rank(axis) == 0:
-        raise ValueError(f"member 0 of axis {axis!r} is the parameter server, not a worker")
+    worker's loss at the flat fp32 `params` on its batch number `step` (first_step,
+    first_step + 1, ...), or (gradient, loss): the loss then travels in the PUSH header
+    (protocol.py) to the server's metrics. `params` is this worker's own copy: grad_fn may keep
+    it or write into it. `channel`: talk to the server over this comm channel instead of
+    (mesh, axis) (a restarted worker's comm.PairChannel; mesh is then not used)."""
+    if channel is None:
+        if mesh.local_rank(axis) == 0:
+            raise ValueError(f"member 0 of axis {axis!r} is the parameter server, not a worker")
+        channel = comm.MeshChannel(mesh, axis, 0)
     pull = message(0)
     write_header(pull, version=-1)
-    comm.send(pull.buffer, mesh, axis, 0, tag=TAG_PULL)
-    step = 0
+    channel.send(pull.buffer, tag=TAG_PULL)
+    step = first_step
     while True:
         reply = message(numel)
-        comm.recv(reply.buffer, mesh, axis, 0, tag=TAG_PARAMS)
+        channel.recv(reply.buffer, tag=TAG_PARAMS)
         version = int(reply.header[VERSION])
         if reply.header[STOP]:
-            return WorkerResult(reply.body, version, step)
+            return WorkerResult(reply.body, version, step - first_step)
         push = message(numel)
         out = grad_fn(reply.body, step)
         grad, loss = out if isinstance(out, tuple) else (out, None)
@@ -70,6 +78,6 @@ def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world") -> Wor
         write_header(push, version, step)
         write_loss(push, loss)
         # the server always has this worker's receive posted, so the send does not wait on it
-        comm.send(push.buffer, mesh, axis, 0, tag=TAG_PUSH)
+        channel.send(push.buffer, tag=TAG_PUSH)
         step += 1
 

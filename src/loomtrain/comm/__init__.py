@@ -16,6 +16,15 @@ from loomtrain.comm.collectives import (
 )
 from loomtrain.comm.link import SlowLink
 from loomtrain.comm.meter import CommMeter, wire_bytes
+from loomtrain.comm.pair import (
+    MeshChannel,
+    PairChannel,
+    PairError,
+    PairHost,
+    PairRefused,
+    join_pair,
+    probe,
+)
 from loomtrain.comm.quantized import PendingQuantized, quantized_all_reduce
 from loomtrain.comm.sparse import PendingSparse, SparseResult, sparse_all_reduce
 
@@ -25,4 +34,5 @@ __all__ = [
     "IMPLS", "all_gather", "all_to_all", "choose_impl", "reduce_scatter",
     "PendingQuantized", "quantized_all_reduce", "SlowLink",
     "PendingSparse", "SparseResult", "sparse_all_reduce",
+    "MeshChannel", "PairChannel", "PairError", "PairHost", "PairRefused", "join_pair", "probe",
 ]

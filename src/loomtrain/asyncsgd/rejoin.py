@@ -1,0 +1,58 @@
+"""A restarted worker rejoining a running parameter server (the server's side: server.py).
+
+A new process cannot join the gloo world the server and its workers were launched in, so the
+server hosts a rendezvous (comm.PairHost, a TCPStore on a free port) whose address its owner
+publishes: `serve(..., rejoin=host)` from your code, or `loom train`'s server in the run folder
+(`ADDRESS_FILE`, written while the server runs, removed when it ends). `rejoin_worker` asks it
+for worker w's place; the server accepts only if it has lost w and is not stopping, and tells
+it the step to resume at (one after w's last gradient that arrived, so the data of w goes on
+where it stopped; the gradient the dead process was computing is computed again). Both sides
+then build a two-member gloo group (comm.PairChannel), and the worker runs the ordinary worker
+loop (`run_worker`) over it: PULL, then PUSH/PARAMS until stop.
+
+Costs: one store round trip to connect and a few to ask, one gloo connection; then each step
+costs what it costs any worker (24 + 4 x numel bytes each way), counted in `meter` under
+(axis, "send"). Refusal or no server: `comm.PairRefused` (the server's reason) or
+`comm.PairError`, before anything is computed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from loomtrain import comm
+from loomtrain.asyncsgd.worker import GradFn, WorkerResult, run_worker
+
+ADDRESS_FILE = "async_rejoin.json"  # in a `loom train` run folder, while its server runs
+
+
+def rejoin_worker(address: str, worker: int, grad_fn: GradFn, numel: int, *, timeout_s: float,
+                  meter: comm.CommMeter | None = None, axis: str = "world") -> WorkerResult:
+    """Rejoin the server whose rejoin host is at `address` ("host:port") as worker `worker`
+    and work until it sends stop; `grad_fn` as for `run_worker` (it is called from the step
+    the server gives). `timeout_s`: for the rendezvous and every op on the channel."""
+    channel, answer = comm.join_pair(address, worker, timeout_s, meter or comm.CommMeter(), axis)
+    return run_worker(None, grad_fn, numel, channel=channel, first_step=int(answer["step"]))
+
+
+def publish_address(run_dir: Path, address: str, workers: int, numel: int) -> None:
+    """Write the run's rejoin address (and what a rejoining worker must match) into run_dir,
+    by one rename: a reader never sees half a file."""
+    partial = run_dir / (ADDRESS_FILE + ".partial")
+    partial.write_text(json.dumps({"address": address, "workers": workers, "numel": numel,
+                                   "pid": os.getpid()}))
+    os.replace(partial, run_dir / ADDRESS_FILE)
+
+
+def withdraw_address(run_dir: Path) -> None:
+    (run_dir / ADDRESS_FILE).unlink(missing_ok=True)
+
+
+def read_address(run_dir: Path) -> dict | None:
+    """The published {"address", "workers", "numel", "pid"}, or None if no server runs."""
+    try:
+        return json.loads((run_dir / ADDRESS_FILE).read_text())
+    except FileNotFoundError:
+        return None
