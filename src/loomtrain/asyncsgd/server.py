@@ -30,6 +30,21 @@ and never waited for or answered again; its posted receive stays posted, so one 
 serves one run when a worker was lost. A policy with `on_lost(worker)` is told. If every worker
 is lost the run returns early, with fewer than `total_updates` updates (the result says so).
 
+Non-finite gradients: a PUSH whose body holds a NaN or an infinity is discarded before the
+policy sees it (outcome "nonfinite", logged as a warning, applied = False in the staleness log;
+a gradient table never holds it), and its worker gets fresh parameters as after any arrival.
+The check is one pass over the gradient (`torch.isfinite(...).all()`, a bool per value;
+measured on one shared CPU core: 0.18 ms for 120,576 values, 1.5 ms for a million). After
+`max_nonfinite` non-finite arrivals in a row (from any workers) the server ends the run as a
+stop does (every worker gets its stop) and says why in `ServerResult.aborted`; one worker whose
+gradients are always non-finite among healthy ones only loses its share.
+
+Resuming (`state_dict`, `load_state_dict`; the checkpoint itself is asyncsgd/state.py's): the
+version, the policy's state and each worker's step, the number of gradients received from it.
+Every PARAMS reply carries that step in its header, so a worker started afresh continues from
+it on new rows (worker.py); a gradient in flight at the save is computed again, on the same
+rows, after a resume.
+
 Costs per applied gradient: one PUSH received and one PARAMS sent, 24 + 4 x numel bytes each
 way (`mesh.meter`: the server's sends are counted there; receives send nothing). The PUSH's
 loss rides in its header (protocol.py): no extra bytes.
@@ -69,8 +84,10 @@ class ServerResult:
     staleness: StalenessLog  # every gradient received, in arrival order
     lost: dict[int, str] = field(default_factory=dict)  # worker -> why it was dropped
     # per arrival, in the staleness log's order: (the loss its worker reported, the outcome:
-    # "applied" | "held" | "discarded" (the policy's word) | "late" (after the last update))
+    # "applied" | "held" | "discarded" (the policy's word) | "nonfinite" (NaN or infinity in
+    # the gradient: discarded by the server) | "late" (after the last update))
     reports: list[tuple[float, str]] = field(default_factory=list)
+    aborted: str | None = None  # why the run ended early (non-finite gradients), if it did
 
 
 @dataclass
@@ -109,6 +126,10 @@ class ParameterServer:
         self.pulled: dict[int, int] = {}  # live worker -> version of the parameters it holds
         self.waiting: list[int] = []  # workers whose pull is not answered yet, in order
         self.peers = [_Peer() for _ in range(mesh.size(axis) - 1)]
+        self.worker_steps = [0] * len(self.peers)  # gradients received from each worker
+        self.max_nonfinite: int | None = None  # serve() sets it
+        self.nonfinite_in_a_row = 0
+        self.aborted: str | None = None
         self.inbox = Inbox()
 
     def run(self) -> ServerResult:
@@ -124,7 +145,8 @@ class ParameterServer:
         if self.version < self.total_updates:
             log.error("async SGD stopped after %d of %d updates: every worker was lost (%s)",
                       self.version, self.total_updates, self.lost)
-        return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports)
+        return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports,
+                            self.aborted)
 
     def _post(self, w: int, expect: str, msg: Message, tag: int) -> None:
         peer = self.peers[w]
@@ -167,7 +189,12 @@ class ParameterServer:
         pulled_version = int(msg.header[VERSION])
         arrived_at = self.version
         update, outcome = None, "late"
-        if self.version < self.total_updates:
+        self.worker_steps[w] += 1
+        if self.version < self.total_updates and not bool(torch.isfinite(msg.body).all()):
+            outcome = "nonfinite"
+            self._on_nonfinite(w, int(msg.header[STEP]))
+        elif self.version < self.total_updates:
+            self.nonfinite_in_a_row = 0
             update = self.policy.on_gradient(w, msg.body, pulled_version, self.version)
             outcome = self.policy.last_outcome
         if update is not None:
@@ -179,6 +206,15 @@ class ParameterServer:
                   int(msg.header[STEP]), pulled_version, arrived_at, outcome)
         if update is not None and self.on_update is not None:
             self.on_update(self)  # may lower total_updates to version: the run then stops
+
+    def _on_nonfinite(self, w: int, step: int) -> None:
+        self.nonfinite_in_a_row += 1
+        log.warning("async SGD: worker %d step %d: non-finite gradient discarded (%d in a row)",
+                    w, step, self.nonfinite_in_a_row)
+        if self.max_nonfinite is not None and self.nonfinite_in_a_row >= self.max_nonfinite:
+            self.aborted = (f"{self.nonfinite_in_a_row} gradients in a row were non-finite "
+                            f"(limit {self.max_nonfinite}) at version {self.version}")
+            self.total_updates = self.version  # every worker gets its stop
 
     def _apply(self, direction: torch.Tensor, lr_scale: float) -> None:
         """params <- params - lr * lr_scale * direction, or the optimizer's step on it, with
@@ -212,7 +248,7 @@ class ParameterServer:
             self.pulled[w] = self.version
             self._post(w, "push", message(self.params.numel()), TAG_PUSH)
         reply = message(self.params.numel())
-        write_header(reply, self.version, stop=stop)
+        write_header(reply, self.version, self.worker_steps[w], stop=stop)
         reply.body.copy_(self.params)
         peer = self.peers[w]
         if peer.sending is not None:
@@ -223,6 +259,19 @@ class ParameterServer:
         if stop:  # watched: its completion (the worker read it) ends this worker
             peer.expect, peer.deadline = "stopping", time.perf_counter() + self.timeout_s
             self.inbox.watch(w, "send", peer.sending)
+
+    def state_dict(self) -> dict:
+        """What a resumed server needs besides its parameters and optimizer (the caller saves
+        those): the version (the lr schedule's position too), each worker's step and the
+        policy's state. Plain ints and lists, and the policy's tensors."""
+        return {"version": self.version, "worker_steps": list(self.worker_steps),
+                "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before `run`. The policy refuses a state of another policy or number of workers."""
+        self.policy.load_state_dict(state["policy"])
+        self.version = int(state["version"])
+        self.worker_steps = [int(s) for s in state["worker_steps"]]
 
     def _lose(self, w: int, reason: str) -> None:
         peer = self.peers[w]
@@ -242,7 +291,8 @@ class ParameterServer:
 def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
           worker_timeout_s: float = 60.0, axis: str = "world", optimizer=None,
           lr_schedule: Callable[[int], float] | None = None,
-          on_update: Callable[[ParameterServer], None] | None = None) -> ServerResult:
+          on_update: Callable[[ParameterServer], None] | None = None,
+          state: dict | None = None, max_nonfinite: int | None = None) -> ServerResult:
     """Run the parameter server on member 0 of `axis` until `total_updates` updates are
     applied; members 1.. run `worker.run_worker`. `params`: the initial parameters (copied,
     flattened to fp32). `policy`: has `may_start(worker, version, pulled)` and
@@ -253,8 +303,11 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
     tensor, then used in place, not copied) and whose gradients are views into `params.grad`;
     each update writes the direction there and steps with every group's lr = lr x lr_scale.
     `lr_schedule(version)`: the lr of the update made at `version` (default: `lr`).
-    `on_update(server)`: called after every update (metrics, evaluation); it may end the run
-    early by setting `server.total_updates = server.version`."""
+    `on_update(server)`: called after every update (metrics, evaluation, checkpoints); it may
+    end the run early by setting `server.total_updates = server.version`. `state`: a
+    `ParameterServer.state_dict()` to resume from (with `params` and `optimizer` restored by
+    the caller); `total_updates` then counts from version 0 as before, not from the state's.
+    `max_nonfinite`: end the run after this many non-finite gradients in a row (None: never)."""
     if optimizer is not None and (params.dim() != 1 or params.dtype != torch.float32
                                   or params.grad is None or params.grad.shape != params.shape):
         raise ValueError("with an optimizer, params must be a flat fp32 tensor whose .grad is a "
@@ -267,4 +320,7 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
                          f"this is member {mesh.local_rank(axis)} of {mesh.size(axis)}")
     server = ParameterServer(mesh, axis, params, policy, lr, total_updates, worker_timeout_s,
                              optimizer, lr_schedule, on_update)
+    server.max_nonfinite = max_nonfinite
+    if state is not None:
+        server.load_state_dict(state)
     return server.run()

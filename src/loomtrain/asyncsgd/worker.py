@@ -5,6 +5,9 @@ PARAMS (version v), calls `grad_fn(params, step)` and sends PUSH (the gradient, 
 loss grad_fn reports, if any). It never talks to another worker. It blocks only on its own reply, for as long as the server's policy
 holds it back or the server is busy.
 
+Its steps start where the server's first reply says (header word STEP: 0 in a fresh run; after
+a resume, the gradients the server had received from this worker, asyncsgd/state.py).
+
 Failure semantics: if the server dies, the next send or receive raises `comm.CollectiveError`
 (at once for a closed connection, after the process-group timeout for a silent server). A
 worker the server has dropped as lost (too slow for `worker_timeout_s`) gets no reply: it
@@ -23,6 +26,7 @@ import torch
 
 from loomtrain import comm
 from loomtrain.asyncsgd.protocol import (
+    STEP,
     STOP,
     TAG_PARAMS,
     TAG_PULL,
@@ -38,7 +42,7 @@ from loomtrain.asyncsgd.protocol import (
 class WorkerResult:
     params: torch.Tensor  # the final parameters, sent with the stop
     version: int  # the server's version at the stop
-    steps: int  # gradients this worker pushed
+    steps: int  # gradients this worker pushed (from the step the server started it at)
 
 
 GradFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, float]"]
@@ -50,19 +54,22 @@ def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world") -> Wor
     `grad_fn(params, step)`: the gradient (numel values, any float dtype, sent as fp32) of this
     worker's loss at the flat fp32 `params` on its batch number `step` (0, 1, ...), or
     (gradient, loss): the loss then travels in the PUSH header (protocol.py) to the server's
-    metrics. `params` is this worker's own copy: grad_fn may keep it or write into it."""
+    metrics. `params` is this worker's own copy: grad_fn may keep it or write into it. `step`
+    starts where the server's first reply says (past 0 from a resumed server)."""
     if mesh.local_rank(axis) == 0:
         raise ValueError(f"member 0 of axis {axis!r} is the parameter server, not a worker")
     pull = message(0)
     write_header(pull, version=-1)
     comm.send(pull.buffer, mesh, axis, 0, tag=TAG_PULL)
-    step = 0
+    step = start = None
     while True:
         reply = message(numel)
         comm.recv(reply.buffer, mesh, axis, 0, tag=TAG_PARAMS)
         version = int(reply.header[VERSION])
+        if step is None:
+            step = start = int(reply.header[STEP])
         if reply.header[STOP]:
-            return WorkerResult(reply.body, version, step)
+            return WorkerResult(reply.body, version, step - start)
         push = message(numel)
         out = grad_fn(reply.body, step)
         grad, loss = out if isinstance(out, tuple) else (out, None)
