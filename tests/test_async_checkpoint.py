@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ from test_async_runtime import LeastSquares
 from loomtrain import cli
 from loomtrain.asyncsgd import build_policy, run_worker, serve
 from loomtrain.asyncsgd.state import SERVER_STATE
+from loomtrain.asyncsgd.train import ServerMetrics
 from loomtrain.mesh import build_mesh
 from loomtrain.train import checkpoint, trainer
 from loomtrain.train.config import config_from_dict
@@ -97,37 +101,55 @@ def _keep_group(mesh) -> None:
     (test_resume.py says why)."""
 
 
-def _runs(rank, world, cfg, sync_cfg, aside):
-    trainer.shutdown = _keep_group
+def _start(rank, cfg) -> Path:
     run_dir = Path(cfg.run.dir) / cfg.run.name
     if rank == 0:  # what `loom train` writes before it spawns the ranks
         run_dir.mkdir(parents=True)
         trainer.write_config(run_dir, cfg)
     trainer.run(cfg, run_dir, None)
-    full = None
+    return run_dir
+
+
+def _sigterm_after_update_4(metrics, server):
+    real_after_update(metrics, server)
+    if server.version == 4:  # seen at the next update, which becomes the last
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+real_after_update = ServerMetrics.after_update
+
+
+def _runs(rank, world, cfg, stopped_cfg, sync_cfg, aside):
+    trainer.shutdown = _keep_group
+    run_dir = _start(rank, cfg)
+    full = stopped = None
     if rank == 0:  # the uninterrupted run's end, moved out: the resume starts from update 6
         full = read_metrics(run_dir)
         shutil.move(checkpoint.step_dir(run_dir, 12), aside)
     trainer.run(cfg, run_dir, checkpoint.step_dir(run_dir, 6))
-    sync_dir = Path(sync_cfg.run.dir) / sync_cfg.run.name
-    if rank == 0:
-        sync_dir.mkdir(parents=True)
-        trainer.write_config(sync_dir, sync_cfg)
-    trainer.run(sync_cfg, sync_dir, None)  # a synchronous checkpoint, for the refusals below
-    return full
+    if rank == 0:  # the server gets a SIGTERM
+        ServerMetrics.after_update = _sigterm_after_update_4
+    stopped_dir = _start(rank, stopped_cfg)
+    ServerMetrics.after_update = real_after_update
+    if rank == 0:  # before the resume's checkpoints replace it (checkpoint.keep = 2)
+        stopped = [checkpoint.read_meta(p) for p in checkpoint.list_checkpoints(stopped_dir)]
+    trainer.run(stopped_cfg, stopped_dir, checkpoint.list_checkpoints(stopped_dir)[-1])
+    _start(rank, sync_cfg)  # a synchronous checkpoint, for the refusals below
+    return full, stopped
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("ps")
-    tree = tiny_tree(root, corpus, **SECTIONS)
-    tree["run"]["name"] = "ps"
-    sync = tiny_tree(root, corpus, parallel={"nproc": 2}, train={"steps": 2})
-    sync["run"]["name"] = "sync"
+    trees = {name: tiny_tree(root, corpus, **SECTIONS) for name in ("ps", "stopped")}
+    trees["sync"] = tiny_tree(root, corpus, parallel={"nproc": 2}, train={"steps": 2})
+    for name, tree in trees.items():
+        tree["run"]["name"] = name
     aside = root / "uninterrupted_step_12"
-    full = run_world(_runs, 2, config_from_dict(tree), config_from_dict(sync), aside,
-                     timeout_s=120)[0]
-    return root / "runs" / "ps", root / "runs" / "sync", aside, full
+    full, stopped = run_world(_runs, 2, *(config_from_dict(t) for t in trees.values()), aside,
+                              timeout_s=120)[0]
+    runs = root / "runs"
+    return runs / "ps", runs / "sync", aside, full, runs / "stopped", stopped
 
 
 def _all_tensors(path: Path) -> dict:
@@ -141,7 +163,7 @@ def _all_tensors(path: Path) -> dict:
 
 
 def test_resumed_from_update_6_ends_as_the_uninterrupted_run_bitwise(runs):
-    run_dir, _, aside, full = runs
+    run_dir, _, aside, full, _, _ = runs
     assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_00000006",
                                                                        "step_00000012"]
     uninterrupted, resumed = _all_tensors(aside), _all_tensors(checkpoint.step_dir(run_dir, 12))
@@ -167,6 +189,18 @@ def test_resumed_from_update_6_ends_as_the_uninterrupted_run_bitwise(runs):
     assert records[-1]["applied_by_worker"] == [12]
     meta = checkpoint.read_meta(checkpoint.step_dir(run_dir, 6))
     assert meta["async"] == "plain" and meta["workers"] == 1 and meta["step"] == 6
+
+
+def test_a_stop_saves_the_server_and_the_resume_ends_as_the_uninterrupted_run(runs):
+    _, _, aside, full, stopped_dir, stopped = runs
+    # SIGTERM after update 4: update 5 is the last, saved (checkpoint.every = 6 saved nothing)
+    assert [(m["step"], m["stopped_by"]) for m in stopped] == [(5, "SIGTERM")]
+    uninterrupted = _all_tensors(aside)
+    resumed = _all_tensors(checkpoint.step_dir(stopped_dir, 12))
+    for key, value in uninterrupted.items():
+        if key != SERVER_STATE:
+            assert torch.equal(value, resumed[key]), key
+    assert [r["loss"] for r in read_metrics(stopped_dir)] == [r["loss"] for r in full]
 
 
 def _snapshot(run_dir: Path) -> dict:
@@ -274,3 +308,47 @@ def test_nonfinite_gradients_and_a_resumed_worker():
     three = server[2]
     assert worker[2] == (list(range(4, 10)), 6)
     assert three.version == 10 and torch.equal(three.params, _sgd(range(10)))
+
+
+def test_ringleader_mid_round_through_a_checkpoint_file(tmp_path, corpus):
+    """state.save and state.restore, one process: the model, AdamW and Ringleader's tables
+    (tensors stored as DCP entries of their own) come back and continue identically."""
+    from loomtrain.asyncsgd import state
+    from loomtrain.asyncsgd.train import alone, flatten_parameters
+    from loomtrain.models import build_model
+    from loomtrain.train.optim import build_optimizer
+
+    cfg = config_from_dict(tiny_tree(tmp_path, corpus))  # its [model] and [train]
+
+    def fresh():
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        flat = flatten_parameters(model)
+        return model, flat, build_optimizer(model, cfg.train), build_policy("ringleader", 3, 0)
+
+    model, flat, optimizer, policy = fresh()
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(flat.numel(), generator=gen) for _ in range(9)]
+    for worker, grad in zip([0, 1, 2, 0, 0], grads):  # Phase 2: worker 0 served, then held
+        update = policy.on_gradient(worker, grad, 0, 0)
+        if update is not None:
+            flat.grad.copy_(update[0])
+            optimizer.step()
+    assert policy.table.phase == 2 and policy.table.buffer.counts == [1, 0, 0]
+    server = {"version": 2, "worker_steps": [3, 1, 1], "policy": policy.state_dict()}
+    path = state.save(tmp_path / "run", 2, model, optimizer, {"server": server, "metrics": {}},
+                      keep=2, extra={"async": "ringleader", "workers": 3})
+
+    model2, flat2, optimizer2, policy2 = fresh()
+    saved = state.restore(path, model2, optimizer2, policy2,
+                          alone(SimpleNamespace(device=torch.device("cpu"))))
+    assert saved["server"]["worker_steps"] == [3, 1, 1] and torch.equal(flat, flat2)
+    for (w, grad) in zip([1, 0, 2], grads[5:]):  # the same continuation, both sides
+        a, b = policy.on_gradient(w, grad, 1, 2), policy2.on_gradient(w, grad, 1, 2)
+        assert policy.last_outcome == policy2.last_outcome and (a is None) == (b is None)
+        for opt, f, update in ((optimizer, flat, a), (optimizer2, flat2, b)):
+            if update is not None:
+                f.grad.copy_(update[0])
+                opt.step()
+    assert policy2.table.rounds == policy.table.rounds == 1
+    assert torch.equal(flat, flat2)  # AdamW's moments and step came back too
