@@ -106,8 +106,6 @@ def _cfg(tmp_path, corpus, **sections):
      r"one factor per worker: parallel.nproc=3 gives 2"),
     ({"async": {"mode": "ps", "worker_slowdown": [1.0, 0.5]}, "parallel": {"nproc": 3}},
      r"each factor must be >= 1"),
-    ({"async": {"mode": "ps"}, "parallel": {"nproc": 3}, "checkpoint": {"every": 10}},
-     r"checkpoint.every=0"),
     ({"async": {"mode": "ps"}, "parallel": {"nproc": 4}, "train": {"global_batch": 8}},
      r"divisible by workers\*micro_batch = 3\*2 = 6"),
     ({"async": {"mode": "ps", "policy": "fastest"}, "parallel": {"nproc": 3}}, r"async.policy"),

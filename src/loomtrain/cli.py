@@ -92,7 +92,10 @@ def _resolve_train(args):
             raise
         # any rank count and ZeRO stage may resume any checkpoint: every layout saves the
         # unsharded names and shapes (train/checkpoint.py), and the data order is a function
-        # of the step and the global batch only
+        # of the step and the global batch only; not so between synchronous training and the
+        # parameter server, nor for the server's own state (its workers, policy and model)
+        from loomtrain.asyncsgd.state import check_resume
+        check_resume(cfg, latest)
         return cfg, run_dir, latest
     cfg = load_config(args.config, overrides)
     return cfg, None, None

@@ -10,9 +10,12 @@ another (gloo matches a send to the receive of the same tag and source):
     kind    tag        direction         header                         body
     PULL    TAG_PULL   worker -> server  (-1, 0, 0)                     none
     PUSH    TAG_PUSH   worker -> server  (pulled version, step, loss)   gradient, numel fp32
-    PARAMS  TAG_PARAMS server -> worker  (version, 0, stop)             parameters, numel fp32
+    PARAMS  TAG_PARAMS server -> worker  (version, step, stop)          parameters, numel fp32
 
-The third word is kind-specific: in PARAMS it is the stop flag, in PUSH the worker's training
+In PARAMS, step is the number of gradients the server has received from that worker, i.e. the
+step it computes next: 0 in a fresh run, where a resumed server's checkpoint left it otherwise
+(asyncsgd/state.py); a worker takes its counter from its first reply. The third word is
+kind-specific: in PARAMS it is the stop flag, in PUSH the worker's training
 loss on the batch of that gradient (the bits of an fp64, NaN when the worker reports none),
 which the server averages into its metrics. Reusing the word keeps every message the size it
 was: the loss costs no byte on the wire.

@@ -34,7 +34,7 @@ def rejoin_worker(address: str, worker: int, grad_fn: GradFn, numel: int, *, tim
     and work until it sends stop; `grad_fn` as for `run_worker` (it is called from the step
     the server gives). `timeout_s`: for the rendezvous and every op on the channel."""
     channel, answer = comm.join_pair(address, worker, timeout_s, meter or comm.CommMeter(), axis)
-    return run_worker(None, grad_fn, numel, channel=channel, first_step=int(answer["step"]))
+    return run_worker(None, grad_fn, numel, channel=channel)  # from step answer["step"]
 
 
 def publish_address(run_dir: Path, address: str, workers: int, numel: int) -> None:

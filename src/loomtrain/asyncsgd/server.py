@@ -48,6 +48,21 @@ told, e.g. Ringleader gives it its table entry back):
 Not recovered: the gradient a dead worker was computing, and (Ringleader) what its table entry
 held when it was lost. The run never waits for a rejoin: with every worker lost it ends.
 
+Non-finite gradients: a PUSH whose body holds a NaN or an infinity is discarded before the
+policy sees it (outcome "nonfinite", logged as a warning, applied = False in the staleness log;
+a gradient table never holds it), and its worker gets fresh parameters as after any arrival.
+The check is one pass over the gradient (`torch.isfinite(...).all()`, a bool per value;
+measured on one shared CPU core: 0.18 ms for 120,576 values, 1.5 ms for a million). After
+`max_nonfinite` non-finite arrivals in a row (from any workers) the server ends the run as a
+stop does (every worker gets its stop) and says why in `ServerResult.aborted`; one worker whose
+gradients are always non-finite among healthy ones only loses its share.
+
+Resuming (`state_dict`, `load_state_dict`; the checkpoint itself is asyncsgd/state.py's): the
+version, the policy's state and each worker's step, the number of gradients received from it.
+Every PARAMS reply carries that step in its header, so a worker started afresh continues from
+it on new rows (worker.py); a gradient in flight at the save is computed again, on the same
+rows, after a resume.
+
 Costs per applied gradient: one PUSH received and one PARAMS sent, 24 + 4 x numel bytes each
 way (`mesh.meter`: the server's sends are counted there; receives send nothing). The PUSH's
 loss rides in its header (protocol.py): no extra bytes.
@@ -98,9 +113,11 @@ class ServerResult:
     # worker -> why it was (last) dropped; a worker that rejoined stays listed
     lost: dict[int, str] = field(default_factory=dict)
     # per arrival, in the staleness log's order: (the loss its worker reported, the outcome:
-    # "applied" | "held" | "discarded" (the policy's word) | "late" (after the last update))
+    # "applied" | "held" | "discarded" (the policy's word) | "nonfinite" (NaN or infinity in
+    # the gradient: discarded by the server) | "late" (after the last update))
     reports: list[tuple[float, str]] = field(default_factory=list)
     membership: list[Membership] = field(default_factory=list)  # losses and rejoins, in order
+    aborted: str | None = None  # why the run ended early (non-finite gradients), if it did
 
 
 @dataclass
@@ -118,7 +135,6 @@ class _Peer:
     channel: comm.MeshChannel | comm.PairChannel | None = None  # how the server reaches it
     generation: int = 0  # of the channel: 0 the mesh, n the n-th pair channel of this worker
     posted: str = "pull"  # the kind of its posted receive (kept when lost: a late message)
-    next_step: int = 0  # one after the last step of its that arrived: a restart resumes there
 
 
 class ParameterServer:
@@ -147,6 +163,10 @@ class ParameterServer:
         self.waiting: list[int] = []  # workers whose pull is not answered yet, in order
         self.peers = [_Peer(channel=comm.MeshChannel(mesh, axis, w + 1))
                       for w in range(mesh.size(axis) - 1)]
+        self.worker_steps = [0] * len(self.peers)  # per worker: one after its last step that arrived
+        self.max_nonfinite: int | None = None  # serve() sets it
+        self.nonfinite_in_a_row = 0
+        self.aborted: str | None = None
         self.inbox = Inbox()
 
     def run(self) -> ServerResult:
@@ -169,7 +189,7 @@ class ParameterServer:
             log.error("async SGD stopped after %d of %d updates: every worker was lost (%s)",
                       self.version, self.total_updates, self.lost)
         return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports,
-                            self.membership)
+                            self.membership, self.aborted)
 
     def _post(self, w: int, expect: str, msg: Message, tag: int) -> None:
         peer = self.peers[w]
@@ -220,9 +240,14 @@ class ParameterServer:
         gets a fresh buffer, so a policy may keep the gradient (a gradient table)."""
         pulled_version = int(msg.header[VERSION])
         arrived_at = self.version
-        self.peers[w].next_step = int(msg.header[STEP]) + 1
         update, outcome = None, "late"
-        if self.version < self.total_updates:
+        # one after its last step that arrived: where a resumed server or a restart starts it
+        self.worker_steps[w] = int(msg.header[STEP]) + 1
+        if self.version < self.total_updates and not bool(torch.isfinite(msg.body).all()):
+            outcome = "nonfinite"
+            self._on_nonfinite(w, int(msg.header[STEP]))
+        elif self.version < self.total_updates:
+            self.nonfinite_in_a_row = 0
             update = self.policy.on_gradient(w, msg.body, pulled_version, self.version)
             outcome = self.policy.last_outcome
         if update is not None:
@@ -234,6 +259,15 @@ class ParameterServer:
                   int(msg.header[STEP]), pulled_version, arrived_at, outcome)
         if update is not None and self.on_update is not None:
             self.on_update(self)  # may lower total_updates to version: the run then stops
+
+    def _on_nonfinite(self, w: int, step: int) -> None:
+        self.nonfinite_in_a_row += 1
+        log.warning("async SGD: worker %d step %d: non-finite gradient discarded (%d in a row)",
+                    w, step, self.nonfinite_in_a_row)
+        if self.max_nonfinite is not None and self.nonfinite_in_a_row >= self.max_nonfinite:
+            self.aborted = (f"{self.nonfinite_in_a_row} gradients in a row were non-finite "
+                            f"(limit {self.max_nonfinite}) at version {self.version}")
+            self.total_updates = self.version  # every worker gets its stop
 
     def _apply(self, direction: torch.Tensor, lr_scale: float) -> None:
         """params <- params - lr * lr_scale * direction, or the optimizer's step on it, with
@@ -267,7 +301,7 @@ class ParameterServer:
             self.pulled[w] = self.version
             self._post(w, "push", message(self.params.numel()), TAG_PUSH)
         reply = message(self.params.numel())
-        write_header(reply, self.version, stop=stop)
+        write_header(reply, self.version, self.worker_steps[w], stop=stop)
         reply.body.copy_(self.params)
         peer = self.peers[w]
         if peer.sending is not None:
@@ -277,6 +311,19 @@ class ParameterServer:
         if stop:  # watched: its completion (the worker read it) ends this worker
             peer.expect, peer.deadline = "stopping", time.perf_counter() + self.timeout_s
             self.inbox.watch((w, peer.generation), "send", peer.sending)
+
+    def state_dict(self) -> dict:
+        """What a resumed server needs besides its parameters and optimizer (the caller saves
+        those): the version (the lr schedule's position too), each worker's step and the
+        policy's state. Plain ints and lists, and the policy's tensors."""
+        return {"version": self.version, "worker_steps": list(self.worker_steps),
+                "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before `run`. The policy refuses a state of another policy or number of workers."""
+        self.policy.load_state_dict(state["policy"])
+        self.version = int(state["version"])
+        self.worker_steps = [int(s) for s in state["worker_steps"]]
 
     def _lose(self, w: int, reason: str) -> None:
         peer = self.peers[w]
@@ -314,7 +361,7 @@ class ParameterServer:
             return
         peer = self.peers[w]
         try:
-            channel = self.rejoin.accept(w, generation, {"step": peer.next_step,
+            channel = self.rejoin.accept(w, generation, {"step": self.worker_steps[w],
                                                          "version": self.version},
                                          self.mesh.meter, self.axis)
         except comm.PairError as err:
@@ -342,7 +389,8 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
           worker_timeout_s: float = 60.0, axis: str = "world", optimizer=None,
           lr_schedule: Callable[[int], float] | None = None,
           on_update: Callable[[ParameterServer], None] | None = None,
-          rejoin: comm.PairHost | None = None) -> ServerResult:
+          rejoin: comm.PairHost | None = None, state: dict | None = None,
+          max_nonfinite: int | None = None) -> ServerResult:
     """Run the parameter server on member 0 of `axis` until `total_updates` updates are
     applied; members 1.. run `worker.run_worker`. `params`: the initial parameters (copied,
     flattened to fp32). `policy`: has `may_start(worker, version, pulled)` and
@@ -353,8 +401,11 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
     tensor, then used in place, not copied) and whose gradients are views into `params.grad`;
     each update writes the direction there and steps with every group's lr = lr x lr_scale.
     `lr_schedule(version)`: the lr of the update made at `version` (default: `lr`).
-    `on_update(server)`: called after every update (metrics, evaluation); it may end the run
-    early by setting `server.total_updates = server.version`.
+    `on_update(server)`: called after every update (metrics, evaluation, checkpoints); it may
+    end the run early by setting `server.total_updates = server.version`. `state`: a
+    `ParameterServer.state_dict()` to resume from (with `params` and `optimizer` restored by
+    the caller); `total_updates` then counts from version 0 as before, not from the state's.
+    `max_nonfinite`: end the run after this many non-finite gradients in a row (None: never).
     `rejoin`: a comm.PairHost whose address the caller has published: restarted workers ask it
     for a lost worker's place (module docstring); serve watches it and closes it at the end."""
     if optimizer is not None and (params.dim() != 1 or params.dtype != torch.float32
@@ -369,4 +420,7 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
                          f"this is member {mesh.local_rank(axis)} of {mesh.size(axis)}")
     server = ParameterServer(mesh, axis, params, policy, lr, total_updates, worker_timeout_s,
                              optimizer, lr_schedule, on_update, rejoin)
+    server.max_nonfinite = max_nonfinite
+    if state is not None:
+        server.load_state_dict(state)
     return server.run()

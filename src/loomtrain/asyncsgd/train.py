@@ -14,35 +14,32 @@ without reshaping.
   as one dp rank of W would), clips its own gradient to train.grad_clip and pushes the
   gradient with its loss. With async.worker_slowdown factor f > 1 it then sleeps (f - 1) x its
   measured compute time: a straggler whose step is f times as long, whatever the machine.
+  Before each gradient it seeds its RNG from (run.seed, w, s): dropout masks are a function
+  of the step, so a resumed worker draws what the uninterrupted one would have.
 - The server applies each update with the trainer's optimizer (train.optimizer, with its
   weight-decay groups) at lr = lr_at(version) x the policy's lr_scale; train.steps counts
   server updates. It writes metrics.jsonl (the trainer's RunLog), evaluates on its own (a
-  one-rank mesh: no collective with the workers, who never evaluate) and saves the final model.
+  one-rank mesh: no collective with the workers, who never evaluate), discards non-finite
+  gradients (run.max_nonfinite_steps in a row abort the run, exit code 3) and saves checkpoints
+  of its whole state (asyncsgd/state.py), from which `loom train --resume` continues.
 
 - A worker that died rejoins by `loom train --rejoin RUN_DIR --worker W` (`rejoin_async`): while
   the server runs, the run folder holds its rejoin address (rejoin.ADDRESS_FILE); the new
   process builds the same model and data as rank W + 1 did, asks the server for W's place
   and resumes at the step the server gives (rejoin.py, server.py).
-
-Not built yet: checkpoints during the run and resume (the server's optimizer, policy and
-version), skipping non-finite gradients (the server applies what arrives).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from loomtrain import comm
+from loomtrain.asyncsgd import state as server_state
 from loomtrain.asyncsgd.policies import build_policy
 from loomtrain.asyncsgd.rejoin import (
     ADDRESS_FILE,
@@ -57,21 +54,17 @@ from loomtrain.data import WindowSampler, load_corpus, part_sampler, rank_sample
 from loomtrain.errors import ConfigError, UserError
 from loomtrain.mesh import AXES, Mesh
 from loomtrain.models import build_model, token_loss_sum
-from loomtrain.train import checkpoint
 from loomtrain.train.launch import pick_device
-from loomtrain.train.metrics import RunLog, peak_mem_bytes
+from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
 from loomtrain.train.optim import build_optimizer, lr_at
-from loomtrain.train.trainer import _load, _target_tokens, evaluate
+from loomtrain.train.trainer import NonFiniteError, _load, _target_tokens, evaluate, write_config
 
 AXIS = "world"  # member 0: the server; members 1..: the workers
 
 
 def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
-    """Every rank of an `[async] mode = "ps"` run calls this (trainer._loop does)."""
-    if resume is not None:
-        raise ConfigError(f'--resume {resume}: async.mode="ps" saves only the final model; '
-                          "resuming the parameter server (its optimizer, policy and version) is "
-                          "not built yet")
+    """Every rank of an `[async] mode = "ps"` run calls this (trainer._loop does). `resume`: the
+    checkpoint the server restores (the CLI has checked that it fits: asyncsgd/state.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
@@ -80,8 +73,10 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     if mesh.rank == 0:
         val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1,
                                  corpus.val_doc_starts)
-        _serve(cfg, run_dir, mesh, stop, model, flat, val_data, corpus.description)
+        _serve(cfg, run_dir, mesh, stop, model, flat, val_data, corpus.description, resume)
     else:
+        if resume is not None and not _restored(mesh, True):
+            return 0  # the server could not load its checkpoint: it reports why
         train_data = worker_data(cfg, corpus, mesh.rank - 1, mesh.world - 1)
         run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS)
     return 0
@@ -93,6 +88,15 @@ def worker_data(cfg, corpus, worker: int, workers: int) -> WindowSampler:
     if cfg.data.partition == "by_file":
         return part_sampler(corpus, cfg.model.seq_len, cfg.run.seed, worker, workers)
     return WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed, corpus.train_doc_starts)
+
+
+def _restored(mesh, loaded: bool) -> bool:
+    """Resume only, before any message: whether the server loaded its checkpoint (its value of
+    `loaded`), in one broadcast from it. Without it a worker would wait for a reply that never
+    comes, and the failed server in its exit barrier for the worker."""
+    flag = torch.tensor([int(loaded)], device=mesh.device)
+    comm.broadcast(flag, mesh, AXIS, 0)
+    return bool(flag.item())
 
 
 def flatten_parameters(model) -> torch.Tensor:
@@ -125,6 +129,8 @@ class WorkerStep:
     def __call__(self, params: torch.Tensor, step: int) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
         t = self.cfg.train
+        torch.manual_seed((((self.cfg.run.seed << 16) + self.worker) << 32) + step
+                          & 0xFFFF_FFFF_FFFF_FFFF)  # dropout as a function of the step
         self.flat.copy_(params)
         self.flat.grad.zero_()
         batches = [_load(self.data, self._rows(step, micro), self.cfg, self.device)
@@ -154,62 +160,104 @@ def alone(mesh) -> Mesh:
     return Mesh(sizes=dict.fromkeys(AXES, 1), rank=0, ranks_per_node=1, device=mesh.device)
 
 
-def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: str) -> None:
+def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: str,
+           resume: Path | None) -> None:
     workers = mesh.world - 1
     a = cfg.asgd
-    log = RunLog(run_dir, cfg.train.steps, 0, True, cfg.run.progress)
+    policy = build_policy(a.policy, workers, a.max_staleness)
+    optimizer = build_optimizer(model, cfg.train)
+    saved = _restore(cfg, run_dir, resume, model, optimizer, policy, mesh)
+    start = 0 if saved is None else saved["server"]["version"]
+    log = RunLog(run_dir, cfg.train.steps, start, True, cfg.run.progress)
     try:
-        log.message(f"{description}; {flat.numel():,} parameters; asynchronous SGD: parameter "
-                    f"server on rank 0, {workers} workers, policy {a.policy!r}"
-                    + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else ""))
-        metrics = ServerMetrics(cfg, model, val_data, mesh, log, stop)
+        if saved is None:
+            log.message(f"{description}; {flat.numel():,} parameters; asynchronous SGD: parameter "
+                        f"server on rank 0, {workers} workers, policy {a.policy!r}"
+                        + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else ""))
+        else:
+            log.message(f"resumed from {resume} at update {start}; the workers continue at "
+                        f"their steps {saved['server']['worker_steps']}")
+        if start >= cfg.train.steps:
+            log.message(f"nothing to do: the checkpoint is at update {start}, train.steps="
+                        f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
+        metrics = ServerMetrics(cfg, model, val_data, mesh, log, stop, start)
+        if saved is not None:
+            metrics.load_state_dict(saved["metrics"])
+        checkpoints = server_state.ServerCheckpoints(cfg, run_dir, model, optimizer, metrics,
+                                                     stop, log, start)
+
+        def on_update(server: ParameterServer) -> None:
+            metrics.after_update(server)  # first: a stop it notices makes this update the last
+            checkpoints.after_update(server)
+
         mesh.meter.take()
         rejoin = comm.PairHost(cfg.parallel.timeout_s)
         publish_address(run_dir, rejoin.address, workers, flat.numel())
         try:
-            result = serve(mesh, flat, build_policy(a.policy, workers, a.max_staleness),
-                           lr=cfg.train.lr, total_updates=cfg.train.steps,
-                           worker_timeout_s=a.worker_timeout_s, axis=AXIS,
-                           optimizer=build_optimizer(model, cfg.train),
+            result = serve(mesh, flat, policy, lr=cfg.train.lr, total_updates=cfg.train.steps,
+                           worker_timeout_s=a.worker_timeout_s, axis=AXIS, optimizer=optimizer,
                            lr_schedule=lambda version: lr_at(version, cfg.train),
-                           on_update=metrics.after_update, rejoin=rejoin)
+                           on_update=on_update, state=None if saved is None else saved["server"],
+                           max_nonfinite=cfg.run.max_nonfinite_steps, rejoin=rejoin)
         finally:
             withdraw_address(run_dir)
         metrics.finish()
         if result.lost:
             log.message(f"workers lost: {result.lost}; rejoins: "
                         f"{[(m.worker, m.event) for m in result.membership if m.event != 'lost']}")
-        if result.version:
-            path = save_model(run_dir, result.version, model, metrics.optimizer,
-                              {"async": a.policy, "workers": workers})
-            log.message(f"saved the model at update {result.version} to {path}")
+        if result.aborted:  # like the synchronous trainer: no checkpoint, exit code 3
+            raise NonFiniteError(f"async SGD: {result.aborted} (run.max_nonfinite_steps="
+                                 f"{cfg.run.max_nonfinite_steps}); aborting")
+        checkpoints.finish()
     finally:
         log.close()
+
+
+def _restore(cfg, run_dir: Path, resume: Path | None, model, optimizer, policy, mesh
+             ) -> dict | None:
+    """Resume: the model and optimizer loaded from the checkpoint, its server state returned
+    (None for a fresh run) and the outcome told to the workers. Only once it has loaded are
+    metrics.jsonl cut back to its update and config.toml rewritten (with this resume's --set
+    overrides), as the synchronous trainer does: a failed resume changes nothing."""
+    if resume is None:
+        return None
+    try:
+        saved = server_state.restore(resume, model, optimizer, policy, alone(mesh))
+    except Exception:
+        _restored(mesh, False)
+        raise
+    _restored(mesh, True)
+    truncate_metrics(run_dir, saved["server"]["version"])
+    write_config(run_dir, cfg)
+    return saved
 
 
 class ServerMetrics:
     """`on_update` of the server: a metrics.jsonl record every run.log_every updates (and at
     every evaluated update and the last), the validation loss every run.eval_every updates
-    (and at the last), and the stop on SIGINT/SIGTERM."""
+    (and at the last), and the stop on SIGINT/SIGTERM. After a resume the run-wide counts of
+    the last record include the checkpoint's (`load_state_dict`)."""
 
-    def __init__(self, cfg, model, val_data, mesh, log: RunLog, stop):
+    def __init__(self, cfg, model, val_data, mesh, log: RunLog, stop, start: int = 0):
         self.cfg, self.model, self.val_data, self.mesh, self.log, self.stop = (
             cfg, model, val_data, mesh, log, stop)
         self.server: ParameterServer | None = None
-        self.optimizer = None
         self.seen = 0  # arrivals already in a record
-        self.recorded = 0  # the version of the latest record
+        self.recorded = start  # the version of the latest record
+        # the run-wide counts up to the checkpoint resumed from: {staleness: applied}, per worker
+        self.histogram_before: dict[int, int] = {}
+        self.applied_before = [0] * (mesh.world - 1)
         self.window_t0 = self.advanced_t0 = self.t0 = time.perf_counter()
         self.advanced_seen = 0  # arrivals when the progress bar last moved
         # every arrival was computed on global_batch / workers rows
         self.tokens_per_gradient = (cfg.train.global_batch // (mesh.world - 1)) * cfg.model.seq_len
 
     def after_update(self, server: ParameterServer) -> None:
-        self.server, self.optimizer = server, server.optimizer
+        self.server = server
         version = server.version
         if self.stop.signum and version < server.total_updates:
-            self.log.message(f"stopped by signal {self.stop.signum} at update {version}; the "
-                             "model is saved (the server's state is not: no resume)")
+            self.log.message(f"stopped by signal {self.stop.signum} at update {version}; a "
+                             "checkpoint of the server's state is saved at it")
             server.total_updates = version  # the workers get their stop at their next push
         last = version >= server.total_updates
         is_eval = version % self.cfg.run.eval_every == 0 or last
@@ -244,6 +292,7 @@ class ServerMetrics:
                "staleness_max": max(applied, default=0), "applied": len(applied),
                "discarded": sum(outcome == "discarded" for _, outcome in reports),
                "held": sum(outcome == "held" for _, outcome in reports),
+               "nonfinite": sum(outcome == "nonfinite" for _, outcome in reports),
                "workers_lost": len(server.lost),
                "workers_rejoined": sum(m.event != "lost" for m in server.membership),
                "elapsed_s": round(time.perf_counter() - self.t0, 3)}
@@ -251,38 +300,29 @@ class ServerMetrics:
             rec["val_loss"] = evaluate(self.model, self.val_data, self.cfg, alone(self.mesh),
                                        self.mesh.device)
         if last:  # over every applied gradient of the run
+            counts = self.state_dict()
             rec["staleness_histogram"] = {str(k): v for k, v in
-                                          server.staleness.histogram().items()}
-            by_worker = [0] * len(server.peers)
-            for arrival in server.staleness.arrivals:
-                by_worker[arrival.worker] += arrival.applied
-            rec["applied_by_worker"] = by_worker
+                                          counts["staleness_histogram"].items()}
+            rec["applied_by_worker"] = counts["applied_by_worker"]
         self.log.record(rec)
         self.recorded, self.window_t0 = server.version, time.perf_counter()
         return rec
 
+    def state_dict(self) -> dict:
+        """The run-wide counts so far, resumed ones included: {staleness: applied gradients}
+        and the applied gradients per worker."""
+        histogram = dict(self.histogram_before)
+        by_worker = list(self.applied_before)
+        for arrival in self.server.staleness.arrivals:
+            if arrival.applied:
+                histogram[arrival.staleness] = histogram.get(arrival.staleness, 0) + 1
+                by_worker[arrival.worker] += 1
+        return {"staleness_histogram": dict(sorted(histogram.items())),
+                "applied_by_worker": by_worker}
 
-def save_model(run_dir: Path, step: int, model, optimizer, extra: dict) -> Path:
-    """The model and the server's optimizer in the checkpoint format (checkpoint.py's layout,
-    written by this one rank: DCP without a process group), published as
-    checkpoints/step_N/ by one rename; `loom export` and `loom generate` read it. No RNG
-    states and no policy state: it is not a point to resume from."""
-    final = checkpoint.step_dir(run_dir, step)
-    partial = final.with_name(final.name + checkpoint.PARTIAL)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(partial, ignore_errors=True)
-    state = checkpoint.training_state(model, optimizer) if optimizer is not None else {
-        "model": model.state_dict()}
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                 no_dist=True)
-    (partial / "loom.json").write_text(json.dumps(
-        {"step": step, "world": 1, "sizes": dict.fromkeys(AXES, 1), "server_only": True,
-         **extra}, indent=1))
-    shutil.rmtree(final, ignore_errors=True)  # a fresh run under torchrun may reuse a folder
-    os.replace(partial, final)
-    return final
+    def load_state_dict(self, state: dict) -> None:
+        self.histogram_before = {int(k): int(v) for k, v in state["staleness_histogram"].items()}
+        self.applied_before = [int(n) for n in state["applied_by_worker"]]
 
 
 def rejoin_async(cfg, run_dir: Path, worker: int) -> int:

@@ -273,18 +273,26 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
     except CheckpointException as err:
         raise CheckpointError(f"could not write checkpoint {str(partial)!r}: {_root_causes(err)}") from None
     if mesh.rank == 0:
-        meta_file = partial / _META
-        meta_file.write_text(json.dumps({"step": step, "world": mesh.world, "sizes": mesh.sizes,
-                                         **extra}, indent=1))
-        _fsync(meta_file)
-        _discard(final)  # a fresh run under torchrun may reuse a folder
-        os.replace(partial, final)
-        _fsync(final.parent)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            _discard(old)
-        for stale in [*final.parent.glob(f"*{PARTIAL}"), *final.parent.glob(f"*{TRASH}")]:
-            shutil.rmtree(stale, ignore_errors=True)
+        publish(run_dir, final, {"step": step, "world": mesh.world, "sizes": mesh.sizes, **extra},
+                keep)
     return final
+
+
+def publish(run_dir: Path, final: Path, meta: dict, keep: int) -> None:
+    """Once every part of `final`'s `.partial` folder is written (one process): loom.json, one
+    rename to `final`, then all but the newest `keep` checkpoints and any leftover `.partial`
+    or `.trash` folder deleted."""
+    partial = final.with_name(final.name + PARTIAL)
+    meta_file = partial / _META
+    meta_file.write_text(json.dumps(meta, indent=1))
+    _fsync(meta_file)
+    _discard(final)  # a fresh run under torchrun may reuse a folder
+    os.replace(partial, final)
+    _fsync(final.parent)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        _discard(old)
+    for stale in [*final.parent.glob(f"*{PARTIAL}"), *final.parent.glob(f"*{TRASH}")]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _lookup(state_dict: dict, index):
@@ -385,8 +393,11 @@ def _init_optimizer_state(optimizer) -> None:
         p.grad = None
 
 
-def load(path: Path, model, optimizer, mesh) -> dict:
-    """Collective. Restores model, optimizer and this rank's RNG state; returns loom.json."""
+def load(path: Path, model, optimizer, mesh, extra: dict | None = None) -> dict:
+    """Collective. Restores model, optimizer and this rank's RNG state; returns loom.json.
+    On a one-rank `mesh`, DCP runs without a process group (the asynchronous parameter server
+    loads alone while its workers wait). `extra`: more entries to read, {key: placeholder},
+    replaced in place by the checkpoint's values."""
     meta, metadata = verify(path)
     mismatch = check_replicas(metadata.state_dict_metadata, model)
     if mismatch:
@@ -399,7 +410,10 @@ def load(path: Path, model, optimizer, mesh) -> dict:
     state.update(rng)
     compression = _compression_state(model, mesh.rank, metadata)
     state.update(compression)
-    _dcp_load(path, state, metadata)
+    state.update(extra or {})
+    _dcp_load(path, state, metadata, no_dist=mesh.world == 1)
+    for key in extra or {}:
+        extra[key] = state[key]
     try:
         if zero:
             load_zero_state(model, optimizer, state)

@@ -378,10 +378,6 @@ def _check_async_sgd(cfg) -> None:
             raise ValueError(f'async.mode="ps" with {key}={value!r} is not supported: the server '
                              "and every worker hold the whole fp32 model, each worker computes "
                              f"its gradient alone, with no collective ({key}={allowed!r})")
-    if "every" in cfg.checkpoint.model_fields_set and cfg.checkpoint.every:
-        raise ValueError(f'async.mode="ps" saves the model once, at the end: checkpoints during '
-                         f"the run (the server's state) are not built yet; set checkpoint.every=0 "
-                         f"(got {cfg.checkpoint.every})")
     workers = p.nproc - 1
     if a.worker_slowdown and len(a.worker_slowdown) != workers:
         raise ValueError(f"async.worker_slowdown={a.worker_slowdown} needs one factor per worker: "

@@ -1,0 +1,214 @@
+"""Checkpoints of the asynchronous parameter server (`[async] mode = "ps"`), and resuming them.
+
+Layout: the trainer's (train/checkpoint.py), written by the server alone (DCP without a process
+group: the workers never take part): `checkpoints/step_N.partial/`, then loom.json, then one
+rename to `checkpoints/step_N/`, then all but the newest `checkpoint.keep` deleted. N is the
+server's version. `loom export` and `loom generate` read it like any other checkpoint.
+
+What is saved:
+- "model", "optim": the parameters and the server's optimizer, as the trainer saves them;
+- "server_state": one `torch.save` blob of plain data, read back with `weights_only=True`:
+  `ParameterServer.state_dict()` (the version, which also places the lr schedule,
+  lr_at(version); each worker's step, the number of gradients received from it; the policy's
+  state: Ringleader's two tables, its phase and members) and the metrics' run-wide counts (the
+  staleness histogram and the applied gradients per worker; the arrivals one by one are not
+  kept). Its tensors (Ringleader's sums) are DCP entries of their own, "server_tensor.<i>",
+  each named in the blob by a marker: a blob holding them would be pickled twice over (once by
+  torch.save, once more by DCP, which saves non-tensor values with torch.save), measured at
+  twice the write time of the same bytes as tensors;
+- loom.json: the step, `"async"` (the policy), `"workers"`, `"server_only": true`, and
+  `"stopped_by"` after a signal.
+No RNG state: the server draws no random number, and a worker seeds its RNG from (run.seed,
+worker, step) before each gradient (train.py), so dropout needs no saved state either.
+
+When: inside the server's `on_update`, after the update it covers: every `checkpoint.every`
+updates and at the last update (train.steps, or the stop that SIGINT/SIGTERM causes); after
+the run only if it ended otherwise (every worker lost). So a checkpoint never counts a
+gradient that arrived after the last update.
+
+Cost: the write happens on the server's thread. While it writes the server answers nobody, so
+a worker that pushes meanwhile waits for its next parameters up to the write's duration (its
+PUSH itself lands in the receive posted for it; the others keep computing). The write is 4 x
+numel bytes for the parameters, the optimizer's state (AdamW: 8 x numel) and Ringleader's
+tables (up to 2 x W x 4 x numel), fsynced.
+
+Resume: the server restores model, optimizer and state before answering any worker, and every
+PARAMS reply carries the worker's step (protocol.py), so a worker started afresh continues at
+its next rows. The gradient each worker was computing at the save is lost and computed again
+(the same rows, on the checkpoint's parameters); with one worker nothing is in flight at a save
+(the server saves before it replies), so a resumed run repeats the uninterrupted one bitwise.
+A worker lost before the save is live again after a resume (new processes), but Ringleader's
+table keeps it out (ringleader.py). `check_resume` refuses, before anything is spawned or
+written, a checkpoint the run does not fit.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import signal
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from loomtrain.errors import CheckpointError
+from loomtrain.mesh import AXES
+from loomtrain.train import checkpoint
+
+SERVER_STATE = "server_state"  # the DCP key of the server's state blob
+_TENSOR = "server_tensor."  # the DCP keys of its tensors; (_TENSOR, key) marks one in the blob
+
+
+def save(run_dir: Path, step: int, model, optimizer, state: dict, keep: int,
+         extra: dict) -> Path:
+    """One process: the model, the optimizer and `state` (plain data and tensors) as
+    checkpoint step_N, published by one rename; returns its folder."""
+    final = checkpoint.step_dir(run_dir, step)
+    partial = final.with_name(final.name + checkpoint.PARTIAL)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)  # what a crash during an earlier save left
+    tensors: dict[str, torch.Tensor] = {}
+    blob = io.BytesIO()
+    torch.save(_pack(state, tensors), blob)
+    values = {**checkpoint.training_state(model, optimizer), SERVER_STATE: blob.getvalue(),
+              **tensors}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(values, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+                 no_dist=True)
+    checkpoint.publish(run_dir, final, {"step": step, "world": 1, "sizes": dict.fromkeys(AXES, 1),
+                                        "server_only": True, **extra}, keep)
+    return final
+
+
+def restore(path: Path, model, optimizer, policy, mesh) -> dict:
+    """One process (`mesh` of one rank): loads the model and the optimizer in place and
+    returns the saved state, {"server": ..., "metrics": ...}, once `policy` has accepted its
+    part (CheckpointError otherwise)."""
+    saved = {SERVER_STATE: b""}
+    saved.update({k: torch.empty(m.size, dtype=m.properties.dtype)
+                  for k, m in checkpoint.read_metadata(path).state_dict_metadata.items()
+                  if k.startswith(_TENSOR) and hasattr(m, "size")})
+    checkpoint.load(path, model, optimizer, mesh, saved)
+    try:
+        state = _unpack(torch.load(io.BytesIO(saved[SERVER_STATE]), weights_only=True), saved)
+    except Exception as err:  # a garbled blob raises UnpicklingError, EOFError, KeyError, ...
+        raise CheckpointError(f"checkpoint {str(path)!r}: the server's state is damaged "
+                              f"({type(err).__name__}: {err})") from None
+    policy.load_state_dict(state["server"]["policy"])
+    return state
+
+
+def _pack(tree, tensors: dict):
+    """`tree` (dicts, lists, tuples, plain values, tensors) with each tensor moved into
+    `tensors` under a DCP key and replaced by the marker (_TENSOR, key)."""
+    if torch.is_tensor(tree):
+        key = f"{_TENSOR}{len(tensors)}"
+        tensors[key] = tree
+        return (_TENSOR, key)
+    if isinstance(tree, dict):
+        return {k: _pack(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_pack(v, tensors) for v in tree)
+    return tree
+
+
+def _unpack(tree, tensors: dict):
+    """`_pack` undone: each marker replaced by its tensor."""
+    if isinstance(tree, tuple) and len(tree) == 2 and tree[0] == _TENSOR:
+        return tensors[tree[1]]
+    if isinstance(tree, dict):
+        return {k: _unpack(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_unpack(v, tensors) for v in tree)
+    return tree
+
+
+def check_resume(cfg, path: Path) -> None:
+    """Refuses (CheckpointError) to resume from checkpoint `path` a run it does not fit: one
+    written by synchronous training into async.mode="ps" or the reverse, and for the parameter
+    server another number of workers, another policy, another model shape, or a checkpoint
+    without the server's state. Reads loom.json and DCP's metadata only."""
+    meta, metadata = checkpoint.read_meta(path), checkpoint.read_metadata(path)
+    ps = cfg.asgd.mode == "ps"
+    if "async" not in meta:
+        if not ps:
+            return
+        written, problems = 'synchronous training (async.mode="none")', ['this run has async.mode="ps"']
+    else:
+        written = (f'the parameter server (async.mode="ps") with async.policy={meta["async"]!r} '
+                   f'and {meta["workers"]} workers')
+        problems = [] if ps else ['this run has async.mode="none"']
+    if ps and "async" in meta:
+        workers = cfg.parallel.nproc - 1
+        if meta["workers"] != workers:
+            problems.append(f"this run has {workers} workers (parallel.nproc={cfg.parallel.nproc})")
+        if meta["async"] != cfg.asgd.policy:
+            problems.append(f"this run has async.policy={cfg.asgd.policy!r}")
+        if SERVER_STATE not in metadata.state_dict_metadata:
+            problems.append("it holds the final model only, without the server's state (written "
+                            "before server checkpoints existed): it cannot be resumed")
+        problems += _model_mismatch(cfg, metadata)
+    if problems:
+        raise CheckpointError(
+            f"--resume: checkpoint {str(path)!r} was written by {written}, and "
+            f"{'; '.join(problems)}. Resume with the settings of the run that wrote it (its "
+            "config.toml, without --set overrides of these keys), or start a new run; nothing "
+            "in the run folder was changed")
+
+
+def _model_mismatch(cfg, metadata) -> list[str]:
+    """The first model tensor whose name or shape differs between the checkpoint and the model
+    `cfg` builds (on the meta device: no memory, no initialization)."""
+    from loomtrain.models import build_model
+
+    with torch.device("meta"):
+        ours = {k: list(v.shape) for k, v in build_model(cfg.model).state_dict().items()}
+    saved = {k.removeprefix("model."): list(m.size)
+             for k, m in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(m, "size")}
+    for name in sorted(set(ours) | set(saved)):
+        if ours.get(name) != saved.get(name):
+            return [f"the model differs (the [model] section): tensor {name!r} is "
+                    f"{saved.get(name, 'absent')} in the checkpoint and {ours.get(name, 'absent')} "
+                    "in this run"]
+    return []
+
+
+class ServerCheckpoints:
+    """The checkpoint part of the server's `on_update`: one every `checkpoint.every` updates
+    and at the last update (train.steps or a stop); `finish()` one more if the run ended
+    otherwise. `metrics` (train.ServerMetrics) gives the run-wide counts (`state_dict()`)."""
+
+    def __init__(self, cfg, run_dir: Path, model, optimizer, metrics, stop, log, start: int):
+        self.cfg, self.run_dir, self.model, self.optimizer = cfg, run_dir, model, optimizer
+        self.metrics, self.stop, self.log = metrics, stop, log
+        self.saved = start  # the version of the newest checkpoint
+        self.server = None
+
+    def after_update(self, server) -> None:
+        self.server = server
+        every, version = self.cfg.checkpoint.every, server.version
+        if version >= server.total_updates or (every and version % every == 0):
+            self._save(server)
+
+    def finish(self) -> None:
+        """After the run: a checkpoint of the last update if none holds it yet."""
+        if self.server is not None and self.saved < self.server.version:
+            self._save(self.server)
+
+    def _save(self, server) -> None:
+        extra = {"async": self.cfg.asgd.policy, "workers": len(server.peers)}
+        if self.stop.signum:
+            extra["stopped_by"] = signal.Signals(self.stop.signum).name
+        state = {"server": server.state_dict(), "metrics": self.metrics.state_dict()}
+        path = save(self.run_dir, server.version, self.model, self.optimizer, state,
+                    self.cfg.checkpoint.keep, extra)
+        self.saved = server.version
+        if self.stop.signum:
+            self.log.message(f"saved checkpoint {path} at update {server.version}; continue "
+                             f"with: loom train --resume {self.run_dir}")
+        elif server.version >= server.total_updates:
+            self.log.message(f"saved checkpoint {path} at update {server.version}")
