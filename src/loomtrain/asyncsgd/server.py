@@ -30,9 +30,11 @@ and never waited for or answered again; its posted receive stays posted, so one 
 serves one run when a worker was lost. A policy with `on_lost(worker)` is told. If every worker
 is lost the run returns early, with fewer than `total_updates` updates (the result says so).
 
-Costs per applied gradient: one PUSH received and one PARAMS sent, 24 + 4 x numel bytes each
+Costs per applied gradient: one PUSH received and one PARAMS sent, 32 + 4 x numel bytes each
 way (`mesh.meter`: the server's sends are counted there; receives send nothing). The PUSH's
-loss rides in its header (protocol.py): no extra bytes.
+loss rides in its header (protocol.py): no extra bytes. A PUSH may hold the mean of k
+gradients (its header says k; worker.py); the policy treats it as one gradient, and the server
+only records k (`accumulation`, for the metrics' tokens).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from loomtrain.asyncsgd.protocol import (
     Inbox,
     Message,
     message,
+    read_count,
     read_loss,
     write_header,
 )
@@ -71,6 +74,7 @@ class ServerResult:
     # per arrival, in the staleness log's order: (the loss its worker reported, the outcome:
     # "applied" | "held" | "discarded" (the policy's word) | "late" (after the last update))
     reports: list[tuple[float, str]] = field(default_factory=list)
+    accumulation: list[int] = field(default_factory=list)  # per arrival: gradients averaged
 
 
 @dataclass
@@ -105,6 +109,7 @@ class ParameterServer:
         self.last_lr = lr  # the schedule's lr of the latest update (before lr_scale)
         self.staleness = StalenessLog()
         self.reports: list[tuple[float, str]] = []
+        self.accumulation: list[int] = []  # per arrival, in the staleness log's order: its k
         self.lost: dict[int, str] = {}
         self.pulled: dict[int, int] = {}  # live worker -> version of the parameters it holds
         self.waiting: list[int] = []  # workers whose pull is not answered yet, in order
@@ -124,7 +129,8 @@ class ParameterServer:
         if self.version < self.total_updates:
             log.error("async SGD stopped after %d of %d updates: every worker was lost (%s)",
                       self.version, self.total_updates, self.lost)
-        return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports)
+        return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports,
+                            self.accumulation)
 
     def _post(self, w: int, expect: str, msg: Message, tag: int) -> None:
         peer = self.peers[w]
@@ -175,6 +181,7 @@ class ParameterServer:
             self.version += 1
         self.staleness.record(w, pulled_version, arrived_at, update is not None)
         self.reports.append((read_loss(msg), outcome))
+        self.accumulation.append(read_count(msg))
         log.debug("worker %d step %d: pulled v%d, arrived at v%d, %s", w,
                   int(msg.header[STEP]), pulled_version, arrived_at, outcome)
         if update is not None and self.on_update is not None:

@@ -14,6 +14,8 @@ without reshaping.
   as one dp rank of W would), clips its own gradient to train.grad_clip and pushes the
   gradient with its loss. With async.worker_slowdown factor f > 1 it then sleeps (f - 1) x its
   measured compute time: a straggler whose step is f times as long, whatever the machine.
+  With async.adaptive it pushes the mean of k such gradients (its steps s .. s + k - 1), k
+  chosen per push by adaptive.AdaptiveAccumulation from the round trips it measures.
 - The server applies each update with the trainer's optimizer (train.optimizer, with its
   weight-decay groups) at lr = lr_at(version) x the policy's lr_scale; train.steps counts
   server updates. It writes metrics.jsonl (the trainer's RunLog), evaluates on its own (a
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from loomtrain.asyncsgd.adaptive import AdaptiveAccumulation
 from loomtrain.asyncsgd.policies import build_policy
 from loomtrain.asyncsgd.server import ParameterServer, serve
 from loomtrain.asyncsgd.worker import run_worker
@@ -73,7 +76,11 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
         else:
             train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed,
                                        corpus.train_doc_starts)
-        run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS)
+        a = cfg.asgd
+        accumulation = (AdaptiveAccumulation(a.max_accumulation, a.comm_fraction)
+                        if a.adaptive else 1)
+        run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS,
+                   accumulation=accumulation)
     return 0
 
 
@@ -143,7 +150,11 @@ def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: s
     try:
         log.message(f"{description}; {flat.numel():,} parameters; asynchronous SGD: parameter "
                     f"server on rank 0, {workers} workers, policy {a.policy!r}"
-                    + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else ""))
+                    + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else "")
+                    + (f", adaptive accumulation up to {a.max_accumulation} gradients per push "
+                       f"(communication share <= {a.comm_fraction:g})" if a.adaptive else ""))
+        if mesh.link is not None:
+            log.message(mesh.link.describe())
         metrics = ServerMetrics(cfg, model, val_data, mesh, log, stop)
         mesh.meter.take()
         result = serve(mesh, flat, build_policy(a.policy, workers, a.max_staleness),
@@ -177,7 +188,7 @@ class ServerMetrics:
         self.recorded = 0  # the version of the latest record
         self.window_t0 = self.advanced_t0 = self.t0 = time.perf_counter()
         self.advanced_seen = 0  # arrivals when the progress bar last moved
-        # every arrival was computed on global_batch / workers rows
+        # every gradient was computed on global_batch / workers rows (an arrival averages k)
         self.tokens_per_gradient = (cfg.train.global_batch // (mesh.world - 1)) * cfg.model.seq_len
 
     def after_update(self, server: ParameterServer) -> None:
@@ -193,7 +204,8 @@ class ServerMetrics:
         if is_eval or version % self.cfg.run.log_every == 0:
             loss = self._record(server, is_eval, last)["loss"]
         now, arrivals = time.perf_counter(), len(server.staleness.arrivals)
-        self.log.advance(loss, (arrivals - self.advanced_seen) * self.tokens_per_gradient
+        gradients = sum(server.accumulation[self.advanced_seen:arrivals])
+        self.log.advance(loss, gradients * self.tokens_per_gradient
                          / max(now - self.advanced_t0, 1e-9))
         self.advanced_t0, self.advanced_seen = now, arrivals
 
@@ -205,15 +217,17 @@ class ServerMetrics:
     def _record(self, server: ParameterServer, is_eval: bool, last: bool) -> dict:
         arrivals = server.staleness.arrivals[self.seen:]
         reports = server.reports[self.seen:]
+        counts = server.accumulation[self.seen:]  # gradients each arrival averages
         self.seen += len(arrivals)
         applied = [a.staleness for a in arrivals if a.applied]
         losses = [loss for a, (loss, _) in zip(arrivals, reports)
                   if a.applied and math.isfinite(loss)]
-        elapsed = time.perf_counter() - self.window_t0
+        now = time.perf_counter()
+        elapsed = now - self.window_t0
         rec = {"step": server.version,
                "loss": sum(losses) / len(losses) if losses else float("nan"),
                "lr": server.last_lr, "grad_norm": float(server.params.grad.norm()),
-               "tokens_per_s": len(arrivals) * self.tokens_per_gradient / max(elapsed, 1e-9),
+               "tokens_per_s": sum(counts) * self.tokens_per_gradient / max(elapsed, 1e-9),
                "comm_bytes": self.mesh.meter.take(),
                "peak_mem_bytes": peak_mem_bytes(self.mesh.device),
                "staleness_mean": sum(applied) / len(applied) if applied else 0.0,
@@ -221,7 +235,12 @@ class ServerMetrics:
                "discarded": sum(outcome == "discarded" for _, outcome in reports),
                "held": sum(outcome == "held" for _, outcome in reports),
                "workers_lost": len(server.lost),
-               "elapsed_s": round(time.perf_counter() - self.t0, 3)}
+               "elapsed_s": round(time.perf_counter() - self.t0, 3),
+               "accumulation_mean": sum(counts) / len(counts) if counts else 0.0}
+        if self.mesh.link is not None:  # the server's link: its PARAMS sends over its capacity
+            rec["link_gbps"] = self.mesh.link.gbps_at(now)
+            rec["link_utilization"] = round(rec["comm_bytes"].get("total", 0) / max(
+                self.mesh.link.capacity_bytes(self.window_t0, now), 1e-9), 4)
         if is_eval:
             rec["val_loss"] = evaluate(self.model, self.val_data, self.cfg, alone(self.mesh),
                                        self.mesh.device)
