@@ -8,13 +8,19 @@ ops), `inter_node_bytes` (of those, the bytes of ops whose group spans nodes), `
 twice), `link_wait_s` (what no computation hid), `loop_s` (the loop's measured seconds, the
 simulated delays included: they are real waits); rank 0 also the final `val_loss`, the last
 logged `loss`, the loss-against-bytes `curve` and its metrics `records`.
+
+`stop_after_s`: every reported job stops after that many seconds of wall time, counted from
+its mesh (and simulated link) being made, as on SIGTERM: the run ends at its next step (the
+parameter server: its next update), evaluates and saves. None: each runs its train.steps.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +30,8 @@ from worlds import free_port, joined_world
 DIAGNOSTIC = "all_reduce_diagnostic"  # compression's error measurement: not the method's bytes
 
 
-def _run_rank(rank: int, world: int, port: int, jobs: list, root: str, out) -> None:
+def _run_rank(rank: int, world: int, port: int, jobs: list, root: str, out,
+              stop_after_s: float | None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
     from loomtrain.train import trainer
@@ -38,7 +45,12 @@ def _run_rank(rank: int, world: int, port: int, jobs: list, root: str, out) -> N
             cfg = config_from_dict(tree)
             mesh = init_distributed(cfg)
             start = time.perf_counter()
-            trainer._loop(cfg, Path(root) / label, None, mesh, trainer.StopFlag())
+            stop = trainer.StopFlag()
+            timer = threading.Timer(stop_after_s or 0.0, setattr, (stop, "signum", signal.SIGTERM))
+            if stop_after_s is not None and label != "warmup" and rank == 0:
+                timer.start()  # rank 0 decides the stop: the others follow at the next step
+            trainer._loop(cfg, Path(root) / label, None, mesh, stop)
+            timer.cancel()
             elapsed = time.perf_counter() - start
             m = mesh.meter
             link_s = m.total("simulated_s") - m.total("simulated_s", op="recv")
@@ -73,13 +85,14 @@ def loss_curve(records: list[dict]) -> list[tuple[int, float]]:
     return curve
 
 
-def run_jobs(jobs: list[tuple[str, dict]], world: int, root: str) -> dict[str, dict[int, dict]]:
+def run_jobs(jobs: list[tuple[str, dict]], world: int, root: str,
+             stop_after_s: float | None = None) -> dict[str, dict[int, dict]]:
     """Run `jobs` ((label, config tree), in order; a job labelled "warmup" is not reported) in
     one world of `world` spawned ranks; returns {label: {rank: figures}}. Exits if a rank dies."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_run_rank, args=(r, world, port, jobs, root, out))
+    procs = [ctx.Process(target=_run_rank, args=(r, world, port, jobs, root, out, stop_after_s))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -20,7 +20,7 @@ from loomtrain.asyncsgd import build_policy, run_worker, serve
 from loomtrain.mesh import build_mesh
 
 D, BATCH, LR = 16, 8, 0.05
-HEADER_BYTES = 24  # protocol.HEADER_WORDS int64 words
+HEADER_BYTES = 32  # protocol.HEADER_WORDS int64 words
 TARGET = torch.randn(D, generator=torch.Generator().manual_seed(0))
 
 

@@ -59,6 +59,31 @@ def test_ops_in_flight_queue_on_the_link_and_node_local_ops_do_not():
     assert link.due(100.0, [0, 2], WIRE) == pytest.approx(100.0 + 2 * transfer + 0.02)
 
 
+def test_a_link_whose_bandwidth_changes_integrates_each_transfer_over_the_schedule():
+    # 1 Gbit/s, 0.5 from 10 s after it was made, 2 from 20 s; made at perf_counter time 100
+    link = SlowLink(1.0, 5.0, 1, changes=[(10, 0.5), (20, 2.0)], made_at=100.0)
+    assert [link.gbps_at(t) for t in (105, 110, 119.9, 120, 500)] == [1.0, 0.5, 0.5, 2.0, 2.0]
+    gbit = 125_000_000  # bytes
+    assert link.transfer_s(gbit, at_s=105) == pytest.approx(1.0)  # before the change
+    # from 109.5: half a Gbit at 1 Gbit/s, the other half at 0.5 Gbit/s -> 0.5 + 1.0 s
+    assert link.transfer_s(gbit, at_s=109.5) == pytest.approx(1.5)
+    # from 109: 1 s at 1, 10 s at 0.5 (5 Gbit), then 1 Gbit at 2 -> 11.5 s for 7 Gbit
+    assert link.transfer_s(7 * gbit, at_s=109) == pytest.approx(11.5)
+    assert link.delay_s([0, 1], gbit, at_s=109.5) == pytest.approx(1.505)
+    # the queue: an op started behind one that crosses the change pays the new rate
+    assert link.due(109.5, [0, 1], gbit) == pytest.approx(111.005)
+    assert link.due(109.5, [0, 1], gbit) == pytest.approx(113.005)  # 1 Gbit at 0.5 after 111
+    assert link.capacity_bytes(109, 121) == pytest.approx(gbit * (1 + 5 + 2))
+    assert "0.5 Gbit/s after 10 s" in link.describe()
+
+
+@pytest.mark.parametrize("changes", [[(0, 1.0)], [(2, 1.0), (1, 1.0)], [(1, 1.0), (1, 2.0)],
+                                     [(1, 0.0)]])
+def test_bad_link_changes_are_refused(changes):
+    with pytest.raises(ValueError, match="SlowLink changes"):
+        SlowLink(1.0, 0.0, 1, changes=changes)
+
+
 @pytest.mark.parametrize("args", [(0.0, 1.0, 2), (1.0, -1.0, 2), (1.0, 1.0, 0)])
 def test_bad_link_arguments_are_refused(args):
     with pytest.raises(ValueError, match="SlowLink"):

@@ -7,10 +7,10 @@ Messages, each one `comm.send` of one byte buffer: an int64 header of `HEADER_WO
 followed by an fp32 body. Tags name the kind, so a receiver that expects one kind never takes
 another (gloo matches a send to the receive of the same tag and source):
 
-    kind    tag        direction         header                         body
-    PULL    TAG_PULL   worker -> server  (-1, 0, 0)                     none
-    PUSH    TAG_PUSH   worker -> server  (pulled version, step, loss)   gradient, numel fp32
-    PARAMS  TAG_PARAMS server -> worker  (version, step, stop)          parameters, numel fp32
+    kind    tag        direction         header                            body
+    PULL    TAG_PULL   worker -> server  (-1, 0, 0, 0)                     none
+    PUSH    TAG_PUSH   worker -> server  (pulled version, step, loss, k)   gradient, numel fp32
+    PARAMS  TAG_PARAMS server -> worker  (version, step, stop, 0)          parameters, numel fp32
 
 In PARAMS, step is the number of gradients the server has received from that worker, i.e. the
 step it computes next: 0 in a fresh run, where a resumed server's checkpoint left it otherwise
@@ -18,7 +18,9 @@ step it computes next: 0 in a fresh run, where a resumed server's checkpoint lef
 kind-specific: in PARAMS it is the stop flag, in PUSH the worker's training
 loss on the batch of that gradient (the bits of an fp64, NaN when the worker reports none),
 which the server averages into its metrics. Reusing the word keeps every message the size it
-was: the loss costs no byte on the wire.
+was: the loss costs no byte on the wire. The fourth word of a PUSH is k >= 1, the number of
+gradients (at the same pulled version, on the worker's batches step .. step + k - 1) whose
+mean the body holds (adaptive.py); 0 in PULL and PARAMS.
 
 A worker sends PULL once; after that each PUSH is also its request for the next PARAMS (one
 message per step each way instead of three). The reply with stop = 1 carries the final
@@ -45,9 +47,10 @@ import torch
 
 from loomtrain import comm
 
-HEADER_WORDS = 3
+HEADER_WORDS = 4
 VERSION, STEP, STOP = 0, 1, 2  # header word indices
 LOSS = 2  # PUSH: the word PARAMS uses for STOP holds the loss (fp64 bits)
+COUNT = 3  # PUSH: how many gradients the body averages
 # distinct from 0 (comm.send's default) and unlikely to meet a ring op's crc-derived tag
 TAG_PULL, TAG_PUSH, TAG_PARAMS = 0x41530001, 0x41530002, 0x41530003
 
@@ -62,9 +65,10 @@ class Message:
 
 
 def message(numel: int) -> Message:
-    """An uninitialized message with a body of `numel` fp32 values."""
+    """A message with a zeroed header and an uninitialized body of `numel` fp32 values."""
     head = 8 * HEADER_WORDS
     buffer = torch.empty(head + 4 * numel, dtype=torch.uint8)
+    buffer[:head].zero_()  # words a kind does not use go out as 0
     return Message(buffer, buffer[:head].view(torch.int64), buffer[head:].view(torch.float32))
 
 
@@ -80,6 +84,15 @@ def write_loss(msg: Message, loss: float | None) -> None:
 def read_loss(msg: Message) -> float:
     """The loss a PUSH carries (NaN: the worker reported none)."""
     return float(msg.header[LOSS:LOSS + 1].view(torch.float64)[0])
+
+
+def write_count(msg: Message, gradients: int) -> None:
+    """A PUSH's k: its body is the mean of this many gradients."""
+    msg.header[COUNT] = gradients
+
+
+def read_count(msg: Message) -> int:
+    return int(msg.header[COUNT])
 
 
 class Inbox:

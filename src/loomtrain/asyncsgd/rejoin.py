@@ -11,7 +11,7 @@ then build a two-member gloo group (comm.PairChannel), and the worker runs the o
 loop (`run_worker`) over it: PULL, then PUSH/PARAMS until stop.
 
 Costs: one store round trip to connect and a few to ask, one gloo connection; then each step
-costs what it costs any worker (24 + 4 x numel bytes each way), counted in `meter` under
+costs what it costs any worker (32 + 4 x numel bytes each way), counted in `meter` under
 (axis, "send"). Refusal or no server: `comm.PairRefused` (the server's reason) or
 `comm.PairError`, before anything is computed.
 """
@@ -29,12 +29,15 @@ ADDRESS_FILE = "async_rejoin.json"  # in a `loom train` run folder, while its se
 
 
 def rejoin_worker(address: str, worker: int, grad_fn: GradFn, numel: int, *, timeout_s: float,
-                  meter: comm.CommMeter | None = None, axis: str = "world") -> WorkerResult:
+                  meter: comm.CommMeter | None = None, axis: str = "world",
+                  accumulation=1) -> WorkerResult:
     """Rejoin the server whose rejoin host is at `address` ("host:port") as worker `worker`
     and work until it sends stop; `grad_fn` as for `run_worker` (it is called from the step
-    the server gives). `timeout_s`: for the rendezvous and every op on the channel."""
+    the server gives). `timeout_s`: for the rendezvous and every op on the channel.
+    `accumulation`: as for `run_worker`."""
     channel, answer = comm.join_pair(address, worker, timeout_s, meter or comm.CommMeter(), axis)
-    return run_worker(None, grad_fn, numel, channel=channel)  # from step answer["step"]
+    # from step answer["step"], which the server's first reply repeats
+    return run_worker(None, grad_fn, numel, channel=channel, accumulation=accumulation)
 
 
 def publish_address(run_dir: Path, address: str, workers: int, numel: int) -> None:

@@ -63,9 +63,11 @@ Every PARAMS reply carries that step in its header, so a worker started afresh c
 it on new rows (worker.py); a gradient in flight at the save is computed again, on the same
 rows, after a resume.
 
-Costs per applied gradient: one PUSH received and one PARAMS sent, 24 + 4 x numel bytes each
+Costs per applied gradient: one PUSH received and one PARAMS sent, 32 + 4 x numel bytes each
 way (`mesh.meter`: the server's sends are counted there; receives send nothing). The PUSH's
-loss rides in its header (protocol.py): no extra bytes.
+loss rides in its header (protocol.py): no extra bytes. A PUSH may hold the mean of k
+gradients (its header says k; worker.py); the policy treats it as one gradient, and the server
+only records k (`accumulation`, for the metrics' tokens).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ from loomtrain.asyncsgd.protocol import (
     Inbox,
     Message,
     message,
+    read_count,
     read_loss,
     write_header,
 )
@@ -118,6 +121,7 @@ class ServerResult:
     reports: list[tuple[float, str]] = field(default_factory=list)
     membership: list[Membership] = field(default_factory=list)  # losses and rejoins, in order
     aborted: str | None = None  # why the run ended early (non-finite gradients), if it did
+    accumulation: list[int] = field(default_factory=list)  # per arrival: gradients averaged
 
 
 @dataclass
@@ -157,6 +161,7 @@ class ParameterServer:
         self.last_lr = lr  # the schedule's lr of the latest update (before lr_scale)
         self.staleness = StalenessLog()
         self.reports: list[tuple[float, str]] = []
+        self.accumulation: list[int] = []  # per arrival, in the staleness log's order: its k
         self.lost: dict[int, str] = {}
         self.membership: list[Membership] = []
         self.pulled: dict[int, int] = {}  # live worker -> version of the parameters it holds
@@ -189,7 +194,7 @@ class ParameterServer:
             log.error("async SGD stopped after %d of %d updates: every worker was lost (%s)",
                       self.version, self.total_updates, self.lost)
         return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports,
-                            self.membership, self.aborted)
+                            self.membership, self.aborted, self.accumulation)
 
     def _post(self, w: int, expect: str, msg: Message, tag: int) -> None:
         peer = self.peers[w]
@@ -242,7 +247,7 @@ class ParameterServer:
         arrived_at = self.version
         update, outcome = None, "late"
         # one after its last step that arrived: where a resumed server or a restart starts it
-        self.worker_steps[w] = int(msg.header[STEP]) + 1
+        self.worker_steps[w] = int(msg.header[STEP]) + read_count(msg)  # it covered k steps
         if self.version < self.total_updates and not bool(torch.isfinite(msg.body).all()):
             outcome = "nonfinite"
             self._on_nonfinite(w, int(msg.header[STEP]))
@@ -255,6 +260,7 @@ class ParameterServer:
             self.version += 1
         self.staleness.record(w, pulled_version, arrived_at, update is not None)
         self.reports.append((read_loss(msg), outcome))
+        self.accumulation.append(read_count(msg))
         log.debug("worker %d step %d: pulled v%d, arrived at v%d, %s", w,
                   int(msg.header[STEP]), pulled_version, arrived_at, outcome)
         if update is not None and self.on_update is not None:

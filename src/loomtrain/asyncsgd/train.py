@@ -16,6 +16,8 @@ without reshaping.
   measured compute time: a straggler whose step is f times as long, whatever the machine.
   Before each gradient it seeds its RNG from (run.seed, w, s): dropout masks are a function
   of the step, so a resumed worker draws what the uninterrupted one would have.
+  With async.adaptive it pushes the mean of k such gradients (its steps s .. s + k - 1), k
+  chosen per push by adaptive.AdaptiveAccumulation from the round trips it measures.
 - The server applies each update with the trainer's optimizer (train.optimizer, with its
   weight-decay groups) at lr = lr_at(version) x the policy's lr_scale; train.steps counts
   server updates. It writes metrics.jsonl (the trainer's RunLog), evaluates on its own (a
@@ -40,6 +42,7 @@ import torch
 
 from loomtrain import comm
 from loomtrain.asyncsgd import state as server_state
+from loomtrain.asyncsgd.adaptive import AdaptiveAccumulation
 from loomtrain.asyncsgd.policies import build_policy
 from loomtrain.asyncsgd.rejoin import (
     ADDRESS_FILE,
@@ -78,8 +81,15 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
         if resume is not None and not _restored(mesh, True):
             return 0  # the server could not load its checkpoint: it reports why
         train_data = worker_data(cfg, corpus, mesh.rank - 1, mesh.world - 1)
-        run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS)
+        run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS,
+                   accumulation=worker_accumulation(cfg))
     return 0
+
+
+def worker_accumulation(cfg) -> int | AdaptiveAccumulation:
+    """Gradients per push of a worker: 1, or a controller with async.adaptive."""
+    a = cfg.asgd
+    return AdaptiveAccumulation(a.max_accumulation, a.comm_fraction) if a.adaptive else 1
 
 
 def worker_data(cfg, corpus, worker: int, workers: int) -> WindowSampler:
@@ -173,13 +183,18 @@ def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: s
         if saved is None:
             log.message(f"{description}; {flat.numel():,} parameters; asynchronous SGD: parameter "
                         f"server on rank 0, {workers} workers, policy {a.policy!r}"
-                        + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else ""))
+                        + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else "")
+                        + (f", adaptive accumulation up to {a.max_accumulation} gradients per "
+                           f"push (communication share <= {a.comm_fraction:g})"
+                           if a.adaptive else ""))
         else:
             log.message(f"resumed from {resume} at update {start}; the workers continue at "
                         f"their steps {saved['server']['worker_steps']}")
         if start >= cfg.train.steps:
             log.message(f"nothing to do: the checkpoint is at update {start}, train.steps="
                         f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
+        if mesh.link is not None:
+            log.message(mesh.link.describe())
         metrics = ServerMetrics(cfg, model, val_data, mesh, log, stop, start)
         if saved is not None:
             metrics.load_state_dict(saved["metrics"])
@@ -249,7 +264,7 @@ class ServerMetrics:
         self.applied_before = [0] * (mesh.world - 1)
         self.window_t0 = self.advanced_t0 = self.t0 = time.perf_counter()
         self.advanced_seen = 0  # arrivals when the progress bar last moved
-        # every arrival was computed on global_batch / workers rows
+        # every gradient was computed on global_batch / workers rows (an arrival averages k)
         self.tokens_per_gradient = (cfg.train.global_batch // (mesh.world - 1)) * cfg.model.seq_len
 
     def after_update(self, server: ParameterServer) -> None:
@@ -265,7 +280,8 @@ class ServerMetrics:
         if is_eval or version % self.cfg.run.log_every == 0:
             loss = self._record(server, is_eval, last)["loss"]
         now, arrivals = time.perf_counter(), len(server.staleness.arrivals)
-        self.log.advance(loss, (arrivals - self.advanced_seen) * self.tokens_per_gradient
+        gradients = sum(server.accumulation[self.advanced_seen:arrivals])
+        self.log.advance(loss, gradients * self.tokens_per_gradient
                          / max(now - self.advanced_t0, 1e-9))
         self.advanced_t0, self.advanced_seen = now, arrivals
 
@@ -277,15 +293,17 @@ class ServerMetrics:
     def _record(self, server: ParameterServer, is_eval: bool, last: bool) -> dict:
         arrivals = server.staleness.arrivals[self.seen:]
         reports = server.reports[self.seen:]
+        counts = server.accumulation[self.seen:]  # gradients each arrival averages
         self.seen += len(arrivals)
         applied = [a.staleness for a in arrivals if a.applied]
         losses = [loss for a, (loss, _) in zip(arrivals, reports)
                   if a.applied and math.isfinite(loss)]
-        elapsed = time.perf_counter() - self.window_t0
+        now = time.perf_counter()
+        elapsed = now - self.window_t0
         rec = {"step": server.version,
                "loss": sum(losses) / len(losses) if losses else float("nan"),
                "lr": server.last_lr, "grad_norm": float(server.params.grad.norm()),
-               "tokens_per_s": len(arrivals) * self.tokens_per_gradient / max(elapsed, 1e-9),
+               "tokens_per_s": sum(counts) * self.tokens_per_gradient / max(elapsed, 1e-9),
                "comm_bytes": self.mesh.meter.take(),
                "peak_mem_bytes": peak_mem_bytes(self.mesh.device),
                "staleness_mean": sum(applied) / len(applied) if applied else 0.0,
@@ -295,7 +313,12 @@ class ServerMetrics:
                "nonfinite": sum(outcome == "nonfinite" for _, outcome in reports),
                "workers_lost": len(server.lost),
                "workers_rejoined": sum(m.event != "lost" for m in server.membership),
-               "elapsed_s": round(time.perf_counter() - self.t0, 3)}
+               "elapsed_s": round(time.perf_counter() - self.t0, 3),
+               "accumulation_mean": sum(counts) / len(counts) if counts else 0.0}
+        if self.mesh.link is not None:  # the server's link: its PARAMS sends over its capacity
+            rec["link_gbps"] = self.mesh.link.gbps_at(now)
+            rec["link_utilization"] = round(rec["comm_bytes"].get("total", 0) / max(
+                self.mesh.link.capacity_bytes(self.window_t0, now), 1e-9), 4)
         if is_eval:
             rec["val_loss"] = evaluate(self.model, self.val_data, self.cfg, alone(self.mesh),
                                        self.mesh.device)
@@ -361,7 +384,8 @@ def rejoin_async(cfg, run_dir: Path, worker: int) -> int:
     grad_fn = WorkerStep(cfg, model, flat, worker_data(cfg, corpus, worker, workers), place)
     try:
         result = rejoin_worker(published["address"], worker, grad_fn, flat.numel(),
-                               timeout_s=cfg.parallel.timeout_s, meter=place.meter, axis=AXIS)
+                               timeout_s=cfg.parallel.timeout_s, meter=place.meter, axis=AXIS,
+                               accumulation=worker_accumulation(cfg))
     except comm.PairRefused as err:
         raise UserError(f"{where}: the server refused: {err}") from None
     except comm.PairError as err:

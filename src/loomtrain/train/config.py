@@ -165,6 +165,9 @@ class CommConfig(Section):
     # every cross-node op pays once
     inter_node_gbps: float | None = Field(None, gt=0.0)
     inter_node_latency_ms: float = Field(0.0, ge=0.0)
+    # [[after_s, gbps], ...]: the bandwidth becomes gbps after_s seconds after the link was
+    # made (each rank's, as it joins the world), in strictly increasing after_s; empty: fixed
+    link_changes: list[tuple[float, float]] = []
     # how a sparse tensor (a top-k payload) is summed over ranks (comm/sparse.py): an
     # all-gather of (index, value) pairs, Zen's hash-balanced partition, or the cheaper of
     # the two by their cost formulas
@@ -265,6 +268,12 @@ class AsyncConfig(Section):
     worker_slowdown: list[float] = []
     # a worker that sends nothing for this long after the server expects it is dropped
     worker_timeout_s: float = Field(60.0, gt=0.0)
+    # adaptive communication load (asyncsgd/adaptive.py): each worker pushes the mean of k
+    # gradients, k in [1, max_accumulation] chosen from its measured round trip so that at
+    # most comm_fraction of its cycle is spent not computing
+    adaptive: bool = False
+    max_accumulation: int = Field(8, ge=1)
+    comm_fraction: float = Field(0.25, gt=0.0, lt=1.0)
 
 
 class _Sections(Section):
@@ -384,6 +393,24 @@ def _check_async_sgd(cfg) -> None:
                          f"parallel.nproc={p.nproc} gives {workers} (ranks 1..{workers}; rank 0 "
                          "is the server); leave it empty for all at full speed")
     _check_slowdown_factors(a.worker_slowdown)
+    _check_adaptive(a)
+
+
+def _check_adaptive(a: AsyncConfig) -> None:
+    """max_accumulation and comm_fraction are read by the adaptive controller only; the bounded
+    policy's waits would read to it as link time."""
+    if not a.adaptive:
+        changed = [k for k in ("max_accumulation", "comm_fraction")
+                   if getattr(a, k) != AsyncConfig.model_fields[k].default]
+        if changed:
+            raise ValueError(f"async.{changed[0]}={getattr(a, changed[0])} belongs to the adaptive "
+                             "communication load, which is off: set async.adaptive=true or leave "
+                             "the key unset")
+    elif a.policy == "bounded":
+        raise ValueError('async.adaptive=true with async.policy="bounded" is not supported: a '
+                         "worker measures the time the server holds it back as round-trip time "
+                         "and would raise its accumulation for it, not for the link; use "
+                         '"plain", "drop_stale", "staleness_scaled" or "ringleader"')
 
 
 def _check_slowdown_factors(factors: list[float]) -> None:
@@ -398,7 +425,16 @@ def _check_link(c: CommConfig, p: ParallelConfig) -> None:
         if c.inter_node_latency_ms:
             raise ValueError(f"comm.inter_node_latency_ms={c.inter_node_latency_ms} belongs to the "
                              "simulated inter-node link, which is off: set comm.inter_node_gbps")
+        if c.link_changes:
+            raise ValueError(f"comm.link_changes={[list(x) for x in c.link_changes]} changes the "
+                             "simulated inter-node link, which is off: set comm.inter_node_gbps")
         return
+    times = [after for after, _ in c.link_changes]
+    if any(not after > 0 or not gbps > 0 for after, gbps in c.link_changes) \
+            or times != sorted(set(times)):
+        raise ValueError(f"comm.link_changes={[list(x) for x in c.link_changes]}: each entry is "
+                         "[after_s, gbps], seconds since the link was made (> 0, strictly "
+                         "increasing) and the new bandwidth in Gbit/s (> 0)")
     if p.ranks_per_node is None or p.ranks_per_node >= p.nproc:
         rpn = "unset" if p.ranks_per_node is None else p.ranks_per_node
         raise ValueError(f"comm.inter_node_gbps={c.inter_node_gbps} simulates the link between "
