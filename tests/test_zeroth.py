@@ -161,6 +161,10 @@ def test_a_parameter_used_outside_its_module_is_refused():
     with pytest.raises(RuntimeError, match=r"inner\.weight.*never perturbed"):
         Perturber(model).projected_gradient(lambda: model(x), seed=1, eps=1e-3)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    # a module whose forward raises (wrong width) after its pre-hook perturbed it: restored
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        Perturber(model).projected_gradient(lambda: model.out(torch.randn(3, 5)), seed=1, eps=1e-3)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     # trained without the refused ones (frozen), it works
     opt = build_zo_optimizer("mezo", model, list(model.out.parameters()), lr=1e-3)
     opt.step(lambda: model(x))
