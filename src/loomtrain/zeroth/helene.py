@@ -1,0 +1,90 @@
+"""HELENE: annealed gradient averaging, a diagonal Hessian estimate from the ZO signal, and
+layer-wise clipping of the preconditioned update.
+
+Zhao et al., "HELENE: Hessian Layer-wise Clipping and Gradient Annealing for Accelerating
+Fine-tuning LLM with Zeroth-order Optimization" (arXiv 2411.10696). The abstract names three
+parts: annealed A-GNB gradients, a diagonal Hessian estimate, and layer-wise clipping as a
+second-order preconditioner (Sophia's clipped diagonal preconditioning, Liu et al., arXiv
+2305.14342, made layer-wise). What is implemented, per parameter tensor l (a "layer") with
+g = g_hat (optimizers.py: the SPSA estimate averaged over the pairs), step t from 0:
+
+    alpha_t = b1 + (1 - b1) exp(-t / anneal_steps)           annealing
+    m = b1 m + alpha_t g                                      annealed gradient averaging
+    every `hessian_every` steps:  h = b2 h + (1 - b2) g * g   diagonal Hessian (h = g * g the
+                                                              first time)
+    lambda_l = hessian_clip x mean(h over l)                  the layer's clipping floor
+    theta -= lr clip(m / (gamma max(h, lambda_l) + precond_eps), -1, 1)
+
+Where this is our reading, not the paper's text (which we could not consult beyond its
+abstract and a third-party summary of its update): (1) the annealing schedule and the
+momentum form follow that summary; (2) the Hessian estimate: A-GNB squares per-example
+gradients of the true labels, which a zeroth-order method does not have; we square the ZO
+estimate itself (its expectation is the squared gradient plus the estimator's variance,
+E[(u.z)^2 z_i^2] = |u|^2 + 2 u_i^2 for a true gradient u), so h measures the local gradient
+energy the way a Gauss-Newton diagonal does; (3) lambda_l, which the summary leaves
+unspecified, is a fraction of the layer's own mean h, so within a layer no coordinate's
+preconditioner is below that fraction of the layer's scale (the conditioning is bounded per
+layer); (4) the element-wise clip to [-1, 1] of the preconditioned update is Sophia's, so lr
+bounds every coordinate's step.
+
+State: m and h, 2P elements for P trainable elements (3x the trainable parameters in all).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loomtrain.zeroth.optimizers import Pair, ZOOptimizer
+from loomtrain.zeroth.perturb import Perturber
+
+
+class Helene(ZOOptimizer):
+    name = "helene"
+    state_kinds = ("m", "h")
+
+    def __init__(self, perturber: Perturber, lr: float, betas: tuple[float, float] = (0.9, 0.99),
+                 anneal_steps: float = 1000.0, hessian_every: int = 1, gamma: float = 1.0,
+                 hessian_clip: float = 0.5, precond_eps: float = 1e-12, **base):
+        super().__init__(perturber, lr, **base)
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"helene: betas={betas} must be in [0, 1)")
+        if not anneal_steps > 0 or hessian_every < 1 or not gamma > 0 or not hessian_clip >= 0:
+            raise ValueError(f"helene: anneal_steps={anneal_steps} and gamma={gamma} must be "
+                             f"positive, hessian_every={hessian_every} >= 1, hessian_clip="
+                             f"{hessian_clip} >= 0")
+        self.betas, self.anneal_steps = tuple(betas), anneal_steps
+        self.hessian_every, self.gamma = hessian_every, gamma
+        self.hessian_clip, self.precond_eps = hessian_clip, precond_eps
+        self.hessian_updates = 0
+
+    def annealing(self, step: int) -> float:
+        b1 = self.betas[0]
+        return b1 + (1 - b1) * math.exp(-step / self.anneal_steps)
+
+    @torch.no_grad()
+    def _update(self, pairs: list[Pair], lr: float) -> None:
+        b1, b2 = self.betas
+        alpha = self.annealing(self.step_count)
+        update_hessian = self.step_count % self.hessian_every == 0
+        for pos, p in enumerate(self.params):
+            g = self.estimate(pos, pairs)
+            m, h = self.state["m"][pos], self.state["h"][pos]
+            m.mul_(b1).add_(g, alpha=alpha)
+            if update_hessian:
+                if self.hessian_updates == 0:
+                    torch.mul(g, g, out=h)
+                else:
+                    h.mul_(b2).addcmul_(g, g, value=1 - b2)
+            floor = h.mean() * self.hessian_clip
+            denom = torch.maximum(h, floor).mul_(self.gamma).add_(self.precond_eps)
+            p.add_(torch.div(m, denom).clamp_(-1, 1), alpha=-lr)
+        if update_hessian:
+            self.hessian_updates += 1
+
+    def _extra_state(self) -> dict:
+        return {"hessian_updates": self.hessian_updates}
+
+    def _load_extra_state(self, state: dict) -> None:
+        self.hessian_updates = state["hessian_updates"]
