@@ -98,6 +98,9 @@ def _resolve_train(args):
         check_resume(cfg, latest)
         return cfg, run_dir, latest
     cfg = load_config(args.config, overrides)
+    if cfg.train.init_from is not None:  # a missing or mismatched checkpoint stops here
+        from loomtrain.train.init_from import resolve_init_from
+        cfg = resolve_init_from(cfg)
     return cfg, None, None
 
 
@@ -127,14 +130,14 @@ def cmd_train(args) -> int:
         return _rejoin(args)
     cfg, run_dir, resume = _resolve_train(args)
     if args.dry_run:
+        if cfg.data.source == "digits":
+            raise ConfigError('--dry-run estimates the memory and communication of the language '
+                              'models; data.source="digits" (the classifier) is not covered yet')
         from loomtrain.train.dryrun_text import dry_run
         print(dry_run(cfg))
         return 0
-    from loomtrain.data import load_corpus, require_documents, require_windows
-    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
-    require_windows(corpus, cfg.model.seq_len, cfg.data.source)
-    if cfg.data.packing:
-        require_documents(corpus, cfg.data.source)  # fail before spawning
+    from loomtrain.train.task import check_task_data
+    check_task_data(cfg)  # fail before spawning
     from loomtrain.parallel import check_units
     check_units(cfg)
     if in_torchrun():

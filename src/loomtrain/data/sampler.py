@@ -16,6 +16,22 @@ import numpy as np
 import torch
 
 
+class EpochOrder:
+    """Sample g -> item perm_e[g mod n] of epoch e = g // n, perm_e a permutation of the n
+    items seeded by (seed, e); the current epoch's permutation is cached."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._perm_epoch, self._perm = -1, None
+
+    def __call__(self, sample: int) -> int:
+        epoch, offset = divmod(sample, self.n)
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.n), epoch
+        return int(self._perm[offset])
+
+
 class WindowSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int,
                  doc_starts: np.ndarray | None = None, starts: np.ndarray | None = None):
@@ -25,14 +41,7 @@ class WindowSampler:
         self.windows = (len(tokens) - 1) // seq_len if starts is None else len(starts)
         if self.windows < 1:
             raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len + 1}")
-        self._perm_epoch, self._perm = -1, None
-
-    def window_of(self, sample: int) -> int:
-        epoch, offset = divmod(sample, self.windows)
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm, self._perm_epoch = rng.permutation(self.windows), epoch
-        return int(self._perm[offset])
+        self.window_of = EpochOrder(self.windows, seed)
 
     def start_of(self, sample: int) -> int:
         """The token offset of the window of `sample`."""

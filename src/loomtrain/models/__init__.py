@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loomtrain.models.gpt import GPT
-from loomtrain.models.mlp import MLP
+from loomtrain.models.mlp import MLP, MLPClassifier
 
 IGNORE_INDEX = -100
 
@@ -22,8 +22,16 @@ def build_model(cfg) -> nn.Module:
     raise AssertionError(f"unvalidated model name {cfg.name!r}")
 
 
+def build_classifier(cfg, features: int, classes: int) -> nn.Module:
+    """The classifier of `features`-long inputs into `classes` that `cfg` (a ModelConfig, with
+    name "mlp": config validation) describes; initialized from torch's current RNG state."""
+    assert cfg.name == "mlp", f"unvalidated classifier model {cfg.name!r}"
+    return MLPClassifier(features, classes, cfg.d_model, cfg.n_layers, cfg.mlp_ratio)
+
+
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over target tokens (IGNORE_INDEX skipped).
+    """Cross-entropy summed over target tokens (IGNORE_INDEX skipped); for a classifier's
+    logits [n, classes] and labels [n], summed over the examples.
 
     The caller divides by the global number of target tokens in the optimizer step, across
     micro-batches and data-parallel ranks, so the gradient equals the single-process one.
@@ -34,4 +42,5 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-__all__ = ["GPT", "MLP", "IGNORE_INDEX", "build_model", "token_loss_sum"]
+__all__ = ["GPT", "MLP", "MLPClassifier", "IGNORE_INDEX", "build_classifier", "build_model",
+           "token_loss_sum"]

@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from loomtrain.errors import ConfigError
 
 
+# data.source names that are not paths
+BUILTIN_SOURCES = ("stdlib", "stdlib-code", "stdlib-tests", "digits")
+
+
 class Section(BaseModel):
     # numbers are accepted for text keys, so `--set run.name=2024` names the run "2024"
     # inf/nan are refused: no key means "unbounded" by them, and inf breaks timedelta(timeout_s)
@@ -73,8 +77,10 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    # "stdlib": the running interpreter's standard-library .py sources; otherwise a path to a
-    # text file, a folder of text files, or a pre-tokenized uint16 token file (*.bin / *.u16)
+    # "stdlib": the running interpreter's standard-library .py sources ("stdlib-code": without
+    # the test modules, "stdlib-tests": those alone; data/corpus.py); "digits": scikit-learn's
+    # 8x8 digit images, a classification task (data/digits.py); otherwise a path to a text
+    # file, a folder of text files, or a pre-tokenized uint16 token file (*.bin / *.u16)
     source: str = "stdlib"
     val_fraction: float = Field(0.02, gt=0.0, lt=0.5)
     # rows hold several documents (the source's files) and attention never crosses one;
@@ -85,16 +91,30 @@ class DataConfig(Section):
     # "by_file": each data-parallel or async worker trains on its own contiguous group of the
     # source's files (non-IID); data/partition.py
     partition: Literal["iid", "by_file"] = "iid"
+    # "digits": only these digits, in training and validation (empty: all ten)
+    classes: list[int] = []
 
     @model_validator(mode="after")
     def _partition_needs_files(self) -> "DataConfig":
         # a path that does not exist is left to the corpus loader, which names it
         source = self.source
-        if self.partition == "by_file" and source != "stdlib" and Path(source).expanduser().is_file():
+        if self.partition == "by_file" and source not in BUILTIN_SOURCES \
+                and Path(source).expanduser().is_file():
             raise ValueError(
                 f"data.partition=\"by_file\" gives each worker its own group of the source's "
                 f"files, but data.source={self.source!r} is a single file; give \"stdlib\" or a "
                 f"folder of text files, or set data.partition=\"iid\"")
+        return self
+
+    @model_validator(mode="after")
+    def _classes_of_digits(self) -> "DataConfig":
+        if self.classes and self.source != "digits":
+            raise ValueError(f"data.classes={self.classes} filters the digits of data.source="
+                             f"\"digits\"; data.source={self.source!r} has no classes: leave it "
+                             "empty")
+        if any(not 0 <= c < 10 for c in self.classes) or len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"data.classes={self.classes} must be distinct digits 0-9 (empty: all "
+                             "ten)")
         return self
 
 
@@ -112,6 +132,9 @@ class TrainConfig(Section):
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
     # bf16: compute in bfloat16 with fp32 master weights, gradients reduced in fp32
     precision: Literal["fp32", "bf16"] = "fp32"
+    # a run folder (its newest checkpoint) or a checkpoint folder: the model starts from its
+    # weights, the rest of the run is new (step 0, optimizer, schedule); train/init_from.py
+    init_from: str | None = Field(None, min_length=1)
 
 
 class ParallelConfig(Section):
@@ -326,6 +349,8 @@ class _Sections(Section):
         _check_sequence(p, self.model, t, self.data)
         _check_lowcomm(self)
         _check_compression(self)
+        _check_task(self)
+        _check_init_from(self)
         if p.schedule == "async" and self.run.timeline_step:
             raise ValueError('run.timeline_step records one step of a fixed schedule; parallel.'
                              'schedule="async" streams micro-batches across steps: set '
@@ -739,6 +764,36 @@ def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         if n % p.tp:
             raise ValueError(f"parallel.tp={p.tp} must divide {key} = {n} (tensor parallelism "
                              f"splits it evenly); choose parallel.tp among its divisors")
+
+
+def _check_task(cfg: Config) -> None:
+    """data.source="digits" (train/task.py) trains the MLP classifier on whole examples, in
+    the engines that split no example or layer: dp, ZeRO, low communication, compression."""
+    if cfg.data.source != "digits":
+        return
+    p = cfg.parallel
+    if cfg.model.name != "mlp":
+        raise ValueError(f'data.source="digits" is a classification task, trained by the MLP '
+                         f'classifier: set model.name="mlp" (got {cfg.model.name!r})')
+    others = {"parallel.tp": (p.tp, 1), "parallel.pp": (p.pp, 1), "parallel.cp": (p.cp, 1),
+              "data.packing": (cfg.data.packing, False),
+              "data.partition": (cfg.data.partition, "iid"), "async.mode": (cfg.asgd.mode, "none")}
+    for key, (value, allowed) in others.items():
+        if value != allowed:
+            raise ValueError(f'data.source="digits" with {key}={value!r} is not supported: an '
+                             "example is 64 pixels, with no sequence, vocabulary or files to "
+                             f"split, and the classifier runs in the data-parallel engines ({key}="
+                             f"{allowed!r})")
+
+
+def _check_init_from(cfg: Config) -> None:
+    """train.init_from loads the model before `parallelize` (train/init_from.py), so every
+    synchronous layout accepts it; the parameter server builds its model elsewhere."""
+    if cfg.train.init_from is not None and cfg.asgd.mode != "none":
+        raise ValueError(f'train.init_from with async.mode={cfg.asgd.mode!r} is not supported yet: '
+                         "the parameter server starts from its own initialization; fine-tune with "
+                         'the synchronous trainer (async.mode="none"), or resume the server\'s own '
+                         "run with --resume")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

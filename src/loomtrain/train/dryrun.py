@@ -149,13 +149,9 @@ def trainer_collectives(world: int, dp: int, log_every: int, eval_every: int,
 
 def _check_data(cfg) -> str:
     """The corpus the run would read, and whether it holds one window for train and val."""
-    from loomtrain.data import load_corpus, require_documents, require_windows
+    from loomtrain.train.task import check_task_data
 
-    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
-    require_windows(corpus, cfg.model.seq_len, cfg.data.source)
-    if cfg.data.packing:
-        require_documents(corpus, cfg.data.source)
-    return corpus.description
+    return check_task_data(cfg)
 
 
 def uses_zero(cfg) -> bool:

@@ -62,6 +62,8 @@ class RunLog:
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+        if "val_accuracy" in rec:  # a classification task
+            val += f" acc {rec['val_accuracy']:.3f}"
         link = f" (link {rec['comm_simulated_s']:.2f}s)" if "comm_simulated_s" in rec else ""
         line = (f"step {rec['step']:>6} | loss {rec['loss']:.4f}{val} | grad-norm "
                 f"{rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | {rec['tokens_per_s']:.0f} tok/s | "

@@ -12,6 +12,11 @@ One optimizer step:
 4. gradients are clipped; a non-finite gradient norm (identical on every rank after the
    all-reduce) skips the step, and too many in a row abort the run;
 5. AdamW steps; the loss is all-reduced only on logged steps.
+
+What is learnt comes from train/task.py: the model and the samplers for `data.source` (text
+windows, or labelled examples for the digits classifier, whose "tokens" are examples). A run
+with `train.init_from` loads that checkpoint's weights into the model before `parallelize`
+splits it (train/init_from.py), and validates it once before its first step.
 """
 
 from __future__ import annotations
@@ -25,19 +30,20 @@ from pathlib import Path
 import torch
 
 from loomtrain import comm
-from loomtrain.data import (PartitionedSampler, WindowSampler, eval_samples, load_corpus,
-                            rank_samples, require_documents)
+from loomtrain.data import eval_samples, rank_samples
 from loomtrain.errors import UserError
-from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
+from loomtrain.models import IGNORE_INDEX, token_loss_sum
 from loomtrain.parallel import parallelize
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.parallel.sequence import sequence_of
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
 from loomtrain.train.config import Config, config_from_dict, config_to_toml
+from loomtrain.train.init_from import load_init_weights
 from loomtrain.train.launch import init_distributed, shutdown
 from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
 from loomtrain.train.optim import build_optimizer, lr_at, set_lr
+from loomtrain.train.task import build_task_model, is_classification, load_task_data
 
 
 class NonFiniteError(RuntimeError):
@@ -112,16 +118,25 @@ def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float
     return loss_sum, grad_norm, stepped
 
 
-@torch.no_grad()
 def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> float:
-    """Mean validation loss per token over the fixed validation set, dealt to the dp ranks.
+    """Mean validation loss per token (per example for a classification task)."""
+    return validate(model, sampler, cfg, mesh, device, loss_fn)["val_loss"]
+
+
+@torch.no_grad()
+def validate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> dict:
+    """{"val_loss": the mean validation loss per token over the fixed validation set, dealt to
+    the dp ranks}, and for a classification task (train/task.py) "val_accuracy": the share of
+    those examples whose largest logit is their label's (the counts ride in the same
+    all-reduce).
 
     Every rank runs the same number of forwards: a ZeRO-3 forward gathers parameters, a
     collective, so a rank with fewer batches (eval_batches not a multiple of dp) repeats its
     first one (or batch 0) and does not count it."""
     _drain(model)
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    classify = is_classification(cfg)
+    total = torch.zeros(3 if classify else 2, dtype=torch.float64, device=device)
     dp = mesh.size("dp")
     mine = eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, mesh.local_rank("dp"), dp)
     rounds = -(-cfg.run.eval_batches // dp)
@@ -137,10 +152,15 @@ def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
         if i < len(mine) and out is not None:  # under pp, the last stage has the output
             total[0] += loss_fn(out, y).double()
             total[1] += (y != IGNORE_INDEX).sum()
+            if classify:
+                total[2] += (out.argmax(-1) == y).sum()
     for axis in ("dp", "cp", "pp"):
         comm.all_reduce(total, mesh, axis)
     model.train()
-    return float(total[0] / total[1])
+    metrics = {"val_loss": float(total[0] / total[1])}
+    if classify:
+        metrics["val_accuracy"] = float(total[2] / total[1])
+    return metrics
 
 
 def _drain(model) -> None:
@@ -204,17 +224,13 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     device = mesh.device
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
-    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
-    if cfg.data.packing:
-        require_documents(corpus, cfg.data.source)
-    train_data = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed, corpus.train_doc_starts)
-    if cfg.data.partition == "by_file":  # dp rank r reads only the r-th group of files
-        dp = mesh.size("dp")
-        train_data = PartitionedSampler(corpus, cfg.model.seq_len, cfg.run.seed, dp,
-                                        cfg.train.global_batch // dp)
-    val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1, corpus.val_doc_starts)
-    model = build_model(cfg.model).to(device)
+    data = load_task_data(cfg, mesh.size("dp"))  # text windows or labelled examples
+    train_data, val_data = data.train, data.val
+    model = build_task_model(cfg).to(device)
     parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    init = None  # a fresh run from a checkpoint's weights: before any layout splits them
+    if resume is None and cfg.train.init_from is not None:
+        init = load_init_weights(model, cfg)
     # the strategies take the model and return it wrapped with its optimizer (built after
     # tensor parallelism, rebuilt by ZeRO over this rank's shard) and the loss its outputs
     # need; the checkpoint then loads into the wrapped pair
@@ -230,15 +246,19 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             write_config(run_dir, cfg)  # with the resume's --set overrides
     log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
     if start == 0:
-        log.message(f"{corpus.description}; {parameters:,} parameters; {mesh.describe()}")
+        log.message(f"{data.description}; {parameters:,} parameters; {mesh.describe()}")
         if mesh.link is not None:
             log.message(mesh.link.describe())
     else:
         log.message(f"resumed from {resume} at step {start}")
+    if init is not None:  # where fine-tuning starts from, on this run's validation set
+        before = validate(model, val_data, cfg, mesh, device, loss_sum_fn)
+        log.message(f"initialized from {init[0]} (step {init[1]} of its run); before training: "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in before.items()))
     plan = getattr(sequence_of(model), "plan", None)  # cp_method="auto": what it chose
     if plan is not None:
         log.message(f"automatic sequence parallelism: {plan.describe()}")
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    tokens_per_step = cfg.train.global_batch * data.targets_per_row
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
     loop_t0 = window_t0  # each record's elapsed_s counts from here
     # async.worker_slowdown with async.mode="none": this rank a straggler on purpose
@@ -308,7 +328,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 if lowcomm or compressed:  # the algorithm's own figures (a spread, a ratio, ...)
                     rec.update(model.metrics())
                 if is_eval:
-                    rec["val_loss"] = evaluate(model, val_data, cfg, mesh, device, loss_sum_fn)
+                    rec.update(validate(model, val_data, cfg, mesh, device, loss_sum_fn))
                 log.record(rec)
                 window_t0, window_steps = time.perf_counter(), 0
             log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
