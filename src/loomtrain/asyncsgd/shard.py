@@ -7,8 +7,9 @@ on exactly one server. Cut s (s = 1..S-1) is the parameter boundary closest to s
 the total numel; a tie goes to the earlier boundary), taken among the boundaries that leave
 every slice at least one parameter. Unless that condition moves it (a model with barely more
 parameter tensors than servers), each cut is within half the parameter it falls in of its
-target, so every slice holds N / S +- the largest parameter's numel. Server s is member s of the axis and owns slice s;
-workers are members S.. (worker w is member S + w) and know the layout from the same model.
+target, so every slice holds N / S +- the largest parameter's numel. Server s is member s of
+the axis and owns slice s; workers are members S.. (worker w is member S + w) and know the
+layout from the same model.
 
 What each server does (server.py with `servers=S`): exactly what the one server does, on its
 slice: its own version, policy instance, staleness log and optimizer (the trainer's, with the
