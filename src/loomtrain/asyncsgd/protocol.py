@@ -1,7 +1,8 @@
 """The wire protocol of the parameter server (server.py) and its workers (worker.py).
 
-Ranks: member 0 of the axis is the server, members 1..W are workers; worker index w (what
-policies and the staleness log call a worker) is member w + 1.
+Ranks: members 0..S-1 of the axis are the servers (S = 1 unless the parameters are sharded,
+below), members S..S+W-1 are workers; worker index w (what policies and the staleness log call
+a worker) is member S + w.
 
 Messages, each one `comm.send` of one byte buffer: an int64 header of `HEADER_WORDS` words
 followed by an fp32 body. Tags name the kind, so a receiver that expects one kind never takes
@@ -27,14 +28,18 @@ message per step each way instead of three). The reply with stop = 1 carries the
 parameters and ends the worker. Per worker the kinds strictly alternate, so the server knows
 which tag its one posted receive per worker must use.
 
-Sharding the parameters over S server ranks later: server s owns a contiguous slice of the
-flat vector; the layout stays as it is with the body being that slice. A worker sends PULL and
-PUSH (its gradient's slice) to every server and receives S PARAMS replies; every server keeps
-its own version and log, and the PUSH header carries the version of that server's slice the
-gradient was computed on. Nothing else in the layout changes.
+Sharded servers (shard.py): server s owns a contiguous slice of the flat vector, and every
+message it sends or receives has that slice as its body (numel = the slice's); the header is
+unchanged. A worker sends PULL to every server, receives one PARAMS from each server still
+serving it (their steps agree: each received the same pushes from it), and sends PUSH, its
+gradient's slice s with server s's version in the header, to each of them. Every server keeps
+its own version, policy and log and stops a worker on its own; a worker pushes no more to a
+server that has sent it stop, keeps that server's final slice, and ends once every server has
+stopped it. At the end each server s >= 1 sends server 0 its final slice (tag TAG_SLICE,
+header (version, aborted, 0, 0)).
 
 Costs: a PUSH or PARAMS message sends 8 x HEADER_WORDS + 4 x numel bytes (counted by
-`comm.send` as that many wire bytes); PULL sends 8 x HEADER_WORDS once per worker.
+`comm.send` as that many wire bytes); PULL sends 8 x HEADER_WORDS once per worker and server.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ LOSS = 2  # PUSH: the word PARAMS uses for STOP holds the loss (fp64 bits)
 COUNT = 3  # PUSH: how many gradients the body averages
 # distinct from 0 (comm.send's default) and unlikely to meet a ring op's crc-derived tag
 TAG_PULL, TAG_PUSH, TAG_PARAMS = 0x41530001, 0x41530002, 0x41530003
+TAG_SLICE = 0x41530004  # sharded servers, at the end: server s's final slice to server 0
 
 
 @dataclass

@@ -68,6 +68,11 @@ way (`mesh.meter`: the server's sends are counted there; receives send nothing).
 loss rides in its header (protocol.py): no extra bytes. A PUSH may hold the mean of k
 gradients (its header says k; worker.py); the policy treats it as one gradient, and the server
 only records k (`accumulation`, for the metrics' tokens).
+
+Sharded (`servers` = S > 1, shard.py): this same loop on one slice of the parameters, with its
+own version, policy, log and deadlines; numel above is the slice's. It never waits for the
+other servers, and decides alone what to do with its slice of each gradient (applied, held,
+discarded, non-finite), so the servers' versions may differ.
 """
 
 from __future__ import annotations
@@ -148,7 +153,7 @@ class ParameterServer:
                  total_updates: int, worker_timeout_s: float, optimizer=None,
                  lr_schedule: Callable[[int], float] | None = None,
                  on_update: Callable[["ParameterServer"], None] | None = None,
-                 rejoin: comm.PairHost | None = None):
+                 rejoin: comm.PairHost | None = None, servers: int = 1):
         self.mesh, self.axis, self.policy, self.lr = mesh, axis, policy, lr
         self.rejoin = rejoin
         self.optimizer, self.lr_schedule, self.on_update = optimizer, lr_schedule, on_update
@@ -166,8 +171,8 @@ class ParameterServer:
         self.membership: list[Membership] = []
         self.pulled: dict[int, int] = {}  # live worker -> version of the parameters it holds
         self.waiting: list[int] = []  # workers whose pull is not answered yet, in order
-        self.peers = [_Peer(channel=comm.MeshChannel(mesh, axis, w + 1))
-                      for w in range(mesh.size(axis) - 1)]
+        self.peers = [_Peer(channel=comm.MeshChannel(mesh, axis, servers + w))  # members S..
+                      for w in range(mesh.size(axis) - servers)]
         self.worker_steps = [0] * len(self.peers)  # per worker: one after its last step that arrived
         self.max_nonfinite: int | None = None  # serve() sets it
         self.nonfinite_in_a_row = 0
@@ -396,10 +401,12 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
           lr_schedule: Callable[[int], float] | None = None,
           on_update: Callable[[ParameterServer], None] | None = None,
           rejoin: comm.PairHost | None = None, state: dict | None = None,
-          max_nonfinite: int | None = None) -> ServerResult:
+          max_nonfinite: int | None = None, servers: int = 1) -> ServerResult:
     """Run the parameter server on member 0 of `axis` until `total_updates` updates are
     applied; members 1.. run `worker.run_worker`. `params`: the initial parameters (copied,
-    flattened to fp32). `policy`: has `may_start(worker, version, pulled)` and
+    flattened to fp32). `servers`: with S > 1 the parameters are sharded (shard.py): this is
+    server s, member s < S, `params` is its slice, and its workers are members S..; the
+    others run `serve` on their slices. `policy`: has `may_start(worker, version, pulled)` and
     `on_gradient(worker, grad, pulled_version, version)` (policies.py). Protocol, stopping and
     failure semantics: the module docstring.
 
@@ -421,11 +428,15 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
     if total_updates < 1 or lr <= 0 or worker_timeout_s <= 0:
         raise ValueError(f"total_updates={total_updates} must be >= 1, lr={lr} and "
                          f"worker_timeout_s={worker_timeout_s} must be > 0")
-    if mesh.size(axis) < 2 or mesh.local_rank(axis) != 0:
-        raise ValueError(f"serve runs on member 0 of axis {axis!r} with at least one worker; "
-                         f"this is member {mesh.local_rank(axis)} of {mesh.size(axis)}")
+    if mesh.size(axis) <= servers or not 0 <= mesh.local_rank(axis) < servers:
+        raise ValueError(f"serve runs on members 0..{servers - 1} of axis {axis!r} (servers="
+                         f"{servers}) with at least one worker; this is member "
+                         f"{mesh.local_rank(axis)} of {mesh.size(axis)}")
+    if rejoin is not None and servers > 1:
+        raise ValueError("rejoin with servers > 1 is not supported: a restarted worker pairs "
+                         "with one server, and needs every server's slice")
     server = ParameterServer(mesh, axis, params, policy, lr, total_updates, worker_timeout_s,
-                             optimizer, lr_schedule, on_update, rejoin)
+                             optimizer, lr_schedule, on_update, rejoin, servers)
     server.max_nonfinite = max_nonfinite
     if state is not None:
         server.load_state_dict(state)

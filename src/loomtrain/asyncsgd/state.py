@@ -40,6 +40,13 @@ its next rows. The gradient each worker was computing at the save is lost and co
 A worker lost before the save is live again after a resume (new processes), but Ringleader's
 table keeps it out (ringleader.py). `check_resume` refuses, before anything is spawned or
 written, a checkpoint the run does not fit.
+
+Sharded servers (async.servers = S > 1, shard.py): server 0 writes one checkpoint, after the
+run (at its end or at a stop), of the whole model that it gathers from the other servers:
+loom.json adds `"servers": S`; no optimizer and no server state, so `loom export` and
+`loom generate` read it and `--resume` refuses it. The servers keep independent versions and
+never wait for one another, so no moment of the run holds a consistent state of all of them
+to save (config.py refuses checkpoint.every != 0 with S > 1).
 """
 
 from __future__ import annotations
@@ -61,19 +68,24 @@ SERVER_STATE = "server_state"  # the DCP key of the server's state blob
 _TENSOR = "server_tensor."  # the DCP keys of its tensors; (_TENSOR, key) marks one in the blob
 
 
-def save(run_dir: Path, step: int, model, optimizer, state: dict, keep: int,
+def save(run_dir: Path, step: int, model, optimizer, state: dict | None, keep: int,
          extra: dict) -> Path:
     """One process: the model, the optimizer and `state` (plain data and tensors) as
-    checkpoint step_N, published by one rename; returns its folder."""
+    checkpoint step_N, published by one rename; returns its folder. `optimizer` and `state`
+    None: the model alone (sharded servers' final model)."""
     final = checkpoint.step_dir(run_dir, step)
     partial = final.with_name(final.name + checkpoint.PARTIAL)
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(partial, ignore_errors=True)  # what a crash during an earlier save left
     tensors: dict[str, torch.Tensor] = {}
-    blob = io.BytesIO()
-    torch.save(_pack(state, tensors), blob)
-    values = {**checkpoint.training_state(model, optimizer), SERVER_STATE: blob.getvalue(),
-              **tensors}
+    if optimizer is None:
+        values = {"model": checkpoint.training_state(model, [])["model"]}
+    else:
+        values = checkpoint.training_state(model, optimizer)
+    if state is not None:
+        blob = io.BytesIO()
+        torch.save(_pack(state, tensors), blob)
+        values.update({SERVER_STATE: blob.getvalue(), **tensors})
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(values, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
@@ -133,6 +145,12 @@ def check_resume(cfg, path: Path) -> None:
     without the server's state. Reads loom.json and DCP's metadata only."""
     meta, metadata = checkpoint.read_meta(path), checkpoint.read_metadata(path)
     ps = cfg.asgd.mode == "ps"
+    if ps and cfg.asgd.servers > 1:
+        raise CheckpointError(
+            f"--resume: this run has async.servers={cfg.asgd.servers}: sharded parameter servers "
+            "cannot resume (they keep independent versions, so no checkpoint holds a consistent "
+            "state of all of them; only their final model is saved). Start a new run, or resume "
+            "with async.servers=1 from a checkpoint a one-server run wrote")
     if "async" not in meta:
         if not ps:
             return
@@ -142,14 +160,16 @@ def check_resume(cfg, path: Path) -> None:
                    f'and {meta["workers"]} workers')
         problems = [] if ps else ['this run has async.mode="none"']
     if ps and "async" in meta:
-        workers = cfg.parallel.nproc - 1
+        workers = cfg.parallel.nproc - cfg.asgd.servers
         if meta["workers"] != workers:
             problems.append(f"this run has {workers} workers (parallel.nproc={cfg.parallel.nproc})")
         if meta["async"] != cfg.asgd.policy:
             problems.append(f"this run has async.policy={cfg.asgd.policy!r}")
         if SERVER_STATE not in metadata.state_dict_metadata:
-            problems.append("it holds the final model only, without the server's state (written "
-                            "before server checkpoints existed): it cannot be resumed")
+            why = (f"by {meta['servers']} sharded servers" if meta.get("servers", 1) > 1
+                   else "before server checkpoints existed")
+            problems.append(f"it holds the final model only, without the server's state (written "
+                            f"{why}): it cannot be resumed")
         problems += _model_mismatch(cfg, metadata)
     if problems:
         raise CheckpointError(
@@ -191,6 +211,8 @@ class ServerCheckpoints:
     def after_update(self, server) -> None:
         self.server = server
         every, version = self.cfg.checkpoint.every, server.version
+        if self.cfg.asgd.servers > 1:
+            return  # the model is whole only after the run (finish): module docstring
         if version >= server.total_updates or (every and version % every == 0):
             self._save(server)
 
@@ -203,6 +225,13 @@ class ServerCheckpoints:
         extra = {"async": self.cfg.asgd.policy, "workers": len(server.peers)}
         if self.stop.signum:
             extra["stopped_by"] = signal.Signals(self.stop.signum).name
+        if self.cfg.asgd.servers > 1:  # the gathered model alone (module docstring)
+            path = save(self.run_dir, server.version, self.model, None, None,
+                        self.cfg.checkpoint.keep, {**extra, "servers": self.cfg.asgd.servers})
+            self.saved = server.version
+            self.log.message(f"saved the final model {path} at update {server.version} of "
+                             "server 0 (sharded servers: not resumable)")
+            return
         state = {"server": server.state_dict(), "metrics": self.metrics.state_dict()}
         path = save(self.run_dir, server.version, self.model, self.optimizer, state,
                     self.cfg.checkpoint.keep, extra)

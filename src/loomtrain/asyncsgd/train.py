@@ -1,12 +1,14 @@
 """`loom train` with `[async] mode = "ps"`: rank 0 is the parameter server (server.py), ranks
-1..W its workers (worker.py); docs/async.md.
+1..W its workers (worker.py); docs/async.md. With async.servers = S > 1, ranks 0..S-1 are
+servers each owning a slice of the parameters (shard.py) and ranks S..S+W-1 the workers (worker
+w is rank S + w); "the server" below is then each server on its slice.
 
 Every rank builds the model from `run.seed` (the same initial weights; the server sends its
 parameters with every reply anyway) and keeps its parameters as views into one flat fp32
 buffer, and their gradients as views into `flat.grad`, so the messages' bodies load and leave
 without reshaping.
 
-- A worker w (rank w + 1) at its own step s takes the rows the trainer's sampler gives dp rank w
+- A worker w (rank S + w) at its own step s takes the rows the trainer's sampler gives dp rank w
   of W at step s: global_batch / W rows, in micro-batches of train.micro_batch (with
   data.partition = "by_file", rows k*b ... of its own part of the files: data/partition.py;
   b = global_batch / W, k = s). It loads the
@@ -24,6 +26,11 @@ without reshaping.
   one-rank mesh: no collective with the workers, who never evaluate), discards non-finite
   gradients (run.max_nonfinite_steps in a row abort the run, exit code 3) and saves checkpoints
   of its whole state (asyncsgd/state.py), from which `loom train --resume` continues.
+- Sharded (S > 1): rank 0 writes the metrics (its own server's counts); only the final model
+  is whole on one rank (servers 1..S-1 send their final slices to rank 0 after the run), so it
+  alone is evaluated and saved (without optimizer or server state: not resumable), and the
+  records during the run have no val_loss. No rejoin host (a restarted worker would need every
+  server), no periodic checkpoints, no resume (config.py, state.py refuse them).
 
 - A worker that died rejoins by `loom train --rejoin RUN_DIR --worker W` (`rejoin_async`): while
   the server runs, the run folder holds its rejoin address (rejoin.ADDRESS_FILE); the new
@@ -51,7 +58,14 @@ from loomtrain.asyncsgd.rejoin import (
     rejoin_worker,
     withdraw_address,
 )
-from loomtrain.asyncsgd.server import ParameterServer, serve
+from loomtrain.asyncsgd.server import ParameterServer, ServerResult, serve
+from loomtrain.asyncsgd.shard import (
+    gather_final,
+    owned_parameters,
+    send_final,
+    server_slice,
+    shard_bounds,
+)
 from loomtrain.asyncsgd.worker import run_worker
 from loomtrain.data import WindowSampler, load_corpus, part_sampler, rank_samples
 from loomtrain.errors import ConfigError, UserError
@@ -62,7 +76,7 @@ from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
 from loomtrain.train.optim import build_optimizer, lr_at
 from loomtrain.train.trainer import NonFiniteError, _load, _target_tokens, evaluate, write_config
 
-AXIS = "world"  # member 0: the server; members 1..: the workers
+AXIS = "world"  # members 0..S-1: the servers; members S..: the workers
 
 
 def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
@@ -73,16 +87,26 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
     model = build_model(cfg.model).to(mesh.device)
     flat = flatten_parameters(model)
+    servers = cfg.asgd.servers
+    try:
+        bounds = shard_bounds([p.numel() for p in model.parameters()], servers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    assert resume is None or servers == 1, "state.check_resume refuses sharded servers"
     if mesh.rank == 0:
         val_data = WindowSampler(corpus.val, cfg.model.seq_len, cfg.run.seed + 1,
                                  corpus.val_doc_starts)
-        _serve(cfg, run_dir, mesh, stop, model, flat, val_data, corpus.description, resume)
+        _serve(cfg, run_dir, mesh, stop, model, flat, val_data, corpus.description, resume,
+               bounds)
+    elif mesh.rank < servers:
+        _serve_slice(cfg, mesh, stop, model, flat, bounds)
     else:
         if resume is not None and not _restored(mesh, True):
             return 0  # the server could not load its checkpoint: it reports why
-        train_data = worker_data(cfg, corpus, mesh.rank - 1, mesh.world - 1)
+        train_data = worker_data(cfg, corpus, mesh.rank - servers, mesh.world - servers)
         run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS,
-                   accumulation=worker_accumulation(cfg))
+                   accumulation=worker_accumulation(cfg),
+                   shards=[hi - lo for lo, hi in bounds])
     return 0
 
 
@@ -130,7 +154,8 @@ class WorkerStep:
 
     def __init__(self, cfg, model, flat: torch.Tensor, data: WindowSampler, mesh):
         self.cfg, self.model, self.flat, self.data = cfg, model, flat, data
-        self.worker, self.workers = mesh.rank - 1, mesh.world - 1
+        servers = cfg.asgd.servers
+        self.worker, self.workers = mesh.rank - servers, mesh.world - servers
         slowdown = cfg.asgd.worker_slowdown
         self.slowdown = slowdown[self.worker] if slowdown else 1.0
         self.device = mesh.device
@@ -170,19 +195,59 @@ def alone(mesh) -> Mesh:
     return Mesh(sizes=dict.fromkeys(AXES, 1), rank=0, ranks_per_node=1, device=mesh.device)
 
 
-def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: str,
-           resume: Path | None) -> None:
-    workers = mesh.world - 1
+def _server_parts(cfg, mesh, model, bounds: list[tuple[int, int]]):
+    """This server's (policy, optimizer over the parameters of its slice)."""
     a = cfg.asgd
-    policy = build_policy(a.policy, workers, a.max_staleness)
-    optimizer = build_optimizer(model, cfg.train)
+    owned = owned_parameters(list(model.parameters()), bounds[mesh.rank])
+    return (build_policy(a.policy, mesh.world - len(bounds), a.max_staleness),
+            build_optimizer(model, cfg.train, owned))
+
+
+def _run_server(cfg, mesh, flat, bounds, policy, optimizer, on_update, state=None,
+                rejoin=None) -> ServerResult:
+    """`serve` on this server's slice of `flat`, with the trainer's lr schedule."""
+    return serve(mesh, server_slice(flat, bounds[mesh.rank]), policy, lr=cfg.train.lr,
+                 total_updates=cfg.train.steps, worker_timeout_s=cfg.asgd.worker_timeout_s,
+                 axis=AXIS, optimizer=optimizer,
+                 lr_schedule=lambda version: lr_at(version, cfg.train), on_update=on_update,
+                 state=state, max_nonfinite=cfg.run.max_nonfinite_steps, rejoin=rejoin,
+                 servers=len(bounds))
+
+
+def _serve_slice(cfg, mesh, stop, model, flat, bounds) -> None:
+    """Server s >= 1 of sharded servers (shard.py): serves its slice with its own policy and
+    optimizer, ends at SIGINT/SIGTERM as server 0 does (at its next update), then sends server
+    0 its final slice. It writes nothing: server 0 writes the metrics and the final model."""
+    policy, optimizer = _server_parts(cfg, mesh, model, bounds)
+
+    def on_update(server: ParameterServer) -> None:
+        if stop.signum and server.version < server.total_updates:
+            server.total_updates = server.version  # the workers get this server's stop
+
+    result = _run_server(cfg, mesh, flat, bounds, policy, optimizer, on_update)
+    send_final(mesh, AXIS, result.params, result.version, result.aborted is not None)
+    if result.aborted:
+        raise NonFiniteError(f"async SGD, server {mesh.rank}: {result.aborted} "
+                             f"(run.max_nonfinite_steps={cfg.run.max_nonfinite_steps}); aborting")
+
+
+def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: str,
+           resume: Path | None, bounds: list[tuple[int, int]]) -> None:
+    servers = len(bounds)
+    workers = mesh.world - servers
+    a = cfg.asgd
+    policy, optimizer = _server_parts(cfg, mesh, model, bounds)
     saved = _restore(cfg, run_dir, resume, model, optimizer, policy, mesh)
     start = 0 if saved is None else saved["server"]["version"]
     log = RunLog(run_dir, cfg.train.steps, start, True, cfg.run.progress)
     try:
         if saved is None:
-            log.message(f"{description}; {flat.numel():,} parameters; asynchronous SGD: parameter "
-                        f"server on rank 0, {workers} workers, policy {a.policy!r}"
+            where = ("parameter server on rank 0" if servers == 1 else
+                     f"{servers} parameter servers on ranks 0..{servers - 1} (slices of "
+                     f"{', '.join(f'{hi - lo:,}' for lo, hi in bounds)} parameters; only the "
+                     "final model is evaluated and saved)")
+            log.message(f"{description}; {flat.numel():,} parameters; asynchronous SGD: {where}, "
+                        f"{workers} workers, policy {a.policy!r}"
                         + (f", worker slowdown {a.worker_slowdown}" if a.worker_slowdown else "")
                         + (f", adaptive accumulation up to {a.max_accumulation} gradients per "
                            f"push (communication share <= {a.comm_fraction:g})"
@@ -206,22 +271,25 @@ def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: s
             checkpoints.after_update(server)
 
         mesh.meter.take()
-        rejoin = comm.PairHost(cfg.parallel.timeout_s)
-        publish_address(run_dir, rejoin.address, workers, flat.numel())
+        rejoin = None  # sharded: a restarted worker would need a channel to every server
+        if servers == 1:
+            rejoin = comm.PairHost(cfg.parallel.timeout_s)
+            publish_address(run_dir, rejoin.address, workers, flat.numel())
         try:
-            result = serve(mesh, flat, policy, lr=cfg.train.lr, total_updates=cfg.train.steps,
-                           worker_timeout_s=a.worker_timeout_s, axis=AXIS, optimizer=optimizer,
-                           lr_schedule=lambda version: lr_at(version, cfg.train),
-                           on_update=on_update, state=None if saved is None else saved["server"],
-                           max_nonfinite=cfg.run.max_nonfinite_steps, rejoin=rejoin)
+            result = _run_server(cfg, mesh, flat, bounds, policy, optimizer, on_update,
+                                 None if saved is None else saved["server"], rejoin)
         finally:
             withdraw_address(run_dir)
-        metrics.finish()
+        others = gather_final(mesh, AXIS, flat, bounds)  # servers 1..S-1: (version, aborted)
+        metrics.finish({"server_versions": [result.version, *(v for v, _ in others)]}
+                       if others else None)
         if result.lost:
             log.message(f"workers lost: {result.lost}; rejoins: "
                         f"{[(m.worker, m.event) for m in result.membership if m.event != 'lost']}")
-        if result.aborted:  # like the synchronous trainer: no checkpoint, exit code 3
-            raise NonFiniteError(f"async SGD: {result.aborted} (run.max_nonfinite_steps="
+        aborted = result.aborted or next((f"server {s} aborted at its version {v}" for s, (v, ab)
+                                          in enumerate(others, 1) if ab), None)
+        if aborted:  # like the synchronous trainer: no checkpoint, exit code 3
+            raise NonFiniteError(f"async SGD: {aborted} (run.max_nonfinite_steps="
                                  f"{cfg.run.max_nonfinite_steps}); aborting")
         checkpoints.finish()
     finally:
@@ -251,7 +319,9 @@ class ServerMetrics:
     """`on_update` of the server: a metrics.jsonl record every run.log_every updates (and at
     every evaluated update and the last), the validation loss every run.eval_every updates
     (and at the last), and the stop on SIGINT/SIGTERM. After a resume the run-wide counts of
-    the last record include the checkpoint's (`load_state_dict`)."""
+    the last record include the checkpoint's (`load_state_dict`). Sharded servers: this
+    server's counts; no evaluation during the run (the other slices are elsewhere), and the
+    last record is written by `finish`, on the model gathered after the run."""
 
     def __init__(self, cfg, model, val_data, mesh, log: RunLog, stop, start: int = 0):
         self.cfg, self.model, self.val_data, self.mesh, self.log, self.stop = (
@@ -261,23 +331,26 @@ class ServerMetrics:
         self.recorded = start  # the version of the latest record
         # the run-wide counts up to the checkpoint resumed from: {staleness: applied}, per worker
         self.histogram_before: dict[int, int] = {}
-        self.applied_before = [0] * (mesh.world - 1)
+        workers = mesh.world - cfg.asgd.servers
+        self.applied_before = [0] * workers
         self.window_t0 = self.advanced_t0 = self.t0 = time.perf_counter()
         self.advanced_seen = 0  # arrivals when the progress bar last moved
         # every gradient was computed on global_batch / workers rows (an arrival averages k)
-        self.tokens_per_gradient = (cfg.train.global_batch // (mesh.world - 1)) * cfg.model.seq_len
+        self.tokens_per_gradient = (cfg.train.global_batch // workers) * cfg.model.seq_len
+        self.whole = cfg.asgd.servers == 1  # the model here is whole during the run
 
     def after_update(self, server: ParameterServer) -> None:
         self.server = server
         version = server.version
         if self.stop.signum and version < server.total_updates:
-            self.log.message(f"stopped by signal {self.stop.signum} at update {version}; a "
-                             "checkpoint of the server's state is saved at it")
+            saved = ("a checkpoint of the server's state is saved at it" if self.whole else
+                     "the final model is gathered from every server and saved")
+            self.log.message(f"stopped by signal {self.stop.signum} at update {version}; {saved}")
             server.total_updates = version  # the workers get their stop at their next push
         last = version >= server.total_updates
-        is_eval = version % self.cfg.run.eval_every == 0 or last
+        is_eval = self.whole and (version % self.cfg.run.eval_every == 0 or last)
         loss = None
-        if is_eval or version % self.cfg.run.log_every == 0:
+        if (is_eval or version % self.cfg.run.log_every == 0) and (self.whole or not last):
             loss = self._record(server, is_eval, last)["loss"]
         now, arrivals = time.perf_counter(), len(server.staleness.arrivals)
         gradients = sum(server.accumulation[self.advanced_seen:arrivals])
@@ -285,12 +358,14 @@ class ServerMetrics:
                          / max(now - self.advanced_t0, 1e-9))
         self.advanced_t0, self.advanced_seen = now, arrivals
 
-    def finish(self) -> None:
-        """A last record if the run ended before its last update (every worker lost)."""
+    def finish(self, extra: dict | None = None) -> None:
+        """A last record if the run ended before its last update (every worker lost), or,
+        sharded, the last record, with `extra` fields."""
         if self.server is not None and self.recorded < self.server.version:
-            self._record(self.server, True, True)
+            self._record(self.server, True, True, extra)
 
-    def _record(self, server: ParameterServer, is_eval: bool, last: bool) -> dict:
+    def _record(self, server: ParameterServer, is_eval: bool, last: bool,
+                extra: dict | None = None) -> dict:
         arrivals = server.staleness.arrivals[self.seen:]
         reports = server.reports[self.seen:]
         counts = server.accumulation[self.seen:]  # gradients each arrival averages
@@ -327,7 +402,7 @@ class ServerMetrics:
             rec["staleness_histogram"] = {str(k): v for k, v in
                                           counts["staleness_histogram"].items()}
             rec["applied_by_worker"] = counts["applied_by_worker"]
-        self.log.record(rec)
+        self.log.record({**rec, **(extra or {})})
         self.recorded, self.window_t0 = server.version, time.perf_counter()
         return rec
 
@@ -354,10 +429,14 @@ def rejoin_async(cfg, run_dir: Path, worker: int) -> int:
     Bad input (not a running parameter-server run, W out of range or not lost) is a UserError,
     raised before anything is computed."""
     where = f"--rejoin {run_dir} --worker {worker}"
-    workers = cfg.parallel.nproc - 1
+    workers = cfg.parallel.nproc - cfg.asgd.servers
     if cfg.asgd.mode != "ps":
         raise ConfigError(f'{where}: the run has async.mode={cfg.asgd.mode!r}; only the workers '
                           f'of a parameter server (async.mode="ps") rejoin')
+    if cfg.asgd.servers > 1:
+        raise ConfigError(f"{where}: the run has async.servers={cfg.asgd.servers}; a restarted "
+                          "worker rejoins one server, and sharded servers would each have to "
+                          "take it back: rejoining needs async.servers=1")
     if not 0 <= worker < workers:
         raise ConfigError(f"{where}: the run has {workers} workers, numbered 0..{workers - 1}")
     published = read_address(run_dir)

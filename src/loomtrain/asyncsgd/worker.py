@@ -23,15 +23,25 @@ has rejoined in its place, it gets no reply and fails the same way, at the proce
 timeout at the latest. A restarted worker talks to the server over a pair channel
 (asyncsgd/rejoin.py) and runs this same loop on it.
 
+Sharded servers (`shards`, shard.py): the worker sends PULL to every server, then per step
+receives one PARAMS from each server still serving it (their STEP words must agree: each
+received the same pushes), calls grad_fn on the assembled parameters and sends each of those
+servers its slice of the gradient with that server's version. A server's stop ends only that
+server's part: the worker keeps its final slice and goes on with the others until every server
+has stopped it. The round trip (adaptive accumulation) runs from the last PUSH to the last
+reply: the slowest server's.
+
 Costs per push (k gradients): sends 32 + 4 x numel bytes (counted in `mesh.meter` as op "send"),
-receives the same; the k gradients are summed in the PUSH's own body.
+receives the same; the k gradients are summed in the PUSH's own body. With S servers: S x 32 +
+4 x numel each way (one more copy of the gradient and of the parameters to split and assemble).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -53,17 +63,20 @@ from loomtrain.asyncsgd.protocol import (
 
 @dataclass
 class WorkerResult:
-    params: torch.Tensor  # the final parameters, sent with the stop
-    version: int  # the server's version at the stop
+    params: torch.Tensor  # the final parameters, sent with the stop(s)
+    version: int  # the server's version at the stop (server 0's when sharded)
     steps: int  # gradients this worker pushed (from the step the server started it at)
+    versions: list[int] = field(default_factory=list)  # each server's version at its stop
 
 
 GradFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, float]"]
 
 
 def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world",
-               channel=None, accumulation: int | AdaptiveAccumulation = 1) -> WorkerResult:
-    """Work for the server on member 0 of `axis` until it sends stop.
+               channel=None, accumulation: int | AdaptiveAccumulation = 1,
+               shards: list[int] | None = None) -> WorkerResult:
+    """Work for the server on member 0 of `axis` until it sends stop (for sharded servers,
+    members 0..S-1, until each has).
 
     `grad_fn(params, step)`: the gradient (numel values, any float dtype, sent as fp32) of this
     worker's loss at the flat fp32 `params` on its batch number `step`, or (gradient, loss):
@@ -75,43 +88,66 @@ def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world",
     arrived) and counts up. `channel`: talk to the server over this comm channel instead of
     (mesh, axis) (a restarted worker's comm.PairChannel; mesh is then not used).
     `accumulation`: gradients per push, a fixed k >= 1 or a controller that is told each
-    push's measurements and picks the next k."""
-    if channel is None:
-        if mesh.local_rank(axis) == 0:
-            raise ValueError(f"member 0 of axis {axis!r} is the parameter server, not a worker")
-        channel = comm.MeshChannel(mesh, axis, 0)
+    push's measurements and picks the next k. `shards`: the numel of each server's slice
+    (shard.shard_bounds), summing to numel: the servers are members 0..len(shards) - 1 of
+    `axis` (module docstring); None: one server holding all."""
+    shards = [numel] if shards is None else list(shards)
+    if sum(shards) != numel:
+        raise ValueError(f"shards={shards} must sum to numel={numel}")
+    if channel is not None and len(shards) > 1:
+        raise ValueError("a channel reaches one server; sharded servers need the mesh")
+    if channel is None and mesh.local_rank(axis) < len(shards):
+        raise ValueError(f"members 0..{len(shards) - 1} of axis {axis!r} are the parameter "
+                         "servers, not workers")
+    channels = [channel] if channel is not None else [
+        comm.MeshChannel(mesh, axis, s) for s in range(len(shards))]
+    offsets = [0, *accumulate(shards)]
     adaptive = accumulation if isinstance(accumulation, AdaptiveAccumulation) else None
     if adaptive is None and accumulation < 1:
         raise ValueError(f"accumulation={accumulation} must be >= 1")
     pull = message(0)
     write_header(pull, version=-1)
     started = time.perf_counter()
-    channel.send(pull.buffer, tag=TAG_PULL)
+    for server in channels:
+        server.send(pull.buffer, tag=TAG_PULL)
     if adaptive is not None:
         adaptive.observe_latency(time.perf_counter() - started)
     step = start = measured = None
+    live = list(range(len(shards)))  # the servers that have not stopped this worker
+    slices: list[torch.Tensor | None] = [None] * len(shards)
+    versions = [0] * len(shards)
     while True:
-        reply = message(numel)
-        channel.recv(reply.buffer, tag=TAG_PARAMS)
+        replies = {s: message(shards[s]) for s in live}
+        for s, reply in replies.items():
+            channels[s].recv(reply.buffer, tag=TAG_PARAMS)
         if measured is not None:  # (compute per gradient, send, its start) of the last push
             compute_s, send_s, sent_at = measured
             adaptive.observe(compute_s, send_s, time.perf_counter() - sent_at,
-                             reply.buffer.numel())
-        version = int(reply.header[VERSION])
+                             sum(reply.buffer.numel() for reply in replies.values()))
+        steps = {int(reply.header[STEP]) for reply in replies.values()}
+        assert len(steps) == 1, f"the servers disagree on this worker's step: {steps}"
         if step is None:
-            step = start = int(reply.header[STEP])
-        if reply.header[STOP]:
-            return WorkerResult(reply.body, version, step - start)
+            step = start = steps.pop()
+        for s, reply in replies.items():
+            slices[s], versions[s] = reply.body, int(reply.header[VERSION])
+        live = [s for s in live if not replies[s].header[STOP]]
+        params = slices[0] if len(slices) == 1 else torch.cat(slices)
+        if not live:
+            return WorkerResult(params, versions[0], step - start, versions)
         k = adaptive.accumulation if adaptive is not None else accumulation
-        push = message(numel)
+        pushes = {s: message(shards[s]) for s in live}
+        gradient = pushes[0].body if len(shards) == 1 else torch.empty(numel)
         started = time.perf_counter()
-        loss = _accumulate(grad_fn, reply.body, step, k, push.body)
+        loss = _accumulate(grad_fn, params, step, k, gradient)
         computed = time.perf_counter()
-        write_header(push, version, step)
-        write_loss(push, loss)
-        write_count(push, k)
-        # the server always has this worker's receive posted, so the send does not wait on it
-        channel.send(push.buffer, tag=TAG_PUSH)
+        for s, push in pushes.items():
+            if len(shards) > 1:
+                push.body.copy_(gradient[offsets[s]:offsets[s + 1]])
+            write_header(push, versions[s], step)
+            write_loss(push, loss)
+            write_count(push, k)
+            # the server always has this worker's receive posted: the send does not wait on it
+            channels[s].send(push.buffer, tag=TAG_PUSH)
         if adaptive is not None:
             measured = ((computed - started) / k, time.perf_counter() - computed, computed)
         step += k

@@ -282,10 +282,13 @@ class AsyncConfig(Section):
     # asynchronous SGD with a parameter server (asyncsgd/, docs/async.md): mode "ps" makes
     # rank 0 the server and ranks 1.. its workers; the other keys are read only then
     mode: Literal["none", "ps"] = "none"
+    # server ranks sharding the parameters (asyncsgd/shard.py): ranks 0..servers-1 each own a
+    # contiguous slice, ranks servers.. are the workers
+    servers: int = Field(1, ge=1)
     # the staleness policy (asyncsgd/policies.py: POLICIES)
     policy: Literal["plain", "bounded", "drop_stale", "staleness_scaled", "ringleader"] = "plain"
     max_staleness: int = Field(4, ge=0)  # "bounded": the spread s; "drop_stale": the threshold
-    # per worker (ranks 1..), a factor >= 1 on its step time: it sleeps (f - 1) x its measured
+    # per worker (ranks servers..), a factor >= 1 on its step time: it sleeps (f - 1) x its measured
     # compute time after each gradient; empty: every worker at full speed. With mode "none",
     # one factor per rank of the synchronous trainer (a straggler for synchronous DP)
     worker_slowdown: list[float] = []
@@ -364,9 +367,11 @@ class _Sections(Section):
 
     @property
     def batch_ranks(self) -> int:
-        """The ranks that share each step's global batch: dp, or the workers (nproc - 1) of
-        an asynchronous parameter server, which take global_batch / workers rows per step."""
-        return self.parallel.nproc - 1 if self.asgd.mode == "ps" else self.parallel.dp_size
+        """The ranks that share each step's global batch: dp, or the workers (nproc - servers)
+        of an asynchronous parameter server, which take global_batch / workers rows per step."""
+        if self.asgd.mode == "ps":
+            return self.parallel.nproc - self.asgd.servers
+        return self.parallel.dp_size
 
     @property
     def accumulation_steps(self) -> int:
@@ -380,9 +385,10 @@ Config = create_model("Config", __base__=_Sections, __module__=__name__,
 
 
 def _check_async_sgd(cfg) -> None:
-    """[async] mode="ps" (asyncsgd/train.py): rank 0 serves whole fp32 parameters to plain
-    single-rank workers; its keys mean nothing without it, except worker_slowdown, which with
-    mode "none" slows ranks of the synchronous trainer (trainer._loop): one factor per rank."""
+    """[async] mode="ps" (asyncsgd/train.py): ranks 0..servers-1 serve fp32 parameters (all, or
+    a slice each) to plain single-rank workers; its keys mean nothing without it, except
+    worker_slowdown, which with mode "none" slows ranks of the synchronous trainer
+    (trainer._loop): one factor per rank."""
     a, p, t = cfg.asgd, cfg.parallel, cfg.train
     if a.mode == "none":
         changed = [k for k in AsyncConfig.model_fields if k not in ("mode", "worker_slowdown")
@@ -398,9 +404,10 @@ def _check_async_sgd(cfg) -> None:
                              "empty for all at full speed")
         _check_slowdown_factors(a.worker_slowdown)
         return
-    if p.nproc < 2:
-        raise ValueError(f'async.mode="ps" runs the parameter server on rank 0 and workers on '
-                         f"ranks 1..: it needs parallel.nproc >= 2 (got {p.nproc})")
+    if p.nproc < a.servers + 1:
+        raise ValueError(f'async.mode="ps" runs the parameter server on ranks 0..{a.servers - 1} '
+                         f"(async.servers={a.servers}) and workers on ranks {a.servers}..: it "
+                         f"needs parallel.nproc >= {a.servers + 1} (got {p.nproc})")
     others = {"parallel.tp": (p.tp, 1), "parallel.pp": (p.pp, 1), "parallel.cp": (p.cp, 1),
               "parallel.zero_stage": (p.zero_stage, 0), "train.precision": (t.precision, "fp32"),
               "lowcomm.algorithm": (cfg.lowcomm.algorithm, "none"),
@@ -412,13 +419,36 @@ def _check_async_sgd(cfg) -> None:
             raise ValueError(f'async.mode="ps" with {key}={value!r} is not supported: the server '
                              "and every worker hold the whole fp32 model, each worker computes "
                              f"its gradient alone, with no collective ({key}={allowed!r})")
-    workers = p.nproc - 1
+    workers = p.nproc - a.servers
     if a.worker_slowdown and len(a.worker_slowdown) != workers:
+        servers = ("rank 0 is the server" if a.servers == 1
+                   else f"ranks 0..{a.servers - 1} are servers")
         raise ValueError(f"async.worker_slowdown={a.worker_slowdown} needs one factor per worker: "
-                         f"parallel.nproc={p.nproc} gives {workers} (ranks 1..{workers}; rank 0 "
-                         "is the server); leave it empty for all at full speed")
+                         f"parallel.nproc={p.nproc} gives {workers} (ranks {a.servers}.."
+                         f"{p.nproc - 1}; {servers}); leave it empty for all at full speed")
     _check_slowdown_factors(a.worker_slowdown)
     _check_adaptive(a)
+    _check_sharded_servers(a, cfg.checkpoint)
+
+
+def _check_sharded_servers(a: AsyncConfig, c: CheckpointConfig) -> None:
+    """What several servers (asyncsgd/shard.py) cannot do: hold workers back each on its own
+    (bounded), and save their independent states as one checkpoint while they serve."""
+    if a.servers == 1:
+        return
+    if a.policy == "bounded":
+        raise ValueError(f'async.servers={a.servers} with async.policy="bounded" is not supported: '
+                         "each server would hold workers back by its own versions, and a worker "
+                         "that one server has answered can be held by another, so two servers can "
+                         "each wait for a worker the other holds (a deadlock until "
+                         'worker_timeout_s); use "plain", "drop_stale", "staleness_scaled" or '
+                         '"ringleader", which never hold a worker back, or async.servers=1')
+    if c.every:
+        raise ValueError(f"async.servers={a.servers} with checkpoint.every={c.every} is not "
+                         "supported: the servers keep independent versions and never wait for "
+                         "one another, so no moment holds a consistent state of all of them; "
+                         "only the final model is saved (whole, at the end or at a stop). Set "
+                         "checkpoint.every=0")
 
 
 def _check_adaptive(a: AsyncConfig) -> None:

@@ -19,10 +19,12 @@ def lr_at(step: int, cfg) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg, parameters=None) -> torch.optim.Optimizer:
     """AdamW (or SGD with momentum); weight decay only on matrices and embeddings, not on
-    biases and LayerNorm gains (as in GPT-2/nanoGPT)."""
-    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    biases and LayerNorm gains (as in GPT-2/nanoGPT). `parameters`: only these of the model's
+    (a sharded parameter server's, asyncsgd/shard.py); default all."""
+    chosen = model.parameters() if parameters is None else parameters
+    params = list(dict.fromkeys(p for p in chosen if p.requires_grad))
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
