@@ -148,14 +148,16 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op: str = "sum", async_op:
     )
 
 
-def broadcast(tensor: torch.Tensor, mesh, axis: str, src_local: int = 0, async_op: bool = False):
-    """Broadcast from the axis member with local index `src_local` (gloo: a binomial tree)."""
+def broadcast(tensor: torch.Tensor, mesh, axis: str, src_local: int = 0, async_op: bool = False,
+              name: str = "broadcast"):
+    """Broadcast from the axis member with local index `src_local` (gloo: a binomial tree).
+    `name`: the op it is counted as in the meter (a technique's own traffic, "mask_sync")."""
     n = mesh.size(axis)
     if n == 1:
-        return Pending(None, mesh, "broadcast", axis) if async_op else None
+        return Pending(None, mesh, name, axis) if async_op else None
     ranks = mesh.group_ranks(axis)
     return _start(
-        mesh, "broadcast", axis, _nbytes(tensor), "tree_broadcast",
+        mesh, name, axis, _nbytes(tensor), "tree_broadcast",
         lambda g: dist.broadcast(tensor, src=ranks[src_local], group=g, async_op=True),
         async_op, from_root=(mesh.local_rank(axis) - src_local) % n,
     )

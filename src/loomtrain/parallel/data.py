@@ -25,6 +25,11 @@ the bucket holds the sum of every rank's decompressed contribution. Every `error
 call of `measure_error()` keeps the uncompressed buckets and, after the exchange, all-reduces
 them densely (a diagnostic: counted apart, off the simulated link) to log the relative error
 of the compressed sum against the dense one.
+
+With gradient masks (`set_gradient_masks`, parallel/sparse_dp.py: sparse-aware data parallel)
+a bucket holding masked parameters all-reduces only the entries its masks keep, gathered into
+a compact buffer in the hook and scattered back at the end of backward, masked-out entries
+set to zero; the masks themselves travel once per change.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loomtrain import comm
 from loomtrain.comm.compress import relative_error
+from loomtrain.comm.mask_sync import broadcast_masks
 from loomtrain.parallel.placement import placement_of
+from loomtrain.parallel.sparse_dp import SparseCommWindow, bucket_keeps, check_masks
 
 # The hook that runs at the end of backward: the same engine callback DDP and FSDP use.
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -52,6 +59,8 @@ class Bucket:
     ready: int = 0
     pending: comm.Pending | None = None
     launched: bool = False
+    keep: torch.Tensor | None = None  # sparse-aware DP: the buffer entries that travel
+    compact: torch.Tensor | None = None  # ... gathered, in flight
 
 
 def build_buckets(params: list[nn.Parameter], bucket_bytes: int,
@@ -175,6 +184,7 @@ class DataParallel(nn.Module):
         self._measure = False  # this step: keep the dense buckets for the error diagnostic
         self._dense: dict[int, torch.Tensor] = {}
         self._window = CompressionWindow()
+        self._sparse: SparseCommWindow | None = None  # while gradient masks are set
         self._sync = True
         self._callback_queued = False
         broadcast_state(module, mesh, axis)
@@ -222,6 +232,37 @@ class DataParallel(nn.Module):
         pipeline runtime's end of step: its backward passes run stage by stage)."""
         self._finish()
 
+    def set_gradient_masks(self, masks: dict[nn.Parameter, torch.Tensor] | None) -> None:
+        """Communicate only the gradient entries `masks` keep (True), from the next backward
+        on; masked-out entries of the reduced gradient are zero. None: the dense path again.
+
+        Collective over the axis, outside backward: every rank calls it at the same point,
+        once per mask change (each call is one mask sync, comm/mask_sync.py). The axis
+        member 0's masks are the ones used, on every rank, and are copied into the tensors
+        the other ranks passed (in place), so ranks that computed their masks separately
+        hold member 0's afterwards. A parameter member 0 masks and another rank does not is
+        masked there too (nothing to copy into). Bytes: parallel/sparse_dp.py.
+        ValueError: a mask that is not a bool tensor shaped like a parameter this engine
+        reduces, or masks with a compressor (both sparsify the same all-reduce)."""
+        if masks and self.compressor is not None:
+            raise ValueError("gradient masks (sparse-aware data parallel) cannot be combined "
+                             "with gradient compression: both replace the same bucket "
+                             "all-reduce; use one of them")
+        assert not any(b.launched for b in self.buckets), "set_gradient_masks inside backward"
+        params = [p for b in self.buckets for p in b.params]
+        mine = check_masks(masks, params)
+        synced, sent = broadcast_masks(mine, params, self.mesh, self.axis)
+        with torch.no_grad():
+            for given, used in zip(mine, synced):
+                if given is not None and used is not None and given is not used:
+                    given.copy_(used)
+        for bucket, keep in zip(self.buckets, bucket_keeps(self.buckets, synced)):
+            bucket.keep = keep
+        masked = any(m is not None for m in synced)
+        self._sparse = (self._sparse or SparseCommWindow()) if masked else None
+        if masked:
+            self._sparse.mask_sync_wire += sent
+
     @property
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
@@ -250,10 +291,15 @@ class DataParallel(nn.Module):
                 view.zero_()  # unused in this backward: contributes nothing
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)  # the user set grads to None; copy into the bucket
+        values = bucket.buffer
+        if bucket.keep is not None:  # sparse-aware: the kept entries only
+            values = bucket.compact = bucket.buffer.masked_select(bucket.keep)
+        if self._sparse is not None:
+            self._sparse.add(_nbytes(values), _nbytes(bucket.buffer), self.mesh.size(self.axis))
         if self.gradient_reduce == "mean":
-            bucket.buffer.div_(self.mesh.size(self.axis))
+            values.div_(self.mesh.size(self.axis))
         if self.compressor is None:
-            bucket.pending = comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True)
+            bucket.pending = comm.all_reduce(values, self.mesh, self.axis, async_op=True)
         else:
             index = self._index[id(bucket)]
             if self._measure:
@@ -270,6 +316,9 @@ class DataParallel(nn.Module):
             stats = bucket.pending.wait()
             if self.compressor is not None:
                 self._window.add(stats)
+            if bucket.keep is not None:
+                bucket.buffer.zero_().masked_scatter_(bucket.keep, bucket.compact)
+                bucket.compact = None
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
             bucket.ready, bucket.pending, bucket.launched = 0, None, False
@@ -292,10 +341,12 @@ class DataParallel(nn.Module):
         self._dense, self._measure = {}, False
 
     def metrics(self) -> dict:
-        """The compression figures since the previous call (empty without a compressor)."""
-        if self.compressor is None:
-            return {}
-        return self._window.take()
+        """The compression figures since the previous call (without a compressor: none), and
+        while gradient masks are set the sparse-aware ones (`SparseCommWindow.take`)."""
+        rec = {} if self.compressor is None else self._window.take()
+        if self._sparse is not None:
+            rec.update(self._sparse.take())
+        return rec
 
 
 @dataclass
