@@ -123,7 +123,7 @@ def _rejoin(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from loomtrain.train.launch import in_torchrun, launch_forwarding_signals
+    from loomtrain.train.launch import in_torchrun, launch_forwarding_signals, launch_tolerant
     from loomtrain.train.trainer import train_worker, write_config
 
     if args.rejoin is not None or args.worker is not None:
@@ -165,10 +165,15 @@ def cmd_train(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     received: list[int] = []
     try:
-        launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
+        if cfg.asgd.mode == "ps":  # a dead worker does not end a parameter-server run
+            launch_tolerant(cfg.parallel.nproc, train_worker, payload, received,
+                            cfg.parallel.timeout_s, run_dir, cfg.asgd.servers)
+        else:
+            launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
-        why = "killed after a second stop signal" if len(received) > 1 else "a worker failed"
+        why = ("killed after a second stop signal" if len(received) > 1 else
+               "the parameter server (rank 0) failed" if cfg.asgd.mode == "ps" else "a worker failed")
         print(f"error: {why} (exit codes {sorted(codes)}); see the messages above", file=sys.stderr)
         return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
     return 0

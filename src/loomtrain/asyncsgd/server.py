@@ -187,10 +187,15 @@ class ParameterServer:
         try:
             while any(p.expect not in ("done", "lost") for p in self.peers):
                 event = self.inbox.next(self._time_to_deadline())
-                if event is None:
-                    self._expire()
-                else:
+                if event is not None:
                     self._on_event(*event)
+                if self._time_to_deadline() == 0.0:
+                    # a deadline passed, also while events kept coming (a busy server): first
+                    # serve what has already arrived, so a worker whose message waits in the
+                    # queue is not dropped, then drop those still silent
+                    while (queued := self.inbox.next(0)) is not None:
+                        self._on_event(*queued)
+                    self._expire()
         finally:
             if self.rejoin is not None:
                 self.rejoin.close()

@@ -25,7 +25,8 @@ without reshaping.
   server updates. It writes metrics.jsonl (the trainer's RunLog), evaluates on its own (a
   one-rank mesh: no collective with the workers, who never evaluate), discards non-finite
   gradients (run.max_nonfinite_steps in a row abort the run, exit code 3) and saves checkpoints
-  of its whole state (asyncsgd/state.py), from which `loom train --resume` continues.
+  of its whole state (asyncsgd/state.py), from which `loom train --resume` continues. Losing
+  every worker before train.steps ends the run after a save, exit code 4 (WorkersLostError).
 - Sharded (S > 1): rank 0 writes the metrics (its own server's counts); only the final model
   is whole on one rank (servers 1..S-1 send their final slices to rank 0 after the run), so it
   alone is evaluated and saved (without optimizer or server state: not resumable), and the
@@ -41,6 +42,7 @@ without reshaping.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,6 +79,12 @@ from loomtrain.train.optim import build_optimizer, lr_at
 from loomtrain.train.trainer import NonFiniteError, _load, _target_tokens, evaluate, write_config
 
 AXIS = "world"  # members 0..S-1: the servers; members S..: the workers
+
+
+class WorkersLostError(comm.CollectiveError):
+    """Every worker was lost before train.steps updates (they died; the launcher in
+    train/launch.py lets the server go on without them): the run failed, exit code 4 as for a
+    failed collective, after the server saved its state."""
 
 
 def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
@@ -292,6 +300,11 @@ def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: s
             raise NonFiniteError(f"async SGD: {aborted} (run.max_nonfinite_steps="
                                  f"{cfg.run.max_nonfinite_steps}); aborting")
         checkpoints.finish()
+        if result.version < cfg.train.steps and not stop.signum:
+            raise WorkersLostError(
+                f"async SGD: every worker was lost, after {result.version} of {cfg.train.steps} "
+                f"updates; the server's state at update {result.version} is saved: continue "
+                f"with `loom train --resume {run_dir}`")
     finally:
         log.close()
 
@@ -449,6 +462,12 @@ def rejoin_async(cfg, run_dir: Path, worker: int) -> int:
         raise UserError(f"{where}: the run's server does not answer ({err}): it has ended "
                         f"(killed before it could remove {ADDRESS_FILE})") from None
     device = pick_device(cfg.run, 0)
+    if device.type == "cpu":
+        # a rank's share of the host's cores, as launch.init_distributed gives the run's
+        # processes: with every core its threads fought the run's (measured with two busy
+        # processes beside a local 3-rank run on 2 cores: under 7 gradients/s instead of 73)
+        on_host = cfg.parallel.ranks_per_node or cfg.parallel.nproc
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_host))
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model).to(device)
     flat = flatten_parameters(model)

@@ -8,6 +8,8 @@
   uses the same code path as every parallel run.
 - `loom train`'s own SIGINT/SIGTERM go to the workers (`launch_forwarding_signals`), which save
   a checkpoint at the next step boundary and exit normally.
+- A parameter-server run (`[async] mode = "ps"`) outside torchrun spawns and watches its ranks
+  itself (`launch_tolerant`): a dead worker is reported and the run goes on without it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -76,6 +80,17 @@ def init_distributed(cfg) -> Mesh:
 
 
 def shutdown(mesh: Mesh | None) -> None:
+    """Destroy the process group, after a barrier of the mesh's ranks (none without a mesh).
+
+    A parameter-server run passes no mesh (trainer.run): its ranks need not and cannot meet
+    there. A worker may have died or been replaced by a rejoined process outside the world; the
+    barrier then fails at once ("Connection closed by peer": measured, a server that had
+    finished and saved exited 4, and so did the surviving workers), or a worker the server
+    dropped as hung holds every other rank in it until parallel.timeout_s. Nothing is in flight
+    without it: the server returns only once every live worker has read its stop, and the
+    receives it keeps posted for lost workers go with the group (measured, gloo: destroy with
+    a receive pending from a live peer returns at once; the peer's late send then fails at
+    once with "Connection closed by peer")."""
     if dist.is_initialized():
         if mesh is not None and mesh.world > 1:
             # a barrier before destroy avoided an intermittent abort at exit (DESIGN.md)
@@ -116,6 +131,45 @@ class _QuietChildThread(logging.Filter):
         return "running on a child thread" not in record.getMessage()
 
 
+class _SignalForwarding:
+    """`loom train`'s SIGINT/SIGTERM, caught while its ranks run and sent on to them: the first
+    as it is (they save a checkpoint at the next step boundary and end normally), any later one
+    as SIGKILL. `received` collects the signals. `forward` is called from the launcher's loop,
+    not from the handler: signals that arrive before the ranks exist wait for them (two of
+    them by then: SIGKILL)."""
+
+    def __init__(self, received: list[int]):
+        self.received, self.pending = received, []
+        self.forwarded = 0
+        self.killed = False  # the ranks were sent SIGKILL
+
+    def __enter__(self) -> _SignalForwarding:
+        self.handlers = {sig: signal.signal(sig, self._on_signal)
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.received.append(signum)
+        self.pending.append(signum)
+
+    def forward(self, ranks_pids) -> None:
+        """Send what is pending to the pids `ranks_pids()` returns (called only then)."""
+        pids = ranks_pids() if self.pending else []
+        if not pids:
+            return
+        signum = signal.SIGKILL if self.forwarded or len(self.pending) > 1 else self.pending[0]
+        self.pending.clear()
+        self.forwarded += 1
+        self.killed = signum == signal.SIGKILL
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
 def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: list[int]) -> None:
     """The elastic launcher on a thread, with SIGINT/SIGTERM forwarded to the workers: they
     save a checkpoint at the next step boundary and return normally; a second signal SIGKILLs
@@ -139,32 +193,130 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
         except BaseException as err:  # re-raised on the main thread
             outcome["error"] = err
 
-    pending: list[int] = []
-    forwarded = 0
-
-    def on_signal(signum, _frame) -> None:
-        received.append(signum)
-        pending.append(signum)
-
     quiet = _QuietChildThread()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
-    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=agent, name="loom-elastic-agent", daemon=True)
     try:
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
-            pids = _worker_pids() if pending else []
-            if pending and pids:
-                signum = signal.SIGKILL if forwarded or len(pending) > 1 else pending[0]
-                pending.clear()
-                forwarded += 1
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signum)
+        with _SignalForwarding(received) as signals:
+            thread.start()
+            while thread.is_alive():
+                thread.join(0.1)
+                signals.forward(_worker_pids)
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
     if "error" in outcome:
         raise outcome["error"]
+
+
+def _tolerant_rank(rank: int, world: int, port: int, entrypoint, payload: tuple) -> None:
+    """One rank of `launch_tolerant` (a spawned process): the elastic launcher's environment,
+    then the entrypoint; its exit code (0, or what it passed to sys.exit) is the process's.
+
+    The process leaves through os._exit once the entrypoint has returned and the output is
+    flushed, skipping the interpreter's teardown: there a server that had dropped a hung
+    worker (whose receive stays posted, asyncsgd/server.py) and served a rejoined one was
+    aborted by gloo ("terminate called without an active exception", SIGABRT) after the run
+    had finished and saved, in 3 of 8 runs (measured, torch 2.13), turning its exit 0 into -6;
+    cli.entry does the same for failure codes. Everything the run writes is closed by then.
+    An exception other than SystemExit leaves as usual (traceback, exit code 1)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        entrypoint(*payload)
+        code = 0
+    except SystemExit as stop:  # train_worker's exit codes for people: 2, 3, 4
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _say(line: str) -> None:
+    print(f"loom: {line}", file=sys.stderr, flush=True)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
+                    grace_s: float, run_dir: Path, servers: int = 1) -> None:
+    """`entrypoint(*payload)` on `nproc` local processes of a parameter-server run (`[async]
+    mode = "ps"`: ranks 0..servers-1 the servers, the others its workers), in which a worker's
+    death does not end the run. The elastic launcher stops every process when one fails; here the ranks are
+    spawned and watched by this function instead.
+
+    - Each rank gets what the elastic launcher would give it (RANK, WORLD_SIZE, LOCAL_RANK,
+      LOCAL_WORLD_SIZE, MASTER_ADDR = 127.0.0.1, a free MASTER_PORT; rank 0 hosts the store),
+      so `init_distributed`'s env:// path is the same. Start method spawn.
+    - SIGINT/SIGTERM are forwarded as by `launch_forwarding_signals` (`_SignalForwarding`):
+      the first to every live rank (the server saves and stops the workers), a second SIGKILLs.
+    - The ranks' pids are printed once on stderr. A worker that exits abnormally is reported in
+      one line there (its index, rank, pid, exit code or signal, and how to restart it in
+      `run_dir`); the others go on. The server drops it (gloo reports the closed
+      connection at once: asyncsgd/server.py) and `loom train --rejoin` may take its place.
+    - The outcome is rank 0's. When it has ended normally, the surviving workers (already
+      stopping: the server returns only once every live worker has read its stop, and one it
+      dropped fails at its next message to the gone server) get `grace_s` to end, and are then
+      SIGKILLed. If it fails, the workers are SIGKILLed at once (a worker holds nothing to
+      save) and ChildFailedError is raised with rank 0's exit code, as the elastic path
+      raises it (for the CLI's exit code). With sharded servers (`servers` > 1), any server
+      rank that exits abnormally fails the run the same way: its slice of the parameters is
+      gone, so the workers could not go on."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks = [ctx.Process(target=_tolerant_rank, args=(rank, nproc, port, entrypoint, payload),
+                         name=f"loom-rank-{rank}") for rank in range(nproc)]
+    server, reported = ranks[0], set()
+    shards = ranks[1:servers]  # sharded servers besides rank 0: each one's failure is the run's
+    deadline = None  # for the workers, once the server has ended
+
+    def live() -> list:
+        return [p for p in ranks if p.exitcode is None]
+
+    with _SignalForwarding(received) as signals:
+        try:
+            for p in ranks:
+                p.start()
+            _say(f"ranks started as pids {[p.pid for p in ranks]} (ranks 0..{servers - 1}: the "
+                 f"parameter server{'s' if servers > 1 else ''}; rank r: worker r - {servers})")
+            while live():
+                wait([p.sentinel for p in live()], timeout=0.1)
+                signals.forward(lambda: [p.pid for p in live()])
+                failed_shard = next((p for p in shards if p.exitcode not in (None, 0)), None)
+                if failed_shard is not None:
+                    server = failed_shard  # the run's outcome: every rank is killed below
+                    deadline = time.monotonic()
+                for rank, p in enumerate(ranks[servers:], servers):  # once the server ended,
+                    if (p.exitcode not in (None, 0) and rank not in reported  # it is the news
+                            and server.exitcode is None and not signals.killed):
+                        reported.add(rank)
+                        _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
+                             f"{_exit_text(p.exitcode)}; the parameter server and the other "
+                             f"workers go on (`loom train --rejoin {run_dir} --worker "
+                             f"{rank - servers}` restarts it)")
+                if server.exitcode is not None and deadline is None:
+                    deadline = time.monotonic() + (grace_s if server.exitcode == 0 else 0.0)
+                if deadline is not None and time.monotonic() >= deadline:
+                    for rank, p in enumerate(ranks[servers:], servers):
+                        if p.exitcode is None and server.exitcode == 0:
+                            _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) had not ended "
+                                 f"{grace_s:g} s after the server (parallel.timeout_s): killed")
+                    break
+        finally:  # the ranks never outlive the launcher
+            for p in live():
+                p.kill()
+                p.join()
+    if server.exitcode != 0:
+        rank = ranks.index(server)
+        failure = ProcessFailure(local_rank=rank, pid=server.pid, exitcode=server.exitcode,
+                                 error_file="")
+        raise ChildFailedError(getattr(entrypoint, "__name__", "loom"), {rank: failure})

@@ -213,7 +213,7 @@ def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
     try:
         return _loop(cfg, run_dir, resume, mesh, stop)
     finally:
-        shutdown(mesh)
+        shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
 
 
 def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
