@@ -257,8 +257,11 @@ def _discard(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dict) -> Path:
-    """Collective: every rank calls it. Returns the published checkpoint folder."""
+def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dict,
+         tensors: dict | None = None) -> Path:
+    """Collective: every rank calls it. Returns the published checkpoint folder. `tensors`:
+    more entries under their own keys, the same on every rank (sparsity masks); `load`'s
+    `extra` reads them back."""
     final = step_dir(run_dir, step)
     partial = final.with_name(final.name + PARTIAL)
     if mesh.rank == 0:
@@ -266,7 +269,7 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
         _discard(partial)  # what a crash during an earlier save of this step left
     comm.barrier(mesh)  # nobody writes into `partial` before it is clean
     state = {**training_state(model, optimizer), **_rng_state(mesh.rank, mesh.device),
-             **_compression_state(model, mesh.rank)}
+             **_compression_state(model, mesh.rank), **(tensors or {})}
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
                  planner=_SavePlanner())
@@ -444,14 +447,22 @@ def load(path: Path, model, optimizer, mesh, extra: dict | None = None) -> dict:
 def load_model_state(path: Path) -> dict[str, torch.Tensor]:
     """Single process, no process group, no model needed: the model's tensors, consolidated
     from every rank's part into full CPU tensors (names without the `model.` prefix)."""
+    state = load_tensors(path, "model.")
+    if not state:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors")
+    return state
+
+
+def load_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Single process: every tensor of checkpoint `path` whose key starts with `prefix`, as
+    full CPU tensors keyed without the prefix (empty if there is none)."""
     _, metadata = verify(path)
     state = {k: torch.empty(v.size, dtype=v.properties.dtype)
              for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and hasattr(v, "size")}
-    if not state:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors")
-    _dcp_load(path, state, metadata, no_dist=True)
-    return {k.removeprefix("model."): v for k, v in state.items()}
+             if k.startswith(prefix) and hasattr(v, "size")}
+    if state:
+        _dcp_load(path, state, metadata, no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
 def load_model_weights(path: Path, model) -> None:

@@ -11,6 +11,11 @@ names are written, each as its own full copy, after checking that the checkpoint
 values for them; metadata `tied` (JSON, alias -> source name) records the tie, so a reader
 that ties them again may keep just one. The copy costs one vocab x d_model matrix on disk.
 
+A sparse run's checkpoint (sparsity/) also holds its masks: the file stays dense (masked
+weights are stored as zeros, readable by any reader), and metadata `loomtrain.sparsity`
+(JSON, weight name -> kept fraction) records each sparse layer's density. docs/sparsity.md
+measures what a sparse format would save on disk and in CPU time.
+
 Writing is atomic: the file is written next to its target as `NAME.tmp`, fsynced, then
 renamed over the target, so an interrupted export never leaves a truncated file under the
 final name.
@@ -27,6 +32,8 @@ from safetensors.torch import save_file
 
 from loomtrain.errors import CheckpointError
 from loomtrain.models import build_model
+from loomtrain.sparsity.masks import unpack_mask
+from loomtrain.sparsity.sparsifier import KEY
 from loomtrain.train import checkpoint
 from loomtrain.train.config import load_config
 
@@ -70,6 +77,11 @@ def export_safetensors(run_dir: Path, out: Path | None = None) -> str:
         "loomtrain.model_config": json.dumps(cfg.model.model_dump()),
         "tied": json.dumps(ties),
     }
+    masks = checkpoint.load_tensors(latest, KEY)  # packed bits, 8 weights per byte
+    if masks:
+        metadata["loomtrain.sparsity"] = json.dumps(
+            {name: round(int(unpack_mask(bits, tensors[name].shape).sum()) / tensors[name].numel(), 6)
+             for name, bits in masks.items()})
     out = Path(out) if out is not None else run_dir / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

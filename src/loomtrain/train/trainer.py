@@ -12,6 +12,8 @@ One optimizer step:
 4. gradients are clipped; a non-finite gradient norm (identical on every rank after the
    all-reduce) skips the step, and too many in a row abort the run;
 5. AdamW steps; the loss is all-reduced only on logged steps.
+With [sparsity] (sparsity/training.py) the gradient of step 3 may take several passes (SAM,
+ZO-SAM) and is masked before step 4, and the masks are re-applied (and updated) after step 5.
 
 What is learnt comes from train/task.py: the model and the samplers for `data.source` (text
 windows, or labelled examples for the digits classifier, whose "tokens" are examples). A run
@@ -36,6 +38,7 @@ from loomtrain.models import IGNORE_INDEX, token_loss_sum
 from loomtrain.parallel import parallelize
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.parallel.sequence import sequence_of
+from loomtrain.sparsity.training import build_sparse_training
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
 from loomtrain.train.config import Config, config_from_dict, config_to_toml
@@ -90,19 +93,37 @@ def _local(model, batch):
 
 
 def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float,
-               loss_fn=token_loss_sum):
+               loss_fn=token_loss_sum, sparse=None):
     """Forward/backward over the micro-batches, clip, step. Returns (local loss sum, grad norm,
     stepped). The loss of every micro-batch is divided by `global_tokens`: the global token
-    count (this rank's own for low-communication replicas, which step on their own rows)."""
+    count (this rank's own for low-communication replicas, which step on their own rows).
+    `sparse` (sparsity/training.py): its passes (SAM's two, ZO-SAM's probes) make the
+    gradient, which it masks before clipping, and it re-applies its masks after the step."""
     runtime = runtime_of(model)
     if getattr(runtime, "owns_optimizer", False):  # schedule="async": it steps per micro-batch
         loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
         return loss_sum, runtime.grad_norm, runtime.stepped
     if runtime is not None:  # the schedule runs every micro-batch's forward and backward
         loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
-        batches = []
+    elif sparse is not None:
+        loss_sum = sparse.gradient(lambda: _forward_backward(model, batches, global_tokens, loss_fn),
+                                   lambda: _forward_loss(model, batches, loss_fn))
     else:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
+        loss_sum = _forward_backward(model, batches, global_tokens, loss_fn)
+    grad_norm = model.clip_grad_norm_(grad_clip)
+    stepped = bool(torch.isfinite(grad_norm))
+    if stepped:
+        optimizer.step()
+    if sparse is not None:
+        sparse.after_step(stepped)
+    optimizer.zero_grad(set_to_none=False)  # keep grads as views into the engine's buckets
+    return loss_sum, grad_norm, stepped
+
+
+def _forward_backward(model, batches, global_tokens: float, loss_fn) -> torch.Tensor:
+    """Forward and backward of every micro-batch, all but the last under `no_sync()`;
+    returns this rank's loss sum."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
     for i, batch in enumerate(batches):
         x, y = _local(model, batch)
         last = i == len(batches) - 1
@@ -110,12 +131,13 @@ def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float
             loss = loss_fn(model(x), y)
             (loss / global_tokens).backward()
         loss_sum += loss.detach()
-    grad_norm = model.clip_grad_norm_(grad_clip)
-    stepped = bool(torch.isfinite(grad_norm))
-    if stepped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=False)  # keep grads as views into the engine's buckets
-    return loss_sum, grad_norm, stepped
+    return loss_sum
+
+
+@torch.no_grad()
+def _forward_loss(model, batches, loss_fn) -> torch.Tensor:
+    """This rank's loss sum over the micro-batches, forwards only (zeroth-order probes)."""
+    return sum(loss_fn(model(x), y).double() for x, y in (_local(model, b) for b in batches))
 
 
 def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> float:
@@ -238,9 +260,13 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                                              lambda m: build_optimizer(m, cfg.train))
     if getattr(runtime_of(model), "owns_optimizer", False):
         optimizer = runtime_of(model).optimizer  # schedule="async": the one its runtime steps
+    sparse = build_sparse_training(model, optimizer, cfg, mesh)  # masks the weights at once
     start = 0
     if resume is not None:
-        start = checkpoint.load(resume, model, optimizer, mesh)["step"]
+        masks = sparse.placeholders(resume) if sparse is not None else {}
+        start = checkpoint.load(resume, model, optimizer, mesh, masks)["step"]
+        if sparse is not None:
+            sparse.load_state_dict(masks)
         if mesh.rank == 0:  # only now that the checkpoint fits: a failed resume changes nothing
             truncate_metrics(run_dir, start)
             write_config(run_dir, cfg)  # with the resume's --set overrides
@@ -277,7 +303,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             if stopping:
                 name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
                 if step > saved_at:
-                    save(cfg, run_dir, step, model, optimizer, mesh, {"stopped_by": name})
+                    save(cfg, run_dir, step, model, optimizer, mesh, {"stopped_by": name}, sparse)
                 log.message(f"stopped by {name} before step {step + 1}; " + (
                     f"checkpoint step {step} is saved; continue with: loom train --resume {run_dir}"
                     if step else "no step was done, so there is no checkpoint"))
@@ -290,9 +316,11 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                 model.measure_error()  # compressed gradients: this step's error against dense
             # low-communication replicas step on their own rows: each normalizes by its tokens
             loss_tokens = _target_tokens(batches) if lowcomm else global_tokens
+            if sparse is not None:
+                sparse.before_step(step)
             compute_t0 = time.perf_counter()
             loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, loss_tokens,
-                                                      cfg.train.grad_clip, loss_sum_fn)
+                                                      cfg.train.grad_clip, loss_sum_fn, sparse)
             if slowdown > 1.0:  # the async workers' rule: sleep (f - 1) x this step's measured
                 # forward/backward/step time; the other ranks wait for it at the next collective
                 time.sleep((slowdown - 1.0) * (time.perf_counter() - compute_t0))
@@ -325,18 +353,21 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                     sequence = sequence_of(model)
                     rec["work_imbalance"] = round(sequence.imbalance, 4)
                     rec["dp_work_imbalance"] = round(sequence.dp_imbalance, 4)
-                if lowcomm or compressed:  # the algorithm's own figures (a spread, a ratio, ...)
+                if lowcomm or compressed or (sparse is not None and sparse.sparse_comm):
+                    # the algorithm's own figures (a spread, a ratio, the sparse bytes, ...)
                     rec.update(model.metrics())
+                if sparse is not None:  # passes per step, density (per layer when evaluated)
+                    rec.update(sparse.metrics(per_layer=is_eval))
                 if is_eval:
                     rec.update(validate(model, val_data, cfg, mesh, device, loss_sum_fn))
                 log.record(rec)
                 window_t0, window_steps = time.perf_counter(), 0
             log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-                save(cfg, run_dir, done, model, optimizer, mesh)
+                save(cfg, run_dir, done, model, optimizer, mesh, None, sparse)
                 saved_at = done
         if start < cfg.train.steps:
-            save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh)
+            save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh, None, sparse)
         else:
             log.message(f"nothing to do: the checkpoint is at step {start}, train.steps="
                         f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
@@ -392,11 +423,13 @@ def write_config(run_dir: Path, cfg: Config) -> None:
     os.replace(tmp, run_dir / "config.toml")
 
 
-def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh, extra: dict | None = None) -> None:
+def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh, extra: dict | None = None,
+         sparse=None) -> None:
     _drain(model)
     if cfg.lowcomm.algorithm != "none":  # a stop between syncs: one model to save
         model.end_period()
-    checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, extra or {})
+    checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, extra or {},
+                    sparse.state_dict() if sparse is not None else None)
 
 
 def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:

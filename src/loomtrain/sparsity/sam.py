@@ -1,0 +1,150 @@
+"""Sharpness-aware gradients for (sparse) training: SAM, and ZO-SAM.
+
+SAM (Foret et al., arXiv 2010.01412, eq. 2 and Algorithm 1) steps with the gradient at the
+worst nearby point: g = grad L(w); e = rho g / ||g||; the step uses grad L(w + e), taken at
+w + e and applied to w. Two forward-backward passes per step.
+
+ZO-SAM (Ji et al., arXiv 2603.13115) takes the idea further for sparse training: the ascent
+direction is estimated with zeroth-order probes instead of the first backward, so a step
+costs one backward. What is implemented here: one SPSA probe with loomtrain.zeroth's
+`Perturber` (seed-regenerated z ~ N(0, I), applied module by module during the forward and
+restored bitwise): L+ = L(w + eps z), L- = L(w - eps z) on the step's batch (two forwards,
+summed over the data-parallel ranks in one all-reduce of two numbers), the projected
+gradient c = (L+ - L-) / (2 eps), the estimate g^ = c z, and e = rho g^ / ||g^|| =
+rho sign(c) z / ||z||; then one forward-backward at w + e. With one probe the perturbation is
+thus a random direction of length rho, turned uphill by the sign of the measured difference.
+The paper's own estimator settings (number of directions, smoothing) are not reproduced.
+
+Sparsity: g (SAM) is masked before it is normalized, and z (ZO-SAM) is masked (the
+`Perturber`'s mask is the sparsifier's current one), so e, and the probes, never move a
+masked weight: w + e keeps the sparse pattern. e covers every trainable parameter (the
+dense ones too).
+
+Exactness: w is copied before it is perturbed and copied back after the perturbed backward,
+so after a step's gradient the weights are bitwise what they were (the probes' own
+restoration is the Perturber's, bitwise as well). Memory: one copy of the trainable
+parameters during the step. Every rank derives the same e: g is the all-reduced gradient,
+z comes from a seed of (run seed, step) and the probe losses are all-reduced.
+
+The logged loss: SAM's is L(w), from its first pass; ZO-SAM computes no loss at w, and logs
+(L+ + L-) / 2, which is L(w) + O(eps^2) (second-order terms of the probe).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from loomtrain import comm
+from loomtrain.zeroth.perturb import Perturber, mix_seed, rng_state, set_rng_state
+
+_ZO_STREAM = 0x2050  # the seed stream of ZO-SAM's probe directions
+
+
+class MaskedPerturber(Perturber):
+    """A `Perturber` whose z is masked by the sparsity masks current at each use."""
+
+    def __init__(self, model: nn.Module, masks: Callable[[], dict[nn.Parameter, torch.Tensor]]):
+        super().__init__(model)
+        self._masks = masks
+
+    def mask(self, pos: int) -> torch.Tensor | None:
+        return self._masks().get(self.params[pos])
+
+
+class SharpnessAware:
+    """`kind` "sam" or "zo-sam" over the trainable parameters of `module` (unwrapped: the
+    engine's `.module`). `mask_gradients()` and `masks()` come from the sparsifier (no-ops
+    without one); `axis`: the mesh axis whose ranks split the batch (ZO-SAM's all-reduce)."""
+
+    def __init__(self, kind: str, module: nn.Module, rho: float, mesh, axis: str = "dp",
+                 seed: int = 0, zo_eps: float = 1e-3,
+                 mask_gradients: Callable[[], None] = lambda: None,
+                 masks: Callable[[], dict] = dict):
+        assert kind in ("sam", "zo-sam"), kind
+        self.kind, self.rho, self.mesh, self.axis = kind, rho, mesh, axis
+        self.seed, self.zo_eps = seed, zo_eps
+        self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        self._mask_gradients = mask_gradients
+        self.perturber = MaskedPerturber(module, masks) if kind == "zo-sam" else None
+
+    def gradient(self, t: int, forward_backward: Callable[[], torch.Tensor],
+                 forward_loss: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Leaves the sharpness-aware gradient of step t in `.grad` (masked gradients are
+        the caller's to mask again: only SAM's first pass is masked here). `forward_backward()`
+        runs the step's forward and backward (gradients reduced over dp) and returns this
+        rank's loss sum; `forward_loss()` its forwards only. Returns the loss sum to log."""
+        if self.kind == "sam":
+            loss_sum = forward_backward()
+            self._mask_gradients()
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else 0.0
+            scale = float(self.rho / (norm + 1e-12))
+            with self._perturbed(lambda p: p.grad, scale):
+                self._zero_grad()
+                forward_backward()
+            return loss_sum
+        seed = mix_seed(self.seed, _ZO_STREAM, t)
+        probe = self._probe(seed, forward_loss)  # this rank's (L+ sum, L- sum)
+        totals = probe.clone()
+        comm.all_reduce(totals, self.mesh, self.axis)
+        difference = float(totals[0] - totals[1])  # its sign is the direction's
+        if difference == 0.0:  # no uphill side measured: the plain gradient
+            forward_backward()
+            return probe.mean()
+        positions = range(len(self.perturber.params))
+        z_norm = sum(float(self.perturber.direction(i, seed, self.perturber.mask(i)).square().sum())
+                     for i in positions) ** 0.5
+        scale = (1.0 if difference > 0 else -1.0) * self.rho / max(z_norm, 1e-12)
+        directions = {id(p): i for i, p in enumerate(self.perturber.params)}
+        with self._perturbed(lambda p: self.perturber.direction(directions[id(p)], seed,
+                                                                self.perturber.mask(directions[id(p)])),
+                             scale):
+            forward_backward()
+        return probe.mean()
+
+    def _probe(self, seed: int, forward_loss) -> torch.Tensor:
+        """(L(w + eps z), L(w - eps z)) as this rank's loss sums; both forwards start from the
+        same RNG state (dropout draws the same masks), which the perturbed backward reuses."""
+        rng = rng_state(self.params)
+        losses = []
+        with torch.no_grad():
+            for sign in (1.0, -1.0):
+                set_rng_state(rng)
+                with self.perturber.perturbed(seed, sign * self.zo_eps):
+                    losses.append(forward_loss().double())
+        set_rng_state(rng)
+        return torch.stack(losses).to(self.mesh.device)
+
+    def _perturbed(self, direction: Callable[[nn.Parameter], torch.Tensor], scale: float):
+        """Context: w += scale * direction(p) for every parameter of the perturbed set (SAM:
+        those with a gradient; ZO-SAM: the perturber's), w restored bitwise on exit."""
+        return _Perturbation(self.params if self.kind == "sam" else self.perturber.params,
+                             direction, scale)
+
+    def _zero_grad(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()  # in place: the engine's gradients are views into its buckets
+
+
+class _Perturbation:
+    def __init__(self, params, direction, scale: float):
+        self.params, self.direction, self.scale = params, direction, scale
+        self.saved: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def __enter__(self):
+        for p in self.params:
+            d = self.direction(p)
+            self.saved.append(p.detach().clone())
+            if d is not None:
+                p.add_(d, alpha=self.scale)
+
+    @torch.no_grad()
+    def __exit__(self, *exc):
+        for p, saved in zip(self.params, self.saved):
+            p.copy_(saved)
+        return False

@@ -1,0 +1,207 @@
+"""`Sparsifier`: the masks of a model's sparse layers, kept in step with training.
+
+Scope: the weight of every `nn.Linear` of the model, except a weight that is also registered
+under another name (tied): the GPT's output head *is* its token embedding (`head.weight` is
+`tok_emb.weight`), a lookup table that would lose whole token rows, so it stays dense, like
+the embeddings, biases and LayerNorm gains. So for the GPT (softmax or linear attention) the
+sparse layers are each block's qkv, attention proj, MLP fc and MLP proj; for the MLP language
+model also its head; for the digits classifier its input layer, blocks and head.
+
+Use around a plain loop (the trainer does the same, sparsity/training.py):
+
+    sparsifier = Sparsifier(model, cfg.sparsity, seed=0, total_steps=1000)  # masks weights
+    for t in range(1, steps + 1):
+        loss.backward()
+        dense = sparsifier.dense_gradients() if sparsifier.needs_dense_gradient(t) else None
+        sparsifier.mask_gradients()          # before clipping and the optimizer
+        optimizer.step()
+        sparsifier.apply()                   # masked weights back to exactly 0
+        if sparsifier.update_due(t):
+            changed = sparsifier.update(t, dense)
+            sparsifier.reset_optimizer_state(optimizer, changed)
+
+Methods (`cfg.method`): "static" (random masks at the layer densities, fixed), "nm" (N:M by
+magnitude of the initial weights, fixed), "prune" (gradual magnitude pruning, dense to
+`density` on the cubic schedule, every `update_every` steps from `start_step` to `end_step`),
+"set" and "rigl" (random masks at the layer densities, k weights swapped every
+`update_every` steps before `end_step`; sparsity/dst.py). Initial random masks and SET's
+regrowth draw from generators seeded by (seed, layer, step): every rank with the same seed
+holds the same masks without communicating (the generators are per device type: CPU and
+CUDA draw differently).
+
+Costs: one bool mask per sparse weight (1 byte per weight in memory; packed to 1 bit in
+checkpoints); `apply` and `mask_gradients` one masked_fill per sparse weight per step; an
+update sorts each sparse layer's scores (O(numel log numel)) and RigL keeps one copy of the
+sparse layers' gradients for that step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from loomtrain.sparsity.dst import cosine_fraction, rigl_update, set_update, swap_count
+from loomtrain.sparsity.masks import (active_count, cubic_density, erk_densities, magnitude_mask,
+                                      nm_mask, pack_mask, random_mask, uniform_densities,
+                                      unpack_mask)
+from loomtrain.zeroth.perturb import mix_seed
+
+_INIT_STREAM, _SET_STREAM = 0x5EED, 0x5E7  # seed streams: initial masks, SET's regrowth
+KEY = "sparsity.mask."  # checkpoint keys: KEY + parameter name -> packed bits
+
+
+def sparse_layers(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, weight) of every trainable nn.Linear weight registered under one name only."""
+    uses: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [(names[id(m.weight)], m.weight) for m in module.modules()
+            if isinstance(m, nn.Linear) and m.weight.requires_grad and uses[id(m.weight)] == 1]
+
+
+def layer_densities(shapes: list[tuple[int, ...]], density: float, distribution: str) -> list[float]:
+    return (erk_densities if distribution == "erk" else uniform_densities)(shapes, density)
+
+
+class Sparsifier:
+    """Masks keyed by parameter name (of `model`, or of `model.module` for a wrapped one).
+
+    `version` counts mask changes (an engine that sends only masked gradient entries rebuilds
+    its index lists when it moves). `cfg` is the [sparsity] section; `total_steps` resolves
+    its default `end_step` (75% of training)."""
+
+    def __init__(self, model: nn.Module, cfg, seed: int, total_steps: int):
+        module = getattr(model, "module", model)
+        self.cfg, self.seed = cfg, seed
+        self.layers = sparse_layers(module)
+        if not self.layers:
+            raise ValueError("the model has no nn.Linear weight to sparsify")
+        self.end_step = cfg.end_step if cfg.end_step is not None else max(1, round(0.75 * total_steps))
+        shapes = [tuple(p.shape) for _, p in self.layers]
+        if cfg.method == "nm":
+            self.densities = [cfg.n / cfg.m] * len(shapes)
+        else:
+            self.densities = layer_densities(shapes, cfg.density, cfg.distribution)
+        self.masks: dict[str, torch.Tensor] = {}
+        for i, (name, p) in enumerate(self.layers):
+            if cfg.method == "nm":
+                self.masks[name] = nm_mask(p, cfg.n, cfg.m)
+            elif cfg.method == "prune":  # dense until the schedule starts
+                self.masks[name] = torch.ones_like(p, dtype=torch.bool)
+            else:
+                gen = torch.Generator(device=p.device).manual_seed(mix_seed(seed, _INIT_STREAM, i))
+                self.masks[name] = random_mask(p.shape, active_count(p.numel(), self.densities[i]), gen)
+        self.version = 0
+        self.apply()
+
+    # --- every step ---
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Masked weights set to exactly +0 (after each optimizer step)."""
+        for name, p in self.layers:
+            p.masked_fill_(~self.masks[name], 0.0)
+
+    @torch.no_grad()
+    def mask_gradients(self) -> None:
+        """Masked gradient entries set to 0 (after backward, before clipping and the step)."""
+        for name, p in self.layers:
+            if p.grad is not None:
+                p.grad.masked_fill_(~self.masks[name], 0.0)
+
+    def dense_gradients(self) -> dict[str, torch.Tensor]:
+        """Copies of the sparse layers' gradients before masking (RigL's growth scores)."""
+        return {name: p.grad.detach().clone() for name, p in self.layers}
+
+    # --- mask updates ---
+    def update_due(self, t: int) -> bool:
+        """Whether the mask changes after optimizer step t (counted from 1)."""
+        c = self.cfg
+        if c.method == "prune":
+            return c.start_step <= t <= self.end_step and (
+                (t - c.start_step) % c.update_every == 0 or t == self.end_step)
+        if c.method in ("set", "rigl"):
+            return t < self.end_step and t % c.update_every == 0
+        return False
+
+    def needs_dense_gradient(self, t: int) -> bool:
+        """RigL at its update steps: the step's gradient is wanted before masking."""
+        return self.cfg.method == "rigl" and self.update_due(t)
+
+    def fraction(self, t: int) -> float:
+        """SET/RigL: the fraction of each layer's active weights swapped at step t."""
+        if self.cfg.schedule == "constant":
+            return self.cfg.alpha
+        return cosine_fraction(t, self.cfg.alpha, self.end_step)
+
+    def target_density(self, i: int, t: int) -> float:
+        """Gradual pruning: layer i's density after step t on the cubic schedule."""
+        return cubic_density(t, self.densities[i], self.cfg.start_step, self.end_step)
+
+    @torch.no_grad()
+    def update(self, t: int, dense_grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The method's mask update after step t (call when `update_due(t)`). New connections'
+        weights are 0 and dropped ones are zeroed. Returns {name: positions whose mask changed}
+        for the layers that changed; `version` moves if any did."""
+        changed = {}
+        for i, (name, p) in enumerate(self.layers):
+            old = self.masks[name]
+            new = self._updated(i, name, p, old, t, dense_grads)
+            if not torch.equal(new, old):
+                changed[name] = new ^ old
+                self.masks[name] = new
+        if changed:
+            self.version += 1
+            self.apply()
+            for name, p in self.layers:
+                if name in changed:
+                    p.masked_fill_(changed[name] & self.masks[name], 0.0)  # new connections
+        return changed
+
+    def _updated(self, i: int, name: str, p: torch.Tensor, old: torch.Tensor, t: int,
+                 dense_grads) -> torch.Tensor:
+        method, active = self.cfg.method, int(old.sum())
+        if method == "prune":
+            keep = active_count(p.numel(), self.target_density(i, t))
+            return old if keep >= active else magnitude_mask(p, keep, allowed=old)
+        k = swap_count(active, p.numel(), self.fraction(t))
+        if method == "set":
+            gen = torch.Generator(device=p.device).manual_seed(mix_seed(self.seed, _SET_STREAM, t, i))
+            return set_update(p, old, k, gen)
+        assert dense_grads is not None, "RigL's update needs the step's dense gradients"
+        return rigl_update(p, old, k, dense_grads[name])
+
+    @torch.no_grad()
+    def reset_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                              changed: dict[str, torch.Tensor]) -> None:
+        """Zero the optimizer's per-weight state (Adam's moments, SGD's momentum) where masks
+        changed: a new connection starts without a dropped one's history, and masked
+        positions keep zero state, so the optimizer moves no masked weight."""
+        params = dict(self.layers)
+        for name, where in changed.items():
+            for value in optimizer.state.get(params[name], {}).values():
+                if torch.is_tensor(value) and value.shape == where.shape:
+                    value.masked_fill_(where, 0.0)
+
+    # --- what is reported and saved ---
+    def masks_by_param(self) -> dict[nn.Parameter, torch.Tensor]:
+        return {p: self.masks[name] for name, p in self.layers}
+
+    def density_per_layer(self) -> dict[str, float]:
+        return {name: int(m.sum()) / m.numel() for name, m in self.masks.items()}
+
+    def density(self) -> float:
+        """Kept weights over all weights of the sparse layers."""
+        return sum(int(m.sum()) for m in self.masks.values()) / sum(m.numel() for m in self.masks.values())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """{KEY + name: packed mask bits}, plus the version (identical on every rank)."""
+        state = {KEY + name: pack_mask(m) for name, m in self.masks.items()}
+        state["sparsity.version"] = torch.tensor(self.version, dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, p in self.layers:
+            self.masks[name] = unpack_mask(state[KEY + name], p.shape).to(p.device)
+        self.version = int(state["sparsity.version"])
+        self.apply()
