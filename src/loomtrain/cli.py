@@ -96,6 +96,8 @@ def _resolve_train(args):
         # parameter server, nor for the server's own state (its workers, policy and model)
         from loomtrain.asyncsgd.state import check_resume
         check_resume(cfg, latest)
+        from loomtrain.zeroth.train import check_resume as check_optimizer
+        check_optimizer(cfg, latest)  # backprop and each zeroth-order method keep their own state
         return cfg, run_dir, latest
     cfg = load_config(args.config, overrides)
     if cfg.train.init_from is not None:  # a missing or mismatched checkpoint stops here
@@ -133,6 +135,10 @@ def cmd_train(args) -> int:
         if cfg.data.source == "digits":
             raise ConfigError('--dry-run estimates the memory and communication of the language '
                               'models; data.source="digits" (the classifier) is not covered yet')
+        if cfg.optim.name != "backprop":
+            raise ConfigError(f"--dry-run estimates backprop's engines; optim.name="
+                              f"{cfg.optim.name!r} (zeroth-order: inference memory, 12 bytes per "
+                              "probe exchanged) is not covered yet")
         from loomtrain.train.dryrun_text import dry_run
         print(dry_run(cfg))
         return 0
@@ -140,6 +146,8 @@ def cmd_train(args) -> int:
     check_task_data(cfg)  # fail before spawning
     from loomtrain.parallel import check_units
     check_units(cfg)
+    from loomtrain.zeroth.train import check_trainable
+    check_trainable(cfg)  # optim.trainable selects something of the model
     if in_torchrun():
         if run_dir is None:
             run_dir = Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder

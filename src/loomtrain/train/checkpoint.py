@@ -2,8 +2,8 @@
 
 Layout: `RUN_DIR/checkpoints/step_00000100/` holds DCP's files (`__<rank>_0.distcp`, one per
 rank, and `.metadata`) plus `loom.json` (the step, the mesh it was written on, why it was
-written). What is saved: the model, the optimizer (state and param groups) and every rank's
-RNG state. The LR schedule is a pure function of the step (`optim.lr_at`) and so is the data
+written). What is saved: the model, the optimizer (state and param groups; a zeroth-order
+optimizer's `state_dict`, zeroth/) and every rank's RNG state. The LR schedule is a pure function of the step (`optim.lr_at`) and so is the data
 position (`data.sampler`), so the step number restores both.
 
 Atomicity: every rank writes into `step_N.partial/`; DCP fsyncs each file and writes
@@ -51,6 +51,7 @@ from loomtrain.parallel.zero import ShardedDataParallel
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.parallel.placement import Boxes, placement_of
 from loomtrain.parallel.zero.state import load_zero_state, zero_state
+from loomtrain.zeroth.optimizers import ZOOptimizer
 
 PARTIAL, TRASH = ".partial", ".trash"
 _META = "loom.json"
@@ -145,7 +146,10 @@ def training_state(model, optimizer, for_saving: bool = True) -> dict:
     engine: plain (or DataParallel-wrapped) models through torch's helper, ZeRO through
     parallel/zero/state.py, so checkpoints load across engines, stages and rank counts.
     Low-communication replicas (lowcomm/state.py) add their outer state and keep each
-    replica's inner optimizer under its own key."""
+    replica's inner optimizer under its own key. A zeroth-order optimizer (zeroth/) keeps
+    its `state_dict()` under "optim": plain values and its per-parameter tensors."""
+    if isinstance(optimizer, ZOOptimizer):
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
     if isinstance(model, ShardedDataParallel):
         return zero_state(model, optimizer, for_saving)
     if isinstance(model, LocalSGD):
@@ -276,8 +280,10 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
     except CheckpointException as err:
         raise CheckpointError(f"could not write checkpoint {str(partial)!r}: {_root_causes(err)}") from None
     if mesh.rank == 0:
-        publish(run_dir, final, {"step": step, "world": mesh.world, "sizes": mesh.sizes, **extra},
-                keep)
+        meta = {"step": step, "world": mesh.world, "sizes": mesh.sizes, **extra}
+        if isinstance(optimizer, ZOOptimizer):  # resumed only by the method that wrote it
+            meta["optim"] = optimizer.name
+        publish(run_dir, final, meta, keep)
     return final
 
 
@@ -406,7 +412,9 @@ def load(path: Path, model, optimizer, mesh, extra: dict | None = None) -> dict:
     if mismatch:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {mismatch}")
     zero = isinstance(model, ShardedDataParallel)
-    _init_optimizer_state(optimizer)
+    zeroth = isinstance(optimizer, ZOOptimizer)
+    if not zeroth:  # a zeroth-order optimizer's state exists from its construction
+        _init_optimizer_state(optimizer)
     state = training_state(model, optimizer, for_saving=False)
     # a checkpoint written on CPU has no CUDA RNG state: restore what it holds
     rng = {k: v for k, v in _rng_state(mesh.rank, mesh.device).items() if k in metadata.state_dict_metadata}
@@ -420,6 +428,9 @@ def load(path: Path, model, optimizer, mesh, extra: dict | None = None) -> dict:
     try:
         if zero:
             load_zero_state(model, optimizer, state)
+        elif zeroth:
+            model.load_state_dict(state["model"], strict=True)
+            optimizer.load_state_dict(state["optim"])
         elif isinstance(model, LocalSGD):
             load_lowcomm_state(model, optimizer, state)
         else:

@@ -65,8 +65,11 @@ class RunLog:
         if "val_accuracy" in rec:  # a classification task
             val += f" acc {rec['val_accuracy']:.3f}"
         link = f" (link {rec['comm_simulated_s']:.2f}s)" if "comm_simulated_s" in rec else ""
-        line = (f"step {rec['step']:>6} | loss {rec['loss']:.4f}{val} | grad-norm "
-                f"{rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | {rec['tokens_per_s']:.0f} tok/s | "
+        # a zeroth-order step has no gradient norm: its mean projected gradient instead
+        grad = (f"grad-norm {rec['grad_norm']:.3f}" if "grad_norm" in rec
+                else f"zo-grad {rec['zo_grad']:.3g}")
+        line = (f"step {rec['step']:>6} | loss {rec['loss']:.4f}{val} | {grad} | "
+                f"lr {rec['lr']:.2e} | {rec['tokens_per_s']:.0f} tok/s | "
                 f"mem {_fmt_bytes(rec['peak_mem_bytes'])} | comm {_fmt_bytes(rec['comm_bytes']['total'])}"
                 f"{link} | mfu n/a")
         if self.bar.disable:

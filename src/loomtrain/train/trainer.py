@@ -219,13 +219,19 @@ def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, ste
     for axis in ("dp", "cp", "pp"):
         comm.all_reduce(loss_sum, mesh, axis)
     rec = {"step": done, "loss": float(loss_sum) / global_tokens, "lr": lr,
-           "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
-           "comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(mesh.device)}
+           "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s, **measured(mesh)}
+    if not stepped:
+        rec["skipped"] = True
+    return rec
+
+
+def measured(mesh) -> dict:
+    """A record's wire bytes per op since the previous record and this process's peak memory;
+    with a simulated link, also its simulated seconds and the seconds waited on it."""
+    rec = {"comm_bytes": mesh.meter.take(), "peak_mem_bytes": peak_mem_bytes(mesh.device)}
     if mesh.link is not None:
         rec["comm_simulated_s"] = round(mesh.meter.take_simulated()["total"], 6)
         rec["comm_link_wait_s"] = round(mesh.meter.take_link_wait(), 6)
-    if not stepped:
-        rec["skipped"] = True
     return rec
 
 
@@ -243,6 +249,10 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
         from loomtrain.asyncsgd.train import train_async  # it uses this module's pieces
 
         return train_async(cfg, run_dir, resume, mesh, stop)
+    if cfg.optim.name != "backprop":  # zeroth-order: forward passes only, no engine
+        from loomtrain.zeroth.train import train_zeroth  # it uses this module's pieces
+
+        return train_zeroth(cfg, run_dir, resume, mesh, stop)
     device = mesh.device
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
@@ -271,16 +281,8 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             truncate_metrics(run_dir, start)
             write_config(run_dir, cfg)  # with the resume's --set overrides
     log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
-    if start == 0:
-        log.message(f"{data.description}; {parameters:,} parameters; {mesh.describe()}")
-        if mesh.link is not None:
-            log.message(mesh.link.describe())
-    else:
-        log.message(f"resumed from {resume} at step {start}")
-    if init is not None:  # where fine-tuning starts from, on this run's validation set
-        before = validate(model, val_data, cfg, mesh, device, loss_sum_fn)
-        log.message(f"initialized from {init[0]} (step {init[1]} of its run); before training: "
-                    + ", ".join(f"{k} {v:.4f}" for k, v in before.items()))
+    log_start(log, f"{data.description}; {parameters:,} parameters", mesh, start, resume, init,
+              lambda: validate(model, val_data, cfg, mesh, device, loss_sum_fn))
     plan = getattr(sequence_of(model), "plan", None)  # cp_method="auto": what it chose
     if plan is not None:
         log.message(f"automatic sequence parallelism: {plan.describe()}")
@@ -331,14 +333,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             bubble = None
             if timeline is not None:
                 bubble = _write_timeline(model, timeline, run_dir, step, mesh, cfg)
-            nonfinite = 0 if stepped else nonfinite + 1
-            if not stepped:
-                log.message(f"warning: step {step + 1} skipped: non-finite loss or gradient "
-                            f"({nonfinite} in a row, limit {cfg.run.max_nonfinite_steps})")
-                if nonfinite >= cfg.run.max_nonfinite_steps:
-                    raise NonFiniteError(
-                        f"{nonfinite} consecutive steps had a non-finite loss or gradient "
-                        f"(run.max_nonfinite_steps={cfg.run.max_nonfinite_steps}); aborting")
+            nonfinite = nonfinite_streak(nonfinite, stepped, done, cfg, log, "loss or gradient")
             window_steps += 1
             loss = None
             is_eval = done % cfg.run.eval_every == 0 or done == cfg.train.steps
@@ -366,14 +361,53 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
                 save(cfg, run_dir, done, model, optimizer, mesh, None, sparse)
                 saved_at = done
-        if start < cfg.train.steps:
-            save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh, None, sparse)
-        else:
-            log.message(f"nothing to do: the checkpoint is at step {start}, train.steps="
-                        f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
-        return 0
+        return finish(cfg, run_dir, start, model, optimizer, mesh, log, sparse)
     finally:
         log.close()
+
+
+def finish(cfg: Config, run_dir: Path, start: int, model, optimizer, mesh, log: RunLog,
+           sparse=None) -> int:
+    """After the loop: the last step's checkpoint, or why a resumed run had nothing to do."""
+    if start < cfg.train.steps:
+        save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh, None, sparse)
+    else:
+        log.message(f"nothing to do: the checkpoint is at step {start}, train.steps="
+                    f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
+    return 0
+
+
+def log_start(log: RunLog, description: str, mesh, start: int, resume: Path | None,
+              init: tuple[Path, int] | None, validate_now) -> None:
+    """The run's first lines: what it trains and the mesh, or where it resumed; for a fine-tune
+    (`init`: load_init_weights' checkpoint and step) that checkpoint's figures on this run's
+    validation set, `validate_now()` (collective: every rank calls this)."""
+    if start == 0:
+        log.message(f"{description}; {mesh.describe()}")
+        if mesh.link is not None:
+            log.message(mesh.link.describe())
+    else:
+        log.message(f"resumed from {resume} at step {start}")
+    if init is not None:
+        before = validate_now()
+        log.message(f"initialized from {init[0]} (step {init[1]} of its run); before training: "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in before.items()))
+
+
+def nonfinite_streak(streak: int, stepped: bool, done: int, cfg: Config, log: RunLog,
+                     what: str) -> int:
+    """The skipped steps in a row once step `done` (counted from 1) has stepped or been
+    skipped for a non-finite `what`: each skip is warned about, and run.max_nonfinite_steps
+    in a row raise NonFiniteError (exit code 3)."""
+    if stepped:
+        return 0
+    streak += 1
+    limit = cfg.run.max_nonfinite_steps
+    log.message(f"warning: step {done} skipped: non-finite {what} ({streak} in a row, limit {limit})")
+    if streak >= limit:
+        raise NonFiniteError(f"{streak} consecutive steps had a non-finite {what} "
+                             f"(run.max_nonfinite_steps={limit}); aborting")
+    return streak
 
 
 def _start_timeline(model, step: int, cfg: Config):
