@@ -6,8 +6,9 @@ Per job and rank: `bytes` (wire bytes this rank sent, comm/meter.py, without the
 ops), `inter_node_bytes` (of those, the bytes of ops whose group spans nodes), `link_s`
 (simulated link seconds of the ops this rank sent: a receive is its sender's op, not counted
 twice), `link_wait_s` (what no computation hid), `loop_s` (the loop's measured seconds, the
-simulated delays included: they are real waits); rank 0 also the final `val_loss`, the last
-logged `loss`, the loss-against-bytes `curve` and its metrics `records`.
+simulated delays included: they are real waits), `bytes_by_op` ({op: wire bytes}); rank 0
+also the final `val_loss`, the last logged `loss`, the loss-against-bytes `curve` and its
+metrics `records`.
 
 `stop_after_s`: every reported job stops after that many seconds of wall time, counted from
 its mesh (and simulated link) being made, as on SIGTERM: the run ends at its next step (the
@@ -56,7 +57,9 @@ def _run_rank(rank: int, world: int, port: int, jobs: list, root: str, out,
             link_s = m.total("simulated_s") - m.total("simulated_s", op="recv")
             figures = {"bytes": m.total("wire_bytes") - m.total("wire_bytes", op=DIAGNOSTIC),
                        "inter_node_bytes": m.inter_node_bytes, "link_s": link_s,
-                       "link_wait_s": m.link_wait_s, "loop_s": elapsed}
+                       "link_wait_s": m.link_wait_s, "loop_s": elapsed,
+                       "bytes_by_op": {op: m.total("wire_bytes", op=op)
+                                       for op in sorted({o for _, o in m.counts})}}
             if rank == 0:
                 records = read_metrics(Path(root) / label)
                 figures.update(val_loss=records[-1]["val_loss"], loss=records[-1]["loss"],
