@@ -25,14 +25,14 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
     steps: list[dict] = []
     real_step = trainer.train_step
 
-    def step(model, optimizer, batches, global_tokens, grad_clip, real_loss):
+    def step(model, optimizer, batches, global_tokens, grad_clip, real_loss, *rest):
         def loss(logits, targets):
             value = real_loss(logits, targets)
             return value * math.nan if rank == nan_rank and len(steps) + 1 in nan_steps else value
 
         before = [p.detach().clone() for p in model.parameters()]
         counts = [float(s["step"]) for s in optimizer.state.values()]
-        result = real_step(model, optimizer, batches, global_tokens, grad_clip, loss)
+        result = real_step(model, optimizer, batches, global_tokens, grad_clip, loss, *rest)
         steps.append({
             "stepped": result[2],
             "params_changed": any(not torch.equal(a, p) for a, p in zip(before, model.parameters())),
