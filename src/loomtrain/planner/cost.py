@@ -1,19 +1,368 @@
-"""The analytic cost model of one training step (docs/planner.md states every formula).
+"""The analytic cost model of one training step of a GPT under a Plan (docs/planner.md states
+every formula with its source; the names below follow it).
 
-estimate(model, cluster, plan) -> Estimate; step_costs(model, cluster, plan) -> StepCosts,
-the per-stage costs the simulator (simulate.py) schedules event by event.
+The model is seen as loomtrain's pipeline sees it (parallel/pipeline/split.py): layers
+[embed, block x L, head]. Per layer and microbatch it counts FLOPs (matmuls at the device's
+achieved rate), memory traffic of the memory-bound operators (at its bandwidth), operator
+launches (a fixed overhead each) and the blocking tp/cp collectives; stages sum their layers;
+the schedule's formula turns stage times into the pipeline's time; the data-parallel (ZeRO)
+collectives add what the backward cannot hide, then the optimizer step. Memory per device:
+weights, gradients and optimizer state as ZeRO shards them, the activations each schedule
+keeps in flight, ZeRO-3's gathered units.
+
+step_costs() gives the same per-stage numbers to the event simulator (simulate.py).
 """
 
 from __future__ import annotations
 
-from loomtrain.planner.plan import Estimate, Plan, StepCosts
+from functools import lru_cache
+
+from loomtrain.parallel.pipeline.estimate import gpt_layer_bytes
+from loomtrain.planner import comm_cost as C
+from loomtrain.planner.plan import Estimate, Plan, StageCosts, StepCosts
 from loomtrain.planner.presets import ModelShape
 from loomtrain.planner.specs import ClusterSpec
 
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
+FP32 = 4
+# bytes each precision keeps per parameter (Rajbhandari et al. 2020, ZeRO, sec. 3.1: mixed
+# precision Adam keeps 2 + 2 + 12): weights, gradients, optimizer (fp32 master + Adam m, v)
+WEIGHT_BYTES = {"bf16": 2, "fp32": 4}
+GRAD_BYTES = {"bf16": 2, "fp32": 4}
+OPTIMIZER_BYTES = {"bf16": 12, "fp32": 8}
+# bytes the optimizer step moves per parameter: AdamW reads p, g, m, v and writes p, m, v
+# (28 in fp32), the gradient norm reads g, clipping scales it, zeroing writes it (+16);
+# mixed precision also reads the bf16 gradient and writes the bf16 weights (+4)
+OPTIMIZER_TRAFFIC = {"fp32": 44, "bf16": 48}
+# memory-bound traffic per token in one forward, in elements (models/gpt.py): a block's two
+# layer norms (read + write 2h each), two residual adds (3h each), the head merge copy (2h),
+# GELU (2rh) and the attention kernel's q, k, v in and output out (4h); the embedding's
+# gather and position add (4h); the head's norm (2h) and the log-softmax over V (read and
+# write, fp32, 2V) and its backward (2V). Backward moves twice the forward's.
+BLOCK_TRAFFIC_H = {"replicated": 10, "split": 6}  # norms+adds (replicated under tp); copy+attn
+# operator launches per forward (models/gpt.py): block: ln, qkv, view/permute/unbind, sdpa,
+# transpose/reshape, proj, add, ln, fc, gelu, proj, add; embed: 2 lookups, arange, add;
+# head: ln, matmul, log-softmax, nll; backward launches twice as many
+OPS = {"embed": 4, "block": 14, "head": 4}
+OPTIMIZER_OPS = 24  # foreach AdamW, norm, clip, zero_grad over the whole parameter list
+HOST_ADAM_PARAMS_PER_S = 1e9  # offload: CPU Adam, an assumption (docs/planner.md)
+
+
+def layer_kinds(model: ModelShape) -> list[str]:
+    return ["embed", *["block"] * model.n_layers, "head"]
+
+
+def forward_flops(model: ModelShape, kind: str, tokens: float) -> float:
+    """Matmul FLOPs of one layer's forward over `tokens` tokens (Narayanan et al. 2021, eq. 3
+    without the 3x for backward): a block 2(4 + 2r)h^2 per token plus attention's QK^T and
+    AV, 4 s h per token (counted over the full causal square, as Megatron counts it); the
+    head 2 h V; the embedding none (a gather)."""
+    h, r = model.d_model, model.mlp_ratio
+    if kind == "block":
+        return tokens * (2 * (4 + 2 * r) * h * h + 4 * model.seq_len * h)
+    return tokens * 2 * h * model.vocab_size if kind == "head" else 0.0
+
+
+def model_flops_per_step(model: ModelShape, global_batch: int) -> float:
+    """Forward + backward (3x forward) of the whole model on global_batch sequences, without
+    recompute: the numerator of MFU (Chowdhery et al. 2022, appendix B)."""
+    tokens = global_batch * model.seq_len
+    return 3 * (model.n_layers * forward_flops(model, "block", tokens)
+                + forward_flops(model, "head", tokens))
+
+
+def layer_params(model: ModelShape, kind: str) -> int:
+    if kind == "block":
+        return model.block_params
+    if kind == "embed":
+        return model.embedding_params
+    return 2 * model.d_model + model.vocab_size * model.d_model  # ln_f + the tied head
+
+
+def even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
+    """Layers per stage as loomtrain balances them by default (pipeline_balance="params": the
+    linear partition minimizing the largest stage's parameters; split.py's balance)."""
+    from loomtrain.parallel.pipeline.split import balance
+    bounds = balance([float(layer_params(model, k)) for k in layer_kinds(model)], stages)
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+class _Layer:
+    """One layer's per-microbatch costs under a plan (times in s, bytes per device)."""
+    __slots__ = ("forward_s", "input_s", "weight_s", "recompute_s", "fwd_comm_s", "bwd_comm_s",
+                 "stash_bytes", "checkpoint_bytes", "params", "tp_wire")
+
+
+def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recompute: str) -> _Layer:
+    d, c = cluster.device, COMPUTE_BYTES[plan.precision]
+    tp, cp, b, h = plan.tp, plan.cp, plan.micro_batch, model.d_model
+    s_local = model.seq_len // cp
+    tokens = b * s_local
+    rate = d.achieved_flops(plan.precision, plan.devices)
+    flops = forward_flops(model, kind, tokens) / tp
+    if kind == "block":
+        split = BLOCK_TRAFFIC_H["split"] + 2 * model.mlp_ratio
+        repl = BLOCK_TRAFFIC_H["replicated"]
+        elems = tokens * h * (split / tp + repl / (tp if plan.sequence_parallel else 1))
+        traffic = elems * c
+    elif kind == "embed":
+        traffic = tokens * 4 * h * c
+    else:
+        traffic = tokens * (2 * h * c + 2 * FP32 * model.vocab_size / tp)
+    overhead = OPS[kind] * d.op_overhead_s
+    L = _Layer()
+    L.forward_s = flops / rate + traffic / d.mem_bandwidth_bytes_per_s + overhead
+    # backward: the input-gradient and weight-gradient matmuls each cost the forward's FLOPs;
+    # the memory-bound backward (2x the forward's traffic) goes with the input gradient
+    L.input_s = flops / rate + 2 * traffic / d.mem_bandwidth_bytes_per_s + overhead
+    L.weight_s = flops / rate + overhead
+    L.recompute_s = 0.0
+    act = b * s_local * h * c  # one activation tensor (b, s/cp, h)
+    L.stash_bytes = gpt_layer_bytes(kind, b, s_local, h, model.n_heads, model.mlp_ratio,
+                                    model.vocab_size, c)
+    if kind == "block":
+        if tp > 1:  # the tp-split parts of the stash (qkv 3h, attention out h, fc+gelu 2rh, lse)
+            split_elems = (4 + 2 * model.mlp_ratio) * h
+            kept = split_elems / tp + (4 * h + 4) / (tp if plan.sequence_parallel else 1)
+            L.stash_bytes = int(b * s_local * (c * kept + FP32 * model.n_heads / tp))
+        attn_s = tokens * 4 * model.seq_len * h / tp / rate
+        if recompute == "full":  # keep the block's input only; replay its forward
+            L.recompute_s = L.forward_s
+            L.stash_bytes = act // (tp if plan.sequence_parallel else 1)
+        elif recompute == "selective":  # drop the attention core's output and lse; replay it
+            L.recompute_s = attn_s + tokens * 4 * h * c / tp / d.mem_bandwidth_bytes_per_s
+            L.stash_bytes -= int(b * s_local * (c * h + FP32 * model.n_heads) / tp)
+    elif kind == "head" and tp > 1:
+        L.stash_bytes = int(L.stash_bytes - b * s_local * FP32 * model.vocab_size * (1 - 1 / tp))
+    L.checkpoint_bytes = act
+    # tp: Megatron's 2 all-reduces of one activation per block forward and 2 backward
+    # (sequence parallel: an all-gather plus a reduce-scatter instead, the same bytes);
+    # the embedding's one forward, the head's one backward; cp: ring attention passes K and V
+    # to the next rank cp - 1 times (forward), and K, V and their gradients (backward)
+    sizes = {"tp": tp, "cp": cp, "dp": plan.dp, "pp": plan.pp}
+    calls = {"block": (2, 2), "embed": (1, 0), "head": (0, 1)}[kind] if tp > 1 else (0, 0)
+    crosses = C.spans_nodes(cluster, sizes, "tp")
+    one = C.all_reduce_s(cluster, act, tp, crosses)
+    L.fwd_comm_s, L.bwd_comm_s = calls[0] * one, calls[1] * one
+    L.tp_wire = (calls[0] + calls[1]) * C.all_reduce_wire(act, tp)
+    if cp > 1 and kind == "block":
+        kv = 2 * act / tp
+        hop = C.send_s(cluster, kv, C.spans_nodes(cluster, sizes, "cp"))
+        ring_f, ring_b = (cp - 1) * hop, 2 * (cp - 1) * hop
+        hide = cluster.device.cores is None or plan.devices < cluster.device.cores
+        attn_s = tokens * 4 * model.seq_len * h / tp / rate
+        L.fwd_comm_s += max(0.0, ring_f - attn_s) if hide else ring_f
+        L.bwd_comm_s += max(0.0, ring_b - 2 * attn_s) if hide else ring_b
+        L.tp_wire += 3 * (cp - 1) * kv
+    L.forward_s += L.fwd_comm_s
+    L.input_s += L.bwd_comm_s
+    L.params = layer_params(model, kind) / tp
+    return L
+
+
+def _layers(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> list[_Layer]:
+    """Every layer's costs, in order; blocks share one object per recompute mode (identical)."""
+    cache = {}
+
+    def get(kind, mode):
+        if (kind, mode) not in cache:
+            cache[kind, mode] = _layer(model, cluster, plan, kind, mode)
+        return cache[kind, mode]
+
+    flags = plan.recompute_layers or (None,) * model.n_layers
+    blocks = [get("block", plan.recompute if f is None else ("full" if f else "none"))
+              for f in flags]
+    return [get("embed", "none"), *blocks, get("head", "none")]
+
+
+def stage_layers(model: ModelShape, plan: Plan) -> list[range]:
+    """The layer indices of each of the pp * virtual_stages stages (plan.split, or even)."""
+    stages = plan.pp * plan.virtual_stages
+    split = plan.split or _even_split(model, stages)
+    bounds = [0]
+    for n in split:
+        bounds.append(bounds[-1] + n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _groups(layers: list[_Layer], rng: range, uniform: bool) -> list[tuple[_Layer, int]]:
+    """A stage's layers as (layer, count) runs: O(1) when every block shares one object
+    (no per-layer recompute flags), so the search's estimates stay cheap at 96 layers."""
+    if not uniform:
+        return [(layers[i], 1) for i in rng]
+    last = len(layers) - 1
+    blocks = len(rng) - (rng.start == 0) - (rng.stop == last + 1)
+    out = [(layers[0], 1)] if rng.start == 0 else []
+    if blocks:
+        out.append((layers[1], blocks))
+    return out + ([(layers[last], 1)] if rng.stop == last + 1 else [])
+
+
+def _total(groups, field: str) -> float:
+    return sum(getattr(x, field) * n for x, n in groups)
+
+
+def _rank_params(model: ModelShape, plan: Plan, groups, rank: int) -> float:
+    """Parameters (per tp rank) on pp rank `rank`: its stages' layers, the tied embedding and
+    head counted once when one rank holds both (loomtrain keeps a copy on each of the first
+    and last stages otherwise, split.py's pp_copies)."""
+    mine = [s for s in range(len(groups)) if s % plan.pp == rank]
+    params = sum(_total(groups[s], "params") for s in mine)
+    if 0 in mine and len(groups) - 1 in mine:
+        params -= model.vocab_size * model.d_model / plan.tp
+    return params
+
+
+@lru_cache(maxsize=4096)
+def _even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
+    return even_split(model, stages)
+
+
+def _shard_groups(cluster: ClusterSpec, plan: Plan) -> tuple[int, int, bool]:
+    """(ranks sharding ZeRO state, ranks outside them, does the dp x cp group cross nodes).
+    Gradients are reduced over dp x cp (cp ranks hold whole replicas); hierarchical ZeRO
+    shards inside the node and reduces across (AsyncHZP, ZeRO++ hpZ)."""
+    n = plan.dp * plan.cp
+    crosses = plan.tp * n > cluster.gpus_per_node
+    if not plan.hierarchical:
+        return n, 1, crosses
+    inside = max(1, min(n, cluster.gpus_per_node // plan.tp))
+    return inside, n // inside, crosses
+
+
+def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float) -> tuple[float, float, float]:
+    """For one stage's `params` (per tp rank): (gradient sync per step s, ZeRO-3 gathers per
+    microbatch s, wire bytes per step). Stage 0: one all-reduce; 1: reduce-scatter and the
+    updated weights' all-gather (the same bytes, Rajbhandari et al. sec. 5); 2: the
+    reduce-scatter on every microbatch; 3: also the weights' all-gather before each forward
+    and backward. Hierarchical: reduce-scatter and gather inside the node, all-reduce of the
+    node's shard across nodes. DiLoCo (H > 1): an fp32 all-reduce every H steps, amortized."""
+    g = params * GRAD_BYTES[plan.precision]
+    w = params * WEIGHT_BYTES[plan.precision]
+    inside, outside, crosses = _shard_groups(cluster, plan)
+    n, m, z = plan.dp * plan.cp, plan.microbatches, plan.zero_stage
+    if plan.diloco_h > 1:
+        t = C.all_reduce_s(cluster, params * FP32, n, crosses) / plan.diloco_h
+        return t, 0.0, C.all_reduce_wire(params * FP32, n) / plan.diloco_h
+    if z == 0:
+        return C.all_reduce_s(cluster, g, n, crosses), 0.0, C.all_reduce_wire(g, n)
+    in_crosses = crosses and not plan.hierarchical
+    rs = C.gather_s(cluster, g, inside, in_crosses) + C.all_reduce_s(cluster, g / inside, outside, True)
+    rs_wire = C.gather_wire(g, inside) + C.all_reduce_wire(g / inside, outside)
+    ag, ag_wire = C.gather_s(cluster, w, inside, in_crosses), C.gather_wire(w, inside)
+    if z == 1:
+        return rs + ag, 0.0, rs_wire + ag_wire
+    if z == 2:
+        return m * rs + ag, 0.0, m * rs_wire + ag_wire
+    return m * rs, 2 * ag, m * (rs_wire + 2 * ag_wire)
+
+
+def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict[str, int]:
+    """Bytes on the most loaded device: pp rank 0 (it holds the most microbatches in flight)
+    or the last (the head's logits), whichever needs more."""
+    p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
+    inside = _shard_groups(cluster, plan)[0]
+    z, prec = plan.zero_stage, plan.precision
+    worst: dict[str, int] = {}
+    for rank in {0, p - 1}:
+        mine = [s for s in range(p * v) if s % p == rank]
+        params = _rank_params(model, plan, groups, rank)
+        stash = max(_total(groups[s], "stash_bytes") for s in mine)
+        if plan.schedule == "gpipe" or p == 1:
+            in_flight = m if p > 1 else 1
+        elif plan.schedule == "interleaved":  # Megatron's warmup on rank 0: (p-1)2 + (v-1)p + 1
+            in_flight = min(m * v, 2 * (p - 1 - rank) + (v - 1) * p + 1)
+        else:  # 1f1b, zb-h1: rank r holds p - r microbatches (Narayanan et al. 2021, sec. 2.2)
+            in_flight = min(m, p - rank)
+        kept = stash * in_flight * (1 - plan.offload_activations)
+        if plan.offload_activations:
+            kept += stash  # the microbatch being computed stays on the device
+        weights = params * WEIGHT_BYTES[prec] / (inside if z == 3 else 1)
+        grads = params * GRAD_BYTES[prec] / (inside if z >= 2 else 1)
+        optimizer = params * OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1)
+        if plan.offload_optimizer:
+            optimizer = 0
+        if plan.diloco_h > 1:  # DiLoCo's outer state: the global weights and Nesterov momentum
+            optimizer += 2 * params * FP32
+        gathered = 0
+        if z == 3:  # the unit computing and the one prefetched, gathered whole
+            gathered = 2 * max(x.params for s in mine for x, _ in groups[s]) * WEIGHT_BYTES[prec]
+        parts = {"weights": weights, "gradients": grads, "optimizer": optimizer,
+                 "activations": kept, "gathered": gathered}
+        parts = {k: int(x) for k, x in parts.items()}
+        if sum(parts.values()) > sum(worst.values()):
+            worst = parts
+    return worst
+
 
 def step_costs(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> StepCosts:
-    raise NotImplementedError  # being written
+    return _step_costs(model, cluster, plan, _stage_groups(model, cluster, plan))
+
+
+def _stage_groups(model: ModelShape, cluster: ClusterSpec, plan: Plan):
+    layers = _layers(model, cluster, plan)
+    uniform = plan.recompute_layers is None
+    return [_groups(layers, rng, uniform) for rng in stage_layers(model, plan)]
+
+
+def _step_costs(model, cluster, plan, groups) -> StepCosts:
+    d = cluster.device
+    c = COMPUTE_BYTES[plan.precision]
+    sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
+    act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * c
+    send = C.send_s(cluster, act / (plan.tp if plan.sequence_parallel else 1),
+                    C.spans_nodes(cluster, sizes, "pp")) if plan.pp > 1 else 0.0
+    out, memo = [], {}
+    for g in groups:
+        params = _total(g, "params")
+        if params not in memo:
+            memo[params] = _sync_costs(cluster, plan, params)
+        sync_s, gather_s, _ = memo[params]
+        offload = 0.0
+        stash = _total(g, "stash_bytes")
+        if plan.offload_activations:
+            offload = plan.offload_activations * stash / d.host_link_bytes_per_s
+        out.append(StageCosts(
+            forward_s=_total(g, "forward_s"), backward_input_s=_total(g, "input_s"),
+            backward_weight_s=_total(g, "weight_s"), recompute_s=_total(g, "recompute_s"),
+            forward_comm_s=_total(g, "fwd_comm_s"), backward_comm_s=_total(g, "bwd_comm_s"),
+            send_s=send, grad_sync_s=sync_s, param_gather_s=gather_s, offload_s=offload,
+            activation_bytes=int(stash)))
+    inside = _shard_groups(cluster, plan)[0]
+    local = max(_rank_params(model, plan, groups, r) for r in range(plan.pp))
+    shard = local / (inside if plan.zero_stage >= 1 else 1)
+    if plan.offload_optimizer:  # gradients down, weights up over the host link; CPU Adam
+        optimizer_s = (2 * c * shard / d.host_link_bytes_per_s + shard / HOST_ADAM_PARAMS_PER_S)
+    else:
+        optimizer_s = (OPTIMIZER_TRAFFIC[plan.precision] * shard / d.mem_bandwidth_bytes_per_s
+                       + OPTIMIZER_OPS * d.op_overhead_s)
+    # the trainer's per-step control all-reduce and the gradient norm's (a few bytes each)
+    optimizer_s += 2 * C.all_reduce_s(cluster, 16, plan.devices, plan.devices > cluster.gpus_per_node)
+    overlaps = d.cores is None or plan.devices < d.cores
+    return StepCosts(tuple(out), plan.pp, plan.microbatches, plan.schedule if plan.pp > 1 else "1f1b",
+                     plan.virtual_stages, optimizer_s, overlaps)
 
 
 def estimate(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> Estimate:
-    raise NotImplementedError  # being written
+    """The predicted step time, throughput, MFU, memory and communication of `plan`."""
+    from loomtrain.planner.step_time import step_time
+    groups = _stage_groups(model, cluster, plan)
+    costs = _step_costs(model, cluster, plan, groups)
+    times = step_time(costs)
+    memory = _memory(model, cluster, plan, groups)
+    step_s = sum(times.values())
+    batch = plan.dp * plan.microbatches * plan.micro_batch
+    flops = model_flops_per_step(model, batch)
+    mine = [x for s, g in enumerate(groups) if s % plan.pp == 0 for x in g]
+    params = _rank_params(model, plan, groups, 0)
+    act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * COMPUTE_BYTES[plan.precision]
+    comm = {"dp": int(_sync_costs(cluster, plan, params)[2]),
+            "tp_cp": int(plan.microbatches * _total(mine, "tp_wire")),
+            "pp": int(2 * plan.microbatches * plan.virtual_stages * act) if plan.pp > 1 else 0}
+    mem = sum(memory.values())
+    return Estimate(plan=plan, step_time_s=step_s, tokens_per_s=batch * model.seq_len / step_s,
+                    tflops_per_device=flops / step_s / plan.devices / 1e12,
+                    mfu=flops / step_s / plan.devices / cluster.device.peak_flops(plan.precision),
+                    mem_per_device_bytes=mem, comm_bytes_per_step=sum(comm.values()),
+                    fits=mem <= cluster.device.mem_bytes, memory=memory, time=times,
+                    comm_bytes=comm)

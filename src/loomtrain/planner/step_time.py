@@ -1,0 +1,64 @@
+"""Step time from per-stage costs, in closed form (docs/planner.md, "Step time"); the event
+simulator (simulate.py) times the same StepCosts action by action to check it.
+
+With p ranks, m microbatches, stage s's forward f_s and backward b_s = I_s + W_s + recompute:
+- gpipe, 1f1b (Huang et al. 2019; Narayanan et al. 2021 sec. 2.2.1): the first microbatch
+  fills the pipeline through every stage, the slowest stage then sets the pace:
+  (m - 1) max_s(f_s + b_s) + sum_s (f_s + b_s) + 2 (p - 1) send; uniform stages give
+  (m + p - 1)(f + b), a bubble of (p - 1)/(m + p - 1);
+- interleaved (v chunks per rank, Narayanan et al. sec. 2.2.2): m x the busiest rank's chunks
+  + (p - 1) x a chunk's f + b + 2 (p v - 1) send: the bubble shrinks v-fold;
+- zb-h1 (Qi et al. 2024, arXiv 2401.10241, sec. 2.1): m max_s(F + I + W) + (p - 1)(F + I - W)
+  + 2 (p - 1) send (mean stage F, I, W).
+Then what cannot hide: ZeRO-3's prefetched gathers beyond a microbatch's compute, activation
+offload copies beyond it, the gradient sync beyond the backward it overlaps (rank r's
+backward ends r backward-slots before rank 0's, which it may use), and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from loomtrain.planner.plan import StepCosts
+
+
+def _fb(s) -> float:
+    return s.forward_s + s.backward_input_s + s.backward_weight_s + s.recompute_s
+
+
+def step_time(costs: StepCosts) -> dict[str, float]:
+    """The step's parts in seconds (their sum is the step time): compute, tp_cp_comm (the
+    blocking collectives inside compute), bubble, zero3_gather, offload, grad_sync, optimizer."""
+    p, m, v, st = costs.pp, costs.microbatches, costs.virtual_stages, costs.stages
+    fb = [_fb(s) for s in st]
+    ranks = [[i for i in range(len(st)) if i % p == r] for r in range(p)]
+    per_rank = [sum(fb[i] for i in mine) for mine in ranks]
+    busiest = max(range(p), key=lambda r: per_rank[r])
+    work = m * per_rank[busiest]
+    send = st[0].send_s if p > 1 else 0.0
+    if p == 1:
+        total = work
+    elif costs.schedule == "interleaved":
+        total = work + (p - 1) * sum(fb) / len(fb) + 2 * (p * v - 1) * send
+    elif costs.schedule == "zb-h1":
+        mean = [sum(getattr(s, k) for s in st) / len(st)
+                for k in ("forward_s", "backward_input_s", "backward_weight_s")]
+        total = work + (p - 1) * max(0.0, mean[0] + mean[1] - mean[2]) + 2 * (p - 1) * send
+    else:
+        total = (m - 1) * max(fb) + sum(fb) + 2 * (p - 1) * send
+    comm = m * sum(st[i].forward_comm_s + st[i].backward_comm_s for i in ranks[busiest])
+    hide = costs.grad_sync_overlaps
+    gather = m * max(sum(max(0.0, st[i].param_gather_s - (fb[i] if hide else 0.0))
+                         for i in mine) for mine in ranks)
+    offload = m * max(sum(max(0.0, 2 * st[i].offload_s - fb[i]) for i in mine) for mine in ranks)
+    mean_b = sum(s.backward_input_s + s.backward_weight_s + s.recompute_s for s in st) / len(st)
+    sync = 0.0
+    for r, mine in enumerate(ranks):
+        need = sum(st[i].grad_sync_s for i in mine)
+        if hide:  # bucketed, beside the backward: the last microbatch's (each one's, if the
+            # sync scales with m: ZeRO-2/3 reduce-scatter every microbatch)
+            last = sum(st[i].backward_input_s + st[i].backward_weight_s for i in mine)
+            per_step = any(st[i].param_gather_s for i in mine)
+            need = max(0.0, need - last * (m if per_step else 1))
+        sync = max(sync, need - r * mean_b)
+    return {"compute": work - comm, "tp_cp_comm": comm, "bubble": total - work,
+            "zero3_gather": gather, "offload": offload, "grad_sync": max(0.0, sync),
+            "optimizer": costs.optimizer_s}
