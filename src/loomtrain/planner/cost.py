@@ -89,7 +89,7 @@ def even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
 
 class _Layer:
     """One layer's per-microbatch costs under a plan (times in s, bytes per device)."""
-    __slots__ = ("forward_s", "input_s", "weight_s", "recompute_s", "fwd_comm_s", "bwd_comm_s",
+    __slots__ = ("kind", "forward_s", "input_s", "weight_s", "recompute_s", "fwd_comm_s", "bwd_comm_s",
                  "stash_bytes", "checkpoint_bytes", "params", "tp_wire")
 
 
@@ -111,6 +111,7 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
         traffic = tokens * (2 * h * c + 2 * FP32 * model.vocab_size / tp)
     overhead = OPS[kind] * d.op_overhead_s
     L = _Layer()
+    L.kind = kind
     L.forward_s = flops / rate + traffic / d.mem_bandwidth_bytes_per_s + overhead
     # backward: the input-gradient and weight-gradient matmuls each cost the forward's FLOPs;
     # the memory-bound backward (2x the forward's traffic) goes with the input gradient
@@ -202,13 +203,12 @@ def _total(groups, field: str) -> float:
     return sum(getattr(x, field) * n for x, n in groups)
 
 
-def _rank_params(model: ModelShape, plan: Plan, groups, rank: int) -> float:
-    """Parameters (per tp rank) on pp rank `rank`: its stages' layers, the tied embedding and
-    head counted once when one rank holds both (loomtrain keeps a copy on each of the first
-    and last stages otherwise, split.py's pp_copies)."""
-    mine = [s for s in range(len(groups)) if s % plan.pp == rank]
-    params = sum(_total(groups[s], "params") for s in mine)
-    if 0 in mine and len(groups) - 1 in mine:
+def _stage_params(model: ModelShape, plan: Plan, groups) -> float:
+    """Parameters (per tp rank) of one stage's layers, the tied embedding and head counted once
+    when the stage holds both (pp = 1); across stages each of the first and last keeps a copy
+    (split.py's pp_copies)."""
+    params = _total(groups, "params")
+    if groups[0][0].kind == "embed" and groups[-1][0].kind == "head":
         params -= model.vocab_size * model.d_model / plan.tp
     return params
 
@@ -258,16 +258,19 @@ def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float) -> tuple[float,
 
 
 def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict[str, int]:
-    """Bytes on the most loaded device: pp rank 0 (it holds the most microbatches in flight)
-    or the last (the head's logits), whichever needs more."""
+    """Bytes on the most loaded pp rank: the stash of its microbatches in flight under the
+    schedule, weights, gradients and optimizer state as ZeRO shards them over `inside` ranks,
+    ZeRO-3's gathered units, DiLoCo's outer state."""
     p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
     inside = _shard_groups(cluster, plan)[0]
     z, prec = plan.zero_stage, plan.precision
+    stage_params = [_stage_params(model, plan, g) for g in groups]
+    stage_stash = [_total(g, "stash_bytes") for g in groups]
     worst: dict[str, int] = {}
-    for rank in {0, p - 1}:
-        mine = [s for s in range(p * v) if s % p == rank]
-        params = _rank_params(model, plan, groups, rank)
-        stash = max(_total(groups[s], "stash_bytes") for s in mine)
+    for rank in range(p):
+        mine = range(rank, p * v, p)
+        params = sum(stage_params[s] for s in mine)
+        stash = max(stage_stash[s] for s in mine)
         if plan.schedule == "gpipe" or p == 1:
             in_flight = m if p > 1 else 1
         elif plan.schedule == "interleaved":  # Megatron's warmup on rank 0: (p-1)2 + (v-1)p + 1
@@ -314,7 +317,7 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
                     C.spans_nodes(cluster, sizes, "pp")) if plan.pp > 1 else 0.0
     out, memo = [], {}
     for g in groups:
-        params = _total(g, "params")
+        params = _stage_params(model, plan, g)
         if params not in memo:
             memo[params] = _sync_costs(cluster, plan, params)
         sync_s, gather_s, _ = memo[params]
@@ -329,7 +332,8 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
             send_s=send, grad_sync_s=sync_s, param_gather_s=gather_s, offload_s=offload,
             activation_bytes=int(stash)))
     inside = _shard_groups(cluster, plan)[0]
-    local = max(_rank_params(model, plan, groups, r) for r in range(plan.pp))
+    stage_params = [_stage_params(model, plan, g) for g in groups]
+    local = max(sum(stage_params[r::plan.pp]) for r in range(plan.pp))
     shard = local / (inside if plan.zero_stage >= 1 else 1)
     if plan.offload_optimizer:  # gradients down, weights up over the host link; CPU Adam
         optimizer_s = (2 * c * shard / d.host_link_bytes_per_s + shard / HOST_ADAM_PARAMS_PER_S)
@@ -354,7 +358,7 @@ def estimate(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> Estimate:
     batch = plan.dp * plan.microbatches * plan.micro_batch
     flops = model_flops_per_step(model, batch)
     mine = [x for s, g in enumerate(groups) if s % plan.pp == 0 for x in g]
-    params = _rank_params(model, plan, groups, 0)
+    params = sum(_stage_params(model, plan, groups[s]) for s in range(0, len(groups), plan.pp))
     act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * COMPUTE_BYTES[plan.precision]
     comm = {"dp": int(_sync_costs(cluster, plan, params)[2]),
             "tp_cp": int(plan.microbatches * _total(mine, "tp_wire")),
@@ -366,3 +370,27 @@ def estimate(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> Estimate:
                     mem_per_device_bytes=mem, comm_bytes_per_step=sum(comm.values()),
                     fits=mem <= cluster.device.mem_bytes, memory=memory, time=times,
                     comm_bytes=comm)
+
+
+def layer_costs(model: ModelShape, cluster: ClusterSpec, plan: Plan):
+    """Per layer (embed, blocks, head) of one microbatch, for split_milp.py: forward+backward
+    time t, the extra time r if recomputed (full), static bytes p (weights, gradients and
+    optimizer state as the plan's ZeRO stage keeps them), the stash a kept, the checkpoint c
+    kept instead when recomputed; and the device's memory budget. Embed and head are never
+    recomputed (r = 0, c = a)."""
+    plain = _layer(model, cluster, plan, "block", "none")
+    full = _layer(model, cluster, plan, "block", "full")
+    inside = _shard_groups(cluster, plan)[0]
+    z, prec = plan.zero_stage, plan.precision
+    per_param = (WEIGHT_BYTES[prec] / (inside if z == 3 else 1)
+                 + GRAD_BYTES[prec] / (inside if z >= 2 else 1)
+                 + (0 if plan.offload_optimizer else OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1)))
+    t, r, p, a, c = [], [], [], [], []
+    for kind in layer_kinds(model):
+        x = plain if kind == "block" else _layer(model, cluster, plan, kind, "none")
+        t.append(x.forward_s + x.input_s + x.weight_s)
+        r.append(full.recompute_s if kind == "block" else 0.0)
+        p.append(x.params * per_param)
+        a.append(x.stash_bytes)
+        c.append(full.stash_bytes if kind == "block" else x.stash_bytes)
+    return t, r, p, a, c, cluster.device.mem_bytes
