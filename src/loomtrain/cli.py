@@ -1,4 +1,4 @@
-"""The `loom` command: `loom train | report | export | generate`.
+"""The `loom` command: `loom train | plan | report | export | generate`.
 
 User errors (config, data, checkpoints) print one paragraph on stderr and exit with code 2;
 nothing already written in a run folder is touched before the input is validated.
@@ -29,6 +29,24 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--rejoin", metavar="RUN_DIR",
                        help='restart a lost worker of the running async.mode="ps" run in RUN_DIR (with --worker)')
     train.add_argument("--worker", type=int, metavar="W", help="the worker index (0..nproc-2) --rejoin restarts")
+
+    plan = sub.add_parser("plan", help="rank parallel plans of a model on a cluster by the cost model (docs/planner.md)")
+    plan.add_argument("--model", required=True, metavar="NAME|CONFIG",
+                      help="a preset (gpt3-125m .. gpt3-175b, gpt-1t, default) or a loomtrain config file")
+    plan.add_argument("--gpus", type=int, required=True, help="devices in the cluster")
+    plan.add_argument("--gpu", default="h100-80g", metavar="KIND",
+                      help="a100-40g, a100-80g, h100-80g, h200-141g, cpu-here (after `loom bench calibrate`) or a TOML spec")
+    plan.add_argument("--gpus-per-node", type=int, help="devices per node (default 8; cpu-here: all)")
+    plan.add_argument("--inter-node-gbps", type=float, help="network bandwidth per device in Gbit/s (default: the kind's)")
+    plan.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, or the preset's paper value)")
+    plan.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    plan.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    plan.add_argument("--fix", metavar="K=V,...", help="fix plan settings, e.g. dp=8,tp=8,pp=16 (all: evaluate that one plan)")
+    plan.add_argument("--space", choices=["loom", "all"],
+                      help="loom: only plans `loom train` runs today; all: every composition (default; loom with --write-config)")
+    plan.add_argument("--json", action="store_true", help="print every ranked plan as one JSON document")
+    plan.add_argument("--timeline", metavar="PNG", help="simulate the best plan's step and draw its timeline")
+    plan.add_argument("--write-config", metavar="FILE", help="write the best plan as a config `loom train` runs")
 
     report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report.png (and its timelines, if recorded)")
     report.add_argument("run_dir")
@@ -187,6 +205,11 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from loomtrain.planner.command import cmd_plan as plan
+    return plan(args)
+
+
 def cmd_report(args) -> int:
     from loomtrain.report import pipeline_note, write_report
     print(write_report(Path(args.run_dir)))
@@ -224,7 +247,7 @@ def cmd_generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"train": cmd_train, "report": cmd_report, "export": cmd_export, "generate": cmd_generate}
+    commands = {"train": cmd_train, "plan": cmd_plan, "report": cmd_report, "export": cmd_export, "generate": cmd_generate}
     try:
         return commands[args.command](args)
     except UserError as err:
