@@ -338,7 +338,7 @@ DEFAULT_TIMES = {F: 1.0, B: 2.0, I: 1.0, W: 1.0, SEND_F: 0.0, SEND_B: 0.0,
                  OFFLOAD: 0.5, RELOAD: 0.5}
 
 
-def simulate(schedule: Schedule, times=None) -> SimResult:
+def simulate(schedule: Schedule, times=None, start_at=None) -> SimResult:
     """Validates `schedule`, then runs every rank's list in order and times it.
 
     `times`: a dict kind -> duration (kinds left out take DEFAULT_TIMES), or a callable
@@ -352,6 +352,10 @@ def simulate(schedule: Schedule, times=None) -> SimResult:
     peak_stash counts a pair from the end of its forward (its stash is complete; Megatron's
     count of microbatches in flight) to the end of its B (or W), less the time from its
     OFFLOAD's end to its RELOAD's start; at equal times releases count first.
+    `start_at(action, rank, ready_s)`, if given, returns when the action really starts (at
+    least ready_s, the time the rules above allow): a caller's model of resources a schedule
+    does not know, such as the planner's comm stream (planner/simulate.py), where sends queue
+    behind ZeRO-3 gathers and gradient buckets. It is called once per action, in list order.
     Raises DeadlockError, naming each stuck rank's action and what it waits for."""
     validate(schedule)
     table = None if callable(times) else {**DEFAULT_TIMES, **(times or {})}
@@ -376,6 +380,8 @@ def simulate(schedule: Schedule, times=None) -> SimResult:
                     break
                 on_copy = a.kind in (OFFLOAD, RELOAD)
                 start[a] = max([clock[r]] + [copy[r]] * on_copy + [end[d] for d in deps])
+                if start_at is not None:
+                    start[a] = start_at(a, r, start[a])
                 end[a] = start[a] + (0.0 if a.kind in (RECV_F, RECV_B) else duration(a))
                 if a.kind in COMPUTE:
                     clock[r] = end[a]
