@@ -136,7 +136,7 @@ def test_a_long_bucket_holds_the_send_unless_p2p_has_its_stream():
     # B1 [5,7]; 1 s buckets released every 0.5 s from 5 end at 6, 7, 8, 9, and B1's send (0 s)
     # waits for them: rank 0's last B starts at 9, not at 7
     stages = [stage(), stage(sync=4.0)]
-    one_stream = simulate_step(costs(pp=2, m=2, stages=stages))
+    one_stream = simulate_step(costs(pp=2, m=2, stages=stages), p2p_stream=False)
     own_stream = simulate_step(costs(pp=2, m=2, stages=stages), p2p_stream=True)
     last_b = [max(x.start_s for x in s.spans[0] if x.kind == "backward")
               for s in (one_stream, own_stream)]

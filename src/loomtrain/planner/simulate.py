@@ -24,8 +24,9 @@ The model, rank by rank (pp ranks; stage s of pp * virtual_stages lives on rank 
   ZeRO-3 gathers, then gradient buckets); an item starts at max(its release, the end of the
   item before it), so a send may wait behind a gradient bucket, as operations on one
   stream do: an overlapped sync longer than its backward then delays that backward's send,
-  and rank after rank the pipeline's drain. simulate_step(..., p2p_stream=True) gives the
-  sends a stream of their own ("p2p"), as separate NCCL communicators for pp and dp have.
+  and rank after rank the pipeline's drain. By default (p2p_stream=True) the sends have a
+  stream of their own ("p2p"), as separate NCCL communicators for pp and dp do;
+  p2p_stream=False queues them with the rest.
   - send (SEND_F, SEND_B): released when its compute ends; it takes the sending stage's
     send_s, and the receiving compute may start when it ends (latency on the link).
   - ZeRO-3 gather: param_gather_s per microbatch, half before the forward and half before the
@@ -108,7 +109,7 @@ def bubble_fraction(sim: SimulatedStep) -> float:
 
 
 def simulate_step(costs: StepCosts, buckets: int = BUCKETS,
-                  p2p_stream: bool = False) -> SimulatedStep:
+                  p2p_stream: bool = True) -> SimulatedStep:
     """Times one step of `costs` event by event (the module docstring states the model).
     `p2p_stream`: the pipeline's sends get a stream of their own instead of queueing on the
     comm stream with the gathers and gradient buckets."""
