@@ -10,7 +10,8 @@ With p ranks, m microbatches, stage s's forward f_s and backward b_s = I_s + W_s
   + (p - 1) x a chunk's f + b + 2 (p v - 1) send: the bubble shrinks v-fold;
 - zb-h1 (Qi et al. 2024, arXiv 2401.10241, sec. 2.1): m max_s(F + I + W) + (p - 1)(F + I - W)
   + 2 (p - 1) send (mean stage F, I, W).
-Then what cannot hide: ZeRO-3's prefetched gathers beyond a microbatch's compute, activation
+Then what cannot hide: ZeRO-3's prefetched gathers and per-microbatch reduce-scatters beyond
+the compute they share the step with (plus the first gather), activation
 offload copies beyond it, the gradient sync beyond the backward it overlaps (rank r's
 backward ends r backward-slots before rank 0's, which it may use), and the optimizer step.
 """
@@ -46,18 +47,25 @@ def step_time(costs: StepCosts) -> dict[str, float]:
         total = (m - 1) * max(fb) + sum(fb) + 2 * (p - 1) * send
     comm = m * sum(st[i].forward_comm_s + st[i].backward_comm_s for i in ranks[busiest])
     hide = costs.grad_sync_overlaps
-    gather = m * max(sum(max(0.0, st[i].param_gather_s - (fb[i] if hide else 0.0))
-                         for i in mine) for mine in ranks)
+    # ZeRO-3: the prefetched gathers and every microbatch's reduce-scatter share the comm
+    # stream beside all m microbatches' compute; the first gather (half: before the first
+    # forward) always waits
+    gather = 0.0
+    for r, mine in enumerate(ranks):
+        g = sum(st[i].param_gather_s for i in mine)
+        if g:
+            comm_s = m * g + sum(st[i].grad_sync_s for i in mine)
+            gather = max(gather, max(0.0, comm_s - m * per_rank[r]) + g / 2 if hide else comm_s)
     offload = m * max(sum(max(0.0, 2 * st[i].offload_s - fb[i]) for i in mine) for mine in ranks)
     mean_b = sum(s.backward_input_s + s.backward_weight_s + s.recompute_s for s in st) / len(st)
     sync = 0.0
     for r, mine in enumerate(ranks):
+        if any(st[i].param_gather_s for i in mine):
+            continue  # counted with the gathers
         need = sum(st[i].grad_sync_s for i in mine)
-        if hide:  # bucketed, beside the backward: the last microbatch's (each one's, if the
-            # sync scales with m: ZeRO-2/3 reduce-scatter every microbatch)
-            last = sum(st[i].backward_input_s + st[i].backward_weight_s for i in mine)
-            per_step = any(st[i].param_gather_s for i in mine)
-            need = max(0.0, need - last * (m if per_step else 1))
+        if hide:  # bucketed, beside the last microbatch's backward
+            need = max(0.0, need - sum(st[i].backward_input_s + st[i].backward_weight_s
+                                       for i in mine))
         sync = max(sync, need - r * mean_b)
     return {"compute": work - comm, "tp_cp_comm": comm, "bubble": total - work,
             "zero3_gather": gather, "offload": offload, "grad_sync": max(0.0, sync),
