@@ -342,6 +342,7 @@ class ServerMetrics:
         self.server: ParameterServer | None = None
         self.seen = 0  # arrivals already in a record
         self.recorded = start  # the version of the latest record
+        self.recorded_lost = 0  # the workers lost by then
         # the run-wide counts up to the checkpoint resumed from: {staleness: applied}, per worker
         self.histogram_before: dict[int, int] = {}
         workers = mesh.world - cfg.asgd.servers
@@ -373,9 +374,12 @@ class ServerMetrics:
 
     def finish(self, extra: dict | None = None) -> None:
         """A last record if the run ended before its last update (every worker lost), or,
-        sharded, the last record, with `extra` fields."""
-        if self.server is not None and self.recorded < self.server.version:
-            self._record(self.server, True, True, extra)
+        sharded, the last record, with `extra` fields. When the workers were lost right after
+        a record, the last record repeats its update with the losses counted."""
+        server = self.server
+        if server is not None and (self.recorded < server.version
+                                   or self.recorded_lost != len(server.lost)):
+            self._record(server, True, True, extra)
 
     def _record(self, server: ParameterServer, is_eval: bool, last: bool,
                 extra: dict | None = None) -> dict:
@@ -417,6 +421,7 @@ class ServerMetrics:
             rec["applied_by_worker"] = counts["applied_by_worker"]
         self.log.record({**rec, **(extra or {})})
         self.recorded, self.window_t0 = server.version, time.perf_counter()
+        self.recorded_lost = rec["workers_lost"]
         return rec
 
     def state_dict(self) -> dict:
