@@ -56,7 +56,8 @@ def _check(t, r, p, a, c, stages, inflight_):
     assert 1 <= stages <= n, f"{stages} stages for {n} layers"
 
 
-def solve_split(t, r, p, a, c, budget, stages, inflight, time_limit_s: float = 5.0):
+def solve_split(t, r, p, a, c, budget, stages, inflight, time_limit_s: float = 5.0,
+                max_bottleneck_s: float | None = None):
     """(layers per stage, recompute flag per layer, the slowest stage's time) minimizing that
     time under the memory budget, or None when no split fits. With `time_limit_s` reached the
     best split found so far is returned (HiGHS's incumbent), or None if it has none."""
@@ -118,9 +119,15 @@ def solve_split(t, r, p, a, c, budget, stages, inflight, time_limit_s: float = 5
     objective[nu:T] = 1e-6 / n  # fewer recomputed layers among equal bottlenecks
     integrality = np.ones(nv)
     integrality[T] = 0
-    upper = np.ones(nv)
-    upper[T] = np.inf
-    res = milp(objective, integrality=integrality, bounds=Bounds(np.zeros(nv), upper),
+    lower, upper = np.zeros(nv), np.ones(nv)
+    upper[T] = np.inf if max_bottleneck_s is None else max_bottleneck_s / t_unit
+    for l in range(n):  # layer l lies on a stage in [l - (n - S), l]: every stage holds one
+        for s in range(S - 1):
+            if s >= l:
+                lower[U(l, s)] = 1
+            if s < l - (n - S):
+                upper[U(l, s)] = 0
+    res = milp(objective, integrality=integrality, bounds=Bounds(lower, upper),
                constraints=LinearConstraint(coo_array((data, (rows, cols)), shape=(len(lo), nv)), lo, hi),
                options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6})
     if res.x is None:
@@ -128,8 +135,24 @@ def solve_split(t, r, p, a, c, budget, stages, inflight, time_limit_s: float = 5
     u = np.round(res.x[:nu]).reshape(n, S - 1)
     below = np.concatenate([u, np.ones((n, 1))], axis=1).sum(axis=0)  # layers on stages <= s
     split = tuple(int(v) for v in np.diff(np.concatenate([[0], below])))
-    flags = tuple(bool(v) for v in np.round(res.x[nu:T]).reshape(n, S).sum(axis=1))
+    flags = _fewest_recomputes(p, a, c, budget, split, inflight, r,
+                               [bool(v) for v in np.round(res.x[nu:T]).reshape(n, S).sum(axis=1)])
     return split, flags, _bottleneck(t, r, split, flags)
+
+
+def _fewest_recomputes(p, a, c, budget, split, inflight, r, flags) -> tuple[bool, ...]:
+    """Clear the recompute flags a stage does not need to fit, the costliest replay first:
+    off the slowest stage they cost the MILP's objective nothing, so it may leave them set."""
+    flags, start = list(flags), 0
+    for s, size in enumerate(split):
+        layers = range(start, start + size)
+        used = sum(p[i] + inflight[s] * (c[i] if flags[i] else a[i]) for i in layers)
+        for i in sorted((i for i in layers if flags[i]), key=lambda i: -r[i]):
+            extra = inflight[s] * (a[i] - c[i])
+            if used + extra <= budget:
+                flags[i], used = False, used + extra
+        start += size
+    return tuple(flags)
 
 
 def _bottleneck(t, r, split, flags) -> float:
@@ -161,7 +184,7 @@ def brute_force_split(t, r, p, a, c, budget, stages, inflight):
     return None if best is None else (best[1], best[2], best[0][0])
 
 
-def refine_split(shape, cluster, plan):
+def refine_split(shape, cluster, plan, time_limit_s: float = 5.0):
     """`plan` with the MILP's split and per-block recompute flags (Plan.split counts embed and
     head as layers; recompute_layers has one flag per block), or None when the MILP finds
     nothing faster than the plan's own even split or the plan is not a one-chunk pipeline.
@@ -176,18 +199,17 @@ def refine_split(shape, cluster, plan):
     if plan.zero_stage == 3:  # the computing and the prefetched unit, gathered whole
         budget -= 2 * _largest_layer_params(shape, plan) * WEIGHT_BYTES[plan.precision]
     keep = inflight(plan.schedule, plan.pp, plan.microbatches, plan.offload_activations)
-    solved = solve_split(t, r, p, a, c, budget, plan.pp, keep)
+    # the plan's own slowest stage caps the MILP's T (it prunes HiGHS's tree; a cap no split
+    # meets ends the search early); selective recompute, which layer_costs cannot time, is
+    # capped by full recompute's (slower) and left to estimate() to judge
+    full = plan.recompute != "none"
+    now = max(sum(t[i] + (r[i] if full else 0.0) for i in rng) for rng in stage_layers(shape, plan))
+    solved = solve_split(t, r, p, a, c, budget, plan.pp, keep, time_limit_s, max_bottleneck_s=now)
     if solved is None:
         return None
     split, flags, bottleneck = solved
-    # the plan's own layout, when layer_costs can time it (selective recompute it cannot:
-    # then only estimate() can say which is faster)
-    if plan.recompute != "selective":
-        full = plan.recompute == "full"
-        now = max(sum(t[i] + (r[i] if full and 0 < i < len(t) - 1 else 0.0) for i in rng)
-                  for rng in stage_layers(shape, plan))
-        if bottleneck >= now * (1 - 1e-9):
-            return None
+    if plan.recompute != "selective" and bottleneck >= now * (1 - 1e-9):
+        return None
     return replace(plan, split=split, recompute_layers=flags[1:-1], recompute="none")
 
 
