@@ -79,10 +79,11 @@ def _show(v) -> str:
 
 
 class _TopK:
-    """The K fastest fitting estimates so far; `bound` is the K-th step time (inf until K)."""
+    """The K best fitting estimates so far by (step time, memory, order found); `bound` is
+    the K-th step time (inf until there are K)."""
 
     def __init__(self, k: int):
-        self.k, self.heap, self.n = k, [], 0  # max-heap by step time via negation
+        self.k, self.heap, self.n = k, [], 0  # a max-heap of the keys, negated
 
     @property
     def bound(self) -> float:
@@ -90,21 +91,26 @@ class _TopK:
 
     def add(self, e: Estimate) -> None:
         self.n += 1
-        item = (-e.step_time_s, -self.n, e)
+        item = (-e.step_time_s, -e.mem_per_device_bytes, -self.n, e)
         if len(self.heap) < self.k:
             heapq.heappush(self.heap, item)
-        elif e.step_time_s < self.bound:
+        elif item[:3] > self.heap[0][:3]:
             heapq.heapreplace(self.heap, item)
 
+    def remove(self, e: Estimate) -> None:
+        self.heap = [x for x in self.heap if x[3] is not e]
+        heapq.heapify(self.heap)
+
     def ranked(self) -> list[Estimate]:
-        return [e for _, _, e in sorted(self.heap, key=lambda x: (-x[0], -x[1]))]
+        return [x[3] for x in sorted(self.heap, key=lambda x: x[:3], reverse=True)]
 
 
 def search(shape: ModelShape, cluster: ClusterSpec, batch: int, top: int = 10, space: str = "all",
-           fix: dict | None = None, accept=None) -> SearchResult:
+           fix: dict | None = None, accept=None, refine: bool = True) -> SearchResult:
     """The `top` fastest plans that fit (space "all"), or that `accept(plan)` also passes
     (returns None for; space "loom": what loomtrain's trainer runs). `fix` pins Plan fields;
-    ValueError when it (or space, or top) cannot be met."""
+    ValueError when it (or space, or top) cannot be met. `refine`: let the stage-split MILP
+    rebalance the best pipeline plans (off: the grid's ranking alone, as tests compare it)."""
     if space not in SPACES:
         raise ValueError(f"space {space!r}: choose one of {', '.join(SPACES)}")
     if top < 1:
@@ -120,7 +126,8 @@ def search(shape: ModelShape, cluster: ClusterSpec, batch: int, top: int = 10, s
         raise ValueError(f"no plan of {shape.name} on {cluster.gpus} devices at global batch {batch} "
                          f"matches fix {fix} (check that dp x microbatches x micro_batch can make the "
                          "batch and that the schedule suits pp and virtual_stages)")
-    run.refine()
+    if refine:
+        run.refine()
     ranked = run.best.ranked()
     notes = {i: (accept(e.plan) if accept and space == "all" else None) for i, e in enumerate(ranked)}
     return SearchResult(ranked, time.perf_counter() - start, run.evaluated, run.pruned, notes)
@@ -267,8 +274,7 @@ class _Run:
             better = estimate(self.shape, self.cluster, plan)
             self.evaluated += 1
             if better.fits and better.step_time_s < e.step_time_s:
-                self.best.heap = [x for x in self.best.heap if x[2] is not e]
-                heapq.heapify(self.best.heap)
+                self.best.remove(e)
                 self.best.add(better)
 
     def balance_gain(self, plan: Plan) -> float:
