@@ -13,7 +13,8 @@ from loomtrain.planner.presets import preset
 from loomtrain.planner.search import PARTS, search, why_faster
 from loomtrain.planner.search_space import Space
 from loomtrain.planner.specs import BUILTIN, ClusterSpec, DeviceSpec
-from loomtrain.planner.split_milp import brute_force_split, inflight, refine_split, solve_split
+from loomtrain.planner.split_milp import (brute_force_split, inflight, min_bottleneck, refine_split,
+                                          solve_split)
 
 H100, A100_40 = BUILTIN["h100-80g"], BUILTIN["a100-40g"]
 
@@ -54,6 +55,14 @@ def test_milp_matches_brute_force_on_random_small_cases():
             assert sum(p[i] + keep[s] * (c[i] if flags[i] else a[i]) for i in rng) <= budget * (1 + 1e-9)
             start += size
     assert recomputed >= 3 and infeasible >= 1  # the cases exercise both sides of the budget
+
+
+def test_min_bottleneck_is_the_unconstrained_optimum():
+    for seed in range(5):
+        t, r, p, a, c, _, stages, keep = _random_case(seed)
+        free = brute_force_split(t, r, p, a, c, float("inf"), stages, keep)[2]
+        assert min_bottleneck(t, stages) == pytest.approx(free, rel=1e-9)
+        assert min_bottleneck(t, stages) <= free
 
 
 def test_milp_infeasible_budget_returns_none():
@@ -174,7 +183,7 @@ def test_why_first_beats_second_names_the_largest_difference():
     text = why_faster(a, b)
     diff = {k: b.time[k] - a.time[k] for k in a.time}
     top = max(diff, key=diff.get)
-    assert f"its {PARTS[top]} is {diff[top]:.3g} s shorter" in text
+    assert f"it spends {diff[top]:.3g} s less on {PARTS[top]}" in text
     assert "pp 2 vs 8" in text and "dp 4 vs 1" in text
 
 

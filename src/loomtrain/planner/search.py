@@ -62,9 +62,9 @@ def why_faster(a: Estimate, b: Estimate) -> str:
     settings = ", ".join(f"{k} {_show(sa.get(k, getattr(a.plan, k)))} vs {_show(sb.get(k, getattr(b.plan, k)))}"
                          for k in changed[:4])
     text = (f"#1 is {b.step_time_s - a.step_time_s:.3g} s faster per step ({a.step_time_s:.4g} vs "
-            f"{b.step_time_s:.4g} s): its {PARTS[gain]} is {diff[gain]:.3g} s shorter")
+            f"{b.step_time_s:.4g} s): it spends {diff[gain]:.3g} s less on {PARTS[gain]}")
     if diff[loss] < 0 and -diff[loss] > 0.05 * diff[gain]:
-        text += f" while its {PARTS[loss]} costs {-diff[loss]:.3g} s more"
+        text += f" while it spends {-diff[loss]:.3g} s more on {PARTS[loss]}"
     text += f" ({settings})." if settings else "."
     ma, mb = a.mem_per_device_bytes, b.mem_per_device_bytes
     if abs(ma - mb) > 0.1 * max(ma, mb):
@@ -143,7 +143,7 @@ class _Run:
         self.best = _TopK(top)
         self.pipelines = _TopK(REFINE_PLANS)  # the fastest one-chunk pipeline plans, to refine
         self.evaluated = self.pruned = self.candidates = 0
-        self._layers, self._stages = {}, {}
+        self._layers, self._stages, self._fb = {}, {}, {}
 
     def layers(self, plan: Plan) -> tuple[float, ...]:
         """One microbatch: forward+backward s of the embedding, a block, the head; a block's
@@ -167,15 +167,20 @@ class _Run:
     def pipeline_bound(self, plan: Plan) -> float:
         """compute + tp/cp comm + bubble as step_time.py's formulas give them for these
         stages, without the sends (>= 0) and selective recompute's replay (>= 0)."""
-        fb = self.stage_times(plan, self.layers(plan)[3] if plan.recompute == "full" else 0.0)
+        key = (plan.tp, plan.cp, plan.micro_batch, plan.sequence_parallel, plan.precision,
+               plan.recompute == "full", plan.pp, plan.virtual_stages)
+        if key not in self._fb:  # (slowest stage, slowest rank's chunks, all stages, stages)
+            fb = self.stage_times(plan, self.layers(plan)[3] if plan.recompute == "full" else 0.0)
+            p = plan.pp
+            self._fb[key] = (max(fb), max(sum(fb[r::p]) for r in range(p)), sum(fb), len(fb))
+        slowest, busiest, total, n = self._fb[key]
         p, m = plan.pp, plan.microbatches
-        work = m * max(sum(fb[r::p]) for r in range(p))
         if p == 1 or plan.schedule == "zb-h1":
-            bound = work
+            bound = m * busiest
         elif plan.schedule == "interleaved":
-            bound = work + (p - 1) * sum(fb) / len(fb)
+            bound = m * busiest + (p - 1) * total / n
         else:
-            bound = (m - 1) * max(fb) + sum(fb)
+            bound = (m - 1) * slowest + total
         return bound * (1 - 1e-9)  # summed in another order than step_time.py
 
     def optimizer_bound(self, plan: Plan) -> float:

@@ -204,6 +204,8 @@ def refine_split(shape, cluster, plan, time_limit_s: float = 5.0):
     # capped by full recompute's (slower) and left to estimate() to judge
     full = plan.recompute != "none"
     now = max(sum(t[i] + (r[i] if full else 0.0) for i in rng) for rng in stage_layers(shape, plan))
+    if plan.recompute == "none" and min_bottleneck(t, plan.pp) >= now * (1 - 1e-9):
+        return None  # no split is faster even with unlimited memory: the MILP cannot win
     solved = solve_split(t, r, p, a, c, budget, plan.pp, keep, time_limit_s, max_bottleneck_s=now)
     if solved is None:
         return None
@@ -211,6 +213,25 @@ def refine_split(shape, cluster, plan, time_limit_s: float = 5.0):
     if plan.recompute != "selective" and bottleneck >= now * (1 - 1e-9):
         return None
     return replace(plan, split=split, recompute_layers=flags[1:-1], recompute="none")
+
+
+def min_bottleneck(t, stages: int) -> float:
+    """A lower bound, within 1e-12 relative, on the slowest stage of any contiguous split of
+    times t into `stages` stages without recompute (the MILP without its memory rows): a
+    bisection on T, packing layers greedily while they fit under T."""
+    def stages_needed(limit):
+        count, load = 1, 0.0
+        for x in t:
+            if load + x > limit:
+                count, load = count + 1, 0.0
+            load += x
+        return count
+
+    lo, hi = max(max(t), sum(t) / stages), sum(t)
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if stages_needed(mid) <= stages else (mid, hi)
+    return lo
 
 
 def _largest_layer_params(shape, plan) -> float:
