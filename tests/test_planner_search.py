@@ -86,7 +86,8 @@ def test_refine_split_drops_recompute_where_memory_allows():
     assert not estimate(shape, cluster, replace(plan, recompute="none")).fits
     refined = refine_split(shape, cluster, plan)
     assert refined is not None and len(refined.split) == 4 and sum(refined.split) == shape.n_layers + 2
-    assert len(refined.recompute_layers) == shape.n_layers and 0 < sum(refined.recompute_layers) < shape.n_layers
+    flags = refined.recompute_layers
+    assert len(flags) == shape.n_layers and 0 < sum(flags) < shape.n_layers
     before, after = estimate(shape, cluster, plan), estimate(shape, cluster, refined)
     assert after.fits and after.step_time_s < 0.9 * before.step_time_s
     assert refine_split(shape, cluster, replace(plan, pp=1, tp=8)) is None  # no pipeline to split

@@ -3,18 +3,20 @@ yields, skip those that cannot fit or cannot beat the K-th best so far, rank the
 cost model's step time, then let the stage-split MILP (split_milp.py) rebalance the best
 pipeline plans.
 
-Pruning is exact branch and bound: every skipped plan provably fits in no memory or is no
-faster than K plans already found, so the top K equals an exhaustive evaluation's. The
-bounds hold for cost.py's model as it stands:
-- time: step time >= compute + tp/cp collectives + bubble >= m x (sum over layers of one
-  microbatch's forward + backward, + full recompute's replay) / pp, since the busiest pp rank
-  does at least the mean; sequence parallelism only lowers that sum, so a (mesh, micro-batch)
-  is bounded with it on. Within one compute key the first estimate gives compute + comm +
-  bubble exactly, shared by every ZeRO/offload variant (they add syncs, gathers, offload
-  copies and the optimizer, all >= 0).
-- memory: the most loaded pp rank holds at least the mean: parameters / (tp pp) x the bytes
-  ZeRO leaves per parameter, plus one microbatch's stash of every layer / pp (/ v when
-  activations are offloaded: only the computing chunk then stays).
+Pruning is exact branch and bound: a plan is skipped only when it provably does not fit or
+is slower than K plans already found, so the top K equals an exhaustive evaluation's
+(tests/test_planner_search.py checks it). Compute keys are visited in order of their bound,
+and the bounds hold for cost.py's model as it stands:
+- time, per compute key: compute + tp/cp collectives + bubble by step_time.py's formula for
+  the schedule, from layer_costs' per-layer times on the even split, less the sends and
+  selective recompute's replay (both >= 0); plus, per ZeRO/offload variant, its optimizer
+  step on the mean pp rank's shard. The syncs, gathers and offload copies add >= 0. Once one
+  variant is estimated, its compute + comm + bubble, exact and shared by all, replaces the
+  key's bound.
+- memory: the most loaded pp rank holds at least the mean, parameters / (tp pp) x the bytes
+  ZeRO leaves per parameter, plus one microbatch's stash of every layer / pp (/ v with
+  activation offload: only the computing chunk stays); past that bound cost.py's own
+  memory count decides, before the (dearer) full estimate.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def why_faster(a: Estimate, b: Estimate) -> str:
     loss = min(diff, key=diff.get)
     sa, sb = a.plan.settings(), b.plan.settings()
     changed = [k for k in dict.fromkeys([*sa, *sb]) if sa.get(k) != sb.get(k)]
-    settings = ", ".join(f"{k} {_show(sa.get(k, getattr(a.plan, k)))} vs {_show(sb.get(k, getattr(b.plan, k)))}"
+    settings = ", ".join(f"{k} {_show(getattr(a.plan, k))} vs {_show(getattr(b.plan, k))}"
                          for k in changed[:4])
     text = (f"#1 is {b.step_time_s - a.step_time_s:.3g} s faster per step ({a.step_time_s:.4g} vs "
             f"{b.step_time_s:.4g} s): it spends {diff[gain]:.3g} s less on {PARTS[gain]}")
@@ -107,10 +109,11 @@ class _TopK:
 
 def search(shape: ModelShape, cluster: ClusterSpec, batch: int, top: int = 10, space: str = "all",
            fix: dict | None = None, accept=None, refine: bool = True) -> SearchResult:
-    """The `top` fastest plans that fit (space "all"), or that `accept(plan)` also passes
-    (returns None for; space "loom": what loomtrain's trainer runs). `fix` pins Plan fields;
-    ValueError when it (or space, or top) cannot be met. `refine`: let the stage-split MILP
-    rebalance the best pipeline plans (off: the grid's ranking alone, as tests compare it)."""
+    """The `top` fastest plans that fit. Space "all": every plan search_space.py yields,
+    `accept(plan)` (a reason it cannot run, or None) only annotating the result's notes;
+    space "loom": only plans accept passes (what loomtrain's trainer runs). `fix` pins Plan
+    fields; ValueError when it, space or top cannot be met. `refine`: let the stage-split
+    MILP rebalance the best pipeline plans (off: the grid alone, as the tests compare it)."""
     if space not in SPACES:
         raise ValueError(f"space {space!r}: choose one of {', '.join(SPACES)}")
     if top < 1:
@@ -188,7 +191,8 @@ class _Run:
         shard = self.shape.params / (plan.tp * plan.pp) / (self.shard_group(plan) if plan.zero_stage else 1)
         d = self.cluster.device
         if plan.offload_optimizer:
-            return COMPUTE_BYTES[plan.precision] * 2 * shard / d.host_link_bytes_per_s + shard / HOST_ADAM_PARAMS_PER_S
+            return (2 * COMPUTE_BYTES[plan.precision] * shard / d.host_link_bytes_per_s
+                    + shard / HOST_ADAM_PARAMS_PER_S)
         return OPTIMIZER_TRAFFIC[plan.precision] * shard / d.mem_bandwidth_bytes_per_s
 
     def shard_group(self, plan: Plan) -> int:
@@ -197,7 +201,8 @@ class _Run:
 
     def memory_bound(self, plan: Plan) -> float:
         inside, z, prec = self.shard_group(plan), plan.zero_stage, plan.precision
-        per_param = (WEIGHT_BYTES[prec] / (inside if z == 3 else 1) + GRAD_BYTES[prec] / (inside if z >= 2 else 1)
+        per_param = (WEIGHT_BYTES[prec] / (inside if z == 3 else 1)
+                     + GRAD_BYTES[prec] / (inside if z >= 2 else 1)
                      + (0 if plan.offload_optimizer else OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1))
                      + (8 if plan.diloco_h > 1 else 0))
         a, c = self.layers(plan)[4:]
@@ -267,8 +272,9 @@ class _Run:
     def refine(self) -> None:
         """Rebalance the fastest pipeline plans with the MILP; keep a rebalanced plan when
         estimate() finds it faster and fitting (it replaces its even-split original). A plan
-        is tried only if a perfect balance could lift it into the top K: its bubble and work
-        shrink at most by (m + p - 1) x (its slowest stage - the mean stage)."""
+        is tried only if a perfect balance might lift it into the top K: work and bubble shrink
+        by about (m + p - 1) x (its slowest stage - the mean stage without recompute), a
+        screen rather than a bound (the syncs move too); estimate() has the last word."""
         from loomtrain.planner.split_milp import refine_split
         for e in self.pipelines.ranked():
             if e.step_time_s - self.balance_gain(e.plan) >= self.best.bound:

@@ -51,7 +51,8 @@ class Space:
                                  and t <= self.cluster.gpus_per_node])
         for tp in tps:
             for cp in self.values("cp", [c for c in _divisors(n // tp) if shape.seq_len % c == 0]):
-                for pp in self.values("pp", [p for p in _divisors(n // (tp * cp)) if p <= shape.n_layers + 2]):
+                pps = [p for p in _divisors(n // (tp * cp)) if p <= shape.n_layers + 2]
+                for pp in self.values("pp", pps):
                     dp = n // (tp * cp * pp)
                     if dp * tp * cp * pp == n and ("dp" not in self.fix or self.fix["dp"] == dp):
                         yield dp, tp, pp, cp
@@ -85,11 +86,13 @@ class Space:
             if self.fix.get("virtual_stages", 1) > 1:
                 schedules = [(s, v) for s, v in schedules if s == "interleaved"]
         out = []
+        if self.fix.get("sequence_parallel") and tp == 1:
+            return out  # Megatron's sequence parallelism splits over tp
         for recompute in self.values("recompute", RECOMPUTE):
             for sp in self.values("sequence_parallel", (False, True) if tp > 1 else (False,)):
                 for schedule, v in schedules:
                     for precision in self.values("precision", precisions):
-                        out.append(dict(recompute=recompute, sequence_parallel=sp and tp > 1,
+                        out.append(dict(recompute=recompute, sequence_parallel=sp,
                                         schedule=schedule, virtual_stages=v, precision=precision,
                                         diloco_h=self.fix.get("diloco_h", 1)))
         return out
@@ -98,10 +101,11 @@ class Space:
         """ZeRO stage 0-3, hierarchical when ZeRO shards over a group that crosses nodes."""
         crosses = tp * dp * cp > self.cluster.gpus_per_node
         out = []
-        for z in self.values("zero_stage", range(4)):
+        offload = self.fix.get("offload_optimizer", False)
+        for z in self.values("zero_stage", range(1, 4) if offload else range(4)):
             for hier in self.values("hierarchical", (False, True) if z >= 1 and crosses else (False,)):
-                out.append(dict(zero_stage=z, hierarchical=hier, offload_optimizer=self.fix.get(
-                    "offload_optimizer", False), offload_activations=self.fix.get("offload_activations", 0.0)))
+                out.append(dict(zero_stage=z, hierarchical=hier, offload_optimizer=offload,
+                                offload_activations=self.fix.get("offload_activations", 0.0)))
         return out
 
     def offload_variants(self, plan: Plan) -> list[dict]:
@@ -161,7 +165,8 @@ def check_fix(shape: ModelShape, cluster: ClusterSpec, batch: int, fix: dict) ->
     if fix.get("hierarchical") and fix.get("zero_stage", 1) == 0:
         raise ValueError("fix hierarchical=true needs zero_stage >= 1 (it shards ZeRO state in the node)")
     if fix.get("offload_optimizer") and fix.get("zero_stage", 1) == 0:
-        raise ValueError("fix offload_optimizer=true needs zero_stage >= 1 (ZeRO-Offload's partitioned state)")
+        raise ValueError("fix offload_optimizer=true needs zero_stage >= 1 (ZeRO-Offload's "
+                         "partitioned state)")
     if "dp" in fix and "micro_batch" in fix and "microbatches" in fix \
             and fix["dp"] * fix["micro_batch"] * fix["microbatches"] != batch:
         raise ValueError(f"fix dp={fix['dp']} micro_batch={fix['micro_batch']} microbatches="
