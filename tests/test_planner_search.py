@@ -108,13 +108,24 @@ def _exhaustive(shape, cluster, batch, fix=None):
     return sorted(out, key=lambda e: e.step_time_s)
 
 
-def test_pruning_keeps_the_exhaustive_top_plans():
-    """GPT-3 13B on 8 A100-40G at batch 32 (memory binds: offload and recompute matter):
-    branch and bound evaluates a few dozen of ~10^4 plans and finds the same top 5."""
-    shape, cluster = preset("gpt3-13b"), ClusterSpec(A100_40, 8, 8)
-    every = _exhaustive(shape, cluster, 32)
-    result = search(shape, cluster, 32, top=5, refine=False)
-    assert result.evaluated < len(every) / 10
+def _cpu(cores: int) -> DeviceSpec:
+    """A cpu-here as calibrate.py would write it (made-up figures): processes share `cores`."""
+    return DeviceSpec("cpu-here", peak_bf16_flops=1e11, peak_fp32_flops=1e11, mem_bytes=2 * 10 ** 8,
+                      mem_bandwidth_bytes_per_s=2e10, intra_node_bytes_per_s=5e9, intra_node_latency_s=5e-5,
+                      inter_node_bytes_per_s=5e9, inter_node_latency_s=5e-5, host_link_bytes_per_s=2e10,
+                      cores=cores, flops_by_procs=((1, 5e10), (2, 2.5e10), (4, 1.25e10)))
+
+
+@pytest.mark.parametrize("name, device, devices, batch", [
+    ("gpt3-6.7b", A100_40, 4, 16),  # 107 GB of weights and Adam state on 4 x 40 GB: memory binds
+    ("default", _cpu(2), 4, 32),  # more processes than cores: nothing overlaps, two precisions
+])
+def test_pruning_keeps_the_exhaustive_top_plans(name, device, devices, batch):
+    """Branch and bound evaluates a small share of the plans and finds the same top 5."""
+    shape, cluster = preset(name), ClusterSpec(device, devices, devices)
+    every = _exhaustive(shape, cluster, batch)
+    result = search(shape, cluster, batch, top=5, refine=False)
+    assert result.evaluated < len(every) / 5
     got = [e.step_time_s for e in result.ranked]
     assert got == pytest.approx([e.step_time_s for e in every[:5]], rel=1e-12)
     assert result.ranked[0].plan in {e.plan for e in every if e.step_time_s == every[0].step_time_s}
@@ -189,13 +200,10 @@ def test_why_first_beats_second_names_the_largest_difference():
 
 
 def test_cpu_here_searches_fp32_and_bf16():
-    cpu = DeviceSpec("cpu-here", peak_bf16_flops=1e11, peak_fp32_flops=1e11, mem_bytes=8 * 10 ** 9,
-                     mem_bandwidth_bytes_per_s=2e10, intra_node_bytes_per_s=5e9, intra_node_latency_s=5e-5,
-                     inter_node_bytes_per_s=5e9, inter_node_latency_s=5e-5, host_link_bytes_per_s=2e10,
-                     cores=2, flops_by_procs=((1, 5e10), (2, 2.5e10)))
-    result = search(preset("default"), ClusterSpec(cpu, 2, 2), 32, top=50)
+    cluster = ClusterSpec(_cpu(2), 2, 2)
+    result = search(preset("default"), cluster, 32, top=50)
     assert {e.plan.precision for e in result.ranked} == {"fp32", "bf16"}
-    only = search(preset("default"), ClusterSpec(cpu, 2, 2), 32, top=5, fix={"precision": "fp32"})
+    only = search(preset("default"), cluster, 32, top=5, fix={"precision": "fp32"})
     assert all(e.plan.precision == "fp32" for e in only.ranked)
 
 

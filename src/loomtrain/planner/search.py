@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from loomtrain.planner.cost import (COMPUTE_BYTES, GRAD_BYTES, HOST_ADAM_PARAMS_PER_S, OPTIMIZER_BYTES,
-                                    OPTIMIZER_TRAFFIC, WEIGHT_BYTES, _memory, _stage_groups, estimate,
-                                    layer_costs, stage_layers)
+                                    OPTIMIZER_TRAFFIC, WEIGHT_BYTES, _memory, _stage_groups, _stage_params,
+                                    _sync_costs, _total, estimate, layer_costs, stage_layers)
 from loomtrain.planner.plan import Estimate, Plan
 from loomtrain.planner.presets import ModelShape
 from loomtrain.planner.search_space import Space, check_fix
@@ -234,17 +234,36 @@ class _Run:
                 return
             self.compute_key(plan, bound, variants)
 
+    def sync_bound(self, plan: Plan, groups, pipeline_s: float) -> float:
+        """A bound on compute + comm + bubble + ZeRO-3 gathers + gradient sync, from pp rank
+        0's own syncs (cost._sync_costs of its parameters; affine in the bytes, so one call
+        on the sum is at most the per-stage sum). ZeRO-3: the comm stream carries every
+        gather and reduce-scatter, and the step lasts at least as long. Otherwise rank 0's
+        sync beyond its last backward (all of it where nothing overlaps) adds to the step."""
+        mine = [groups[s] for s in range(0, len(groups), plan.pp)]
+        sync_s, gather_s, _ = _sync_costs(self.cluster, plan, sum(_stage_params(self.shape, plan, g)
+                                                                   for g in mine))
+        if gather_s:
+            return max(pipeline_s, plan.microbatches * gather_s + sync_s)
+        d = self.cluster.device
+        if d.cores is None or plan.devices < d.cores:  # step_time.py's grad_sync_overlaps
+            sync_s -= sum(_total(g, "input_s") + _total(g, "weight_s") for g in mine)
+        return pipeline_s + max(0.0, sync_s)
+
     def compute_key(self, base: Plan, bound: float, variants: list[dict]) -> None:
-        """The sync variants of one compute key, cheapest optimizer first; offload variants
-        only for a plan that does not fit without."""
-        todo = sorted((replace(base, **v) for v in variants), key=self.optimizer_bound)
+        """The sync variants of one compute key, lowest bound first; offload variants only
+        for a plan that does not fit without."""
         groups = _stage_groups(self.shape, self.cluster, base)  # the same for every variant
+
+        def lower(plan: Plan) -> float:
+            return self.sync_bound(plan, groups, bound) + self.optimizer_bound(plan)
+
+        todo = sorted((replace(base, **v) for v in variants), key=lower)
         while todo:
             plan = todo.pop(0)
-            if bound + self.optimizer_bound(plan) > self.best.bound:
+            if lower(plan) > self.best.bound:
                 self.pruned += 1
-                more = [x for x in self.offload_twins(plan)
-                        if bound + self.optimizer_bound(x) <= self.best.bound]
+                more = [x for x in self.offload_twins(plan) if lower(x) <= self.best.bound]
                 if more and not self.fits(plan, groups):
                     todo.extend(more)
                 continue
