@@ -9,10 +9,11 @@ is slower than K plans already found, so the top K equals an exhaustive evaluati
 and the bounds hold for cost.py's model as it stands:
 - time, per compute key: compute + tp/cp collectives + bubble by step_time.py's formula for
   the schedule, from layer_costs' per-layer times on the even split, less the sends and
-  selective recompute's replay (both >= 0); plus, per ZeRO/offload variant, its optimizer
-  step on the mean pp rank's shard. The syncs, gathers and offload copies add >= 0. Once one
-  variant is estimated, its compute + comm + bubble, exact and shared by all, replaces the
-  key's bound.
+  selective recompute's replay (both >= 0); plus, per ZeRO/offload variant, pp rank 0's
+  exposed gradient sync (or, under ZeRO-3, the max with its comm stream's gathers and
+  reduce-scatters: sync_bound) and its optimizer step on the mean pp rank's shard. Offload
+  copies add >= 0. Once one variant is estimated, its compute + comm + bubble, exact and
+  shared by all, replaces the key's pipeline part.
 - memory: the most loaded pp rank holds at least the mean, parameters / (tp pp) x the bytes
   ZeRO leaves per parameter, plus one microbatch's stash of every layer / pp (/ v with
   activation offload: only the computing chunk stays); past that bound cost.py's own

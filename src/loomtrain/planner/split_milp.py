@@ -67,8 +67,13 @@ def solve_split(t, r, p, a, c, budget, stages, inflight, time_limit_s: float = 5
     n, S = len(t), stages
     t, r, p, a, c = (np.asarray(v, dtype=float) for v in (t, r, p, a, c))
     nu, nw = n * (S - 1), n * S
-    U = lambda l, s: l * (S - 1) + s  # noqa: E731 - u[l,s], s < S - 1
-    W = lambda l, s: nu + l * S + s  # noqa: E731 - w[l,s]
+
+    def U(l, s):  # the column of u[l,s], s < S - 1
+        return l * (S - 1) + s
+
+    def W(l, s):  # the column of w[l,s]
+        return nu + l * S + s
+
     T, nv = nu + nw, nu + nw + 1
     # scale times and bytes to O(1) so HiGHS's tolerances mean the same at every model size
     t_unit = max(float(t.max()), 1e-30)
