@@ -1,0 +1,352 @@
+"""`loom bench calibrate`: this machine, measured, as the planner's `cpu-here` device
+(docs/planner-calibrate.md).
+
+Four processes are spawned on 127.0.0.1 (gloo), laid out as a mesh dp=2 x tp=2, and measure
+in turn, each figure a median over repetitions:
+- alone on rank 0: a large fp32 and bf16 GEMM, memory bandwidth (a large tensor add), and the
+  fixed cost of one operator (forward and backward of a chain of tiny ops under autograd);
+- the default model's GEMMs with 1, 2 and 4 processes computing at once, each process with the
+  torch threads `loom train` gives a rank (train/launch.py: cores // local processes), while the
+  others wait idle in a barrier (gloo's wait uses no CPU: measured, 0.006 s of CPU over 3 s);
+- gloo's all-reduce by message size over one pair (the other pair idle) and over all four,
+  and a send/recv ping-pong over the pair.
+The all-reduce times are fitted to the ring formula comm_cost.py predicts with, so the
+planner's collective times reproduce the measured ones (fit_alpha_beta).
+
+Nothing here is assumed about the hardware; `matmul_efficiency` is 1 because the rate in
+`flops_by_procs` is the achieved one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from loomtrain.planner.comm_cost import all_reduce_s
+from loomtrain.planner.specs import CPU_HERE, ClusterSpec, DeviceSpec, calibration_path
+
+WORLD = 4
+PROCS = (1, 2, 4)  # processes computing at once in the matmul measurement
+# The default model (presets "default": h 256, r 4) at train.micro_batch 8 x seq_len 128 =
+# 1024 tokens per microbatch: a block's qkv, proj, fc and fc-proj GEMMs as (m, k, n). The
+# cost model charges every matmul FLOP at one rate, so this mix is the rate it should use.
+TOKENS, H, R = 1024, 256, 4
+MODEL_GEMMS = ((TOKENS, H, 3 * H), (TOKENS, H, H), (TOKENS, H, R * H), (TOKENS, R * H, H))
+LARGE_GEMMS = ((1024, 1024, 1024),)  # the machine's best rate: peak_*_flops
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How much to measure. message_bytes: all-reduce and send sizes; reps: repetitions per
+    figure (medians over them); window_s: each matmul figure times repetitions for this long,
+    all processes at once; stream_elems: fp32 elements of each tensor of the bandwidth add."""
+    message_bytes: tuple[int, ...]
+    reps: int
+    window_s: float
+    stream_elems: int
+
+
+KIB, MIB = 1 << 10, 1 << 20
+# stream tensors of 64 MiB and more: past the 32 MiB L3 (measured here: an add of 4 MiB
+# tensors runs at 118 GB/s, of 16 MiB at 72, of 64 and 256 MiB at 46-47)
+FULL = Effort((4, 64, KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB), reps=9,
+              window_s=3.0, stream_elems=32 * MIB)
+QUICK = Effort((4, KIB, 64 * KIB, MIB, 16 * MIB), reps=3, window_s=1.0, stream_elems=16 * MIB)
+
+
+def fit_alpha_beta(payload_bytes, times_s, n: int | None = None) -> tuple[float, float]:
+    """(alpha_s, bytes_per_s) of Hockney's model as comm_cost.py applies it: a ring all-reduce
+    over n ranks takes 2(n-1) alpha + 2(n-1)/n S / beta; n=None: a send, alpha + S / beta.
+
+    Least squares on the relative error (each time weighted by 1/t^2), so 4-byte messages
+    (alpha) count as much as 16 MiB ones (beta); an ordinary fit would let the large ones
+    decide alone and leave alpha to their noise. A negative intercept is clipped to 0 and the
+    slope refitted (non-negative least squares)."""
+    sizes, times = [float(s) for s in payload_bytes], [float(t) for t in times_s]
+    if len(set(sizes)) < 2 or len(sizes) != len(times) or min(times) <= 0:
+        raise ValueError("fit_alpha_beta needs positive times at two message sizes at least")
+    steps, share = (1, 1.0) if n is None else (2 * (n - 1), 2 * (n - 1) / n)
+    w2 = [1 / t ** 2 for t in times]  # t = a + b S, fitted as sum w2 (a + b S - t)^2
+    s0, s1 = sum(w2), sum(w * s for w, s in zip(w2, sizes))
+    s2 = sum(w * s * s for w, s in zip(w2, sizes))
+    r0, r1 = sum(w * t for w, t in zip(w2, times)), sum(w * s * t for w, s, t in zip(w2, sizes, times))
+    det = s0 * s2 - s1 * s1
+    a, b = (r0 * s2 - r1 * s1) / det, (s0 * r1 - s1 * r0) / det
+    if a < 0:
+        a, b = 0.0, r1 / s2
+    if b <= 0:
+        raise ValueError("the times do not grow with the message size: no bandwidth to fit")
+    return a / steps, share / b
+
+
+def calibrate(quick: bool = False, effort: Effort | None = None) -> DeviceSpec:
+    """Measure this machine (about 2.5 minutes; quick: 20-30 s) and return it as `cpu-here`."""
+    return spec_from(measure(effort or (QUICK if quick else FULL)), "quick" if quick else "full")
+
+
+def measure(effort: Effort) -> dict:
+    """The raw figures (see `_rank_main`), from four spawned gloo processes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="loom-calibrate-") as tmp:
+        mp.spawn(_rank_main, args=(port, effort, tmp), nprocs=WORLD, join=True)
+        found = json.loads((Path(tmp) / "found.json").read_text())
+    found["message_bytes"] = list(effort.message_bytes)
+    return found
+
+
+def spec_from(found: dict, label: str = "") -> DeviceSpec:
+    """`cpu-here` from `measure`'s figures: the fits, the peaks, the memory share."""
+    sizes = found["message_bytes"]
+    fits = tuple((n, *fit_alpha_beta(sizes, found[f"all_reduce_s_{n}"], n)) for n in (2, WORLD))
+    latency_s, link_bytes_per_s = fit_alpha_beta(sizes, found["send_s"])
+    by_procs = tuple((n, rate) for n, rate in found["flops_by_procs"])
+    fp32 = max(found["large_fp32_flops"], by_procs[0][1])
+    # bf16 faster than fp32 (AVX512-BF16/AMX): its measured rate; slower: fp32's, since a peak
+    # below what fp32 reaches would only make bf16's MFU look better than it is
+    bf16 = found["large_bf16_flops"] if found["large_bf16_flops"] > fp32 else fp32
+    cores = os.cpu_count() or 1
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = (f"measured by loom bench calibrate ({label}) on {when}: {cores} cores, bf16 large "
+              f"GEMM {found['large_bf16_flops'] / 1e9:.3g} GFLOP/s"
+              + ("" if bf16 > fp32 else " (slower than fp32: peak_bf16_flops = fp32's)"))
+    return DeviceSpec(
+        name=CPU_HERE, peak_bf16_flops=bf16, peak_fp32_flops=fp32,
+        mem_bytes=usable_memory_bytes() // cores,
+        mem_bandwidth_bytes_per_s=found["stream_bytes_per_s"],
+        intra_node_bytes_per_s=link_bytes_per_s, intra_node_latency_s=latency_s,
+        inter_node_bytes_per_s=link_bytes_per_s, inter_node_latency_s=latency_s,  # one machine
+        host_link_bytes_per_s=found["stream_bytes_per_s"],  # "offload" is a copy in the same RAM
+        matmul_efficiency=1.0, op_overhead_s=found["op_overhead_s"], cores=cores,
+        flops_by_procs=by_procs, collective_fit=fits, source=source)
+
+
+def usable_memory_bytes() -> int:
+    """RAM a training run can take now: /proc/meminfo's MemAvailable (not MemTotal: other
+    processes hold the rest), capped by the cgroup's memory.max in a container. The spec's
+    mem_bytes is this / cores: the planner checks memory per process, and a cpu-here plan runs
+    up to one process per core, all sharing this RAM."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    usable = info.get("MemAvailable", info["MemTotal"])
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            usable = min(usable, int(limit))
+    except OSError:
+        pass
+    return usable
+
+
+def save(spec: DeviceSpec, path: str | Path | None = None) -> Path:
+    """Write `spec` as the TOML table `device_from_table` reads (default: calibration_path(),
+    where `load_device("cpu-here")` looks)."""
+    import tomli_w
+
+    path = Path(path) if path is not None else calibration_path()
+    table = {k: [list(row) for row in v] if isinstance(v, tuple) else v
+             for k, v in asdict(spec).items() if v is not None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# this machine as the planner's cpu-here device (docs/planner-calibrate.md)\n"
+                    + tomli_w.dumps(table))
+    return path
+
+
+def summary(spec: DeviceSpec, found: dict | None = None) -> str:
+    """A few lines for people: the figures and, given the raw ones, how well the fits hold."""
+    procs = ", ".join(f"{n} at once {f / 1e9:.3g} each" for n, f in spec.flops_by_procs)
+    lines = [f"cpu-here: {spec.cores} cores, {spec.mem_bytes / 1e9:.3g} GB per process",
+             f"matmul fp32, the default model's GEMMs (GFLOP/s per process): {procs}",
+             f"peak fp32 {spec.peak_fp32_flops / 1e9:.3g} GFLOP/s, bf16 {spec.peak_bf16_flops / 1e9:.3g}"
+             f" GFLOP/s; memory {spec.mem_bandwidth_bytes_per_s / 1e9:.3g} GB/s; "
+             f"{spec.op_overhead_s * 1e6:.3g} us per operator",
+             f"send/recv: {spec.intra_node_latency_s * 1e6:.3g} us + "
+             f"{spec.intra_node_bytes_per_s / 1e9:.3g} GB/s"]
+    for n, alpha, beta in spec.collective_fit:
+        line = f"gloo all-reduce over {n}: alpha {alpha * 1e6:.3g} us, beta {beta / 1e9:.3g} GB/s"
+        if found is not None:
+            cluster = ClusterSpec(spec, n, n)
+            worst = max(abs(all_reduce_s(cluster, size, n, False) - t) / t
+                        for size, t in zip(found["message_bytes"], found[f"all_reduce_s_{n}"]))
+            line += f" (fit within {worst:.0%} of every measured size)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# --- the measuring processes --------------------------------------------------------------
+
+
+def _rank_main(rank: int, port: int, effort: Effort, out_dir: str) -> None:
+    """One of the WORLD ranks; rank 0 writes every figure to out_dir/found.json."""
+    import torch
+    import torch.distributed as dist
+
+    from loomtrain import comm
+    from loomtrain.mesh import build_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    mesh = build_mesh({"dp": 2, "tp": 2})  # "tp": the pairs {0, 1} and {2, 3}; "world": all four
+    cores = os.cpu_count() or 1
+    found: dict = {}
+    if rank == 0:
+        torch.set_num_threads(cores)  # one process alone gets every core (train/launch.py)
+        found["large_fp32_flops"] = _gemm_flops(LARGE_GEMMS, torch.float32, effort.window_s, effort.reps)
+        found["large_bf16_flops"] = _gemm_flops(LARGE_GEMMS, torch.bfloat16, effort.window_s, effort.reps)
+        found["stream_bytes_per_s"] = _stream_bytes_per_s(effort.stream_elems, effort.reps)
+        found["op_overhead_s"] = _op_overhead_s(effort.reps)
+    found["flops_by_procs"] = []
+    for k in PROCS:
+        torch.set_num_threads(max(1, cores // k))  # what loom train gives each of k ranks
+        rates = torch.zeros(WORLD, dtype=torch.float64)
+        comm.barrier(mesh)
+        if rank < k:
+            rates[rank] = _gemm_flops(MODEL_GEMMS, torch.float32, effort.window_s, effort.reps)
+        comm.all_reduce(rates, mesh, "world")
+        found["flops_by_procs"].append((k, rates[:k].mean().item()))  # k x this = the aggregate
+    torch.set_num_threads(max(1, cores // 2))
+    if rank < 2:
+        found["all_reduce_s_2"] = _all_reduce_s(mesh, "tp", effort)
+        found["send_s"] = _send_s(mesh, effort)
+    comm.barrier(mesh)
+    torch.set_num_threads(max(1, cores // WORLD))
+    found[f"all_reduce_s_{WORLD}"] = _all_reduce_s(mesh, "world", effort)
+    if rank == 0:
+        (Path(out_dir) / "found.json").write_text(json.dumps(found))
+    comm.barrier(mesh)  # before destroy: avoids the intermittent abort at exit (DESIGN.md)
+    dist.destroy_process_group()
+
+
+def _gemm_flops(gemms, dtype, window_s: float, slices: int) -> float:
+    """FLOP/s of the GEMMs (m, k, n) run back to back for window_s, after one warm-up: the
+    median over `slices` equal slices of the window of the FLOPs done in a slice / its length.
+    Not a median over single repetitions: with more processes than cores the scheduler runs
+    each for whole time slices, and single repetitions would mostly see a core to themselves."""
+    import torch
+
+    pairs = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)) for m, k, n in gemms]
+    flops = sum(2 * m * k * n for m, k, n in gemms)
+    for a, b in pairs:
+        a @ b
+    rates = []
+    for _ in range(slices):
+        t0 = time.perf_counter()
+        done, now = 0, t0
+        while now - t0 < window_s / slices or done < 1:
+            for a, b in pairs:
+                a @ b
+            done, now = done + 1, time.perf_counter()
+        rates.append(done * flops / (now - t0))
+    return statistics.median(rates)
+
+
+def _stream_bytes_per_s(elems: int, reps: int) -> float:
+    """c = a + b over fp32 tensors far larger than the caches: 3 x 4 bytes per element."""
+    import torch
+
+    a, b, c = torch.randn(elems), torch.randn(elems), torch.empty(elems)
+    torch.add(a, b, out=c)
+    times = []
+    for _ in range(max(reps, 3)):
+        t0 = time.perf_counter()
+        torch.add(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 12 * elems / statistics.median(times)
+
+
+def _op_overhead_s(reps: int, iters: int = 200) -> float:
+    """The fixed cost of one operator as the cost model charges it: a forward op costs one
+    overhead forward and two backward (input and weight gradient), so a chain of tiny ops
+    (layer norm, linear, GELU, linear, residual add, sum) run forward and backward under
+    autograd costs 3 x 6 overheads, Python and dispatch included."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(1, 2, 8, requires_grad=True)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    ops = 6
+
+    def chain():
+        y = F.linear(F.gelu(F.linear(F.layer_norm(x, (8,)), w1)), w2) + x
+        y.sum().backward()
+
+    chain()
+    per_op = []
+    for _ in range(max(reps, 3)):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            chain()
+        per_op.append((time.perf_counter() - t0) / (iters * 3 * ops))
+    return statistics.median(per_op)
+
+
+def _timed_s(call, mesh, axis: str, iters: int) -> float:
+    """Seconds per call of `iters` back-to-back calls between two barriers, the slowest rank's
+    (an op ends when its last rank does)."""
+    import torch
+
+    from loomtrain import comm
+
+    comm.barrier(mesh, axis)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    took = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    comm.all_reduce(took, mesh, axis, op="max")
+    return took.item()
+
+
+def _iters(size: int) -> int:
+    return max(1, min(20, MIB // max(size, 1)))  # small messages: several calls per timing
+
+
+def _all_reduce_s(mesh, axis: str, effort: Effort) -> list[float]:
+    """Median seconds of one all-reduce over `axis`, per message size (zeros: sums stay finite)."""
+    import torch
+
+    from loomtrain import comm
+
+    out = []
+    for size in effort.message_bytes:
+        x = torch.zeros(max(1, size // 4))
+        comm.all_reduce(x, mesh, axis)  # warm-up: first-call allocations
+        out.append(statistics.median(
+            _timed_s(lambda: comm.all_reduce(x, mesh, axis), mesh, axis, _iters(size))
+            for _ in range(effort.reps)))
+    return out
+
+
+def _send_s(mesh, effort: Effort) -> list[float]:
+    """Median one-way seconds of a send between the pair: half a ping-pong's round trip."""
+    import torch
+
+    from loomtrain import comm
+
+    me = mesh.local_rank("tp")
+    out = []
+    for size in effort.message_bytes:
+        x = torch.zeros(max(1, size // 4))
+
+        def round_trip():
+            if me == 0:
+                comm.send(x, mesh, "tp", 1)
+                comm.recv(x, mesh, "tp", 1)
+            else:
+                comm.recv(x, mesh, "tp", 0)
+                comm.send(x, mesh, "tp", 0)
+
+        round_trip()
+        out.append(statistics.median(
+            _timed_s(round_trip, mesh, "tp", _iters(size)) for _ in range(effort.reps)) / 2)
+    return out
