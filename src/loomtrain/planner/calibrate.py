@@ -58,7 +58,7 @@ KIB, MIB = 1 << 10, 1 << 20
 # tensors runs at 118 GB/s, of 16 MiB at 72, of 64 and 256 MiB at 46-47)
 FULL = Effort((4, 64, KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB), reps=9,
               window_s=3.0, stream_elems=32 * MIB)
-QUICK = Effort((4, KIB, 64 * KIB, MIB, 16 * MIB), reps=3, window_s=1.0, stream_elems=16 * MIB)
+QUICK = Effort((4, KIB, 64 * KIB, MIB, 16 * MIB), reps=3, window_s=0.75, stream_elems=16 * MIB)
 
 
 def fit_alpha_beta(payload_bytes, times_s, n: int | None = None) -> tuple[float, float]:
@@ -200,19 +200,32 @@ def _rank_main(rank: int, port: int, effort: Effort, out_dir: str) -> None:
     mesh = build_mesh({"dp": 2, "tp": 2})  # "tp": the pairs {0, 1} and {2, 3}; "world": all four
     cores = os.cpu_count() or 1
     found: dict = {}
+    slice_s = effort.window_s / effort.reps
     if rank == 0:
         torch.set_num_threads(cores)  # one process alone gets every core (train/launch.py)
-        found["large_fp32_flops"] = _gemm_flops(LARGE_GEMMS, torch.float32, effort.window_s, effort.reps)
-        found["large_bf16_flops"] = _gemm_flops(LARGE_GEMMS, torch.bfloat16, effort.window_s, effort.reps)
+        large = {"fp32": _gemms(LARGE_GEMMS, torch.float32), "bf16": _gemms(LARGE_GEMMS, torch.bfloat16)}
+        rates = {name: [] for name in large}
+        for r in range(effort.reps):  # alternated, so a drift in load falls on both alike
+            for name in list(large)[:: 1 if r % 2 == 0 else -1]:
+                rates[name].append(_gemm_flops(*large[name], slice_s))
+        for name, got in rates.items():
+            found[f"large_{name}_flops"] = statistics.median(got)
         found["stream_bytes_per_s"] = _stream_bytes_per_s(effort.stream_elems, effort.reps)
         found["op_overhead_s"] = _op_overhead_s(effort.reps)
+    # k processes at once, k in PROCS, in rounds of alternating order (1 2 4, 4 2 1, ...)
+    mine: dict[int, list[float]] = {k: [] for k in PROCS}
+    model = _gemms(MODEL_GEMMS, torch.float32)
+    for r in range(effort.reps):
+        for k in PROCS[:: 1 if r % 2 == 0 else -1]:
+            torch.set_num_threads(max(1, cores // k))  # what loom train gives each of k ranks
+            comm.barrier(mesh)
+            if rank < k:
+                mine[k].append(_gemm_flops(*model, slice_s))
     found["flops_by_procs"] = []
     for k in PROCS:
-        torch.set_num_threads(max(1, cores // k))  # what loom train gives each of k ranks
         rates = torch.zeros(WORLD, dtype=torch.float64)
-        comm.barrier(mesh)
         if rank < k:
-            rates[rank] = _gemm_flops(MODEL_GEMMS, torch.float32, effort.window_s, effort.reps)
+            rates[rank] = statistics.median(mine[k])
         comm.all_reduce(rates, mesh, "world")
         found["flops_by_procs"].append((k, rates[:k].mean().item()))  # k x this = the aggregate
     torch.set_num_threads(max(1, cores // 2))
@@ -228,27 +241,28 @@ def _rank_main(rank: int, port: int, effort: Effort, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _gemm_flops(gemms, dtype, window_s: float, slices: int) -> float:
-    """FLOP/s of the GEMMs (m, k, n) run back to back for window_s, after one warm-up: the
-    median over `slices` equal slices of the window of the FLOPs done in a slice / its length.
-    Not a median over single repetitions: with more processes than cores the scheduler runs
-    each for whole time slices, and single repetitions would mostly see a core to themselves."""
+def _gemms(shapes, dtype) -> tuple[list, int]:
+    """Operands for the GEMMs (m, k, n), run once (warm-up), and their FLOPs."""
     import torch
 
-    pairs = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)) for m, k, n in gemms]
-    flops = sum(2 * m * k * n for m, k, n in gemms)
+    pairs = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)) for m, k, n in shapes]
     for a, b in pairs:
         a @ b
-    rates = []
-    for _ in range(slices):
-        t0 = time.perf_counter()
-        done, now = 0, t0
-        while now - t0 < window_s / slices or done < 1:
-            for a, b in pairs:
-                a @ b
-            done, now = done + 1, time.perf_counter()
-        rates.append(done * flops / (now - t0))
-    return statistics.median(rates)
+    return pairs, sum(2 * m * k * n for m, k, n in shapes)
+
+
+def _gemm_flops(pairs, flops: int, seconds: float) -> float:
+    """FLOP/s of the GEMMs run back to back for `seconds` (at least once): the FLOPs done over
+    the time taken. Not a median over single repetitions: with more processes than cores the
+    scheduler runs each for whole time slices, and a single repetition would mostly find a
+    core to itself."""
+    t0 = time.perf_counter()
+    done, now = 0, t0
+    while now - t0 < seconds or done < 1:
+        for a, b in pairs:
+            a @ b
+        done, now = done + 1, time.perf_counter()
+    return done * flops / (now - t0)
 
 
 def _stream_bytes_per_s(elems: int, reps: int) -> float:
