@@ -71,7 +71,7 @@ def _found(bf16: float) -> dict:
             "stream_bytes_per_s": 20e9, "op_overhead_s": 8e-6,
             "flops_by_procs": [[1, 90e9], [2, 50e9], [4, 26e9]],
             "all_reduce_s_2": ar[2], "all_reduce_s_4": ar[4],
-            "send_s": [60e-6 + s / 4e9 for s in sizes]}
+            "send_s": [60e-6 + s / 4e9 for s in sizes], "load_average": 0.5}
 
 
 def test_spec_from_raw_figures():

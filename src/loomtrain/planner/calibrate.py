@@ -56,8 +56,8 @@ class Effort:
 KIB, MIB = 1 << 10, 1 << 20
 # stream tensors of 64 MiB and more: past the 32 MiB L3 (measured here: an add of 4 MiB
 # tensors runs at 118 GB/s, of 16 MiB at 72, of 64 and 256 MiB at 46-47)
-FULL = Effort((4, 64, KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB), reps=9,
-              window_s=3.0, stream_elems=32 * MIB)
+FULL = Effort((4, 64, KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB), reps=15,
+              window_s=6.0, stream_elems=32 * MIB)
 QUICK = Effort((4, KIB, 64 * KIB, MIB, 16 * MIB), reps=3, window_s=0.75, stream_elems=16 * MIB)
 
 
@@ -87,13 +87,16 @@ def fit_alpha_beta(payload_bytes, times_s, n: int | None = None) -> tuple[float,
 
 
 def calibrate(quick: bool = False, effort: Effort | None = None) -> DeviceSpec:
-    """Measure this machine (about 2.5 minutes; quick: 20-30 s) and return it as `cpu-here`."""
+    """Measure this machine (about 1.5 minutes; quick: 15-25 s) and return it as `cpu-here`."""
     return spec_from(measure(effort or (QUICK if quick else FULL)), "quick" if quick else "full")
 
 
 def measure(effort: Effort) -> dict:
-    """The raw figures (see `_rank_main`), from four spawned gloo processes."""
+    """The raw figures (see `_rank_main`), from four spawned gloo processes, and the 1-minute
+    load average before them: other processes on the cores slow every figure down."""
     import torch.multiprocessing as mp
+
+    load = os.getloadavg()[0]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,6 +105,7 @@ def measure(effort: Effort) -> dict:
         mp.spawn(_rank_main, args=(port, effort, tmp), nprocs=WORLD, join=True)
         found = json.loads((Path(tmp) / "found.json").read_text())
     found["message_bytes"] = list(effort.message_bytes)
+    found["load_average"] = load
     return found
 
 
@@ -117,8 +121,9 @@ def spec_from(found: dict, label: str = "") -> DeviceSpec:
     bf16 = found["large_bf16_flops"] if found["large_bf16_flops"] > fp32 else fp32
     cores = os.cpu_count() or 1
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    source = (f"measured by loom bench calibrate ({label}) on {when}: {cores} cores, bf16 large "
-              f"GEMM {found['large_bf16_flops'] / 1e9:.3g} GFLOP/s"
+    source = (f"measured by loom bench calibrate ({label}) on {when}: {cores} cores, load average "
+              f"{found.get('load_average', float('nan')):.2g} before, bf16 large GEMM "
+              f"{found['large_bf16_flops'] / 1e9:.3g} GFLOP/s"
               + ("" if bf16 > fp32 else " (slower than fp32: peak_bf16_flops = fp32's)"))
     return DeviceSpec(
         name=CPU_HERE, peak_bf16_flops=bf16, peak_fp32_flops=fp32,
@@ -180,6 +185,11 @@ def summary(spec: DeviceSpec, found: dict | None = None) -> str:
                         for size, t in zip(found["message_bytes"], found[f"all_reduce_s_{n}"]))
             line += f" (fit within {worst:.0%} of every measured size)"
         lines.append(line)
+    busy = found is not None and found.get("load_average", 0) > spec.cores / 2
+    if busy:  # gloo's small messages go from ~0.04 to 1-3 ms one way on a busy 2-core machine
+        lines.append(f"note: the machine was busy (load average {found['load_average']:.2g} on "
+                     f"{spec.cores} cores); these figures include that contention: calibrate "
+                     "again when it is quiet")
     return "\n".join(lines)
 
 
