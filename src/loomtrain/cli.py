@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", metavar="PATH",
                            help="TOML file to write (default: where `--gpu cpu-here` reads it)")
     calibrate.add_argument("--quick", action="store_true",
-                           help="fewer sizes and repetitions: ~30 s, not ~3 min")
+                           help="fewer sizes and repetitions: ~20 s, not ~1 min")
 
     report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report.png (and its timelines, if recorded)")
     report.add_argument("run_dir")

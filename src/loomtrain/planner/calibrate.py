@@ -51,7 +51,7 @@ def fit_alpha_beta(payload_bytes, times_s, n: int | None = None) -> tuple[float,
 
 
 def calibrate(quick: bool = False, effort: Effort | None = None) -> DeviceSpec:
-    """Measure this machine (about 1.5 minutes; quick: 15-25 s) and return it as `cpu-here`."""
+    """Measure this machine (about a minute; quick: 15-25 s) and return it as `cpu-here`."""
     return spec_from(measure(effort or (QUICK if quick else FULL)), "quick" if quick else "full")
 
 
@@ -133,7 +133,7 @@ def summary(spec: DeviceSpec, found: dict | None = None) -> str:
         lines.append(line)
     busy = found is not None and found.get("load_average", 0) > spec.cores / 2
     if busy:  # gloo's small messages go from ~0.04 to 1-3 ms one way on a busy 2-core machine
-        lines.append(f"note: the machine was busy (load average {found['load_average']:.2g} on "
-                     f"{spec.cores} cores); these figures include that contention: calibrate "
-                     "again when it is quiet")
+        lines.append(f"note: the load average was {found['load_average']:.2g} on {spec.cores} cores "
+                     "before measuring: other processes were using the cores, and these figures "
+                     "may include that contention; calibrate again when the machine is quiet")
     return "\n".join(lines)
