@@ -1,4 +1,4 @@
-"""The `loom` command: `loom train | plan | report | export | generate`.
+"""The `loom` command: `loom train | plan | report | export | generate | bench`.
 
 User errors (config, data, checkpoints) print one paragraph on stderr and exit with code 2;
 nothing already written in a run folder is touched before the input is validated.
@@ -47,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print every ranked plan as one JSON document")
     plan.add_argument("--timeline", metavar="PNG", help="simulate the best plan's step and draw its timeline")
     plan.add_argument("--write-config", metavar="FILE", help="write the best plan as a config `loom train` runs")
+
+    bench = sub.add_parser("bench", help="measure this machine").add_subparsers(dest="bench", required=True)
+    calibrate = bench.add_parser("calibrate", help="measure matmul, memory and gloo rates as the planner's "
+                                 "cpu-here device (docs/planner-calibrate.md)")
+    calibrate.add_argument("--out", metavar="PATH",
+                           help="TOML file to write (default: where `--gpu cpu-here` reads it)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="fewer sizes and repetitions: ~20 s, not ~1 min")
 
     report = sub.add_parser("report", help="plot a run's metrics into RUN_DIR/report.png (and its timelines, if recorded)")
     report.add_argument("run_dir")
@@ -210,6 +218,30 @@ def cmd_plan(args) -> int:
     return plan(args)
 
 
+def cmd_bench(args) -> int:
+    """`loom bench calibrate`: measure, print the figures, save where `--gpu cpu-here` (or,
+    with --out, `--gpu PATH`) reads them. The path is checked before the minutes of measuring."""
+    from loomtrain.planner import calibrate as cal
+    from loomtrain.planner.specs import calibration_path
+
+    out = Path(args.out) if args.out else calibration_path()
+    if out.is_dir() or out.suffix != ".toml":
+        raise ConfigError(f"--out {args.out!r}: give a .toml file path (the default, "
+                          f"{calibration_path()}, is where `loom plan --gpu cpu-here` reads it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot write the calibration to {str(out)!r}: {err}") from None
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise ConfigError(f"cannot write the calibration to {str(out)!r}: permission denied")
+    found = cal.measure(cal.QUICK if args.quick else cal.FULL)
+    spec = cal.spec_from(found, "quick" if args.quick else "full")
+    path = cal.save(spec, out)
+    use = "--gpu cpu-here" if args.out is None else f"--gpu {path}"
+    print(f"{cal.summary(spec, found)}\nsaved {path} (loom plan {use})")
+    return 0
+
+
 def cmd_report(args) -> int:
     from loomtrain.report import pipeline_note, write_report
     print(write_report(Path(args.run_dir)))
@@ -247,7 +279,8 @@ def cmd_generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"train": cmd_train, "plan": cmd_plan, "report": cmd_report, "export": cmd_export, "generate": cmd_generate}
+    commands = {"train": cmd_train, "plan": cmd_plan, "report": cmd_report, "export": cmd_export,
+                "generate": cmd_generate, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except UserError as err:
