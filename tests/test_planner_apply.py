@@ -8,14 +8,18 @@ import os
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import tomli_w
 
 import loomtrain
 from conftest import tiny_tree
 from loomtrain.errors import ConfigError
-from loomtrain.planner.apply import MARKER, plan_config, resolve_auto, runnable, write_config
+from loomtrain.planner.apply import (MARKER, choose_here, plan_config, resolve_auto, runnable,
+                                     write_config)
 from loomtrain.planner.plan import Plan
 from loomtrain.planner.presets import ModelShape, preset
 from loomtrain.train.config import config_from_dict, load_config
@@ -159,3 +163,45 @@ def test_written_config_trains(tmp_path, corpus):
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
     resolved = tomllib.loads((run_dir / "config.toml").read_text())
     assert (resolved["parallel"]["nproc"], resolved["parallel"]["dp"]) == (2, 2)
+
+
+def _fake_search(monkeypatch, found: Plan | None, seen: list):
+    """planner.search stood in for: it returns `found` if `accept` takes it, recording what it
+    was asked (the real search is tested in its own file)."""
+    from loomtrain.planner import specs
+
+    def search(shape, cluster, batch, top, space, accept):
+        seen.append((cluster.gpus, cluster.gpus_per_node, cluster.device.name, batch, space))
+        ok = found is not None and accept(found) is None
+        return SimpleNamespace(ranked=[SimpleNamespace(plan=found)] if ok else [])
+
+    monkeypatch.setitem(sys.modules, "loomtrain.planner.search", SimpleNamespace(search=search))
+    monkeypatch.setattr(specs, "load_device", lambda kind: specs.BUILTIN["h100-80g"] if kind != "cpu-here"
+                        else replace(specs.BUILTIN["a100-40g"], name="cpu-here"))
+
+
+def test_choose_here_searches_this_machine_for_runnable_plans(monkeypatch, tmp_path, corpus):
+    seen = []
+    base = tiny_tree(tmp_path, corpus, run={"device": "cpu"}, parallel={"nproc": 4, "ranks_per_node": 2})
+    _fake_search(monkeypatch, _fp32(dp=2, tp=2, micro_batch=2, microbatches=2), seen)
+    assert choose_here(TINY, 4, 8, base) == _fp32(dp=2, tp=2, micro_batch=2, microbatches=2)
+    assert seen == [(4, 2, "cpu-here", 8, "loom")]
+    _fake_search(monkeypatch, _fp32(tp=4, micro_batch=2, microbatches=4), seen)  # tp 4 > 2 heads
+    assert choose_here(TINY, 4, 8, base) is None
+
+
+@pytest.mark.timeout(60)
+def test_loom_train_plans_auto_before_the_dry_run(monkeypatch, tmp_path, corpus, capsys):
+    from loomtrain import cli
+
+    tree = tiny_tree(tmp_path, corpus, run={"device": "cpu"}, parallel={"plan": "auto", "nproc": 2})
+    path = tmp_path / "auto.toml"
+    path.write_text(tomli_w.dumps(tree))
+    _fake_search(monkeypatch, _fp32(tp=2, micro_batch=2, microbatches=4), [])
+    assert cli.main(["train", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert 'parallel.plan="auto" chose dp=1 tp=2 pp=1 cp=1' in out.err
+    assert "mesh pp=1 dp=1 cp=1 tp=2" in out.out and "dp 1 x micro 2 x accumulation 4" in out.out
+    _fake_search(monkeypatch, None, [])
+    assert cli.main(["train", str(path), "--dry-run"]) == 2
+    assert "no plan of this model runs on parallel.nproc=2" in capsys.readouterr().err

@@ -4,7 +4,8 @@
 train` would run that config (the config's own validation plus the refusals the trainer
 makes after loading it), so the search can keep to plans that run (`loom plan --space
 loom`); `write_config` writes the tree; `resolve_auto` applies the plan chosen for a config
-with `parallel.plan = "auto"`. The mapping, field by field:
+with `parallel.plan = "auto"` (`choose_here` searches for it on this machine's devices). The
+mapping, field by field:
 
     Plan                      config
     dp, tp, pp, cp            parallel.dp, tp, pp, cp; parallel.nproc = their product
@@ -220,11 +221,52 @@ def resolve_auto(cfg, choose):
         raise ConfigError(f'parallel.plan="auto": {err}') from None
     base = cfg.model_dump(exclude_none=True)
     nproc, batch = cfg.parallel.nproc, cfg.train.global_batch
-    plan = choose(shape, nproc, batch, base)
+    try:
+        plan = choose(shape, nproc, batch, base)
+    except ValueError as err:  # no spec for this device, a search refused
+        raise ConfigError(str(err)) from None
     if plan is None:
         raise ConfigError(f'parallel.plan="auto": no plan of this model runs on parallel.nproc='
                           f"{nproc} ranks at train.global_batch={batch}")
     why = runnable(plan, shape, batch, base)
+    if plan.devices != nproc:
+        why = f"it uses {plan.devices} ranks, not parallel.nproc={nproc}"
     if why is not None:
         raise ConfigError(f'parallel.plan="auto": the chosen plan does not run: {why}')
     return config_from_dict(plan_config(plan, shape, batch, base))
+
+
+def device_kind(run_device: str) -> str:
+    """The planner's device kind for run.device on this machine: a built-in GPU kind from the
+    CUDA device's name (and memory, for the A100s), else "cpu-here" (`loom bench calibrate`)."""
+    import torch
+
+    from loomtrain.planner.specs import CPU_HERE
+
+    if run_device == "cpu" or (run_device == "auto" and not torch.cuda.is_available()):
+        return CPU_HERE
+    name = torch.cuda.get_device_name(0)
+    large = torch.cuda.get_device_properties(0).total_memory > 50e9
+    for family, kind in (("H200", "h200-141g"), ("H100", "h100-80g"),
+                         ("A100", "a100-80g" if large else "a100-40g")):
+        if family in name:
+            return kind
+    raise ValueError(f'parallel.plan="auto": the planner has no spec for the GPU {name!r}; '
+                     "plan with `loom plan --gpu SPEC.toml --write-config FILE` instead")
+
+
+def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict) -> Plan | None:
+    """`resolve_auto`'s `choose` for `loom train`: the best plan by the cost model of `shape`
+    on `nproc` devices of this machine's kind (`device_kind`), ranks_per_node of them per node
+    (base's parallel.ranks_per_node; unset: one node), among the plans `loom train` runs. Every
+    rank plans alone, before the process group exists: the search is deterministic, so ranks
+    agree as long as they read the same spec (the built-in GPU kinds; cpu-here is each
+    machine's own calibration, which machines of one job must share)."""
+    from loomtrain.planner.search import search
+    from loomtrain.planner.specs import ClusterSpec, load_device
+
+    device = load_device(device_kind(base.get("run", {}).get("device", "auto")))
+    per_node = base.get("parallel", {}).get("ranks_per_node") or nproc
+    result = search(shape, ClusterSpec(device, nproc, min(per_node, nproc)), batch, top=1,
+                    space="loom", accept=lambda plan: runnable(plan, shape, batch, base))
+    return result.ranked[0].plan if result.ranked else None
