@@ -115,7 +115,7 @@ def measure(plan: Plan, steps: int = 8, warmup: int = 2, timeout_s: float = 300.
             return {"error": f"{len(records)} records in metrics.jsonl, expected {warmup + steps}"}
         times = step_times(records)[warmup:]
     # the 1-minute load average before and after: other work on the machine shows in the times
-    return {"median_step_s": statistics.median(times), "step_s": [round(t, 4) for t in times],
+    return {"median_step_s": round(statistics.median(times), 4), "step_s": [round(t, 4) for t in times],
             "wall_s": round(wall_s, 2), "loadavg_1m": [load_before, os.getloadavg()[0]]}
 
 
