@@ -126,6 +126,15 @@ def _resolve_train(args):
         check_optimizer(cfg, latest)  # backprop and each zeroth-order method keep their own state
         return cfg, run_dir, latest
     cfg = load_config(args.config, overrides)
+    if cfg.parallel.plan == "auto":  # planned before anything is written: config.toml holds the plan
+        from loomtrain.planner.apply import choose_here, resolve_auto
+        cfg = resolve_auto(cfg, choose_here)
+        if int(os.environ.get("RANK", 0)) == 0:
+            p, t = cfg.parallel, cfg.train
+            print(f'parallel.plan="auto" chose dp={p.dp_size} tp={p.tp} pp={p.pp} cp={p.cp} '
+                  f"zero_stage={p.zero_stage} micro_batch={t.micro_batch} x {cfg.accumulation_steps} "
+                  f"precision={t.precision}" + (f" schedule={p.schedule}" if p.pp > 1 else ""),
+                  file=sys.stderr)
     if cfg.train.init_from is not None:  # a missing or mismatched checkpoint stops here
         from loomtrain.train.init_from import resolve_init_from
         cfg = resolve_init_from(cfg)

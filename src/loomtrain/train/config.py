@@ -138,6 +138,11 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
+    # "auto": before training, the planner (loomtrain.planner) searches the plans of this
+    # model on nproc ranks at train.global_batch and runs the best; its dp, tp, pp, cp, ZeRO,
+    # schedule, micro-batch, recompute, offload and precision settings replace those given
+    # here (planner/apply.py resolve_auto), and the written config.toml holds them, with "none"
+    plan: Literal["none", "auto"] = "none"
     nproc: int = Field(2, ge=1)
     dp: int | None = Field(None, ge=1)  # None: whatever nproc leaves after tp, pp and cp
     tp: int = Field(1, ge=1)
@@ -441,6 +446,7 @@ class _Sections(Section):
         _check_task(self)
         _check_init_from(self)
         _check_optim(self)
+        _check_plan(self)
         if p.schedule == "async" and self.run.timeline_step:
             raise ValueError('run.timeline_step records one step of a fixed schedule; parallel.'
                              'schedule="async" streams micro-batches across steps: set '
@@ -954,6 +960,20 @@ def _check_tensor_parallel(p: ParallelConfig, m: ModelConfig) -> None:
         if n % p.tp:
             raise ValueError(f"parallel.tp={p.tp} must divide {key} = {n} (tensor parallelism "
                              f"splits it evenly); choose parallel.tp among its divisors")
+
+
+def _check_plan(cfg: Config) -> None:
+    """parallel.plan="auto" plans the backprop GPT's layouts (planner/cost.py): not the MLP,
+    the zeroth-order methods, the parameter server or the low-communication replicas."""
+    if cfg.parallel.plan == "none":
+        return
+    others = {"model.name": (cfg.model.name, "gpt"), "optim.name": (cfg.optim.name, "backprop"),
+              "async.mode": (cfg.asgd.mode, "none"), "lowcomm.algorithm": (cfg.lowcomm.algorithm, "none")}
+    for key, (value, allowed) in others.items():
+        if value != allowed:
+            raise ValueError(f'parallel.plan="auto" with {key}={value!r} is not supported: the '
+                             "planner's cost model covers the backprop GPT on dp, tp, pp, cp and "
+                             f"ZeRO ({key}={allowed!r})")
 
 
 def _check_task(cfg: Config) -> None:
