@@ -1,0 +1,55 @@
+"""`loom plan` end to end (planner/command.py): the ranked table as JSON with every field the
+issue names, a bad --fix refused with exit 2, and --write-config giving a config that loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loomtrain.train.config import load_config
+
+pytestmark = pytest.mark.timeout(120)
+LOOM = [sys.executable, "-m", "loomtrain", "plan"]
+KEYS = {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "mem_per_device_bytes",
+        "comm_bytes_per_step"}
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=100)
+
+
+def test_json_ranks_plans_with_every_field():
+    out = _plan("--model", "gpt3-1.3b", "--gpus", "16", "--top", "4", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    plans = doc["plans"]
+    assert 1 <= len(plans) <= 4 and doc["devices"] == 16
+    for row in plans:
+        assert KEYS <= set(row), set(row)
+        assert row["mem_per_device_bytes"] <= 80e9 and 0 < row["mfu"] < 1
+    times = [row["step_time_s"] for row in plans]
+    assert times == sorted(times)
+
+
+def test_fix_evaluates_the_given_layout_and_refuses_a_bad_one():
+    out = _plan("--model", "gpt3-1.3b", "--gpus", "16", "--fix", "dp=4,tp=4", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all(r["settings"]["dp"] == 4 and r["settings"]["tp"] == 4
+               for r in json.loads(out.stdout)["plans"])
+    bad = _plan("--model", "gpt3-1.3b", "--gpus", "16", "--fix", "tp=3")
+    assert bad.returncode == 2 and "error" in bad.stderr.lower()
+    typo = _plan("--model", "gpt3-1.3b", "--gpus", "16", "--fix", "tensor=2")
+    assert typo.returncode == 2 and "KEY=VALUE" in typo.stderr
+
+
+def test_write_config_gives_a_config_loom_train_loads(tmp_path):
+    path = tmp_path / "planned.toml"
+    out = _plan("--model", "default", "--gpus", "2", "--gpu", "a100-80g", "--write-config", str(path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert path.read_text().startswith("# written by loom plan")
+    cfg = load_config(path)
+    assert cfg.parallel.nproc == 2
+    assert cfg.parallel.dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 2
