@@ -170,7 +170,8 @@ def _fake_search(monkeypatch, found: Plan | None, seen: list):
     was asked (the real search is tested in its own file)."""
     from loomtrain.planner import specs
 
-    def search(shape, cluster, batch, top, space, accept):
+    def search(shape, cluster, batch, top, space, accept, fix):
+        assert fix == {"precision": "fp32"}  # the run's precision is kept, not searched
         seen.append((cluster.gpus, cluster.gpus_per_node, cluster.device.name, batch, space))
         ok = found is not None and accept(found) is None
         return SimpleNamespace(ranked=[SimpleNamespace(plan=found)] if ok else [])

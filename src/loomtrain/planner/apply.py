@@ -267,6 +267,9 @@ def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict) -> Plan |
 
     device = load_device(device_kind(base.get("run", {}).get("device", "auto")))
     per_node = base.get("parallel", {}).get("ranks_per_node") or nproc
+    # the numerics stay the user's: train.precision is kept, not searched (bf16 changes them)
+    precision = base.get("train", {}).get("precision", "fp32")
     result = search(shape, ClusterSpec(device, nproc, min(per_node, nproc)), batch, top=1,
-                    space="loom", accept=lambda plan: runnable(plan, shape, batch, base))
+                    space="loom", fix={"precision": precision},
+                    accept=lambda plan: runnable(plan, shape, batch, base))
     return result.ranked[0].plan if result.ranked else None

@@ -140,8 +140,9 @@ class TrainConfig(Section):
 class ParallelConfig(Section):
     # "auto": before training, the planner (loomtrain.planner) searches the plans of this
     # model on nproc ranks at train.global_batch and runs the best; its dp, tp, pp, cp, ZeRO,
-    # schedule, micro-batch, recompute, offload and precision settings replace those given
-    # here (planner/apply.py resolve_auto), and the written config.toml holds them, with "none"
+    # schedule, micro-batch, recompute and offload settings replace those given here
+    # (train.precision is kept: planner/apply.py choose_here, resolve_auto), and the written
+    # config.toml holds them, with "none"
     plan: Literal["none", "auto"] = "none"
     nproc: int = Field(2, ge=1)
     dp: int | None = Field(None, ge=1)  # None: whatever nproc leaves after tp, pp and cp
