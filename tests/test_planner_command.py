@@ -53,3 +53,26 @@ def test_write_config_gives_a_config_loom_train_loads(tmp_path):
     cfg = load_config(path)
     assert cfg.parallel.nproc == 2
     assert cfg.parallel.dp_size * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 2
+
+
+
+def test_loom_train_plan_auto_flag_plans_with_the_real_search(tmp_path):
+    """`loom train --plan auto --dry-run`: the real search over the plans `loom train` runs, on
+    a cpu-here spec written into a fresh cache folder (an A100's figures under that name)."""
+    import dataclasses
+    import os
+
+    import tomli_w
+
+    from loomtrain.planner.specs import BUILTIN
+
+    spec = dataclasses.replace(BUILTIN["a100-40g"], name="cpu-here")
+    table = {k: v for k, v in dataclasses.asdict(spec).items() if v is not None}
+    (tmp_path / "loomtrain").mkdir()
+    (tmp_path / "loomtrain" / "cpu-here.toml").write_text(tomli_w.dumps(table))
+    out = subprocess.run([sys.executable, "-m", "loomtrain", "train", "--plan", "auto", "--nproc", "2",
+                          "--set", "run.device=\"cpu\"", "--dry-run"], capture_output=True, text=True,
+                         timeout=100, cwd=tmp_path, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert 'parallel.plan="auto" chose' in text and "precision=fp32" in text, text[:2000]

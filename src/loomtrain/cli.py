@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
     train.add_argument("--nproc", type=int, help="processes on this machine (parallel.nproc)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    train.add_argument("--plan", choices=["none", "auto"],
+                       help='parallel.plan: "auto" plans the layout for nproc and runs the best (docs/planner.md)')
     train.add_argument("--dry-run", action="store_true",
                        help="resolve the config and build the mesh without training; print layout, memory and collectives")
     train.add_argument("--rejoin", metavar="RUN_DIR",
@@ -98,6 +100,8 @@ def _resolve_train(args):
     overrides = list(args.overrides)
     if args.nproc is not None:
         overrides.append(f"parallel.nproc={args.nproc}")
+    if getattr(args, "plan", None) is not None:
+        overrides.append(f'parallel.plan="{args.plan}"')
     if args.resume:
         run_dir = Path(args.resume)
         if args.config:
