@@ -71,7 +71,11 @@ def _found(bf16: float) -> dict:
             "stream_bytes_per_s": 20e9, "op_overhead_s": 8e-6,
             "flops_by_procs": [[1, 90e9], [2, 50e9], [4, 26e9]],
             "all_reduce_s_2": ar[2], "all_reduce_s_4": ar[4],
-            "send_s": [60e-6 + s / 4e9 for s in sizes], "load_average": 0.5}
+            "send_s": [60e-6 + s / 4e9 for s in sizes], "load_average": 0.5,
+            "attention_efficiency": 0.4, "sync_penalty": [[2, 2, 8e-4], [4, 2, 9e-4], [4, 4, 1.5e-3]],
+            # exposed shift times: the send (60 us + S / 4 GB/s) plus 3 and 4 ms
+            "shift_exposed_s": [[2, [3.06e-3 + s / 4e9 for s in (4, 65536, 1 << 20)]],
+                                [4, [4.06e-3 + s / 4e9 for s in (4, 65536, 1 << 20)]]]}
 
 
 def test_spec_from_raw_figures():
@@ -87,7 +91,15 @@ def test_spec_from_raw_figures():
     assert spec.inter_node_bytes_per_s == spec.intra_node_bytes_per_s  # one machine
     assert spec.host_link_bytes_per_s == spec.mem_bandwidth_bytes_per_s == 20e9
     assert spec.cores == os.cpu_count()
-    assert spec.mem_bytes == usable_memory_bytes() // os.cpu_count() > 0
+    assert spec.mem_bytes == usable_memory_bytes() > 0  # shared by the processes of a plan
+    assert ClusterSpec(spec, 4, 4).mem_per_device == spec.mem_bytes // 4
+    # the all-reduce times are kept as measured, by group size, for comm_cost to interpolate
+    assert spec.collective_table[:len(SIZES)] == tuple((2, s, t) for s, t in
+                                                       zip(SIZES, _found(1)["all_reduce_s_2"]))
+    assert spec.sync_penalty == ((2, 2, 8e-4), (4, 2, 9e-4), (4, 4, 1.5e-3))
+    assert spec.attention_efficiency == 0.4
+    assert [p for p, _ in spec.shift_penalty] == [2, 4]
+    assert [t for _, t in spec.shift_penalty] == pytest.approx([3e-3, 4e-3], rel=1e-6)
     slow = spec_from(_found(bf16=10e9), "test")  # bf16 slower than fp32 on this CPU
     assert slow.peak_bf16_flops == slow.peak_fp32_flops and "slower than fp32" in slow.source
 
@@ -130,6 +142,11 @@ def test_quick_calibration_is_plausible(calibrated):
     assert 1e8 < d.mem_bandwidth_bytes_per_s < 1e13
     assert 1e-7 < d.op_overhead_s < 1e-2
     assert d.cores == os.cpu_count() and d.mem_bytes > 1e8
+    assert 0.01 < d.attention_efficiency < 10
+    assert {(p, n) for p, n, _ in d.sync_penalty} == {(2, 2), (4, 2), (4, 4)}
+    assert all(0 <= t < 0.1 for _, _, t in d.sync_penalty)
+    assert [p for p, _ in d.shift_penalty] == [2, 4] and all(0 <= t < 0.1 for _, t in d.shift_penalty)
+    assert {n for n, _, _ in d.collective_table} == {2, 4} and all(t > 0 for *_, t in d.collective_table)
     assert QUICK.message_bytes[0] == 4 and QUICK.message_bytes[-1] == 16 << 20
 
 
@@ -139,10 +156,13 @@ def test_the_cost_model_runs_on_the_calibrated_machine(calibrated):
     cluster = ClusterSpec(calibrated, 2, 2)
     e = estimate(model, cluster, Plan(dp=2, precision="fp32", micro_batch=8, microbatches=2))
     assert math.isfinite(e.step_time_s) and e.step_time_s > 0 and e.fits
-    # the gradient all-reduce is the measured link's: the fit for 2 ranks, not a datasheet's
-    alpha, beta = next((a, b) for n, a, b in calibrated.collective_fit if n == 2)
+    # the gradient all-reduce is the measured link's: between the two measured sizes around
+    # it, not a datasheet's
     grads = model.params * 4
-    assert C.all_reduce_s(cluster, grads, 2, False) == pytest.approx(2 * alpha + grads / beta)
+    below = max((s, t) for n, s, t in calibrated.collective_table if n == 2 and s <= grads)
+    above = min((s, t) for n, s, t in calibrated.collective_table if n == 2 and s >= grads)
+    got = C.all_reduce_s(cluster, grads, 2, False)
+    assert min(below[1], above[1]) <= got <= max(below[1], above[1])
 
 
 def test_bad_out_exits_2(tmp_path):

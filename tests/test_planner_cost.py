@@ -132,3 +132,93 @@ def test_tensor_parallel_splits_compute_and_pays_collectives():
     for e in (one, two):
         assert 0 < e.mfu < 1
         assert e.tokens_per_s == pytest.approx(m.seq_len / e.step_time_s)
+
+
+def _cpu_here(**fields) -> "DeviceSpec":
+    """A cpu-here as calibrate.py writes it (made-up figures): 2 cores shared by the
+    processes, measured all-reduce times, a sync penalty, a slow attention core."""
+    from loomtrain.planner.specs import DeviceSpec
+    base = dict(name="cpu-here", peak_bf16_flops=4e11, peak_fp32_flops=1e11, mem_bytes=8 * 10 ** 9,
+                mem_bandwidth_bytes_per_s=2e10, intra_node_bytes_per_s=2e9, intra_node_latency_s=1e-4,
+                inter_node_bytes_per_s=2e9, inter_node_latency_s=1e-4, host_link_bytes_per_s=2e10,
+                matmul_efficiency=1.0, op_overhead_s=1e-5, cores=2,
+                flops_by_procs=((1, 1e11), (2, 5e10), (4, 2.4e10)),
+                collective_fit=((2, 2e-4, 1e9), (4, 3e-4, 1e9)),
+                collective_table=((2, 4, 3e-4), (2, 1 << 20, 2e-3), (2, 16 << 20, 20e-3),
+                                  (4, 4, 9e-4), (4, 1 << 20, 3e-3), (4, 16 << 20, 30e-3)),
+                sync_penalty=((2, 2, 8e-4), (4, 2, 1e-3), (4, 4, 2e-3)), attention_efficiency=0.5)
+    return DeviceSpec(**{**base, **fields})
+
+
+def test_cpu_here_interpolates_the_measured_all_reduce_and_sends_on_the_send_link():
+    cluster = ClusterSpec(_cpu_here(), 2, 2)
+    assert C.all_reduce_s(cluster, 1 << 20, 2, False) == pytest.approx(2e-3)  # a measured point
+    half = 4 + ((1 << 20) - 4) / 2
+    assert C.all_reduce_s(cluster, half, 2, False) == pytest.approx((3e-4 + 2e-3) / 2)
+    assert C.all_reduce_s(cluster, 32 << 20, 2, False) == pytest.approx(20e-3 + 16 * 18e-3 / 15)  # last slope
+    assert C.all_reduce_s(cluster, 1 << 20, 3, False) == pytest.approx(3e-3)  # nearest n: 4
+    assert C.gather_s(cluster, 1 << 20, 2, False) == pytest.approx(1e-3)  # half the ring
+    # a send is the send/recv fit's, not the all-reduce's
+    assert C.send_s(cluster, 2e9, False) == pytest.approx(1e-4 + 1.0)
+    assert C.inline_s(cluster, 2, 2) == 8e-4 and C.inline_s(cluster, 2, 4) == 1e-3
+    assert C.inline_s(cluster, 4, 4) == 2e-3 and C.inline_s(cluster, 1, 2) == 0.0
+    assert C.inline_s(ClusterSpec(H100, 8, 8), 8, 8) == 0.0  # GPUs: not modelled
+
+
+def test_cpu_here_shares_the_cores_and_the_memory():
+    d = _cpu_here()
+    assert d.share(1) == 1 and d.share(2) == 0.5 and d.share(4) == pytest.approx(0.24)
+    assert d.overhead_s(2) == 1e-5 and d.overhead_s(4) == 2e-5  # 2 processes per core
+    assert d.achieved_flops("bf16", 2) == pytest.approx(4 * d.achieved_flops("fp32", 2))
+    assert ClusterSpec(d, 4, 4).mem_per_device == 2 * 10 ** 9
+    assert ClusterSpec(H100, 8, 8).mem_per_device == H100.mem_bytes  # a device of its own
+    m, plan = preset("default"), Plan(precision="fp32", micro_batch=8, microbatches=1)
+    d = _cpu_here(op_overhead_s=0.0)  # one process per core: the launches do not slow down
+    one = estimate(m, ClusterSpec(d, 1, 1), plan)
+    two = estimate(m, ClusterSpec(d, 2, 2), dataclasses.replace(plan, dp=2))
+    # each of 2 processes computes at half speed: the same microbatch takes twice as long,
+    # its memory-bound part and optimizer step included
+    assert two.time["compute"] == pytest.approx(2 * one.time["compute"], rel=1e-6)
+    controls = 2 * C.all_reduce_s(ClusterSpec(d, 2, 2), 16, 2, False)
+    assert two.time["optimizer"] - controls == pytest.approx(2 * one.time["optimizer"], rel=1e-6)
+
+
+def test_attention_runs_at_its_own_rate_in_the_input_gradient():
+    m, plan = preset("default"), Plan(precision="fp32", micro_batch=8, microbatches=1)
+    slow = step_costs(m, ClusterSpec(_cpu_here(attention_efficiency=0.25), 1, 1), plan)
+    fast = step_costs(m, ClusterSpec(_cpu_here(attention_efficiency=0.5), 1, 1), plan)
+    attn = 8 * 128 * 4 * 128 * 256 * m.n_layers / 1e11  # forward FLOPs at the matmul rate
+    (s,), (f,) = slow.stages, fast.stages
+    assert s.forward_s - f.forward_s == pytest.approx(attn * (4 - 2))
+    assert s.backward_input_s - f.backward_input_s == pytest.approx(2 * attn * (4 - 2))
+    assert s.backward_weight_s == f.backward_weight_s  # attention has no weights
+
+
+def test_tensor_parallel_collectives_counted_as_tensor_py_runs_them():
+    """Per microbatch, tp=2: blocks 2 activation all-reduces each way; the embedding 1
+    forward; the head 1 backward and the cross-entropy's 3 small ones forward. Sequence
+    parallel: twice the calls at half the time each, plus 6 small ones a block and 2 in the
+    head backward. Every call pays the sync penalty."""
+    d = _cpu_here(collective_table=None, collective_fit=((2, 1e-4, 1e9),))
+    cluster, m = ClusterSpec(d, 2, 2), preset("default")
+    act = 8 * 128 * 256 * 4
+    ar = lambda nbytes: 2 * 1e-4 + nbytes / 1e9 + 8e-4  # noqa: E731
+    half = lambda nbytes: 1e-4 + nbytes / 2 / 1e9 + 8e-4  # noqa: E731
+    plan = Plan(tp=2, precision="fp32", micro_batch=8, microbatches=1)
+    (st,) = step_costs(m, cluster, plan).stages
+    fwd = m.n_layers * 2 * ar(act) + ar(act) + 3 * ar(8 * 128 * 4)
+    bwd = m.n_layers * 2 * ar(act) + ar(act)
+    assert st.forward_comm_s == pytest.approx(fwd) and st.backward_comm_s == pytest.approx(bwd)
+    (sp,) = step_costs(m, cluster, dataclasses.replace(plan, sequence_parallel=True)).stages
+    norm = 256 * 4
+    fwd = m.n_layers * 4 * half(act) + ar(act) + 3 * ar(8 * 128 * 4) + half(act)
+    bwd = m.n_layers * (4 * half(act) + 6 * ar(norm)) + half(act) + half(act) + 2 * ar(norm)
+    assert sp.forward_comm_s == pytest.approx(fwd) and sp.backward_comm_s == pytest.approx(bwd)
+    assert sp.backward_comm_s > st.backward_comm_s  # the calls, not the bytes, cost here
+
+
+def test_optimizer_step_counts_foreach_adamw_passes():
+    m, d = preset("default"), _cpu_here()
+    plan = Plan(precision="fp32", micro_batch=8, microbatches=1)
+    e = estimate(m, ClusterSpec(d, 1, 1), plan)
+    assert e.time["optimizer"] == pytest.approx(96 * m.params / 2e10 + 24 * 1e-5, rel=1e-6)

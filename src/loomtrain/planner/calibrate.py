@@ -1,10 +1,10 @@
 """`loom bench calibrate`: this machine, measured, as the planner's `cpu-here` device
 (docs/planner-calibrate.md).
 
-measure.py times matmuls, memory, operator overhead and gloo's collectives in four spawned
-processes; here the all-reduce times are fitted to the ring formula comm_cost.py predicts
-with, so the planner's collective times reproduce the measured ones (fit_alpha_beta), and the
-figures become a DeviceSpec saved where `load_device("cpu-here")` reads it.
+measure.py times matmuls, attention, memory, operator overhead and gloo's collectives in four
+spawned processes; here the all-reduce times are kept as the table comm_cost.py interpolates
+(and fitted to the ring formula, for people and for comparison: fit_alpha_beta), the sends
+fitted, and the figures become a DeviceSpec saved where `load_device("cpu-here")` reads it.
 
 Nothing here is assumed about the hardware; `matmul_efficiency` is 1 because the rate in
 `flops_by_procs` is the achieved one.
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import asdict
+import statistics
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from loomtrain.planner.comm_cost import all_reduce_s
-from loomtrain.planner.measure import FULL, QUICK, WORLD, Effort, measure
+from loomtrain.planner.measure import FULL, PENALTY_BYTES, QUICK, WORLD, Effort, measure
 from loomtrain.planner.specs import CPU_HERE, ClusterSpec, DeviceSpec, calibration_path
 
 __all__ = ["FULL", "QUICK", "Effort", "calibrate", "fit_alpha_beta", "measure", "save", "spec_from",
@@ -71,22 +72,35 @@ def spec_from(found: dict, label: str = "") -> DeviceSpec:
               f"{found.get('load_average', float('nan')):.2g} before, bf16 large GEMM "
               f"{found['large_bf16_flops'] / 1e9:.3g} GFLOP/s"
               + ("" if bf16 > fp32 else " (slower than fp32: peak_bf16_flops = fp32's)"))
+    table = tuple((n, int(size), float(t)) for n in (2, WORLD)
+                  for size, t in zip(sizes, found[f"all_reduce_s_{n}"]))
+    penalty = tuple((int(p), int(n), float(t)) for p, n, t in found["sync_penalty"])
     return DeviceSpec(
         name=CPU_HERE, peak_bf16_flops=bf16, peak_fp32_flops=fp32,
-        mem_bytes=usable_memory_bytes() // cores,
+        mem_bytes=usable_memory_bytes(),
         mem_bandwidth_bytes_per_s=found["stream_bytes_per_s"],
         intra_node_bytes_per_s=link_bytes_per_s, intra_node_latency_s=latency_s,
         inter_node_bytes_per_s=link_bytes_per_s, inter_node_latency_s=latency_s,  # one machine
         host_link_bytes_per_s=found["stream_bytes_per_s"],  # "offload" is a copy in the same RAM
         matmul_efficiency=1.0, op_overhead_s=found["op_overhead_s"], cores=cores,
-        flops_by_procs=by_procs, collective_fit=fits, source=source)
+        flops_by_procs=by_procs, collective_fit=fits, collective_table=table,
+        sync_penalty=penalty, attention_efficiency=found["attention_efficiency"],
+        shift_penalty=_shift_penalty(found, latency_s, link_bytes_per_s), source=source)
+
+
+def _shift_penalty(found: dict, latency_s: float, bytes_per_s: float) -> tuple[tuple[int, float], ...]:
+    """Per process count: the median over PENALTY_BYTES of what a ring shift, started before
+    compute and waited for after, exposed beyond the fitted send time of its bytes (the cost
+    model charges a hop the send time plus this)."""
+    return tuple((int(procs), max(0.0, statistics.median(
+        t - (latency_s + size / bytes_per_s) for size, t in zip(PENALTY_BYTES, exposed))))
+        for procs, exposed in found["shift_exposed_s"])
 
 
 def usable_memory_bytes() -> int:
     """RAM a training run can take now: /proc/meminfo's MemAvailable (not MemTotal: other
     processes hold the rest), capped by the cgroup's memory.max in a container. The spec's
-    mem_bytes is this / cores: the planner checks memory per process, and a cpu-here plan runs
-    up to one process per core, all sharing this RAM."""
+    mem_bytes is this: a cpu-here plan's processes share it (DeviceSpec.memory_per_process)."""
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
     usable = info.get("MemAvailable", info["MemTotal"])
@@ -116,8 +130,9 @@ def save(spec: DeviceSpec, path: str | Path | None = None) -> Path:
 def summary(spec: DeviceSpec, found: dict | None = None) -> str:
     """A few lines for people: the figures and, given the raw ones, how well the fits hold."""
     procs = ", ".join(f"{n} at once {f / 1e9:.3g} each" for n, f in spec.flops_by_procs)
-    lines = [f"cpu-here: {spec.cores} cores, {spec.mem_bytes / 1e9:.3g} GB per process",
-             f"matmul fp32, the default model's GEMMs (GFLOP/s per process): {procs}",
+    lines = [f"cpu-here: {spec.cores} cores, {spec.mem_bytes / 1e9:.3g} GB of RAM for its processes",
+             f"matmul fp32, the default model's linear layers forward and backward (GFLOP/s per "
+             f"process): {procs}; attention {spec.attention_efficiency:.2g}x that rate",
              f"peak fp32 {spec.peak_fp32_flops / 1e9:.3g} GFLOP/s, bf16 {spec.peak_bf16_flops / 1e9:.3g}"
              f" GFLOP/s; memory {spec.mem_bandwidth_bytes_per_s / 1e9:.3g} GB/s; "
              f"{spec.op_overhead_s * 1e6:.3g} us per operator",
@@ -126,11 +141,17 @@ def summary(spec: DeviceSpec, found: dict | None = None) -> str:
     for n, alpha, beta in spec.collective_fit:
         line = f"gloo all-reduce over {n}: alpha {alpha * 1e6:.3g} us, beta {beta / 1e9:.3g} GB/s"
         if found is not None:
-            cluster = ClusterSpec(spec, n, n)
+            cluster = ClusterSpec(replace(spec, collective_table=None), n, n)  # the fit alone
             worst = max(abs(all_reduce_s(cluster, size, n, False) - t) / t
                         for size, t in zip(found["message_bytes"], found[f"all_reduce_s_{n}"]))
-            line += f" (fit within {worst:.0%} of every measured size)"
+            line += f" (fit within {worst:.0%} of every measured size; the planner interpolates them)"
         lines.append(line)
+    for procs_n, n, t in spec.sync_penalty or ():
+        lines.append(f"sync penalty of a collective over {n} between compute, {procs_n} processes "
+                     f"running: {t * 1e6:.3g} us per call")
+    for procs_n, t in spec.shift_penalty or ():
+        lines.append(f"sync penalty of a ring shift between compute, {procs_n} processes running: "
+                     f"{t * 1e6:.3g} us per call")
     busy = found is not None and found.get("load_average", 0) > spec.cores / 2
     if busy:  # gloo's small messages go from ~0.04 to 1-3 ms one way on a busy 2-core machine
         lines.append(f"note: the load average was {found['load_average']:.2g} on {spec.cores} cores "

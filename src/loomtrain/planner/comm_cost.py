@@ -12,6 +12,11 @@ Which link a group uses follows the mesh (mesh.py): ranks are laid out pp, dp, c
 tp innermost, so an axis's group has stride = the product of the sizes inside it. The group
 stays in one node when stride x size <= devices per node; otherwise the ring crosses the
 network and every step runs at the network's speed (its slowest link).
+
+cpu-here (planner/calibrate.py) replaces the formula by what gloo measured: an all-reduce
+interpolates the measured times by size (`collective_table`; an all-gather or reduce-scatter,
+half the ring's steps and bytes, half of it), sends use the fitted send/recv link, and every
+collective that blocks between compute (tp, cp) pays `sync_penalty` on top (`inline_s`).
 """
 
 from __future__ import annotations
@@ -29,21 +34,46 @@ def spans_nodes(cluster: ClusterSpec, sizes: dict[str, int], axis: str) -> bool:
     return sizes[axis] > 1 and stride * sizes[axis] > cluster.gpus_per_node
 
 
+def _nearest(rows, n: int) -> int:
+    """The group size among rows' first fields nearest n (the larger on a tie)."""
+    return min({row[0] for row in rows}, key=lambda k: (abs(k - n), -k))
+
+
 def link(cluster: ClusterSpec, crosses: bool, n: int) -> tuple[float, float]:
     """(alpha_s, beta bytes/s) of one step of a collective over n ranks. cpu-here carries a
     fit per group size measured on gloo (calibrate.py): the nearest size's fit is used."""
     d = cluster.device
     if d.collective_fit:
-        fit = min(d.collective_fit, key=lambda row: (abs(row[0] - n), -row[0]))
-        return fit[1], fit[2]
+        k = _nearest(d.collective_fit, n)
+        return next((a, b) for m, a, b in d.collective_fit if m == k)
+    return point_link(cluster, crosses)
+
+
+def point_link(cluster: ClusterSpec, crosses: bool) -> tuple[float, float]:
+    """(alpha_s, beta bytes/s) of a point-to-point message (cpu-here: the send/recv fit)."""
+    d = cluster.device
     if crosses:
         return d.inter_node_latency_s, cluster.inter_bytes_per_s
     return d.intra_node_latency_s, d.intra_node_bytes_per_s
 
 
+def measured_all_reduce_s(table, payload_bytes: float, n: int) -> float:
+    """The all-reduce time over n ranks (the nearest measured n) at `payload_bytes`, linear
+    between the two measured sizes around it and along the last two beyond them."""
+    k = _nearest(table, n)
+    points = sorted((size, t) for m, size, t in table if m == k)
+    if payload_bytes <= points[0][0]:
+        return points[0][1]
+    pairs = list(zip(points, points[1:]))
+    (s0, t0), (s1, t1) = next(((a, b) for a, b in pairs if payload_bytes <= b[0]), pairs[-1])
+    return t0 + (t1 - t0) * (payload_bytes - s0) / (s1 - s0)
+
+
 def all_reduce_s(cluster: ClusterSpec, payload_bytes: float, n: int, crosses: bool) -> float:
     if n == 1:
         return 0.0
+    if cluster.device.collective_table:
+        return measured_all_reduce_s(cluster.device.collective_table, payload_bytes, n)
     alpha, beta = link(cluster, crosses, n)
     return 2 * (n - 1) * alpha + 2 * (n - 1) / n * payload_bytes / beta
 
@@ -52,13 +82,35 @@ def gather_s(cluster: ClusterSpec, payload_bytes: float, n: int, crosses: bool) 
     """All-gather or reduce-scatter of a tensor of `payload_bytes` (whole) over n ranks."""
     if n == 1:
         return 0.0
+    if cluster.device.collective_table:
+        return measured_all_reduce_s(cluster.device.collective_table, payload_bytes, n) / 2
     alpha, beta = link(cluster, crosses, n)
     return (n - 1) * alpha + (n - 1) / n * payload_bytes / beta
 
 
 def send_s(cluster: ClusterSpec, payload_bytes: float, crosses: bool) -> float:
-    alpha, beta = link(cluster, crosses, 2)
+    alpha, beta = point_link(cluster, crosses)
     return alpha + payload_bytes / beta
+
+
+def inline_s(cluster: ClusterSpec, n: int, procs: int, shift: bool = False) -> float:
+    """What one collective over n ranks that waits between compute (tp's, cp's, ZeRO-3's)
+    costs beyond its own time: cpu-here's measured `sync_penalty` (`shift_penalty` for a ring
+    shift) for the nearest process count and n; 0 where nothing was measured (GPUs: the skew
+    of identical kernels is not modelled)."""
+    if shift:
+        rows = cluster.device.shift_penalty
+        if n == 1 or not rows:
+            return 0.0
+        p = _nearest(rows, procs)
+        return next(t for q, t in rows if q == p)
+    rows = cluster.device.sync_penalty
+    if n == 1 or not rows:
+        return 0.0
+    p = _nearest(rows, procs)
+    mine = [(m, t) for q, m, t in rows if q == p]
+    k = min({m for m, _ in mine}, key=lambda m: (abs(m - n), -m))
+    return next(t for m, t in mine if m == k)
 
 
 def all_reduce_wire(payload_bytes: float, n: int) -> float:

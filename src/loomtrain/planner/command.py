@@ -137,7 +137,7 @@ def cmd_plan(args) -> int:
     ranked = result.ranked
     if not ranked:
         raise ConfigError(f"no plan of {shape.name} ({shape.params / 1e9:.3g}B parameters) fits "
-                          f"{args.gpus} x {cluster.device.name} ({cluster.device.mem_bytes / 1e9:.3g} GB "
+                          f"{args.gpus} x {cluster.device.name} ({cluster.mem_per_device / 1e9:.3g} GB "
                           f"each) at global batch {batch}{' with --fix ' + args.fix if fix else ''}: "
                           "add devices, lower --global-batch, or choose a larger device")
     notes = getattr(result, "notes", {}) or {}

@@ -30,10 +30,14 @@ FP32 = 4
 WEIGHT_BYTES = {"bf16": 2, "fp32": 4}
 GRAD_BYTES = {"bf16": 2, "fp32": 4}
 OPTIMIZER_BYTES = {"bf16": 12, "fp32": 8}
-# bytes the optimizer step moves per parameter: AdamW reads p, g, m, v and writes p, m, v
-# (28 in fp32), the gradient norm reads g, clipping scales it, zeroing writes it (+16);
-# mixed precision also reads the bf16 gradient and writes the bf16 weights (+4)
-OPTIMIZER_TRAFFIC = {"fp32": 44, "bf16": 48}
+# bytes the optimizer step moves per parameter, as torch's foreach AdamW runs it (one pass
+# per op over the parameter list, torch/optim/adamw.py): decay p (r+w 8), lerp m to g (12),
+# v *= beta2 (8), v += g*g (12), a new sqrt(v) (8), its bias scaling and + eps (8 + 8),
+# p += m / it (16): 80 in fp32; the gradient norm reads g and clipping scales it (4 + 8),
+# zero_grad(set_to_none=False) writes it (4): 96. Mixed precision also reads the bf16
+# gradient and writes the bf16 weights (+4). Measured here (2026-12-05): 11.8 ms for the
+# default model's 3.3M parameters at 27 GB/s, 97 bytes per parameter.
+OPTIMIZER_TRAFFIC = {"fp32": 96, "bf16": 100}
 # memory-bound traffic per token in one forward, in elements (models/gpt.py): a block's two
 # layer norms (read + write 2h each), two residual adds (3h each), the head merge copy (2h),
 # GELU (2rh) and the attention kernel's q, k, v in and output out (4h); the embedding's
@@ -99,8 +103,13 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
     s_local = model.seq_len // cp
     tokens = b * s_local
     rate = d.achieved_flops(plan.precision, plan.devices)
+    bandwidth = d.mem_bandwidth_bytes_per_s * d.share(plan.devices)
     flops = forward_flops(model, kind, tokens) / tp
-    if kind == "block":
+    attn_s = 0.0
+    if kind == "block":  # the attention core at its own rate, the GEMMs at the matmul rate
+        attn_flops = tokens * 4 * model.seq_len * h / tp
+        attn_s = attn_flops / (rate * d.attention_efficiency)
+        flops -= attn_flops
         split = BLOCK_TRAFFIC_H["split"] + 2 * model.mlp_ratio
         repl = BLOCK_TRAFFIC_H["replicated"]
         elems = tokens * h * (split / tp + repl / (tp if plan.sequence_parallel else 1))
@@ -109,13 +118,14 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
         traffic = tokens * 4 * h * c
     else:
         traffic = tokens * (2 * h * c + 2 * FP32 * model.vocab_size / tp)
-    overhead = OPS[kind] * d.op_overhead_s
+    overhead = OPS[kind] * d.overhead_s(plan.devices)
     L = _Layer()
     L.kind = kind
-    L.forward_s = flops / rate + traffic / d.mem_bandwidth_bytes_per_s + overhead
+    L.forward_s = flops / rate + attn_s + traffic / bandwidth + overhead
     # backward: the input-gradient and weight-gradient matmuls each cost the forward's FLOPs;
-    # the memory-bound backward (2x the forward's traffic) goes with the input gradient
-    L.input_s = flops / rate + 2 * traffic / d.mem_bandwidth_bytes_per_s + overhead
+    # the memory-bound backward (2x the forward's traffic) and attention's (2x its forward:
+    # no weights) go with the input gradient
+    L.input_s = flops / rate + 2 * attn_s + 2 * traffic / bandwidth + overhead
     L.weight_s = flops / rate + overhead
     L.recompute_s = 0.0
     act = b * s_local * h * c  # one activation tensor (b, s/cp, h)
@@ -126,32 +136,23 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
             split_elems = (4 + 2 * model.mlp_ratio) * h
             kept = split_elems / tp + (4 * h + 4) / (tp if plan.sequence_parallel else 1)
             L.stash_bytes = int(b * s_local * (c * kept + FP32 * model.n_heads / tp))
-        attn_s = tokens * 4 * model.seq_len * h / tp / rate
         if recompute == "full":  # keep the block's input only; replay its forward
             L.recompute_s = L.forward_s
             L.stash_bytes = act // (tp if plan.sequence_parallel else 1)
         elif recompute == "selective":  # drop the attention core's output and lse; replay it
-            L.recompute_s = attn_s + tokens * 4 * h * c / tp / d.mem_bandwidth_bytes_per_s
+            L.recompute_s = attn_s + tokens * 4 * h * c / tp / bandwidth
             L.stash_bytes -= int(b * s_local * (c * h + FP32 * model.n_heads) / tp)
     elif kind == "head" and tp > 1:
         L.stash_bytes = int(L.stash_bytes - b * s_local * FP32 * model.vocab_size * (1 - 1 / tp))
     L.checkpoint_bytes = act
-    # tp: Megatron's 2 all-reduces of one activation per block forward and 2 backward
-    # (sequence parallel: an all-gather plus a reduce-scatter instead, the same bytes);
-    # the embedding's one forward, the head's one backward; cp: ring attention passes K and V
-    # to the next rank cp - 1 times (forward), and K, V and their gradients (backward)
-    sizes = {"tp": tp, "cp": cp, "dp": plan.dp, "pp": plan.pp}
-    calls = {"block": (2, 2), "embed": (1, 0), "head": (0, 1)}[kind] if tp > 1 else (0, 0)
-    crosses = C.spans_nodes(cluster, sizes, "tp")
-    one = C.all_reduce_s(cluster, act, tp, crosses)
-    L.fwd_comm_s, L.bwd_comm_s = calls[0] * one, calls[1] * one
-    L.tp_wire = (calls[0] + calls[1]) * C.all_reduce_wire(act, tp)
+    L.fwd_comm_s, L.bwd_comm_s, L.tp_wire = _tp_comm(model, cluster, plan, kind, act)
     if cp > 1 and kind == "block":
+        sizes = {"tp": tp, "cp": cp, "dp": plan.dp, "pp": plan.pp}
         kv = 2 * act / tp
-        hop = C.send_s(cluster, kv, C.spans_nodes(cluster, sizes, "cp"))
+        hop = (C.send_s(cluster, kv, C.spans_nodes(cluster, sizes, "cp"))
+               + C.inline_s(cluster, cp, plan.devices, shift=True))
         ring_f, ring_b = (cp - 1) * hop, 2 * (cp - 1) * hop
         hide = cluster.device.cores is None or plan.devices < cluster.device.cores
-        attn_s = tokens * 4 * model.seq_len * h / tp / rate
         L.fwd_comm_s += max(0.0, ring_f - attn_s) if hide else ring_f
         L.bwd_comm_s += max(0.0, ring_b - 2 * attn_s) if hide else ring_b
         L.tp_wire += 3 * (cp - 1) * kv
@@ -159,6 +160,49 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
     L.input_s += L.bwd_comm_s
     L.params = layer_params(model, kind) / tp
     return L
+
+
+def _tp_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
+             act: float) -> tuple[float, float, float]:
+    """(forward s, backward s, wire bytes) of one layer's tp collectives per microbatch, as
+    parallel/tensor.py runs them (Megatron's f and g; Shoeybi et al. 2019, sec. 3): a block
+    all-reduces one activation after attention and after the MLP forward, and two input
+    gradients backward; the embedding one forward, the head one backward plus the
+    vocabulary-parallel cross-entropy's three of one number per token forward. Sequence
+    parallel (Korthikanti et al. 2022) turns each all-reduce into an all-gather and a
+    reduce-scatter (twice the calls, the same bytes), and sums the gradients of the norms'
+    weights and biases and of the row layers' biases, in small all-reduces, backward (a
+    block's 6, the head's final norm 2). Each call also pays the sync penalty (comm_cost)."""
+    tp = plan.tp
+    if tp == 1:
+        return 0.0, 0.0, 0.0
+    sizes = {"tp": tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
+    crosses = C.spans_nodes(cluster, sizes, "tp")
+    penalty = C.inline_s(cluster, tp, plan.devices)
+    tokens_bytes = plan.micro_batch * model.seq_len // plan.cp * FP32  # one fp32 per token
+    norm_bytes = model.d_model * WEIGHT_BYTES[plan.precision]
+
+    def ar(nbytes):
+        return C.all_reduce_s(cluster, nbytes, tp, crosses) + penalty, C.all_reduce_wire(nbytes, tp)
+
+    def half(nbytes):  # an all-gather or a reduce-scatter
+        return C.gather_s(cluster, nbytes, tp, crosses) + penalty, C.gather_wire(nbytes, tp)
+
+    sp = plan.sequence_parallel
+    calls = {  # kind: (forward calls, backward calls), each (cost function, bytes, count)
+        "block": ([(half, act, 4)], [(half, act, 4), (ar, norm_bytes, 6)]) if sp
+        else ([(ar, act, 2)], [(ar, act, 2)]),
+        "embed": ([(ar, act, 1)], [(half, act, 1)] if sp else []),
+        "head": ([(ar, tokens_bytes, 3)] + ([(half, act, 1)] if sp else []),
+                 [(half, act, 1), (ar, norm_bytes, 2)] if sp else [(ar, act, 1)]),
+    }[kind]
+    out = [0.0, 0.0, 0.0]
+    for i, side in enumerate(calls):
+        for fn, nbytes, count in side:
+            t, wire = fn(nbytes)
+            out[i] += count * t
+            out[2] += count * wire
+    return out[0], out[1], out[2]
 
 
 def _layers(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> list[_Layer]:
@@ -230,13 +274,16 @@ def _shard_groups(cluster: ClusterSpec, plan: Plan) -> tuple[int, int, bool]:
     return inside, n // inside, crosses
 
 
-def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float) -> tuple[float, float, float]:
-    """For one stage's `params` (per tp rank): (gradient sync per step s, ZeRO-3 gathers per
-    microbatch s, wire bytes per step). Stage 0: one all-reduce; 1: reduce-scatter and the
-    updated weights' all-gather (the same bytes, Rajbhandari et al. sec. 5); 2: the
-    reduce-scatter on every microbatch; 3: also the weights' all-gather before each forward
-    and backward. Hierarchical: reduce-scatter and gather inside the node, all-reduce of the
-    node's shard across nodes. DiLoCo (H > 1): an fp32 all-reduce every H steps, amortized."""
+def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float,
+                units: int = 1) -> tuple[float, float, float]:
+    """For one stage's `params` (per tp rank) in `units` layers: (gradient sync per step s,
+    ZeRO-3 gathers per microbatch s, wire bytes per step). Stage 0: one all-reduce; 1:
+    reduce-scatter and the updated weights' all-gather (the same bytes, Rajbhandari et al.
+    sec. 5); 2: the reduce-scatter on every microbatch; 3: also the weights' all-gather before
+    each forward and backward, one call per layer (parallel/zero: a unit per block, one for
+    the rest), each paying the sync penalty (comm_cost.inline_s). Hierarchical: reduce-scatter
+    and gather inside the node, all-reduce of the node's shard across nodes. DiLoCo (H > 1):
+    an fp32 all-reduce every H steps, amortized."""
     g = params * GRAD_BYTES[plan.precision]
     w = params * WEIGHT_BYTES[plan.precision]
     inside, outside, crosses = _shard_groups(cluster, plan)
@@ -254,7 +301,8 @@ def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float) -> tuple[float,
         return rs + ag, 0.0, rs_wire + ag_wire
     if z == 2:
         return m * rs + ag, 0.0, m * rs_wire + ag_wire
-    return m * rs, 2 * ag, m * (rs_wire + 2 * ag_wire)
+    penalty = units * C.inline_s(cluster, inside, plan.devices)
+    return m * (rs + penalty), 2 * (ag + penalty), m * (rs_wire + 2 * ag_wire)
 
 
 def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict[str, int]:
@@ -318,9 +366,10 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
     out, memo = [], {}
     for g in groups:
         params = _stage_params(model, plan, g)
-        if params not in memo:
-            memo[params] = _sync_costs(cluster, plan, params)
-        sync_s, gather_s, _ = memo[params]
+        units = _units(g)
+        if (params, units) not in memo:
+            memo[params, units] = _sync_costs(cluster, plan, params, units)
+        sync_s, gather_s, _ = memo[params, units]
         offload = 0.0
         stash = _total(g, "stash_bytes")
         if plan.offload_activations:
@@ -338,13 +387,33 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
     if plan.offload_optimizer:  # gradients down, weights up over the host link; CPU Adam
         optimizer_s = (2 * c * shard / d.host_link_bytes_per_s + shard / HOST_ADAM_PARAMS_PER_S)
     else:
-        optimizer_s = (OPTIMIZER_TRAFFIC[plan.precision] * shard / d.mem_bandwidth_bytes_per_s
-                       + OPTIMIZER_OPS * d.op_overhead_s)
+        optimizer_s = (OPTIMIZER_TRAFFIC[plan.precision] * shard
+                       / (d.mem_bandwidth_bytes_per_s * d.share(plan.devices))
+                       + OPTIMIZER_OPS * d.overhead_s(plan.devices))
     # the trainer's per-step control all-reduce and the gradient norm's (a few bytes each)
     optimizer_s += 2 * C.all_reduce_s(cluster, 16, plan.devices, plan.devices > cluster.gpus_per_node)
     overlaps = d.cores is None or plan.devices < d.cores
     return StepCosts(tuple(out), plan.pp, plan.microbatches, plan.schedule if plan.pp > 1 else "1f1b",
-                     plan.virtual_stages, optimizer_s, overlaps)
+                     plan.virtual_stages, optimizer_s, overlaps, bubble_scale(cluster, plan))
+
+
+def _units(groups) -> int:
+    """ZeRO-3 gathers of a stage: one unit per block, one for everything else it holds."""
+    blocks = sum(n for x, n in groups if x.kind == "block")
+    return blocks + (blocks < sum(n for _, n in groups))
+
+
+def bubble_scale(cluster: ClusterSpec, plan: Plan) -> float:
+    """The pipeline bubble's time per unit of its idle work. With a device per process it is
+    1. On cpu-here with more processes than cores, the processes time-share the cores, and
+    the ones waiting in the bubble (about half of them on average through fill and drain)
+    lend theirs to the rest, which run at the speed of that many processes, up to the speed
+    their own threads allow (cores // processes, at least 1: as fast as `cores` processes)."""
+    d, procs = cluster.device, plan.devices
+    if plan.pp == 1 or not d.cores or procs <= d.cores:
+        return 1.0
+    running = max(-(-procs // 2), d.cores)
+    return d.share(procs) / d.share(running)
 
 
 def estimate(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> Estimate:
@@ -360,7 +429,7 @@ def estimate(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> Estimate:
     mine = [x for s, g in enumerate(groups) if s % plan.pp == 0 for x in g]
     params = sum(_stage_params(model, plan, groups[s]) for s in range(0, len(groups), plan.pp))
     act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * COMPUTE_BYTES[plan.precision]
-    comm = {"dp": int(_sync_costs(cluster, plan, params)[2]),
+    comm = {"dp": int(_sync_costs(cluster, plan, params)[2]),  # wire bytes: units do not matter
             "tp_cp": int(plan.microbatches * _total(mine, "tp_wire")),
             "pp": int(2 * plan.microbatches * plan.virtual_stages * act) if plan.pp > 1 else 0}
     mem = sum(memory.values())
@@ -368,7 +437,7 @@ def estimate(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> Estimate:
                     tflops_per_device=flops / step_s / plan.devices / 1e12,
                     mfu=flops / step_s / plan.devices / cluster.device.peak_flops(plan.precision),
                     mem_per_device_bytes=mem, comm_bytes_per_step=sum(comm.values()),
-                    fits=mem <= cluster.device.mem_bytes, memory=memory, time=times,
+                    fits=mem <= cluster.mem_per_device, memory=memory, time=times,
                     comm_bytes=comm)
 
 
@@ -393,4 +462,4 @@ def layer_costs(model: ModelShape, cluster: ClusterSpec, plan: Plan):
         p.append(x.params * per_param)
         a.append(x.stash_bytes)
         c.append(full.stash_bytes if kind == "block" else x.stash_bytes)
-    return t, r, p, a, c, cluster.device.mem_bytes
+    return t, r, p, a, c, cluster.mem_per_device

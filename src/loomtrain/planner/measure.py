@@ -3,13 +3,21 @@ docs/planner-calibrate.md).
 
 Four processes are spawned on 127.0.0.1 (gloo), laid out as a mesh dp=2 x tp=2, and measure
 in turn, each figure a median over repetitions:
-- alone on rank 0: a large fp32 and bf16 GEMM, memory bandwidth (a large tensor add), and the
-  fixed cost of one operator (forward and backward of a chain of tiny ops under autograd);
-- the default model's GEMMs with 1, 2 and 4 processes computing at once, each process with the
-  torch threads `loom train` gives a rank (train/launch.py: cores // local processes), while the
-  others wait idle in a barrier (gloo's wait uses no CPU: measured, 0.006 s of CPU over 3 s);
+- alone on rank 0: a large fp32 and bf16 GEMM, memory bandwidth (a large tensor add), the
+  fixed cost of one operator (forward and backward of a chain of tiny ops under autograd), and
+  the attention core's rate against the linear layers' (both forward and backward);
+- the default model's linear layers, forward and backward (the forward, input-gradient and
+  weight-gradient GEMMs training runs; the backward ones run ~20% slower than the forward's
+  here), with 1, 2 and 4 processes computing at once, each process with the torch threads
+  `loom train` gives a rank (train/launch.py: cores // local processes), while the others wait
+  idle in a barrier (gloo's wait uses no CPU: measured, 0.006 s of CPU over 3 s);
 - gloo's all-reduce by message size over one pair (the other pair idle) and over all four
-  (loomtrain's comm.all_reduce, as training calls it), and a send/recv ping-pong over the pair.
+  (loomtrain's comm.all_reduce, as training calls it), and a send/recv ping-pong over the pair;
+- the sync penalty: what an all-reduce costs between two GEMMs beyond its back-to-back time
+  (the ranks' compute does not end together; gloo's threads must wake): one pair computing, both
+  pairs at once, and all four, as tp's collectives run inside a step; and what a ring shift of
+  two tensors (ring attention's K and V) adds to the GEMMs when started before them and waited
+  for after, over a pair, alone and beside the other pair.
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ PROCS = (1, 2, 4)  # processes computing at once in the matmul measurement
 TOKENS, H, R = 1024, 256, 4
 MODEL_GEMMS = ((TOKENS, H, 3 * H), (TOKENS, H, H), (TOKENS, H, R * H), (TOKENS, R * H, H))
 LARGE_GEMMS = ((1024, 1024, 1024),)  # the machine's best rate: peak_*_flops
+# the default model's attention core at micro_batch 8: (batch, heads, seq, head dim)
+ATTENTION = (8, 4, 128, 64)
+# the sync penalty's compute between two collectives: a block's qkv and proj GEMMs forward
+CHUNK = MODEL_GEMMS[:2]
+PENALTY_BYTES = (4, 64 * 1024, 1 << 20)
 
 
 @dataclass(frozen=True)
@@ -96,9 +109,10 @@ def _rank_main(rank: int, port: int, effort: Effort, out_dir: str) -> None:
             found[f"large_{name}_flops"] = statistics.median(got)
         found["stream_bytes_per_s"] = _stream_bytes_per_s(effort.stream_elems, effort.reps)
         found["op_overhead_s"] = _op_overhead_s(effort.reps)
+        found["attention_efficiency"] = _attention_efficiency(slice_s, effort.reps)
     # k processes at once, k in PROCS, in rounds of alternating order (1 2 4, 4 2 1, ...)
     mine: dict[int, list[float]] = {k: [] for k in PROCS}
-    model = _gemms(MODEL_GEMMS, torch.float32)
+    model = _linears(MODEL_GEMMS)
     for r in range(effort.reps):
         for k in PROCS[:: 1 if r % 2 == 0 else -1]:
             torch.set_num_threads(max(1, cores // k))  # what loom train gives each of k ranks
@@ -113,12 +127,21 @@ def _rank_main(rank: int, port: int, effort: Effort, out_dir: str) -> None:
         comm.all_reduce(rates, mesh, "world")
         found["flops_by_procs"].append((k, rates[:k].mean().item()))  # k x this = the aggregate
     torch.set_num_threads(max(1, cores // 2))
+    penalty = []  # (processes running, n, seconds)
     if rank < 2:
         found["all_reduce_s_2"] = _all_reduce_s(mesh, "tp", effort)
         found["send_s"] = _send_s(mesh, effort)
+        penalty.append((2, 2, _sync_penalty_s(mesh, "tp", effort.reps)))
+        shift = [(2, _shift_exposed_s(mesh, "tp", effort.reps))]
     comm.barrier(mesh)
     torch.set_num_threads(max(1, cores // WORLD))
     found[f"all_reduce_s_{WORLD}"] = _all_reduce_s(mesh, "world", effort)
+    penalty.append((WORLD, 2, _sync_penalty_s(mesh, "tp", effort.reps)))
+    penalty.append((WORLD, WORLD, _sync_penalty_s(mesh, "world", effort.reps)))
+    found["sync_penalty"] = penalty
+    exposed = _shift_exposed_s(mesh, "tp", effort.reps)  # both pairs at once
+    if rank < 2:
+        found["shift_exposed_s"] = [*shift, (WORLD, exposed)]
     if rank == 0:
         (Path(out_dir) / "found.json").write_text(json.dumps(found))
     comm.barrier(mesh)  # before destroy: avoids the intermittent abort at exit (DESIGN.md)
@@ -135,6 +158,47 @@ def _gemms(shapes, dtype) -> tuple[list, int]:
     return pairs, sum(2 * m * k * n for m, k, n in shapes)
 
 
+def _linears(shapes) -> tuple[list, int]:
+    """F.linear layers (tokens m, in k, out n) as training runs them, forward and backward
+    (three GEMMs each), as a list of one-call closures, run once (warm-up), and their FLOPs."""
+    import torch
+    import torch.nn.functional as F
+
+    def layer(m, k, n):
+        x = torch.randn(m, k, requires_grad=True)
+        w, b = torch.randn(n, k, requires_grad=True), torch.zeros(n, requires_grad=True)
+        grad = torch.ones(m, n)
+        return lambda: F.linear(x, w, b).backward(grad)
+
+    calls = [layer(*shape) for shape in shapes]
+    for call in calls:
+        call()
+    return calls, sum(6 * m * k * n for m, k, n in shapes)
+
+
+def _attention_efficiency(seconds: float, reps: int) -> float:
+    """The attention core's rate (torch's causal scaled_dot_product_attention, forward and
+    backward, its FLOPs counted as cost.py counts them: 4 s h per token forward over the full
+    square, 3x for both) over the default model's linear layers' rate, alternated."""
+    import torch
+    import torch.nn.functional as F
+
+    b, heads, s, d = ATTENTION
+    q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
+    grad = torch.ones(b, heads, s, d)
+
+    def attention():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    attention()
+    pieces = {"attention": ([attention], 3 * b * s * 4 * s * heads * d), "linear": _linears(MODEL_GEMMS)}
+    rates = {name: [] for name in pieces}
+    for r in range(max(reps, 3)):
+        for name in list(pieces)[:: 1 if r % 2 == 0 else -1]:
+            rates[name].append(_gemm_flops(*pieces[name], seconds / 2))
+    return statistics.median(rates["attention"]) / statistics.median(rates["linear"])
+
+
 def _gemm_flops(pairs, flops: int, seconds: float) -> float:
     """FLOP/s of the GEMMs run back to back for `seconds` (at least once): the FLOPs done over
     the time taken. Not a median over single repetitions: with more processes than cores the
@@ -143,8 +207,8 @@ def _gemm_flops(pairs, flops: int, seconds: float) -> float:
     t0 = time.perf_counter()
     done, now = 0, t0
     while now - t0 < seconds or done < 1:
-        for a, b in pairs:
-            a @ b
+        for pair in pairs:
+            pair() if callable(pair) else pair[0] @ pair[1]
         done, now = done + 1, time.perf_counter()
     return done * flops / (now - t0)
 
@@ -248,3 +312,76 @@ def _send_s(mesh, effort: Effort) -> list[float]:
         out.append(statistics.median(
             _timed_s(round_trip, mesh, "tp", _iters(size)) for _ in range(effort.reps)) / 2)
     return out
+
+
+def _sync_penalty_s(mesh, axis: str, reps: int, iters: int = 8) -> float:
+    """Seconds one all-reduce over `axis` adds between compute beyond its back-to-back time:
+    per message size of PENALTY_BYTES, `iters` x (CHUNK's GEMMs, then the all-reduce) less
+    `iters` x the GEMMs alone less `iters` x the all-reduce alone, each the slowest rank's, in
+    alternating order; the median over the sizes (the penalty does not grow with the size:
+    measured), never below 0. Every rank of the mesh not on `axis`'s groups must call this too
+    when they compute at once (the processes running are part of what is measured)."""
+    import torch
+
+    from loomtrain import comm
+
+    found = []
+    for size in PENALTY_BYTES:
+        x = torch.zeros(max(1, size // 4))
+        mid = _in_context(mesh, axis, reps, iters, lambda: None,
+                          lambda _: comm.all_reduce(x, mesh, axis))
+        found.append(mid["both"] - mid["compute"] - mid["comm"])
+    return max(0.0, statistics.median(found))
+
+
+def _shift_exposed_s(mesh, axis: str, reps: int, iters: int = 8) -> list[float]:
+    """Per message size of PENALTY_BYTES: the seconds a ring shift over `axis` of two tensors
+    of half the size each adds to CHUNK's GEMMs when it runs as ring attention runs it
+    (parallel/sequence/ring.py: started, the compute, then waited for), over the GEMMs alone.
+    calibrate.py keeps what exceeds the fitted send time as `shift_penalty`."""
+    import torch
+
+    from loomtrain.parallel.sequence.context import Ring
+
+    ring = Ring(mesh, axis)
+    found = []
+    for size in PENALTY_BYTES:
+        sends = [torch.zeros(max(1, size // 8)) for _ in range(2)]
+        recvs = [torch.empty_like(t) for t in sends]
+
+        def start():
+            return ring.shift(sends, recvs)
+
+        def wait(pending):
+            for p in pending:
+                p.wait()
+
+        mid = _in_context(mesh, axis, reps, iters, start, wait)
+        found.append(max(0.0, mid["both"] - mid["compute"]))
+    return found
+
+
+def _in_context(mesh, axis: str, reps: int, iters: int, start, finish) -> dict[str, float]:
+    """Median seconds per iteration of `start()`, CHUNK's GEMMs, `finish(what start returned)`
+    ("both"), of the GEMMs alone ("compute") and of start and finish back to back ("comm"),
+    each timed by `_timed_s` (the slowest rank of `axis`), in alternating order."""
+    import torch
+
+    pairs, _ = _gemms(CHUNK, torch.float32)
+
+    def compute():
+        for a, b in pairs:
+            a @ b
+
+    def both():
+        begun = start()
+        compute()
+        finish(begun)
+
+    loops = {"both": both, "compute": compute, "comm": lambda: finish(start())}
+    times = {name: [] for name in loops}
+    both()
+    for r in range(max(reps, 3)):
+        for name in list(loops)[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(_timed_s(loops[name], mesh, axis, iters))
+    return {name: statistics.median(t) for name, t in times.items()}

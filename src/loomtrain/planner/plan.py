@@ -75,6 +75,9 @@ class StepCosts:
     virtual_stages: int
     optimizer_s: float  # the optimizer step on one device (after the gradients are in)
     grad_sync_overlaps: bool  # may a stage's gradient sync run beside later backward compute?
+    # the pipeline bubble's share of its time still spent: < 1 where processes idle in the
+    # bubble give their cores to the others (cpu-here with more processes than cores)
+    bubble_scale: float = 1.0
 
 
 @dataclass(frozen=True)

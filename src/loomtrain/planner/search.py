@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 
 from loomtrain.planner.cost import (COMPUTE_BYTES, GRAD_BYTES, HOST_ADAM_PARAMS_PER_S, OPTIMIZER_BYTES,
                                     OPTIMIZER_TRAFFIC, WEIGHT_BYTES, _memory, _stage_groups, _stage_params,
-                                    _sync_costs, _total, estimate, layer_costs, stage_layers)
+                                    _sync_costs, _total, _units, bubble_scale, estimate, layer_costs,
+                                    stage_layers)
 from loomtrain.planner.plan import Estimate, Plan
 from loomtrain.planner.presets import ModelShape
 from loomtrain.planner.search_space import Space, check_fix
@@ -143,7 +144,7 @@ class _Run:
     def __init__(self, space: Space, top: int, accept):
         self.space, self.accept = space, accept
         self.shape, self.cluster = space.shape, space.cluster
-        self.mem = self.cluster.device.mem_bytes
+        self.mem = self.cluster.mem_per_device
         self.best = _TopK(top)
         self.pipelines = _TopK(REFINE_PLANS)  # the fastest one-chunk pipeline plans, to refine
         self.evaluated = self.pruned = self.candidates = 0
@@ -185,6 +186,7 @@ class _Run:
             bound = m * busiest + (p - 1) * total / n
         else:
             bound = (m - 1) * slowest + total
+        bound = m * busiest + bubble_scale(self.cluster, plan) * (bound - m * busiest)
         return bound * (1 - 1e-9)  # summed in another order than step_time.py
 
     def optimizer_bound(self, plan: Plan) -> float:
@@ -194,7 +196,8 @@ class _Run:
         if plan.offload_optimizer:
             return (2 * COMPUTE_BYTES[plan.precision] * shard / d.host_link_bytes_per_s
                     + shard / HOST_ADAM_PARAMS_PER_S)
-        return OPTIMIZER_TRAFFIC[plan.precision] * shard / d.mem_bandwidth_bytes_per_s
+        return (OPTIMIZER_TRAFFIC[plan.precision] * shard
+                / (d.mem_bandwidth_bytes_per_s * d.share(plan.devices)))
 
     def shard_group(self, plan: Plan) -> int:
         n = plan.dp * plan.cp  # as cost._shard_groups
@@ -243,7 +246,8 @@ class _Run:
         sync beyond its last backward (all of it where nothing overlaps) adds to the step."""
         mine = [groups[s] for s in range(0, len(groups), plan.pp)]
         sync_s, gather_s, _ = _sync_costs(self.cluster, plan, sum(_stage_params(self.shape, plan, g)
-                                                                   for g in mine))
+                                                                   for g in mine),
+                                          sum(_units(g) for g in mine))
         if gather_s:
             return max(pipeline_s, plan.microbatches * gather_s + sync_s)
         d = self.cluster.device

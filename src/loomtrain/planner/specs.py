@@ -25,7 +25,7 @@ class DeviceSpec:
     name: str
     peak_bf16_flops: float  # dense tensor-core (or CPU) peak, FLOP/s
     peak_fp32_flops: float
-    mem_bytes: int  # device memory usable by one process
+    mem_bytes: int  # device memory (cpu-here: the RAM its processes share, see `memory_per_process`)
     mem_bandwidth_bytes_per_s: float  # memory-bound ops (norms, softmax, the optimizer step)
     intra_node_bytes_per_s: float
     intra_node_latency_s: float
@@ -40,6 +40,18 @@ class DeviceSpec:
     flops_by_procs: tuple[tuple[int, float], ...] | None = None
     # cpu-here only: fitted alpha-beta per group size for gloo's ring (calibrate.py)
     collective_fit: tuple[tuple[int, float, float], ...] | None = None  # (n, alpha_s, bytes_per_s)
+    # cpu-here only: the measured all-reduce times the fit approximates, (n, bytes, seconds);
+    # comm_cost.py interpolates them (gloo's times are not a line in the size: 42-82% off)
+    collective_table: tuple[tuple[int, int, float], ...] | None = None
+    # cpu-here only: what a blocking collective costs between compute beyond its back-to-back
+    # time (its peers' skew, waking gloo's threads), (processes running, n, seconds per call)
+    sync_penalty: tuple[tuple[int, int, float], ...] | None = None
+    # cpu-here only: the same for a ring shift (every rank sends to the next and receives from
+    # the previous at once, as ring attention passes K and V), (processes running, seconds)
+    shift_penalty: tuple[tuple[int, float], ...] | None = None
+    # the attention core's achieved rate over the matmul rate (FLOPs counted over the full
+    # causal square, as cost.py counts them); cpu-here: measured, GPUs: 1 (not known here)
+    attention_efficiency: float = 1.0
     source: str = ""
 
     def peak_flops(self, precision: str) -> float:
@@ -47,9 +59,13 @@ class DeviceSpec:
 
     def achieved_flops(self, precision: str, procs: int = 1) -> float:
         """The matmul rate one process reaches with `procs` processes on the machine: measured
-        (cpu-here, interpolated in n and held flat beyond the table), else peak x efficiency."""
+        in fp32 (cpu-here, interpolated in n and held flat beyond the table) and scaled by the
+        peaks' ratio for bf16, else peak x efficiency."""
         if self.flops_by_procs is None:
             return self.peak_flops(precision) * self.matmul_efficiency
+        return self._fp32_rate(procs) * self.peak_flops(precision) / self.peak_fp32_flops
+
+    def _fp32_rate(self, procs: int) -> float:
         table = sorted(self.flops_by_procs)
         if procs <= table[0][0]:
             return table[0][1]
@@ -59,6 +75,25 @@ class DeviceSpec:
                 return agg / procs
         n, f = table[-1]
         return n * f / procs
+
+    def share(self, procs: int) -> float:
+        """The fraction of its one-process speed each of `procs` processes keeps: 1 with one
+        device per process; on cpu-here, where they share the cores, the measured matmul
+        rate's fraction, which the memory-bound operators (norms, GELU, the optimizer step:
+        they run on the same cores and memory) are charged too."""
+        if self.flops_by_procs is None:
+            return 1.0
+        return self._fp32_rate(procs) / self._fp32_rate(1)
+
+    def overhead_s(self, procs: int) -> float:
+        """One operator's fixed cost with `procs` processes: Python and dispatch run on one
+        core per process, so on cpu-here it grows only when processes outnumber the cores."""
+        return self.op_overhead_s * (max(1.0, procs / self.cores) if self.cores else 1.0)
+
+    def memory_per_process(self, procs: int) -> int:
+        """Memory one of `procs` processes may use: a GPU's own memory, or on cpu-here the
+        machine's RAM shared by the processes running on it."""
+        return self.mem_bytes // max(1, procs) if self.cores else self.mem_bytes
 
 
 @dataclass(frozen=True)
@@ -75,6 +110,12 @@ class ClusterSpec:
     @property
     def inter_bytes_per_s(self) -> float:
         return self.inter_node_bytes_per_s or self.device.inter_node_bytes_per_s
+
+    @property
+    def mem_per_device(self) -> int:
+        """The memory budget of one device (process): its node's processes share a cpu-here
+        machine's RAM."""
+        return self.device.memory_per_process(min(self.gpus, self.gpus_per_node))
 
 
 # Datasheets (docs/planner.md, "Device specs"): NVIDIA A100 Tensor Core GPU datasheet (2021):
@@ -124,7 +165,7 @@ def device_from_table(table: dict, where: str) -> DeviceSpec:
     if missing:
         raise ValueError(f"{where}: a device spec needs {', '.join(missing)} (missing)")
     values = dict(table)
-    for key in ("flops_by_procs", "collective_fit"):
+    for key in ("flops_by_procs", "collective_fit", "collective_table", "sync_penalty", "shift_penalty"):
         if values.get(key) is not None:
             values[key] = tuple(tuple(row) for row in values[key])
     return DeviceSpec(**values)

@@ -10,6 +10,8 @@ With p ranks, m microbatches, stage s's forward f_s and backward b_s = I_s + W_s
   + (p - 1) x a chunk's f + b + 2 (p v - 1) send: the bubble shrinks v-fold;
 - zb-h1 (Qi et al. 2024, arXiv 2401.10241, sec. 2.1): m max_s(F + I + W) + (p - 1)(F + I - W)
   + 2 (p - 1) send (mean stage F, I, W).
+On cpu-here with more processes than cores the bubble is scaled by StepCosts.bubble_scale
+(cost.py's `bubble_scale`: the processes idle in it lend their cores to the rest).
 Then what cannot hide: ZeRO-3's prefetched gathers and per-microbatch reduce-scatters beyond
 the compute they share the step with (plus the first gather), activation
 offload copies beyond it, the gradient sync beyond the backward it overlaps (rank r's
@@ -45,6 +47,7 @@ def step_time(costs: StepCosts) -> dict[str, float]:
         total = work + (p - 1) * max(0.0, mean[0] + mean[1] - mean[2]) + 2 * (p - 1) * send
     else:
         total = (m - 1) * max(fb) + sum(fb) + 2 * (p - 1) * send
+    total = work + costs.bubble_scale * (total - work)
     comm = m * sum(st[i].forward_comm_s + st[i].backward_comm_s for i in ranks[busiest])
     hide = costs.grad_sync_overlaps
     # ZeRO-3: the prefetched gathers and every microbatch's reduce-scatter share the comm
