@@ -98,18 +98,15 @@ def inline_s(cluster: ClusterSpec, n: int, procs: int, shift: bool = False) -> f
     costs beyond its own time: cpu-here's measured `sync_penalty` (`shift_penalty` for a ring
     shift) for the nearest process count and n; 0 where nothing was measured (GPUs: the skew
     of identical kernels is not modelled)."""
-    if shift:
-        rows = cluster.device.shift_penalty
-        if n == 1 or not rows:
-            return 0.0
-        p = _nearest(rows, procs)
-        return next(t for q, t in rows if q == p)
-    rows = cluster.device.sync_penalty
+    d = cluster.device
+    rows = d.shift_penalty if shift else d.sync_penalty
     if n == 1 or not rows:
         return 0.0
     p = _nearest(rows, procs)
-    mine = [(m, t) for q, m, t in rows if q == p]
-    k = min({m for m, _ in mine}, key=lambda m: (abs(m - n), -m))
+    mine = [row[1:] for row in rows if row[0] == p]  # shift: (seconds,); else (n, seconds)
+    if shift:
+        return mine[0][0]
+    k = _nearest(mine, n)
     return next(t for m, t in mine if m == k)
 
 
