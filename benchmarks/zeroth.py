@@ -363,7 +363,7 @@ def run_memory(model: dict, args) -> dict:
 
 def run_distributed(model: dict, args) -> dict:
     from loomtrain.models import build_model
-    from loomtrain.train.config import ModelConfig
+    from loomtrain.models.config import ModelConfig
 
     with torch.device("meta"):
         params = sum(p.numel() for p in build_model(ModelConfig(**model)).parameters())

@@ -129,7 +129,8 @@ def test_refused_combinations(tmp_path, corpus, sections, match):
 
 def test_accepted_and_written_as_the_async_table(tmp_path, corpus):
     from loomtrain.asyncsgd.policies import POLICIES
-    from loomtrain.train.config import AsyncConfig, config_to_toml
+    from loomtrain.asyncsgd.config import AsyncConfig
+    from loomtrain.train.config import config_to_toml
 
     cfg = _cfg(tmp_path, corpus, parallel={"nproc": 3}, checkpoint={"every": 0},
                **{"async": {"mode": "ps", "worker_slowdown": [1.0, 2.5]}})

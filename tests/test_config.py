@@ -155,10 +155,11 @@ PP2 = ["--nproc", "4", "--set", "parallel.pp=2"]
     ([*PP2, "--set", "parallel.tp=2", "--set", "train.global_batch=8"],
      "parallel.pp=2 with parallel.tp=2 is not supported yet: the pipeline composes with dp and ZeRO-1"),
     ([*PP2, "--set", "parallel.zero_stage=2"],
-     "parallel.pp=2 runs in fp32 with parallel.zero_stage 0 or 1 (got zero_stage=2, "
-     "train.precision='fp32'): stages 2-3 would reduce or gather on every micro-batch"),
+     "parallel.pp=2 with parallel.zero_stage=2 is not supported yet: stages 2-3 would reduce or "
+     "gather on every micro-batch of the schedule (parallel.zero_stage=0 or 1)"),
     ([*PP2, "--set", "train.precision=bf16"],
-     "parallel.pp=2 runs in fp32 with parallel.zero_stage 0 or 1 (got zero_stage=0, train.precision='bf16')"),
+     "parallel.pp=2 with train.precision='bf16' is not supported yet: the pipeline runs in fp32 "
+     "(train.precision='fp32')"),
     ([*PP2, "--set", 'parallel.schedule="interleaved"'],
      'parallel.schedule="interleaved" needs parallel.virtual_stages >= 2 (got 1) and micro-batches '
      "divisible by parallel.pp=2 (got 2)"),

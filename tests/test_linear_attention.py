@@ -11,7 +11,8 @@ from loomtrain.models import GPT, build_model, token_loss_sum
 from loomtrain.models.linear_attention import (causal_linear_attention, default_decay,
                                                document_starts, feature_map,
                                                naive_linear_attention)
-from loomtrain.train.config import Config, ModelConfig
+from loomtrain.models.config import ModelConfig
+from loomtrain.train.config import Config
 
 B, H, T, D = 2, 3, 24, 8
 # row 0: a boundary at 8 (a chunk edge for chunks of 4 and 8) and one at 13 (inside chunks);

@@ -18,7 +18,8 @@ from loomtrain.comm.quantized import quantized_wire_ratio
 from loomtrain.errors import ConfigError
 from loomtrain.lowcomm.streaming import split_fragments, sync_offsets
 from loomtrain.models import build_model
-from loomtrain.train.config import ModelConfig, config_from_dict
+from loomtrain.models.config import ModelConfig
+from loomtrain.train.config import config_from_dict
 from test_lowcomm import _losses, _rel, _runs
 
 LATENCY_MS = 60  # the simulated link of the overlap case: every cross-node op takes >= this

@@ -141,7 +141,7 @@ def test_resolve_auto_applies_the_chosen_plan(tmp_path, corpus):
 
 
 def test_plan_auto_is_refused_where_the_planner_does_not_apply(tmp_path, corpus):
-    with pytest.raises(ConfigError, match='plan="auto" with optim.name'):
+    with pytest.raises(ConfigError, match="plan='auto' with optim.name"):
         config_from_dict(tiny_tree(tmp_path, corpus, parallel={"plan": "auto"},
                                    optim={"name": "mezo"}))
 

@@ -19,7 +19,9 @@ from loomtrain.sparsity import (SharpnessAware, Sparsifier, active_count, cosine
                                 cubic_density, erk_densities, magnitude_mask, nm_group_counts,
                                 nm_mask, pack_mask, random_mask, rigl_update, set_update,
                                 sparse_layers, swap_count, unpack_mask)
-from loomtrain.train.config import ModelConfig, SparsityConfig, config_from_dict
+from loomtrain.models.config import ModelConfig
+from loomtrain.sparsity.config import SparsityConfig
+from loomtrain.train.config import config_from_dict
 
 
 @pytest.fixture(autouse=True, scope="module")

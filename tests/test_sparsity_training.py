@@ -28,7 +28,7 @@ def _dynamic_masks(rank, world):
     from loomtrain.mesh import build_mesh
     from loomtrain.models import token_loss_sum
     from loomtrain.parallel.data import DataParallel
-    from loomtrain.train.config import SparsityConfig
+    from loomtrain.sparsity.config import SparsityConfig
 
     mesh = build_mesh({"dp": world})
     out = {}

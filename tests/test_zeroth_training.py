@@ -20,7 +20,8 @@ from harness import run_world
 from loomtrain import comm
 from loomtrain.errors import ConfigError
 from loomtrain.train import checkpoint, trainer
-from loomtrain.train.config import ZO_METHODS, OptimConfig, config_from_dict, config_to_toml
+from loomtrain.train.config import config_from_dict, config_to_toml
+from loomtrain.zeroth.config import ZO_METHODS, OptimConfig
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
 from loomtrain.train.task import build_task_model

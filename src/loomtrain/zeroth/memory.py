@@ -84,7 +84,7 @@ def measure(model_cfg: dict, batch: int, phases=PHASES, device: str = "cpu",
     """Peak bytes of each phase on the model of `model_cfg` (loomtrain's [model] keys) with a
     batch of `batch` full-length rows, in this process; plus "params" and "param_bytes"."""
     from loomtrain.models import build_model
-    from loomtrain.train.config import ModelConfig
+    from loomtrain.models.config import ModelConfig
 
     cfg = ModelConfig(**model_cfg)
     dev = torch.device(device)

@@ -1,0 +1,73 @@
+"""The compression component's keys and rules (docs/compression.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loomtrain.component import Component, Refusal, Section, Switch, changed_keys, refuse_unread
+
+# the [compression] keys each method reads (besides method, error_feedback and applies_to)
+COMPRESSION_KEYS = {"none": (), "topk": ("ratio",), "randomk": ("ratio",), "powersgd": ("rank",),
+                    "int8": (), "sign": ()}
+
+
+class CompressionConfig(Section):
+    # gradient compression (comm/compress/, docs/compression.md): what each rank sends of a
+    # gradient bucket (applies_to="gradients", the data-parallel engine) or of DiLoCo's
+    # pseudo-gradient (applies_to="pseudo_gradients")
+    method: Literal["none", "topk", "randomk", "powersgd", "int8", "sign"] = "none"
+    ratio: float = Field(0.01, gt=0.0, le=1.0)  # top-k, random-k: the fraction of values sent
+    rank: int = Field(4, ge=1)  # PowerSGD's rank r
+    # keep what compression dropped and add it to the next bucket; None: the method's default
+    # (on for topk, randomk, powersgd and sign; off for int8)
+    error_feedback: bool | None = None
+    applies_to: Literal["gradients", "pseudo_gradients"] = "gradients"
+    # every N optimizer steps, measure the error of the compressed sum against the dense sum
+    # (a dense all-reduce off the simulated link, counted apart as "all_reduce_diagnostic");
+    # 0: never
+    error_every: int = Field(0, ge=0)
+
+
+def _on_gradients(cfg) -> bool:
+    return cfg.compression.applies_to == "gradients"
+
+
+_PLAIN_ENGINE = ("it runs in the plain data-parallel engine (fp32, ZeRO stage 0), and the "
+                 "sharded engine's reduce-scatter is not compressed")
+
+
+class Compression(Component):
+    """Compression runs in the plain data-parallel engine (fp32, no ZeRO, no low-communication
+    wrapper) for gradients, and in DiLoCo's outer all-reduce for pseudo-gradients."""
+
+    name = "compression"
+    section, keys = "compression", CompressionConfig
+    switches = (Switch("compression.method", "none"),)
+    summary = "top-k, random-k, PowerSGD, int8 or sign, with error feedback"
+    refuses = {
+        "lowcomm": Refusal("on gradients it needs the data-parallel engine, and the "
+                           "low-communication replicas' engine reduces no gradients; "
+                           'compression.applies_to="pseudo_gradients" compresses DiLoCo\'s '
+                           "outer all-reduce", when=_on_gradients, partly="on gradients"),
+        "zero": Refusal(_PLAIN_ENGINE, when=_on_gradients, partly="on gradients"),
+        "bf16": Refusal(_PLAIN_ENGINE, when=_on_gradients, partly="on gradients"),
+    }
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        c = cfg.compression
+        refuse_unread("compression", c, "method", COMPRESSION_KEYS, ("ratio", "rank"))
+        if c.method == "none":
+            others = changed_keys(c, ("error_feedback", "applies_to", "error_every"))
+            if others:
+                raise ValueError(f"compression.{others[0]} is set but compression.method=\"none\": "
+                                 "choose a method (topk, randomk, powersgd, int8, sign) or leave "
+                                 "it unset")
+            return
+        if c.applies_to == "pseudo_gradients" and cfg.lowcomm.algorithm != "diloco":
+            raise ValueError(
+                'compression.applies_to="pseudo_gradients" compresses DiLoCo\'s outer all-reduce; '
+                f"lowcomm.algorithm={cfg.lowcomm.algorithm!r} has none to compress: set "
+                'lowcomm.algorithm="diloco", or applies_to="gradients" without lowcomm')

@@ -1,0 +1,190 @@
+"""The one interface every technique implements: a `Component` (docs/architecture.md).
+
+A component owns its configuration keys (a frozen pydantic model: a whole TOML section, or
+its part of a shared one such as [parallel]), the switch that turns it on, its validator,
+and the components it refuses to run with. `loomtrain.train.config` assembles the Config
+from a list of components and checks their refusals from one table (`composition`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """A configuration section (or a component's part of one): frozen, unknown keys refused."""
+
+    # numbers are accepted for text keys, so `--set run.name=2024` names the run "2024"
+    # inf/nan are refused: no key means "unbounded" by them, and inf breaks timedelta(timeout_s)
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True,
+                              allow_inf_nan=False)
+
+
+def value_of(cfg, key: str) -> Any:
+    """The value of `section.key` in a Config (`async` is read through its attribute name)."""
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def literal(value: Any) -> str:
+    """How a value is named in a message: `2`, `'bf16'`, `True`, `['blocks.*']`."""
+    return repr(list(value) if isinstance(value, tuple) else value)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """The key that turns a component on: on while its value is not `off` (or, with `on`
+    given, while it is one of those values)."""
+
+    key: str
+    off: Any = None
+    on: tuple = ()
+    show_value: bool = True  # False for values too long to repeat (a path)
+
+    def active(self, cfg) -> bool:
+        value = value_of(cfg, self.key)
+        return value in self.on if self.on else value != self.off
+
+    def named(self, cfg) -> str:
+        if not self.show_value:
+            return self.key
+        return f"{self.key}={literal(value_of(cfg, self.key))}"
+
+    def allowed(self) -> str:
+        return f"{self.key}={literal(self.off)}" if not self.on else f"{self.key} not " + \
+            " or ".join(literal(v) for v in self.on)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a component does not run with another. `when(cfg)` narrows the refusal to some of
+    the other's settings (`partly` names them in the table); `yet=False` marks what is not
+    built by design (the maths or the hardware forbid it), not merely not built yet."""
+
+    reason: str
+    yet: bool = True
+    when: Callable[[Any], bool] | None = None
+    partly: str = ""
+    allowed: str = ""  # the valid choice, where the other's off value is not the only one
+
+
+class Component:
+    """A technique as the hubs see it. Subclasses set the class attributes; `validate` holds
+    the rules between its own keys and the rest of the config (raise ValueError with one
+    paragraph naming the keys and the valid choices)."""
+
+    name: ClassVar[str]
+    # the section its keys live in and the pydantic model of its keys there (None: it has no
+    # keys of its own, e.g. bf16 is train.precision)
+    section: ClassVar[str | None] = None
+    keys: ClassVar[type[Section] | None] = None
+    switches: ClassVar[tuple[Switch, ...]] = ()  # any one on turns it on; none: always on
+    refuses: ClassVar[dict[str, Refusal]] = {}  # other component's name -> why not
+    summary: ClassVar[str] = ""  # one line for the composition table
+
+    @classmethod
+    def active(cls, cfg) -> bool:
+        return not cls.switches or any(s.active(cfg) for s in cls.switches)
+
+    @classmethod
+    def switch(cls, cfg) -> Switch:
+        """The switch that turned it on (the first, for one that is always on)."""
+        return next((s for s in cls.switches if s.active(cfg)), cls.switches[0])
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        """Rules between its keys and the rest of the config, checked whatever its switch
+        (a key of it set while it is off is refused here too)."""
+
+    @classmethod
+    def batch_ranks(cls, cfg) -> tuple[int, str] | None:
+        """(the ranks that share each step's global batch, what to call them), where this
+        component decides it (None: the dp ranks do)."""
+        return None
+
+
+def changed_keys(section: BaseModel, keys=None) -> list[str]:
+    """The keys of `section` set away from their defaults, in declaration order."""
+    fields = type(section).model_fields
+    return [k for k in (keys if keys is not None else fields)
+            if getattr(section, k) != fields[k].default]
+
+
+def refuse_unread(name: str, section: BaseModel, selector: str, table: dict, keys) -> None:
+    """Refuse the first of `keys` set away from its default that the section's chosen
+    `selector` value does not read (`table`: value -> the keys it reads)."""
+    chosen = getattr(section, selector)
+    unread = [k for k in changed_keys(section, keys) if k not in table[chosen]]
+    if unread:
+        readers = [m for m, read in table.items() if unread[0] in read]
+        raise ValueError(f"{name}.{unread[0]} is not read by {name}.{selector}={chosen!r}; it is a "
+                         f"setting of {', '.join(repr(m) for m in readers)}: set {name}.{selector} "
+                         "to one of them or leave the key at its default")
+
+
+@dataclass
+class Composition:
+    """The table of which components run together, assembled from their `refuses`: for each
+    unordered pair, the refusal (from either side) or None."""
+
+    components: tuple[type[Component], ...]
+    cells: dict[tuple[str, str], tuple[str, Refusal]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, components) -> "Composition":
+        table = cls(tuple(components))
+        names = {c.name for c in components}
+        for c in components:
+            for other, refusal in c.refuses.items():
+                if other not in names:
+                    raise AssertionError(f"component {c.name!r} refuses unknown {other!r}")
+                pair = tuple(sorted((c.name, other)))
+                if pair in table.cells:
+                    raise AssertionError(f"{pair} is refused twice: keep one side's refusal")
+                table.cells[pair] = (c.name, refusal)
+        return table
+
+    def refusal(self, a: str, b: str) -> tuple[str, Refusal] | None:
+        return self.cells.get(tuple(sorted((a, b))))
+
+    def check(self, cfg) -> None:
+        """Raise ValueError for the first refused pair of active components (in the order
+        of the component list)."""
+        active = [c for c in self.components if c.switches and c.active(cfg)]
+        by_name = {c.name: c for c in active}
+        for c in active:
+            for other, refusal in c.refuses.items():
+                if other in by_name and (refusal.when is None or refusal.when(cfg)):
+                    raise ValueError(refusal_message(cfg, c, by_name[other], refusal))
+
+    def markdown(self) -> str:
+        """The table as Markdown: one row per component with a switch, and its refusals."""
+        switched = [c for c in self.components if c.switches]
+        lines = ["| component | switched on by | does not run with |", "|---|---|---|"]
+        for c in switched:
+            refused = []
+            for other in switched:
+                cell = self.refusal(c.name, other.name) if other is not c else None
+                if cell is None:
+                    continue
+                _, r = cell
+                label = other.name + (f" ({r.partly})" if r.partly else "")
+                refused.append(label + ("" if r.yet else " (by design)"))
+            keys = ", ".join(f"`{s.key}`" for s in c.switches)
+            lines.append(f"| {c.name} | {keys} | {', '.join(refused) or 'runs with all'} |")
+        lines += ["", "Why, for each refused pair:", ""]
+        for (a, b), (owner, r) in sorted(self.cells.items()):
+            lines.append(f"- **{a} x {b}**{f' ({r.partly})' if r.partly else ''}"
+                         f"{'' if r.yet else ' (by design)'}: {r.reason}")
+        return "\n".join(lines) + "\n"
+
+
+def refusal_message(cfg, component: type[Component], other: type[Component],
+                    refusal: Refusal) -> str:
+    """'A=x with B=y is not supported[ yet]: reason (B=allowed)'."""
+    off = other.switch(cfg)
+    return (f"{component.switch(cfg).named(cfg)} with {off.named(cfg)} is not supported"
+            f"{' yet' if refusal.yet else ''}: {refusal.reason} ({refusal.allowed or off.allowed()})")

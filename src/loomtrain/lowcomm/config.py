@@ -1,0 +1,167 @@
+"""The low-communication component's keys and rules (docs/lowcomm.md): replicas train apart
+and synchronize every inner_steps optimizer steps."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from loomtrain.component import Component, Refusal, Section, Switch, changed_keys
+
+# the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
+# that does not read it is refused (it would be silently ignored)
+LOWCOMM_KEYS = {
+    "none": (),
+    "local_sgd": ("inner_steps",),
+    "diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum"),
+    "streaming_diloco": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum",
+                         "fragments", "overlap_steps", "quantize", "mix"),
+    "noloco": ("inner_steps", "outer_lr", "outer_momentum", "outer_pull"),
+    "dreamddp": ("inner_steps",),
+    "hpsgd": ("overlap_steps",),
+    "hierarchical": ("inner_steps", "overlap_steps", "adaptive_period"),
+    "lordo": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "rank"),
+}
+
+
+
+class LowcommConfig(Section):
+    # low-communication data parallelism (lowcomm/, docs/lowcomm.md): replicas train apart
+    # and synchronize every inner_steps optimizer steps; LOWCOMM_KEYS: the keys each one reads
+    algorithm: Literal["none", "local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp",
+                       "hpsgd", "hierarchical", "lordo"] = "none"
+    inner_steps: int = Field(1, ge=1)  # H
+    # DiLoCo's outer optimizer: "nesterov", SGD with Nesterov momentum; "sgd", without momentum
+    outer_optimizer: Literal["sgd", "nesterov"] = "nesterov"
+    outer_lr: float = Field(0.7, gt=0.0)  # DiLoCo's (Douillard et al. 2023)
+    outer_momentum: float = Field(0.9, gt=0.0, lt=1.0)
+    fragments: int = Field(1, ge=1)  # streaming DiLoCo: F fragments synced at staggered steps
+    # optimizer steps a sync stays in flight while the replicas compute (0: wait at once)
+    overlap_steps: int = Field(1, ge=0)
+    quantize: Literal["none", "int8"] = "none"  # the pseudo-gradients on the wire
+    # streaming DiLoCo: an overlapped sync lands as mix * local + (1 - mix) * global (the
+    # paper's alpha; 0 replaces the local fragment); 1 would never adopt the global one
+    mix: float = Field(0.5, ge=0.0, lt=1.0)
+    rank: int = Field(16, ge=1)  # LoRDO: the rank r of the projected optimizer
+    # NoLoCo's gamma: how hard an outer step pulls a replica towards its pair's mean outer
+    # weights (0: no pull); 0.7, the paper's setting (equal to outer_lr)
+    outer_pull: float = Field(0.7, ge=0.0)
+    # hierarchical (DASO): the global period halves when the loss plateaus, from inner_steps
+    # down to 1, then starts again at inner_steps (lowcomm/hierarchical.py)
+    adaptive_period: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lordo_averages(cls, values: Any) -> Any:
+        """LoRDO's paper averages the replicas (arXiv 2602.04396, as DES-LOC): for
+        algorithm="lordo" outer_optimizer defaults to "sgd", and then outer_lr to 1 (the
+        mean); an explicit "nesterov" keeps DiLoCo's defaults."""
+        if isinstance(values, dict) and values.get("algorithm") == "lordo":
+            values = {"outer_optimizer": "sgd", **values}
+            if values["outer_optimizer"] == "sgd":
+                values.setdefault("outer_lr", 1.0)
+        return values
+
+
+_REPLICAS = "its replicas are whole fp32 models over dp"
+
+
+class Lowcomm(Component):
+    """Low-communication replicas run today as plain fp32 replicas of the whole model over dp,
+    each on its own rows, checkpointed only where they are synchronized."""
+
+    name = "lowcomm"
+    section, keys = "lowcomm", LowcommConfig
+    switches = (Switch("lowcomm.algorithm", "none"),)
+    summary = "local SGD, DiLoCo, streaming DiLoCo, NoLoCo, DreamDDP, HPSGD, DASO, LoRDO"
+    refuses = {other: Refusal(_REPLICAS) for other in
+               ("tensor", "pipeline", "context", "zero", "bf16", "packing", "balance")}
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        lc, p, t = cfg.lowcomm, cfg.parallel, cfg.train
+        changed = [k for k in changed_keys(lc) if k != "algorithm"]
+        unread = [k for k in changed if k not in LOWCOMM_KEYS[lc.algorithm]]
+        if unread:
+            readers = [a for a, keys in LOWCOMM_KEYS.items() if unread[0] in keys]
+            raise ValueError(f"lowcomm.{unread[0]} is not read by lowcomm.algorithm="
+                             f"{lc.algorithm!r}; it is a setting of "
+                             f"{', '.join(repr(a) for a in readers)}: set lowcomm.algorithm to one "
+                             "of them or leave the key at its default")
+        if lc.outer_optimizer == "sgd" and "outer_momentum" in changed:
+            raise ValueError('lowcomm.outer_momentum is the Nesterov momentum; lowcomm.'
+                             'outer_optimizer="sgd" has none: use "nesterov" or leave it unset')
+        if lc.algorithm == "noloco" and lc.outer_pull >= 2 * (1 + lc.outer_momentum):
+            raise ValueError(
+                f"lowcomm.outer_pull={lc.outer_pull} must be below 2 x (1 + lowcomm.outer_momentum) "
+                f"= {2 * (1 + lc.outer_momentum):g}: NoLoCo's outer step maps the difference between "
+                "two partners' weights through x <- (1 + momentum - pull) x - momentum x_prev, which "
+                "grows instead of shrinking from that pull on, so paired replicas would move apart; "
+                "the paper uses 0.7 (the default)")
+        if lc.algorithm == "none":
+            return
+        if lc.algorithm == "hpsgd" and lc.overlap_steps > 1:
+            raise ValueError(f"lowcomm.overlap_steps={lc.overlap_steps} with lowcomm.algorithm="
+                             "'hpsgd': HPSGD keeps at most one step's synchronization in flight "
+                             "while the next step computes (1, the paper's setting and the default; "
+                             "0: wait for it at once, synchronous data parallelism with plain SGD); "
+                             "set lowcomm.overlap_steps to 0 or 1")
+        if lc.algorithm == "streaming_diloco":
+            _check_streaming(lc, cfg.model)
+        if lc.algorithm == "hierarchical":
+            _check_hierarchical(lc, p)
+        if lc.algorithm == "lordo" and t.optimizer != "adamw":
+            raise ValueError(f'lowcomm.algorithm="lordo" replaces train.optimizer with its own '
+                             f"low-rank AdamW (the moments of each matrix in a rank-lowcomm.rank "
+                             f"subspace), built from train.lr, beta1, beta2 and weight_decay; "
+                             f'train.optimizer={t.optimizer!r} has no moments to project: set '
+                             f'train.optimizer="adamw"')
+        every = cfg.checkpoint.every
+        if every % lc.inner_steps:
+            fit = -(-every // lc.inner_steps) * lc.inner_steps
+            raise ValueError(f"checkpoint.every={every} must be a multiple of lowcomm.inner_steps="
+                             f"{lc.inner_steps}: a checkpoint holds one model, so it is written where "
+                             f"the replicas synchronize; set checkpoint.every={fit} (or 0: only at "
+                             "the end and on a signal)")
+
+
+def _check_streaming(lc: LowcommConfig, m) -> None:
+    """Streaming DiLoCo (lowcomm/streaming.py): fragments are whole blocks, one sync of each
+    per inner_steps steps at offsets H/F apart, and a sync lands before the next one starts."""
+    if lc.fragments > m.n_layers:
+        raise ValueError(f"lowcomm.fragments={lc.fragments} is more than the model's "
+                         f"model.n_layers={m.n_layers} blocks: a fragment is made of whole blocks; "
+                         f"set lowcomm.fragments to at most {m.n_layers}")
+    if lc.inner_steps % lc.fragments:
+        fit = -(-lc.inner_steps // lc.fragments) * lc.fragments
+        raise ValueError(f"lowcomm.inner_steps={lc.inner_steps} must be a multiple of "
+                         f"lowcomm.fragments={lc.fragments}: fragment p syncs at steps p*H/F "
+                         f"(mod H), evenly staggered; set lowcomm.inner_steps={fit}")
+    spacing = lc.inner_steps // lc.fragments
+    if lc.overlap_steps >= spacing:
+        raise ValueError(f"lowcomm.overlap_steps={lc.overlap_steps} must be less than "
+                         f"lowcomm.inner_steps / lowcomm.fragments = {lc.inner_steps}/"
+                         f"{lc.fragments} = {spacing}, the steps between two fragments' syncs, "
+                         "so that one sync lands before the next starts; set lowcomm."
+                         f"overlap_steps to at most {spacing - 1} (0: wait at once) or raise "
+                         "lowcomm.inner_steps")
+
+
+def _check_hierarchical(lc: LowcommConfig, p) -> None:
+    """DASO syncs inside nodes every step and between them every inner_steps steps: it needs
+    several nodes, one step of staleness at most, and a period that can change."""
+    if p.ranks_per_node is None or p.ranks_per_node >= p.nproc:
+        rpn = "unset" if p.ranks_per_node is None else p.ranks_per_node
+        raise ValueError(f'lowcomm.algorithm="hierarchical" averages gradients inside each node and '
+                         f"parameters between nodes, but parallel.ranks_per_node={rpn} puts all "
+                         f"parallel.nproc={p.nproc} ranks on one node: set parallel.ranks_per_node "
+                         "to a divisor of nproc below it (e.g. 2 ranks per node)")
+    if lc.overlap_steps > 1:
+        raise ValueError(f'lowcomm.overlap_steps={lc.overlap_steps} with lowcomm.algorithm='
+                         '"hierarchical": its global sync is either waited for at once (0) or '
+                         "merged one step stale (1, DASO's asynchronous mode); set 0 or 1")
+    if lc.adaptive_period and lc.inner_steps == 1:
+        raise ValueError("lowcomm.adaptive_period=true halves the global period from "
+                         "lowcomm.inner_steps down to 1, but inner_steps=1 leaves nothing to "
+                         "adapt: set lowcomm.inner_steps >= 2 or adaptive_period=false")

@@ -1,0 +1,42 @@
+"""The [parallel] section's mesh keys and the data-parallel component (parallel/data.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loomtrain.component import Component, Section
+
+
+class MeshKeys(Section):
+    nproc: int = Field(2, ge=1)
+    dp: int | None = Field(None, ge=1)  # None: whatever nproc leaves after tp, pp and cp
+    ranks_per_node: int | None = Field(None, ge=1)  # None: all ranks on one node
+    bucket_mb: float = Field(4.0, gt=0.0)
+    timeout_s: float = Field(300.0, gt=0.0)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp if self.dp is not None else self.nproc // (self.tp * self.pp * self.cp)
+
+
+class DataParallelComponent(Component):
+    """Data parallelism over dp: always on; the mesh (dp * tp * pp * cp = nproc) and nodes."""
+
+    name = "data_parallel"
+    section, keys = "parallel", MeshKeys
+    summary = "bucketed gradient all-reduce over dp (parallel/data.py)"
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        p = cfg.parallel
+        mesh_size = p.dp_size * p.tp * p.pp * p.cp
+        if mesh_size != p.nproc or p.dp_size < 1:
+            raise ValueError(
+                f"the mesh dp*tp*pp*cp = {p.dp_size}*{p.tp}*{p.pp}*{p.cp} = {mesh_size} must equal "
+                f"parallel.nproc={p.nproc}")
+        if p.ranks_per_node is not None and p.nproc % p.ranks_per_node:
+            raise ValueError(
+                f"parallel.ranks_per_node={p.ranks_per_node} must divide parallel.nproc={p.nproc}")

@@ -1,0 +1,148 @@
+"""The pipeline components' keys and rules (docs/pipeline.md): the pipeline over pp, and its
+asynchronous schedule (asynchronous.py), which composes with less."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loomtrain.component import Component, Refusal, Section, Switch, changed_keys
+
+# a pipeline setting set while parallel.pp = 1 is refused (it would be silently ignored)
+_PIPELINE_ONLY = ("microbatches", "recompute", "offload_activations", "split_points",
+                  "virtual_stages")
+
+
+class PipelineKeys(Section):
+    pp: int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "optimal", "async"] = "1f1b"
+    microbatches: int | None = Field(None, ge=1)  # None: global_batch / (dp * micro_batch)
+    virtual_stages: int = Field(1, ge=1)  # stages per rank (interleaved: 2 or more)
+    recompute: Literal["none", "full", "selective"] = "none"
+    offload_activations: float = Field(0.0, ge=0.0, le=1.0)  # fraction of stashed activations
+    pipeline_balance: Literal["params", "time"] = "params"  # what stages are balanced by
+    split_points: list[int] = []  # first layer of stages 1.. (layers: embed, blocks, head)
+    # schedule="optimal": each rank's activation memory limit (None: what 1F1B's busiest
+    # rank stashes, measured); the plan keeps, offloads or recomputes each micro-batch to fit.
+    # cp_method="auto": each rank's activation estimate for one micro-batch above which every
+    # block is checkpointed (None: never)
+    activation_budget_mb: float | None = Field(None, gt=0.0)
+    # schedule="async": each stage steps after every micro-batch on stashed weights; "stash":
+    # the train.optimizer as is (PipeDream), "nesterov": the delay-corrected Nesterov of
+    # arXiv 2505.01099 with momentum async_momentum
+    async_optimizer: Literal["stash", "nesterov"] = "nesterov"
+    async_momentum: float = Field(0.99, ge=0.0, lt=1.0)
+
+
+def _zero_past_1(cfg) -> bool:
+    return cfg.parallel.zero_stage > 1
+
+
+class Pipeline(Component):
+    """The pipeline keys: a schedule's own rules, and a split that gives every stage at least
+    one layer (the model's layers: embed, blocks, head)."""
+
+    name = "pipeline"
+    section, keys = "parallel", PipelineKeys
+    switches = (Switch("parallel.pp", 1),)
+    summary = "stages over pp, schedules as action lists (GPipe, 1F1B, interleaved, ZB-H1, optimal)"
+    refuses = {
+        "tensor": Refusal("the pipeline composes with dp and ZeRO-1"),
+        "context": Refusal("the pipeline composes with dp and ZeRO-1"),
+        "zero": Refusal("stages 2-3 would reduce or gather on every micro-batch of the schedule",
+                        when=_zero_past_1, partly="stages 2-3",
+                        allowed="parallel.zero_stage=0 or 1"),
+        "bf16": Refusal("the pipeline runs in fp32"),
+    }
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        p, m, t = cfg.parallel, cfg.model, cfg.train
+        _check_optimal(p)
+        _check_async_keys(p)
+        if p.pp == 1:
+            changed = [k for k in _PIPELINE_ONLY if k in p.model_fields_set
+                       and k in changed_keys(p, _PIPELINE_ONLY)]
+            if p.schedule in ("async", "optimal"):
+                changed.append("schedule")
+            if changed:
+                raise ValueError(f"parallel.{changed[0]} is a pipeline setting: it needs "
+                                 "parallel.pp > 1")
+            return
+        micro = t.global_batch // (p.dp_size * t.micro_batch)
+        if p.microbatches is not None and p.microbatches != micro:
+            raise ValueError(
+                f"parallel.microbatches={p.microbatches} must equal train.global_batch / (dp * "
+                f"train.micro_batch) = {t.global_batch}/({p.dp_size}*{t.micro_batch}) = {micro}; "
+                f"set train.micro_batch={max(1, t.global_batch // (p.dp_size * p.microbatches))} "
+                "(or leave parallel.microbatches unset)")
+        if p.schedule == "interleaved":
+            if p.virtual_stages < 2 or micro % p.pp:
+                raise ValueError(
+                    f'parallel.schedule="interleaved" needs parallel.virtual_stages >= 2 (got '
+                    f"{p.virtual_stages}) and micro-batches divisible by parallel.pp={p.pp} "
+                    f"(got {micro})")
+        elif p.virtual_stages != 1:
+            raise ValueError(f"parallel.virtual_stages={p.virtual_stages} is for "
+                             f'parallel.schedule="interleaved" (got {p.schedule!r}); set it to 1')
+        if p.recompute == "selective" and m.name != "gpt":
+            raise ValueError('parallel.recompute="selective" recomputes the GPT\'s attention; '
+                             f'model.name={m.name!r} has none: use "full"')
+        layers, stages = m.n_layers + 2, p.pp * p.virtual_stages
+        if p.split_points:
+            points = [0, *p.split_points, layers]
+            if len(p.split_points) != stages - 1 or any(a >= b for a, b in zip(points, points[1:])):
+                raise ValueError(
+                    f"parallel.split_points={p.split_points} must be {stages - 1} increasing layer "
+                    f"indices between 1 and {layers - 1} (the model has {layers} layers: embed, "
+                    f"{m.n_layers} blocks, head; pp*virtual_stages = {stages} stages)")
+        elif stages > layers:
+            raise ValueError(f"parallel.pp*virtual_stages = {stages} stages exceed the model's "
+                             f"{layers} layers (embed, {m.n_layers} blocks, head)")
+
+
+class AsyncPipeline(Component):
+    """schedule="async" steps its own (unsharded) optimizer on every stage and runs its
+    forwards on stashed weights, without recomputation or offload."""
+
+    name = "async_pipeline"
+    switches = (Switch("parallel.schedule", on=("async",)),)
+    summary = "asynchronous pipeline with delay-corrected Nesterov (arXiv 2505.01099)"
+    refuses = {
+        "zero": Refusal("each stage steps its own optimizer after every micro-batch, on "
+                        "stashed weights"),
+        "timeline": Refusal("it streams micro-batches across steps, and a timeline records one "
+                            "step of a fixed schedule: set run.timeline_step=0", yet=False),
+    }
+
+
+def _check_optimal(p) -> None:
+    """schedule="optimal" decides recomputation and offload per micro-batch itself."""
+    if p.schedule != "optimal":
+        if p.activation_budget_mb is not None and p.cp_method != "auto":
+            raise ValueError('parallel.activation_budget_mb is for parallel.schedule="optimal" '
+                             f'or parallel.cp_method="auto" (got schedule={p.schedule!r}, '
+                             f"cp_method={p.cp_method!r})")
+        return
+    for key, default in (("recompute", "none"), ("offload_activations", 0.0)):
+        if getattr(p, key) != default:
+            raise ValueError(f'parallel.schedule="optimal" chooses recomputation and offload '
+                             f"per micro-batch under parallel.activation_budget_mb: leave "
+                             f"parallel.{key} at {default!r} (got {getattr(p, key)!r})")
+
+
+def _check_async_keys(p) -> None:
+    """The async schedule's keys mean nothing to the other schedules; it runs without
+    recomputation or offload."""
+    if p.schedule != "async":
+        changed = changed_keys(p, ("async_optimizer", "async_momentum"))
+        if changed:
+            raise ValueError(f'parallel.{changed[0]} is for parallel.schedule="async" (got '
+                             f"{p.schedule!r})")
+        return
+    for key, default in (("recompute", "none"), ("offload_activations", 0.0)):
+        if getattr(p, key) != default:
+            raise ValueError(f'parallel.schedule="async" runs with parallel.{key}={default!r} '
+                             f"(got {getattr(p, key)!r}): each stage steps its own optimizer "
+                             "after every micro-batch, on stashed weights")

@@ -1,0 +1,100 @@
+"""The context-parallel components' keys and rules (docs/sequence.md): context parallelism
+over cp, document packing, and the dynamic hybrid dp x cp balance."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loomtrain.component import Component, Refusal, Section, Switch
+
+_TODAY = ("sequence parallelism and packing compose with data parallelism (zero_stage=0, "
+          "fp32) today")
+
+
+class SequenceKeys(Section):
+    cp: int = Field(1, ge=1)
+    # the context-parallel kernel (docs/sequence.md); None: "ring" for softmax attention,
+    # "lasp" for linear attention
+    cp_method: Literal["ring", "ulysses", "lasp", "auto"] | None = None
+
+
+class Context(Component):
+    """The kernel matches the attention, and the row splits evenly under its layout."""
+
+    name = "context"
+    section, keys = "parallel", SequenceKeys
+    switches = (Switch("parallel.cp", 1),)
+    summary = "ring attention, Ulysses, LASP or automatic, over cp"
+    refuses = {"tensor": Refusal(_TODAY), "zero": Refusal(_TODAY), "bf16": Refusal(_TODAY)}
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        p, m = cfg.parallel, cfg.model
+        if p.cp_method is not None and p.cp == 1:
+            raise ValueError(f"parallel.cp_method={p.cp_method!r} is a context-parallel setting: "
+                             "it needs parallel.cp > 1")
+        if p.cp == 1:
+            return
+        _needs_gpt(cfg, f"parallel.cp={p.cp}")
+        method = p.cp_method or ("lasp" if m.attention == "linear" else "ring")
+        if method == "auto" and (m.attention != "softmax" or m.dropout):
+            raise ValueError('parallel.cp_method="auto" rewrites the model\'s causal '
+                             "scaled_dot_product_attention calls, without dropout: it needs "
+                             f'model.attention="softmax" (got {m.attention!r}) and model.dropout=0 '
+                             f"(got {m.dropout})")
+        needs = {"ring": "softmax", "lasp": "linear"}.get(method)
+        if needs is not None and m.attention != needs:
+            other = "lasp" if method == "ring" else "ring"
+            raise ValueError(f"parallel.cp_method={method!r} is for {needs} attention, but "
+                             f"model.attention={m.attention!r}: use {other!r} or \"ulysses\"")
+        if method == "ulysses" and m.n_heads % p.cp:
+            raise ValueError(f'parallel.cp_method="ulysses" gives each of parallel.cp={p.cp} ranks '
+                             f"whole heads, but model.n_heads={m.n_heads} is not divisible by "
+                             f'{p.cp}; use "ring" or "lasp", or a cp that divides the heads')
+        pieces = 2 * p.cp if method in ("ring", "auto") else p.cp  # auto may choose ring
+        if m.seq_len % pieces:
+            why = "two zig-zag chunks per rank" if method != "ulysses" else "one chunk per rank"
+            raise ValueError(f"model.seq_len={m.seq_len} must be divisible by {pieces} for "
+                             f"parallel.cp_method={method!r} at parallel.cp={p.cp} ({why})")
+
+
+def _needs_gpt(cfg, used: str) -> None:
+    if cfg.model.name != "gpt":
+        raise ValueError(f"{used} splits or masks the GPT's attention; model.name="
+                         f"{cfg.model.name!r} has none: use model.name=\"gpt\"")
+
+
+class Packing(Component):
+    """Rows hold several documents and attention never crosses one."""
+
+    name = "packing"
+    switches = (Switch("data.packing", False),)
+    summary = "documents packed in rows, attention masked at their boundaries"
+    refuses = {"tensor": Refusal(_TODAY), "pipeline": Refusal(_TODAY), "zero": Refusal(_TODAY),
+               "bf16": Refusal(_TODAY)}
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        if cfg.data.packing:
+            _needs_gpt(cfg, "data.packing=true")
+
+
+class Balance(Component):
+    """Dynamic hybrid dp x cp (ByteScale): the documents of packed rows dealt by work."""
+
+    name = "balance"
+    switches = (Switch("data.balance", False),)
+    summary = "documents dealt over dp x cp by attention work (ByteScale)"
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        d, m, p = cfg.data, cfg.model, cfg.parallel
+        if d.balance and not d.packing:
+            raise ValueError("data.balance=true deals the documents of packed rows to ranks: it "
+                             "needs data.packing=true")
+        if d.balance and (m.attention != "softmax" or p.cp_method not in (None, "ring")):
+            raise ValueError("data.balance=true splits long documents with ring attention: it "
+                             f'needs model.attention="softmax" (got {m.attention!r}) and '
+                             f'parallel.cp_method unset or "ring" (got {p.cp_method!r})')

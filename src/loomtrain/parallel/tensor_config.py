@@ -1,0 +1,46 @@
+"""The tensor-parallel component's keys and rules (parallel/tensor.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from loomtrain.component import Component, Section, Switch
+
+
+class TensorKeys(Section):
+    tp: int = Field(1, ge=1)
+    # tensor parallel: layer norms and dropout on 1/tp of the sequence (Megatron-style)
+    sequence_parallel: bool = False
+
+
+class TensorParallel(Component):
+    """tp must split whole attention heads, the vocabulary (the GPT's embedding and head are
+    vocabulary-parallel) and the MLP's hidden width; sequence parallelism splits the sequence."""
+
+    name = "tensor"
+    section, keys = "parallel", TensorKeys
+    switches = (Switch("parallel.tp", 1),)
+    summary = "Megatron column/row-parallel layers, vocabulary-parallel head and loss"
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        p, m = cfg.parallel, cfg.model
+        if p.sequence_parallel and (p.tp == 1 or m.name != "gpt"):
+            raise ValueError("parallel.sequence_parallel=true splits the GPT's layer norms over "
+                             "the tensor-parallel ranks; it needs parallel.tp > 1 and "
+                             "model.name=\"gpt\"")
+        if p.tp == 1:
+            return
+        if m.linear_decay:
+            # tensor parallelism re-slices the heads but not their decays (attn.decay)
+            raise ValueError(f"parallel.tp={p.tp} with model.linear_decay=true is not supported "
+                             "yet; use parallel.tp=1 or model.linear_decay=false")
+        sizes = {"model.mlp_ratio*model.d_model": m.mlp_ratio * m.d_model}
+        if m.name == "gpt":
+            sizes = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size, **sizes}
+        if p.sequence_parallel:
+            sizes["model.seq_len"] = m.seq_len
+        for key, n in sizes.items():
+            if n % p.tp:
+                raise ValueError(f"parallel.tp={p.tp} must divide {key} = {n} (tensor parallelism "
+                                 f"splits it evenly); choose parallel.tp among its divisors")

@@ -1,0 +1,53 @@
+"""The ZeRO component's keys and rules (docs/zero.md), and bf16 mixed precision, which the
+same sharded engine runs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loomtrain.component import Component, Section, Switch
+
+
+class ZeroKeys(Section):
+    zero_stage: int = Field(0, ge=0, le=3)
+    hierarchical: bool = False  # ZeRO: shard inside the node, reduce across nodes in two levels
+    optimizer_shard: Literal["node", "dp"] = "node"  # hierarchical: optimizer state split over
+    prefetch: int = Field(1, ge=0)  # stage 3: units gathered ahead of the one computing
+    offload_optimizer: bool = False  # ZeRO: master weights and optimizer state in host memory
+    shard_units: list[str] = []  # ZeRO units as module-name patterns; empty: ModuleList children
+
+
+class Zero(Component):
+    """ZeRO stages 1-3, flat or hierarchical; its keys need a stage (shard_units also serves
+    bf16, which runs in the same engine)."""
+
+    name = "zero"
+    section, keys = "parallel", ZeroKeys
+    switches = (Switch("parallel.zero_stage", 0),)
+    summary = "optimizer state, gradients and parameters sharded over dp (flat or hierarchical)"
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        p = cfg.parallel
+        engine = p.zero_stage > 0 or cfg.train.precision == "bf16"  # the sharded engine runs these
+        for key, needs in (("hierarchical", p.zero_stage > 0),
+                           ("offload_optimizer", p.zero_stage > 0), ("shard_units", engine)):
+            if getattr(p, key) and not needs:
+                also = ' (or train.precision="bf16")' if key == "shard_units" else ""
+                raise ValueError(f"parallel.{key}={getattr(p, key)!r} needs ZeRO: set "
+                                 f"parallel.zero_stage to 1, 2 or 3{also}")
+        if p.optimizer_shard == "dp" and not p.hierarchical:
+            raise ValueError(
+                'parallel.optimizer_shard="dp" splits the optimizer state across nodes in '
+                "hierarchical ZeRO; set parallel.hierarchical=true (flat ZeRO already splits it "
+                "over all dp ranks)")
+
+
+class BF16(Component):
+    """bfloat16 compute with fp32 master weights, gradients reduced in fp32 (train.precision)."""
+
+    name = "bf16"
+    switches = (Switch("train.precision", "fp32"),)
+    summary = "bf16 compute, fp32 master weights and reductions (the sharded engine)"

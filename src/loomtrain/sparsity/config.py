@@ -1,0 +1,112 @@
+"""The sparse-training component's keys and rules (docs/sparsity.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loomtrain.component import Component, Refusal, Section, Switch, refuse_unread
+
+# the [sparsity] keys each method reads (besides method and the SAM keys sam, rho, zo_eps,
+# and sparse_comm); a key set away from its default for a method that does not read it is
+# refused (it would be silently ignored)
+SPARSITY_KEYS = {
+    "none": (),
+    "static": ("density", "distribution"),
+    "nm": ("n", "m"),
+    "prune": ("density", "distribution", "schedule", "start_step", "end_step", "update_every"),
+    "set": ("density", "distribution", "schedule", "end_step", "update_every", "alpha"),
+    "rigl": ("density", "distribution", "schedule", "end_step", "update_every", "alpha"),
+}
+# the schedules each method can follow, its default first
+SPARSITY_SCHEDULES = {"prune": ("cubic",), "set": ("cosine", "constant"),
+                      "rigl": ("cosine", "constant")}
+
+
+class SparsityConfig(Section):
+    # sparse training (sparsity/, docs/sparsity.md): masks on every untied nn.Linear weight
+    method: Literal["none", "static", "nm", "prune", "set", "rigl"] = "none"
+    density: float = Field(0.5, gt=0.0, lt=1.0)  # the kept fraction of the sparse layers' weights
+    # per-layer densities: "erk" (Erdos-Renyi-Kernel: small layers denser) or "uniform"
+    distribution: Literal["erk", "uniform"] = "erk"
+    n: int = Field(2, ge=1)  # N:M: keep n of every m consecutive input weights of a row
+    m: int = Field(4, ge=2)
+    # prune: "cubic" (Zhu & Gupta); set, rigl: the swapped fraction, "cosine" (RigL's decay
+    # from alpha) or "constant" (alpha, SET's paper); None: the method's first
+    schedule: Literal["cubic", "cosine", "constant"] | None = None
+    start_step: int = Field(0, ge=0)  # prune: the schedule's first step (dense until then)
+    end_step: int | None = Field(None, ge=1)  # None: 75% of train.steps
+    update_every: int = Field(100, ge=1)  # steps between mask updates
+    alpha: float = Field(0.3, gt=0.0, le=1.0)  # set, rigl: the swapped fraction at step 0
+    # sharpness-aware gradients: "sam" (two backwards per step) or "zo-sam" (a zeroth-order
+    # ascent direction from two forwards, one backward); any method, "none" included
+    sam: Literal["none", "sam", "zo-sam"] = "none"
+    rho: float = Field(0.05, gt=0.0)  # the perturbation's radius
+    zo_eps: float = Field(1e-3, gt=0.0)  # zo-sam: the SPSA probe's step
+    # only the kept gradient entries are all-reduced (the sparse-aware data-parallel engine)
+    sparse_comm: bool = False
+
+
+_PLAIN = ("sparse training runs in the plain data-parallel engine, whose replicas hold whole fp32 "
+          "weights and the all-reduced gradient, so that every rank computes the same masks")
+
+
+class Sparsity(Component):
+    """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
+    that divide the layers' inputs, and the engine it runs in today: plain data parallelism."""
+
+    name = "sparsity"
+    section, keys = "sparsity", SparsityConfig
+    switches = (Switch("sparsity.method", "none"), Switch("sparsity.sam", "none"))
+    summary = "masks, N:M, pruning, SET, RigL, SAM and ZO-SAM"
+    refuses = {other: Refusal(_PLAIN) for other in
+               ("tensor", "pipeline", "context", "zero", "bf16", "lowcomm", "compression",
+                "asyncsgd", "balance")}
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        s = cfg.sparsity
+        refuse_unread("sparsity", s, "method", SPARSITY_KEYS,
+                       [k for k in SparsityConfig.model_fields
+                        if k not in ("method", "sam", "rho", "zo_eps", "sparse_comm")])
+        default = {k: SparsityConfig.model_fields[k].default for k in ("rho", "zo_eps")}
+        if s.sam == "none" and (s.rho != default["rho"] or s.zo_eps != default["zo_eps"]):
+            key = "rho" if s.rho != default["rho"] else "zo_eps"
+            raise ValueError(f'sparsity.{key} is a setting of sharpness-aware training, which is off '
+                             '(sparsity.sam="none"): set sparsity.sam to "sam" or "zo-sam" or leave it unset')
+        if s.sam == "sam" and s.zo_eps != default["zo_eps"]:
+            raise ValueError('sparsity.zo_eps is the probe step of sparsity.sam="zo-sam"; "sam" takes '
+                             "its ascent direction from a backward pass: leave it unset")
+        if s.method in SPARSITY_SCHEDULES and s.schedule not in (None, *SPARSITY_SCHEDULES[s.method]):
+            raise ValueError(f"sparsity.schedule={s.schedule!r} is not a schedule of sparsity.method="
+                             f"{s.method!r}; it follows "
+                             f"{' or '.join(repr(x) for x in SPARSITY_SCHEDULES[s.method])}")
+        steps = cfg.train.steps
+        end = s.end_step if s.end_step is not None else max(1, round(0.75 * steps))
+        if s.end_step is not None and s.end_step > steps:
+            raise ValueError(f"sparsity.end_step={s.end_step} is after the last step, train.steps={steps}")
+        if s.method == "prune" and end <= s.start_step:
+            raise ValueError(f"sparsity.start_step={s.start_step} must be before sparsity.end_step="
+                             f"{end}{'' if s.end_step is not None else ' (75% of train.steps)'}: the "
+                             "cubic schedule prunes from dense at start_step to sparsity.density at end_step")
+        if s.method == "nm":
+            _check_nm(s, cfg)
+        if s.sparse_comm and s.method == "none":
+            raise ValueError("sparsity.sparse_comm=true all-reduces only the kept gradient entries; "
+                             'sparsity.method="none" keeps them all: choose a sparsity method')
+
+
+def _check_nm(s: SparsityConfig, cfg) -> None:
+    """N:M groups run along each Linear's inputs: d_model (and mlp_ratio * d_model), and the
+    digits classifier's 64 pixels."""
+    if s.n >= s.m:
+        raise ValueError(f"sparsity.n={s.n} must be less than sparsity.m={s.m} (N:M keeps n of "
+                         "every m weights; 2:4 is the one sparse tensor cores run)")
+    inputs = {"model.d_model": cfg.model.d_model}
+    if cfg.data.source == "digits":
+        inputs["the digits' 64 features"] = 64
+    for key, width in inputs.items():
+        if width % s.m:
+            raise ValueError(f"sparsity.m={s.m} must divide {key} = {width}: N:M groups m "
+                             "consecutive inputs of each nn.Linear row")
