@@ -131,7 +131,7 @@ def _traced(rank, world, tree, steps):
     """Trains `steps` steps with the runtime's trace on; returns what the test checks."""
     from loomtrain.data import WindowSampler, load_corpus
     from loomtrain.models import build_model
-    from loomtrain.parallel import parallelize
+    from loomtrain.train.apply import parallelize
     from loomtrain.parallel.pipeline import runtime_of
     from loomtrain.train import trainer
     from loomtrain.train.launch import init_distributed

@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_tree
 from harness import run_world
 from loomtrain.models import build_model
-from loomtrain.parallel import parallelize
+from loomtrain.train.apply import parallelize
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.train import trainer
 from loomtrain.train.config import config_from_dict

@@ -2,8 +2,10 @@
 
 A component owns its configuration keys (a frozen pydantic model: a whole TOML section, or
 its part of a shared one such as [parallel]), the switch that turns it on, its validator,
-and the components it refuses to run with. `loomtrain.train.config` assembles the Config
-from a list of components and checks their refusals from one table (`composition`).
+the components it refuses to run with, and `apply`: its step of building the run, at its
+`stage` of the apply order. `loomtrain.train.config` assembles the Config from a list of
+components and checks their refusals from one table (`Composition`); `train/apply.py` runs
+their `apply` in stage order.
 """
 
 from __future__ import annotations
@@ -32,6 +34,28 @@ def value_of(cfg, key: str) -> Any:
 def literal(value: Any) -> str:
     """How a value is named in a message: `2`, `'bf16'`, `True`, `['blocks.*']`."""
     return repr(list(value) if isinstance(value, tuple) else value)
+
+
+# The apply order (TorchTitan's): split the model (tensor and sequence parallel), cut it into
+# pipeline stages, context parallel; then the optimizer is built over what this rank holds;
+# then what the replicas need (a compressor), and one replica engine wraps model and
+# optimizer: the low-communication replicas, ZeRO, or plain data parallelism, the first of
+# them that applies.
+SPLIT, PIPELINE, CONTEXT, OPTIMIZER, PREPARE, REPLICATE = 10, 20, 30, 40, 45, 50
+
+
+@dataclass
+class Built:
+    """What the components transform as they apply: the model, from stage OPTIMIZER on the
+    optimizer, the loss its outputs need, and what one component hands a later one."""
+
+    model: Any
+    mesh: Any
+    cfg: Any
+    loss_sum: Callable | None = None  # (logits, targets) -> the token-summed loss
+    optimizer: Any = None
+    compressor: Any = None  # for the replica engine (stage PREPARE)
+    replicated: bool = False  # a replica engine has wrapped model and optimizer
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,7 @@ class Component:
     switches: ClassVar[tuple[Switch, ...]] = ()  # any one on turns it on; none: always on
     refuses: ClassVar[dict[str, Refusal]] = {}  # other component's name -> why not
     summary: ClassVar[str] = ""  # one line for the composition table
+    stage: ClassVar[int | None] = None  # when `apply` runs (SPLIT ... REPLICATE); None: never
 
     @classmethod
     def active(cls, cfg) -> bool:
@@ -98,6 +123,15 @@ class Component:
     def validate(cls, cfg) -> None:
         """Rules between its keys and the rest of the config, checked whatever its switch
         (a key of it set while it is off is refused here too)."""
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        """Whether `apply` runs for this config (by default: while it is on)."""
+        return cls.active(cfg)
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        """Its step of building the run: transform `built` in place, over its mesh axes."""
 
     @classmethod
     def batch_ranks(cls, cfg) -> tuple[int, str] | None:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from loomtrain.component import Component, Refusal, Section, Switch, changed_keys
+from loomtrain.component import REPLICATE, Built, Component, Refusal, Section, Switch, changed_keys
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -77,6 +77,19 @@ class Lowcomm(Component):
     summary = "local SGD, DiLoCo, streaming DiLoCo, NoLoCo, DreamDDP, HPSGD, DASO, LoRDO"
     refuses = {other: Refusal(_REPLICAS) for other in
                ("tensor", "pipeline", "context", "zero", "bf16", "packing", "balance")}
+    stage = REPLICATE  # before ZeRO and plain data parallelism: it takes the dp axis's place
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        """No gradient all-reduce: the replicas synchronize every inner_steps steps."""
+        from loomtrain.lowcomm import apply_lowcomm
+
+        cfg = built.cfg
+        built.model, built.optimizer = apply_lowcomm(built.model, built.optimizer, built.mesh,
+                                                     cfg.lowcomm, cfg.run.seed)
+        if built.compressor is not None:  # applies_to="pseudo_gradients": the outer all-reduce
+            built.model.compressor = built.compressor
+        built.replicated = True
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import Component, Section
+from loomtrain.component import REPLICATE, Built, Component, Section
 
 
 class MeshKeys(Section):
@@ -28,6 +28,17 @@ class DataParallelComponent(Component):
     name = "data_parallel"
     section, keys = "parallel", MeshKeys
     summary = "bucketed gradient all-reduce over dp (parallel/data.py)"
+    stage = REPLICATE + 2  # the replica engine when no other took the dp axis
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        from loomtrain.parallel.data import apply_data_parallel
+
+        if built.replicated:
+            return
+        built.model = apply_data_parallel(built.model, built.mesh, built.cfg.parallel,
+                                          built.compressor)
+        built.replicated = True
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from loomtrain.component import Component, Section, Switch
+from loomtrain.component import SPLIT, Built, Component, Section, Switch
 
 
 class TensorKeys(Section):
@@ -21,6 +21,13 @@ class TensorParallel(Component):
     section, keys = "parallel", TensorKeys
     switches = (Switch("parallel.tp", 1),)
     summary = "Megatron column/row-parallel layers, vocabulary-parallel head and loss"
+    stage = SPLIT
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        from loomtrain.parallel import apply_tensor_parallel
+
+        built.model, built.loss_sum = apply_tensor_parallel(built.model, built.mesh, built.cfg)
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -155,7 +155,7 @@ def _check_data(cfg) -> str:
 
 
 def uses_zero(cfg) -> bool:
-    """The sharded engine runs it (`loomtrain.parallel.parallelize`)."""
+    """The sharded engine runs it (`loomtrain.train.apply.parallelize`)."""
     return cfg.parallel.zero_stage > 0 or cfg.train.precision == "bf16"
 
 

@@ -35,7 +35,7 @@ from loomtrain import comm
 from loomtrain.data import eval_samples, rank_samples
 from loomtrain.errors import UserError
 from loomtrain.models import IGNORE_INDEX, token_loss_sum
-from loomtrain.parallel import parallelize
+from loomtrain.train.apply import parallelize
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.parallel.sequence import sequence_of
 from loomtrain.sparsity.training import build_sparse_training

@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import Component, Refusal, Section, Switch, changed_keys, refuse_unread
+from loomtrain.component import (PREPARE, Built, Component, Refusal, Section, Switch, changed_keys,
+                                 refuse_unread)
 
 # the [compression] keys each method reads (besides method, error_feedback and applies_to)
 COMPRESSION_KEYS = {"none": (), "topk": ("ratio",), "randomk": ("ratio",), "powersgd": ("rank",),
@@ -54,6 +55,19 @@ class Compression(Component):
         "zero": Refusal(_PLAIN_ENGINE, when=_on_gradients, partly="on gradients"),
         "bf16": Refusal(_PLAIN_ENGINE, when=_on_gradients, partly="on gradients"),
     }
+
+    stage = PREPARE
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        """The compressor the replica engine sends through. Error feedback defaults to on,
+        except for int8 (its error is small)."""
+        from loomtrain.comm.compress import build_compressor
+
+        c, cfg = built.cfg.compression, built.cfg
+        error_feedback = c.error_feedback if c.error_feedback is not None else c.method != "int8"
+        built.compressor = build_compressor(c.method, c.ratio, c.rank, error_feedback,
+                                            cfg.run.seed, scheme=cfg.comm.sparse_allreduce)
 
     @classmethod
     def validate(cls, cfg) -> None:

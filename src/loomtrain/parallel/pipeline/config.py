@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import Component, Refusal, Section, Switch, changed_keys
+from loomtrain.component import PIPELINE, Built, Component, Refusal, Section, Switch, changed_keys
 
 # a pipeline setting set while parallel.pp = 1 is refused (it would be silently ignored)
 _PIPELINE_ONLY = ("microbatches", "recompute", "offload_activations", "split_points",
@@ -47,6 +47,13 @@ class Pipeline(Component):
     section, keys = "parallel", PipelineKeys
     switches = (Switch("parallel.pp", 1),)
     summary = "stages over pp, schedules as action lists (GPipe, 1F1B, interleaved, ZB-H1, optimal)"
+    stage = PIPELINE
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        from loomtrain.parallel.pipeline import apply_pipeline
+
+        built.model = apply_pipeline(built.model, built.mesh, built.cfg)
     refuses = {
         "tensor": Refusal("the pipeline composes with dp and ZeRO-1"),
         "context": Refusal("the pipeline composes with dp and ZeRO-1"),

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import Component, Refusal, Section, Switch
+from loomtrain.component import CONTEXT, Built, Component, Refusal, Section, Switch
 
 _TODAY = ("sequence parallelism and packing compose with data parallelism (zero_stage=0, "
           "fp32) today")
@@ -28,6 +28,18 @@ class Context(Component):
     switches = (Switch("parallel.cp", 1),)
     summary = "ring attention, Ulysses, LASP or automatic, over cp"
     refuses = {"tensor": Refusal(_TODAY), "zero": Refusal(_TODAY), "bf16": Refusal(_TODAY)}
+    stage = CONTEXT
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        """Also at cp = 1 when data.packing asks for document masks."""
+        return cfg.parallel.cp > 1 or cfg.data.packing
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        from loomtrain.parallel.sequence import apply_sequence
+
+        built.model = apply_sequence(built.model, built.mesh, built.cfg)
 
     @classmethod
     def validate(cls, cfg) -> None:

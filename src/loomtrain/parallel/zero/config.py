@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import Component, Section, Switch
+from loomtrain.component import REPLICATE, Built, Component, Section, Switch
 
 
 class ZeroKeys(Section):
@@ -27,6 +27,33 @@ class Zero(Component):
     section, keys = "parallel", ZeroKeys
     switches = (Switch("parallel.zero_stage", 0),)
     summary = "optimizer state, gradients and parameters sharded over dp (flat or hierarchical)"
+    stage = REPLICATE + 1
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        """The sharded engine also runs bf16 at stage 0."""
+        return cfg.parallel.zero_stage > 0 or cfg.train.precision == "bf16"
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        import torch
+
+        from loomtrain.errors import ConfigError
+        from loomtrain.parallel.zero import shard
+
+        if built.replicated:
+            return
+        p, precision = built.cfg.parallel, built.cfg.train.precision
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        try:
+            built.model, built.optimizer = shard(
+                built.model, built.optimizer, built.mesh, p.zero_stage,
+                hierarchical=p.hierarchical, optimizer_shard=p.optimizer_shard,
+                prefetch=p.prefetch, offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
+                units=list(p.shard_units) or None)
+        except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
+            raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
+        built.replicated = True
 
     @classmethod
     def validate(cls, cfg) -> None:
