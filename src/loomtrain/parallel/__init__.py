@@ -46,11 +46,11 @@ def parallelize(model, mesh, cfg, make_optimizer):
     if p.zero_stage == 0 and cfg.train.precision == "fp32":
         return apply_data_parallel(model, mesh, p, compressor), optimizer, loss_sum
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    try:
+    try:  # "sum": the trainer's loss is already divided by the global token count
         model, optimizer = shard(model, optimizer, mesh, p.zero_stage, hierarchical=p.hierarchical,
                                  optimizer_shard=p.optimizer_shard, prefetch=p.prefetch,
                                  offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
-                                 units=list(p.shard_units) or None)
+                                 units=list(p.shard_units) or None, gradient_reduce="sum")
     except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
     return model, optimizer, loss_sum
