@@ -218,8 +218,9 @@ class TorchFSDP2(nn.Module):
 
 
 def wrap(engine: Engine, model: nn.Module, mesh, cfg):
-    """(model, optimizer, factor on the global token count): loomtrain sums gradients over dp,
-    FSDP2 averages them, so FSDP2's loss is divided by tokens / world instead."""
+    """(model, optimizer, factor on the global token count): loomtrain's engines are built as
+    the trainer builds them (gradients summed over dp, `gradient_reduce="sum"`), FSDP2
+    averages them, so FSDP2's loss is divided by tokens / world instead."""
     if engine.stage is None:
         device_mesh = init_device_mesh("cpu", (engine.world,), mesh_dim_names=("dp",))
         for block in model.blocks:
@@ -231,7 +232,8 @@ def wrap(engine: Engine, model: nn.Module, mesh, cfg):
         return DataParallel(model, mesh, "dp", cfg.parallel.bucket_mb, gradient_reduce="sum"), \
             optimizer, 1.0
     model, optimizer = shard(model, optimizer, mesh, engine.stage,
-                             hierarchical=engine.hierarchical, prefetch=cfg.parallel.prefetch)
+                             hierarchical=engine.hierarchical, prefetch=cfg.parallel.prefetch,
+                             gradient_reduce="sum")
     return model, optimizer, 1.0
 
 

@@ -14,7 +14,7 @@ from loomtrain.mesh import build_mesh
 from loomtrain.parallel.data import DataParallel, apply_data_parallel, build_buckets
 from loomtrain.train.config import ParallelConfig
 from loomtrain.train.metrics import read_metrics
-from test_zero import _train_many
+from test_zero import Blocks, _mean_loss_against_ddp, _train_many
 from loomtrain.train.trainer import run
 
 
@@ -144,3 +144,16 @@ def test_last_gradients_get_a_small_bucket_of_their_own():
     assert sizes(build_buckets(params, 40 * 4, last_bucket_bytes=10 * 4)) == [[100], [30], [5, 3]]
     # a last parameter larger than the limit: nothing is split off
     assert sizes(build_buckets(params[:2], 40 * 4, last_bucket_bytes=10 * 4)) == [[100], [30]]
+
+
+def test_default_mean_gives_torch_ddp_gradients_and_sum_gives_dp_times_them():
+    """A DDP user's loop (a mean loss per rank, no_sync accumulation, clip, step): the default
+    gradient_reduce="mean" gives torch DDP's gradient, norm and step; "sum" (the trainer's)
+    gives dp x that gradient. The tolerances and their reasons: test_zero's
+    `_mean_loss_against_ddp`, which runs it (measured: the same bits as DDP here)."""
+    run_world(_mean_loss_against_ddp, 2, [{"engine": "dp"}], timeout_s=90)
+
+
+def test_gradient_reduce_is_validated_before_anything_is_sent():
+    with pytest.raises(ValueError, match="gradient_reduce='avg' is not one of 'mean', 'sum'"):
+        DataParallel(Blocks(), None, gradient_reduce="avg")

@@ -14,8 +14,11 @@ What it does, in the order a step sees it (the scheme of PyTorch DDP, Li et al.,
    `.grad` holds the reduced gradient, as with DDP.
 Inside `no_sync()` (gradient-accumulation micro-steps) nothing is communicated.
 
-Gradients reduce with "sum" or "mean" over the dp axis; the trainer uses "sum" with the loss
-already divided by the global token count, so the result equals the single-process gradient.
+Gradients reduce with "mean" over the dp axis by default, as torch DDP does (each bucket is
+divided by the dp size before its all-reduce, DDP's order): a loop written for DDP, with each
+rank's loss averaged over its own batch, gets DDP's gradient. The trainer uses "sum" with the
+loss already divided by the global token count, so the result equals the single-process
+gradient whatever the number of tokens on each rank.
 
 With a `compressor` (comm/compress/, docs/compression.md) a full bucket is compressed where it
 would have been all-reduced (on the backward's thread, in the hook) and its exchange starts
@@ -136,6 +139,21 @@ def _broadcast_chunk(same: list[torch.Tensor], mesh, axis: str) -> None:
             t.copy_(src)
 
 
+GRADIENT_REDUCES = ("mean", "sum")
+
+
+def check_gradient_reduce(gradient_reduce: str) -> None:
+    """ValueError unless `gradient_reduce` is one of `GRADIENT_REDUCES` (the dp engines'
+    shared option: DataParallel and ZeRO's `shard`)."""
+    if gradient_reduce not in GRADIENT_REDUCES:
+        raise ValueError(
+            f"gradient_reduce={gradient_reduce!r} is not one of "
+            f"{', '.join(repr(r) for r in GRADIENT_REDUCES)}: \"mean\" averages the gradients "
+            "over the data-parallel ranks, as torch DDP and FSDP2 do (for a loss averaged over "
+            "each rank's own batch); \"sum\" adds them (for a loss already divided by the "
+            "global token count, as loomtrain's trainer computes it)")
+
+
 def norm_weight(p: torch.Tensor, mesh) -> float:
     """What the square of `p`'s gradient counts for in the global norm, on each rank holding
     it: a tensor-parallel piece counts whole, a tensor replicated over tp for 1/tp; a
@@ -172,12 +190,13 @@ class DataParallel(nn.Module):
     """`model = DataParallel(model, mesh)`; then `loss.backward(); optimizer.step()` as usual.
 
     The wrapped module is `.module` (its state_dict keys are unchanged there).
+    `gradient_reduce`: "mean" (the default, DDP's gradient) or "sum" (`check_gradient_reduce`).
     """
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", bucket_mb: float = 4.0,
                  gradient_reduce: str = "mean", last_bucket_mb: float = 1.0, compressor=None):
         super().__init__()
-        assert gradient_reduce in ("sum", "mean"), gradient_reduce
+        check_gradient_reduce(gradient_reduce)
         self.module, self.mesh, self.axis = module, mesh, axis
         self.gradient_reduce = gradient_reduce
         self.compressor = compressor
@@ -382,8 +401,9 @@ class CompressionWindow:
 
 
 def apply_data_parallel(model: nn.Module, mesh, cfg, compressor=None) -> DataParallel:
-    """The dp-axis strategy: `cfg` is the ParallelConfig (bucket_mb). Gradients are summed;
-    the trainer normalizes the loss by the global token count. With cp > 1 over dp and cp
+    """The dp-axis strategy: `cfg` is the ParallelConfig (bucket_mb). Gradients are summed,
+    not averaged (the library default): the trainer divides the loss by the global token
+    count, so the sum is the single-process gradient. With cp > 1 over dp and cp
     together: context-parallel peers hold the same replica, each with the gradient of its
     own tokens. `compressor`: compress each bucket (comm/compress/)."""
     axis = "dpcp" if cfg.cp > 1 else "dp"  # the same group at cp = 1; bytes counted as dp
@@ -391,5 +411,6 @@ def apply_data_parallel(model: nn.Module, mesh, cfg, compressor=None) -> DataPar
                         compressor=compressor)
 
 
-__all__ = ["Bucket", "CompressionWindow", "DataParallel", "apply_data_parallel", "broadcast_state", "build_buckets",
-           "grad_norm", "norm_weight", "weighted_groups"]
+__all__ = ["GRADIENT_REDUCES", "Bucket", "CompressionWindow", "DataParallel", "apply_data_parallel",
+           "broadcast_state", "build_buckets", "check_gradient_reduce", "grad_norm", "norm_weight",
+           "weighted_groups"]

@@ -178,8 +178,10 @@ class PipelineRuntime:
 
     def train_step(self, model, batches, global_tokens: float, loss_fn) -> torch.Tensor:
         """Runs the schedule over `batches` (one (x, y) per micro-batch) through `model` (the
-        dp-wrapped PipelineModule); gradients end summed over dp and over the pp copies of
-        shared parameters. Returns this rank's token-summed loss (zero off the last stage)."""
+        dp-wrapped PipelineModule, its engine built with `gradient_reduce="sum"` as the
+        trainer builds it: the loss is divided by `global_tokens`); gradients end summed over
+        dp and over the pp copies of shared parameters. Returns this rank's token-summed loss
+        (zero off the last stage)."""
         if len(batches) != self.schedule.microbatches:
             raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                              f"the step {len(batches)}")

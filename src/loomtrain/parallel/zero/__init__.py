@@ -1,6 +1,6 @@
 """ZeRO stages 1-3 over the dp axis, flat or hierarchical, with prefetch, offload and bf16.
 
-    model, optimizer = shard(model, optimizer, mesh, stage=3)
+    model, optimizer = shard(model, optimizer, mesh, stage=3)   # gradient_reduce="mean", as DDP
     loss.backward(); model.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 
 Files: layout.py (pure: flat ranges, slices, checkpoint boxes, memory formulas), flat.py (one
@@ -16,7 +16,7 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from loomtrain.parallel.data import broadcast_state
+from loomtrain.parallel.data import broadcast_state, check_gradient_reduce
 from loomtrain.parallel.zero.engine import ShardedDataParallel
 from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
 from loomtrain.parallel.zero.layout import unit_layout
@@ -86,13 +86,19 @@ def assign_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> d
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer, mesh, stage: int, *,
           hierarchical: bool = False, optimizer_shard: str = "node", prefetch: int = 1,
           offload_optimizer: bool = False, compute_dtype: torch.dtype = torch.float32,
-          units: list[str] | None = None) -> tuple[ShardedDataParallel, ShardedOptimizer]:
+          units: list[str] | None = None,
+          gradient_reduce: str = "mean") -> tuple[ShardedDataParallel, ShardedOptimizer]:
     """Wrap `model` and `optimizer` for ZeRO `stage` over the mesh's dp axis.
 
     The model's parameters keep their identity; their storage moves into flat buffers (and,
-    for stage 3, is empty between uses). Gradients are summed over dp (the trainer divides the
-    loss by the global token count). `units`: module name patterns, see `find_units`.
+    for stage 3, is empty between uses). `units`: module name patterns, see `find_units`.
+    `gradient_reduce`: "mean" (default) divides the gradient summed over the dp ranks by
+    their number (hierarchical: every rank of every node), the gradient of torch DDP and
+    FSDP2, so a loop whose loss is averaged over each rank's own batch trains as it does
+    there; "sum" keeps the sum, for a loss already divided by the global token count (the
+    trainer's). ValueError for any other value.
     """
+    check_gradient_reduce(gradient_reduce)
     plan = make_plan(mesh, stage, hierarchical, optimizer_shard, compute_dtype, offload_optimizer)
     broadcast_state(model, mesh, "dp")
     multiple = plan.shard_ranks * plan.replica_ranks
@@ -109,7 +115,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, mesh, stage: int, 
             root = flat
         else:
             flat_units.append(flat)
-    engine = ShardedDataParallel(model, mesh, plan, flat_units, root, prefetch)
+    engine = ShardedDataParallel(model, mesh, plan, flat_units, root, prefetch, gradient_reduce)
     return engine, ShardedOptimizer(optimizer, engine)
 
 

@@ -8,6 +8,10 @@ Gradient of one unit, full length P_u, from the compute buffer to my optimizer r
    and ZeRO++'s hpZ (arXiv 2306.10209).
 Wire bytes per rank: (L-1)/L x P_u inside the node, then 2(C-1)/C x P_u/L (all-reduce) or
 (C-1)/C x P_u/L (reduce-scatter) across nodes, so cross-node traffic is 1/L of a flat reduction.
+With `gradient_reduce="mean"` the reduced range is then divided by the dp size L x C, once, on
+the smallest tensor of the way (P_u/L or P_u/LC elements, never the full unit), after the
+last collective: gloo has no AVG and refuses PREMUL_SUM, and one division of the summed
+gradient adds one rounding (none when the dp size is a power of two).
 
 Parameters after the optimizer step go the other way: all-gather over the replica axis (when
 the optimizer range is smaller than the shard), then over the shard axis (stages 1-2: every
@@ -36,11 +40,12 @@ FREE_ON_COMPLETION_BYTES = 1 << 20
 
 class GradReduction:
     """One unit's gradient in flight: reduce-scatter over the shard axis, then the replica
-    step, then added into the unit's `grad`. `advance()` does one blocking phase."""
+    step, then divided by `divisor` (the dp size for a mean, 1 for a sum) and added into the
+    unit's `grad`. `advance()` does one blocking phase."""
 
-    def __init__(self, unit: FlatUnit, source: torch.Tensor, mesh, timeline=None):
+    def __init__(self, unit: FlatUnit, source: torch.Tensor, mesh, timeline=None, divisor: int = 1):
         plan = unit.plan
-        self.unit, self.mesh, self.timeline = unit, mesh, timeline
+        self.unit, self.mesh, self.timeline, self.divisor = unit, mesh, timeline, divisor
         self.source = source if source.dtype == torch.float32 else source.float()
         lo, hi = unit.shard
         in_place = unit.acc is not None and self.source is unit.acc
@@ -90,6 +95,8 @@ class GradReduction:
                     self.pending = self._start("all_reduce", lambda: comm.all_reduce(
                         self.shard, self.mesh, plan.replica_axis, async_op=True))
                 return False
+        if self.divisor > 1:
+            self.reduced.div_(self.divisor)
         self.unit.accumulate(self.reduced)
         self.shard = self.reduced = None
         self.phase = "done"

@@ -45,12 +45,12 @@ class Zero(Component):
             return
         p, precision = built.cfg.parallel, built.cfg.train.precision
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        try:
+        try:  # "sum": the trainer's loss is already divided by the global token count
             built.model, built.optimizer = shard(
                 built.model, built.optimizer, built.mesh, p.zero_stage,
                 hierarchical=p.hierarchical, optimizer_shard=p.optimizer_shard,
                 prefetch=p.prefetch, offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
-                units=list(p.shard_units) or None)
+                units=list(p.shard_units) or None, gradient_reduce="sum")
         except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
             raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
         built.replicated = True

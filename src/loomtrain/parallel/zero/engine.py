@@ -44,12 +44,17 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 class ShardedDataParallel(nn.Module):
     """`model = ShardedDataParallel(...)` (built by `shard()`); then
-    `loss.backward(); optimizer.step()` as usual. The wrapped module is `.module`."""
+    `loss.backward(); optimizer.step()` as usual. The wrapped module is `.module`.
+    `gradient_reduce`: "mean" over the dp replicas (DDP's and FSDP2's gradient) or "sum"."""
 
     def __init__(self, module: nn.Module, mesh, plan: ShardPlan, units: list[FlatUnit],
-                 root: FlatUnit | None, prefetch: int):
+                 root: FlatUnit | None, prefetch: int, gradient_reduce: str = "mean"):
         super().__init__()
         self.module, self.mesh, self.plan, self.prefetch = module, mesh, plan, prefetch
+        self.gradient_reduce = gradient_reduce
+        # the ranks every gradient is summed over: the shard axis, then the replica axis
+        # (hierarchical: the whole dp world across nodes; stage 0 in bf16: 1 x dp)
+        self._divisor = plan.shard_ranks * plan.replica_ranks if gradient_reduce == "mean" else 1
         self.units, self.root = units, root
         self.all_units = units + ([root] if root is not None else [])
         self.launch_order = units[::-1] + ([root] if root is not None else [])
@@ -199,7 +204,8 @@ class ShardedDataParallel(nn.Module):
             u.acc.add_(buffer)
             buffer = u.acc
         if self._sync or self.plan.stage >= 2:
-            self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline))
+            self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline,
+                                                    self._divisor))
         u.drop_grads()
         if u.sharded_params and u is not self.root:
             u.release()
