@@ -15,7 +15,8 @@ from conftest import tiny_tree
 from harness import run_world
 from loomtrain import comm
 from loomtrain.errors import ConfigError
-from loomtrain.lowcomm.state import check_replicas
+from loomtrain.lowcomm.state import LOWCOMM
+from loomtrain.parallel.state import PLAIN
 from loomtrain.train import checkpoint, trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
@@ -166,8 +167,10 @@ def test_config_accepts_the_built_algorithms(tmp_path, corpus):
 def test_a_replica_checkpoint_resumes_only_replicas():
     keys = ["model.head.weight", "optim.replica0.state.head.weight.exp_avg",
             "optim.replica1.state.head.weight.exp_avg", "optim.replica1.param_groups"]
-    assert "resume it with the lowcomm.algorithm it was written by" in check_replicas(keys, object())
-    assert check_replicas(["model.head.weight", "optim.state.head.weight.exp_avg"], object()) is None
+    plain = ["model.head.weight", "optim.state.head.weight.exp_avg"]
+    assert "resume it with the lowcomm.algorithm it was written by" in PLAIN.check(keys, object())
+    assert PLAIN.check(plain, object()) is None
+    assert "written without lowcomm.algorithm" in LOWCOMM.check(plain, object())
 
 
 def test_noloco_pairs_are_a_perfect_matching_identical_on_every_replica():

@@ -41,7 +41,7 @@ def literal(value: Any) -> str:
 # then what the replicas need (a compressor), and one replica engine wraps model and
 # optimizer: the low-communication replicas, ZeRO, or plain data parallelism, the first of
 # them that applies.
-SPLIT, PIPELINE, CONTEXT, OPTIMIZER, PREPARE, REPLICATE = 10, 20, 30, 40, 45, 50
+SPLIT, PIPELINE, CONTEXT, OPTIMIZER, PREPARE, REPLICATE, FINISH = 10, 20, 30, 40, 45, 50, 60
 
 
 @dataclass
@@ -56,6 +56,10 @@ class Built:
     optimizer: Any = None
     compressor: Any = None  # for the replica engine (stage PREPARE)
     replicated: bool = False  # a replica engine has wrapped model and optimizer
+    layout: Any = None  # the checkpoint layout (parallel/state.py) of the engine that wrapped it
+    parts: dict = field(default_factory=dict)  # each component's runtime objects, by its name
+    applied: list = field(default_factory=list)  # the components that applied, in stage order
+    meta: dict = field(default_factory=dict)  # plain values every checkpoint's loom.json holds
 
 
 @dataclass(frozen=True)
@@ -133,11 +137,122 @@ class Component:
     def apply(cls, built: Built) -> None:
         """Its step of building the run: transform `built` in place, over its mesh axes."""
 
+    # --- the run: the loop calls these on the components that applied (Built.applied) ---
+    @classmethod
+    def describe(cls, built: Built) -> str | None:
+        """A line for the run's log once built (what an automatic choice chose)."""
+        return None
+
+    @classmethod
+    def local_batch(cls, built: Built, batch: tuple) -> tuple:
+        """This rank's part of a loaded batch (context parallelism keeps its tokens)."""
+        return batch
+
+    @classmethod
+    def train_step(cls, built: Built, batches, global_tokens: float, loss_fn):
+        """The whole optimizer step, where this component owns it: (loss sum, grad norm,
+        stepped); None: the loop's own step."""
+        return None
+
+    @classmethod
+    def forward_backward(cls, built: Built, batches, global_tokens: float, loss_fn):
+        """Every micro-batch's forward and backward, where this component runs them (a
+        pipeline schedule): this rank's loss sum; None: the loop's own."""
+        return None
+
+    @classmethod
+    def gradient(cls, built: Built, forward_backward, forward_loss):
+        """The step's gradient from `forward_backward()` and `forward_loss()` passes, where
+        this component takes more than one (SAM): the loss sum; None: one pass."""
+        return None
+
+    @classmethod
+    def forward_only(cls, built: Built, x):
+        """The evaluation forward, where this component runs it: (output or None off the
+        pipeline's last stage,); None: the model's own."""
+        return None
+
+    @classmethod
+    def loss_tokens(cls, built: Built, local_tokens: int, global_tokens: float) -> float | None:
+        """What each loss is divided by, where this component decides (replicas that step
+        apart divide by their own tokens); None: the global count."""
+        return None
+
+    @classmethod
+    def before_step(cls, built: Built, step: int) -> None:
+        """Step `step` (from 0) begins."""
+
+    @classmethod
+    def after_update(cls, built: Built, stepped: bool) -> None:
+        """The optimizer has stepped (or skipped a non-finite step), before zero_grad."""
+
+    @classmethod
+    def after_step(cls, built: Built, done: int, last: bool, loss_sum, loss_tokens: float) -> None:
+        """Step `done` (from 1) is over."""
+
+    @classmethod
+    def metrics(cls, built: Built, evaluated: bool) -> dict:
+        """Its figures for a logged step's record (more on an evaluated step)."""
+        return {}
+
+    @classmethod
+    def before_evaluate(cls, built: Built) -> None:
+        """What it must finish before the model is evaluated (micro-batches in flight)."""
+
+    @classmethod
+    def before_save(cls, built: Built) -> None:
+        """What it must finish before the model is saved (one model from the replicas)."""
+
+    @classmethod
+    def state(cls, built: Built, rank: int) -> dict:
+        """Its tensors for a checkpoint, under keys of its own (beside the layout's model and
+        optimizer)."""
+        return {}
+
+    @classmethod
+    def placeholders(cls, built: Built, path, saved: dict, rank: int) -> dict:
+        """Tensors for `state`'s entries of checkpoint `path` to load into; `saved`: the
+        checkpoint's {key: (shape, dtype)}. ValueError (with the reason) if they cannot."""
+        return {}
+
+    @classmethod
+    def load_state(cls, built: Built, state: dict, rank: int) -> None:
+        """Take `placeholders`' tensors, filled from the checkpoint (ValueError if they do
+        not fit)."""
+
+    @classmethod
+    def start_timeline(cls, built: Built, timeline) -> bool:
+        """Record this step into `timeline` (loomtrain.timeline.Timeline), if this component
+        records one: True."""
+        return False
+
+    @classmethod
+    def write_timeline(cls, built: Built, timeline, run_dir, step: int, mesh) -> dict:
+        """Write the recorded step (its files under `run_dir`); returns figures for the
+        step's record."""
+        return {}
+
+
     @classmethod
     def batch_ranks(cls, cfg) -> tuple[int, str] | None:
         """(the ranks that share each step's global batch, what to call them), where this
         component decides it (None: the dp ranks do)."""
         return None
+
+
+def start_engine_timeline(built: Built, timeline) -> bool:
+    """An engine that records its own spans (`model.timeline`: ZeRO's units, HPSGD's sync)."""
+    if not hasattr(built.model, "timeline"):
+        return False
+    built.model.timeline = timeline
+    return True
+
+
+def write_engine_timeline(built: Built, timeline, run_dir, step: int, mesh) -> dict:
+    built.model.timeline = None
+    if mesh.rank == 0:
+        timeline.write(run_dir / "timeline.json", step=step + 1, rank=0)
+    return {}
 
 
 def changed_keys(section: BaseModel, keys=None) -> list[str]:

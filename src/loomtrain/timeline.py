@@ -51,6 +51,21 @@ class Timeline:
         with self._lock:
             return sorted(self.spans, key=lambda s: s["start_s"])
 
+    @staticmethod
+    def bubble_of(ranks: list[dict]) -> float:
+        return measured_bubble(ranks)
+
+    @staticmethod
+    def write_pipeline(path: Path, ranks: list[dict], **meta) -> float:
+        """`write_pipeline_timeline` of the ranks' spans, with their `measured_bubble` in the
+        meta; returns that bubble (engines write through the loop's Timeline, without
+        importing this module)."""
+        bubble = measured_bubble(ranks)
+        write_pipeline_timeline(path, ranks, **meta, bubble_measured=bubble)
+        return bubble
+
+    PIPELINE_JSON = "pipeline_timeline.json"  # = PIPELINE_TIMELINE_JSON, for the engines
+
     def write(self, path: Path, **meta) -> None:
         Path(path).write_text(json.dumps({**meta, "spans": self.sorted_spans()}, indent=1))
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import Component, Refusal, Section, Switch, changed_keys
+from loomtrain.component import Built, Component, Refusal, Section, Switch, changed_keys
 
 
 class AsyncConfig(Section):
@@ -97,6 +97,27 @@ class Straggler(Component):
     name = "straggler"
     switches = (Switch("async.worker_slowdown", []),)
     summary = "ranks slowed on purpose by a factor on their step time"
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        """In the synchronous trainer; the asynchronous workers slow themselves."""
+        return cls.active(cfg) and cfg.asgd.mode == "none"
+
+    @classmethod
+    def before_step(cls, built: Built, step: int) -> None:
+        import time
+
+        built.parts[cls.name] = time.perf_counter()
+
+    @classmethod
+    def after_step(cls, built: Built, done: int, last: bool, loss_sum, loss_tokens: float) -> None:
+        """The async workers' rule: sleep (f - 1) x this step's measured forward, backward and
+        update time; the other ranks wait for it at the next collective."""
+        import time
+
+        factor = built.cfg.asgd.worker_slowdown[built.mesh.rank]
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * (time.perf_counter() - built.parts[cls.name]))
 
 
 def _check_sharded_servers(a: AsyncConfig, c) -> None:

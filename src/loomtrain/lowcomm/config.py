@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from loomtrain.component import REPLICATE, Built, Component, Refusal, Section, Switch, changed_keys
+from loomtrain.component import (REPLICATE, Built, Component, Refusal, Section, Switch, changed_keys,
+                                 start_engine_timeline, write_engine_timeline)
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -89,7 +90,36 @@ class Lowcomm(Component):
                                                      cfg.lowcomm, cfg.run.seed)
         if built.compressor is not None:  # applies_to="pseudo_gradients": the outer all-reduce
             built.model.compressor = built.compressor
-        built.replicated = True
+        from loomtrain.lowcomm.state import LOWCOMM
+
+        built.replicated, built.layout = True, LOWCOMM
+
+    @classmethod
+    def loss_tokens(cls, built: Built, local_tokens: int, global_tokens: float) -> float:
+        """The replicas step on their own rows: each normalizes by its own tokens."""
+        return local_tokens
+
+    @classmethod
+    def after_step(cls, built: Built, done: int, last: bool, loss_sum, loss_tokens: float) -> None:
+        """Every inner_steps steps, and after the last, the replicas synchronize."""
+        built.model.observe_loss(loss_sum, loss_tokens)
+        built.model.after_step(done, last=last)
+
+    @classmethod
+    def metrics(cls, built: Built, evaluated: bool) -> dict:
+        return built.model.metrics()  # the algorithm's own figures (a spread, a ratio, ...)
+
+    @classmethod
+    def before_save(cls, built: Built) -> None:
+        built.model.end_period()  # a stop between syncs: one model to save
+
+    @classmethod
+    def start_timeline(cls, built: Built, timeline) -> bool:
+        return start_engine_timeline(built, timeline)  # the engine records its own spans
+
+    @classmethod
+    def write_timeline(cls, built: Built, timeline, run_dir, step: int, mesh) -> dict:
+        return write_engine_timeline(built, timeline, run_dir, step, mesh)
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from loomtrain.lowcomm.local_sgd import LocalSGD
+from loomtrain.parallel.state import REPLICA_KEY, StateLayout
 
 
 def lowcomm_state(model, optimizer) -> dict:
@@ -37,21 +37,25 @@ def load_lowcomm_state(model, optimizer, state: dict) -> None:
     model.load_outer_state(state["lowcomm"])
 
 
-def check_replicas(keys, model) -> str | None:
-    """Why a checkpoint with DCP keys `keys` cannot resume `model` (a LocalSGD wrapper,
-    or any other engine), or None: the inner optimizer states must be one per replica of this
-    run."""
-    saved = {k.split(".")[1] for k in keys if k.startswith("optim.replica")}
-    if not isinstance(model, LocalSGD):
-        if saved:
-            return (f"it holds the optimizer states of {len(saved)} low-communication replicas "
-                    "(lowcomm.algorithm was set); resume it with the lowcomm.algorithm it was "
-                    "written by (its config.toml says which)")
+class LowcommStateLayout(StateLayout):
+    """One model, the outer state, each replica's own inner optimizer (this module)."""
+
+    def state(self, model, optimizer, for_saving: bool = True) -> dict:
+        return lowcomm_state(model, optimizer)
+
+    def load(self, model, optimizer, state: dict) -> None:
+        load_lowcomm_state(model, optimizer, state)
+
+    def check(self, keys, model) -> str | None:
+        """The inner optimizer states must be one per replica of this run."""
+        saved = {k.split(".")[1] for k in keys if k.startswith(REPLICA_KEY)}
+        if not saved:
+            return ("it was written without lowcomm.algorithm (one optimizer state for all "
+                    "replicas); resume it with lowcomm.algorithm=\"none\"")
+        if len(saved) != model.mesh.size(model.axis):
+            return (f"it holds the optimizer states of {len(saved)} replicas, one each, and this "
+                    f"run has {model.mesh.size(model.axis)}; resume it with parallel.dp={len(saved)}")
         return None
-    if not saved:
-        return ("it was written without lowcomm.algorithm (one optimizer state for all "
-                "replicas); resume it with lowcomm.algorithm=\"none\"")
-    if len(saved) != model.mesh.size(model.axis):
-        return (f"it holds the optimizer states of {len(saved)} replicas, one each, and this run "
-                f"has {model.mesh.size(model.axis)}; resume it with parallel.dp={len(saved)}")
-    return None
+
+
+LOWCOMM = LowcommStateLayout()

@@ -34,11 +34,19 @@ class DataParallelComponent(Component):
     def apply(cls, built: Built) -> None:
         from loomtrain.parallel.data import apply_data_parallel
 
+        from loomtrain.parallel.state import PLAIN
+
         if built.replicated:
             return
         built.model = apply_data_parallel(built.model, built.mesh, built.cfg.parallel,
                                           built.compressor)
-        built.replicated = True
+        built.replicated, built.parts[cls.name] = True, built.model
+        built.layout = built.layout or PLAIN  # the pipeline's, when it cut the model
+
+    @classmethod
+    def metrics(cls, built: Built, evaluated: bool) -> dict:
+        """The engine's compression and sparse-communication figures (none without them)."""
+        return built.model.metrics() if cls.name in built.parts else {}
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import Component, Refusal, Section, Switch, refuse_unread
+from loomtrain.component import FINISH, Built, Component, Refusal, Section, Switch, refuse_unread
 
 # the [sparsity] keys each method reads (besides method and the SAM keys sam, rho, zo_eps,
 # and sparse_comm); a key set away from its default for a method that does not read it is
@@ -63,6 +63,42 @@ class Sparsity(Component):
     refuses = {other: Refusal(_PLAIN) for other in
                ("tensor", "pipeline", "context", "zero", "bf16", "lowcomm", "compression",
                 "asyncsgd", "balance")}
+    stage = FINISH  # masks the built model's weights at once (sparsity/training.py)
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        from loomtrain.sparsity.training import SparseTraining
+
+        built.parts[cls.name] = SparseTraining(built.model, built.optimizer, built.cfg, built.mesh)
+
+    @classmethod
+    def before_step(cls, built: Built, step: int) -> None:
+        built.parts[cls.name].before_step(step)
+
+    @classmethod
+    def gradient(cls, built: Built, forward_backward, forward_loss):
+        """Its passes (SAM's two, ZO-SAM's probes) make the gradient, which it masks."""
+        return built.parts[cls.name].gradient(forward_backward, forward_loss)
+
+    @classmethod
+    def after_update(cls, built: Built, stepped: bool) -> None:
+        built.parts[cls.name].after_step(stepped)  # the masks re-applied (and updated)
+
+    @classmethod
+    def metrics(cls, built: Built, evaluated: bool) -> dict:
+        return built.parts[cls.name].metrics(per_layer=evaluated)
+
+    @classmethod
+    def state(cls, built: Built, rank: int) -> dict:
+        return built.parts[cls.name].state_dict()
+
+    @classmethod
+    def placeholders(cls, built: Built, path, saved: dict, rank: int) -> dict:
+        return built.parts[cls.name].placeholders(path)
+
+    @classmethod
+    def load_state(cls, built: Built, state: dict, rank: int) -> None:
+        built.parts[cls.name].load_state_dict(state)
 
     @classmethod
     def validate(cls, cfg) -> None:

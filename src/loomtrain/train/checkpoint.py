@@ -37,21 +37,11 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from loomtrain import comm
 from loomtrain.errors import CheckpointError
-from loomtrain.lowcomm import LocalSGD
-from loomtrain.lowcomm.state import check_replicas, load_lowcomm_state, lowcomm_state
-from loomtrain.parallel.zero import ShardedDataParallel
-from loomtrain.parallel.pipeline import runtime_of
-from loomtrain.parallel.placement import Boxes, placement_of
-from loomtrain.parallel.zero.state import load_zero_state, zero_state
-from loomtrain.zeroth.optimizers import ZOOptimizer
+from loomtrain.parallel.placement import Boxes
+from loomtrain.parallel.state import PLAIN, StateLayout
 
 PARTIAL, TRASH = ".partial", ".trash"
 _META = "loom.json"
@@ -141,52 +131,11 @@ def verify(path: Path) -> tuple[dict, Metadata]:
     return meta, metadata
 
 
-def training_state(model, optimizer, for_saving: bool = True) -> dict:
-    """{"model": ..., "optim": ...} in the unsharded layout of `get_state_dict`, whatever the
-    engine: plain (or DataParallel-wrapped) models through torch's helper, ZeRO through
-    parallel/zero/state.py, so checkpoints load across engines, stages and rank counts.
-    Low-communication replicas (lowcomm/state.py) add their outer state and keep each
-    replica's inner optimizer under its own key. A zeroth-order optimizer (zeroth/) keeps
-    its `state_dict()` under "optim": plain values and its per-parameter tensors."""
-    if isinstance(optimizer, ZOOptimizer):
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    if isinstance(model, ShardedDataParallel):
-        return zero_state(model, optimizer, for_saving)
-    if isinstance(model, LocalSGD):
-        return lowcomm_state(model, optimizer)
-    module = getattr(model, "module", model)
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    if runtime_of(model) is not None:  # pipeline ranks hold different parameters
-        optim_sd["param_groups"] = _groups_by_name(optim_sd["param_groups"])
-    # tensor-parallel pieces go in as boxes of the full tensors (parallel/placement.py)
-    for name, p in module.named_parameters(remove_duplicate=False):
-        placement = placement_of(p)
-        if placement is None:
-            continue
-        model_sd[name] = Boxes.whole(model_sd[name]).placed(placement)
-        for key, value in optim_sd["state"].get(name, {}).items():
-            if torch.is_tensor(value) and value.shape == p.shape:
-                optim_sd["state"][name][key] = Boxes.whole(value).placed(placement)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def _groups_by_name(groups: list[dict]) -> dict[str, dict]:
-    """The optimizer's param groups keyed by parameter name, {name: hyperparameters}: DCP
-    keeps one copy of a key that several ranks write, and pipeline ranks' lists of groups
-    ("param_groups.0.params", ...) differ, while their parameter names do not collide."""
-    return {name: {k: v for k, v in g.items() if k != "params"} for g in groups for name in g["params"]}
-
-
-def _groups_as_list(by_name: dict[str, dict], template: list[dict]) -> list[dict]:
-    """`_groups_by_name` undone along this optimizer's own grouping (`template`)."""
-    return [{**by_name[g["params"][0]], "params": g["params"]} if g["params"] else g for g in template]
-
-
-def _unboxed(tree):
-    """The state dict with every `Boxes` replaced by the local tensor its views filled."""
-    if isinstance(tree, dict):
-        return {k: _unboxed(v) for k, v in tree.items()}
-    return tree.local if isinstance(tree, Boxes) else tree
+def training_state(model, optimizer, for_saving: bool = True, layout: StateLayout = PLAIN) -> dict:
+    """{"model": ..., "optim": ...} in the layout-independent form (parallel/state.py): the
+    `layout` of the engine that wrapped the model (its component's `Built.layout`) says how,
+    so checkpoints load across engines, stages and rank counts."""
+    return layout.state(model, optimizer, for_saving)
 
 
 def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -195,43 +144,6 @@ def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     if device.type == "cuda":
         state[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state(device)
     return state
-
-
-def _compression_prefix(model, rank: int) -> str | None:
-    """The checkpoint keys of this rank's compressor state (error-feedback residuals,
-    PowerSGD's factors, random-k's counters): they differ per rank, so the keys name the rank,
-    and the method, so that a resume with another method starts its own state afresh."""
-    compressor = getattr(model, "compressor", None)
-    return None if compressor is None else f"compression.{compressor.name}.rank{rank}."
-
-
-def _compression_state(model, rank: int, metadata: Metadata | None = None) -> dict:
-    """This rank's compressor state under its keys. For loading (`metadata`): tensors shaped
-    as the checkpoint's entries, for DCP to fill (none: the run starts its state afresh)."""
-    prefix = _compression_prefix(model, rank)
-    if prefix is None:
-        return {}
-    if metadata is None:
-        return {prefix + k: v for k, v in model.compressor.state_dict().items()}
-    return {k: torch.empty(m.size, dtype=m.properties.dtype)
-            for k, m in metadata.state_dict_metadata.items()
-            if k.startswith(prefix) and hasattr(m, "size")}
-
-
-def _check_residuals(model, state: dict) -> None:
-    """Error-feedback residuals fit the engine's gradient buckets (ValueError if not)."""
-    buckets = getattr(model, "buckets", None)
-    if buckets is None:
-        return
-    for name, tensor in state.items():
-        slot, _, key = name.partition("/")
-        if slot == "residual" and (not key.isdigit() or int(key) >= len(buckets)
-                                   or buckets[int(key)].buffer.numel() != tensor.numel()):
-            raise ValueError(
-                f"its compression residual {key!r} ({tensor.numel()} values) does not fit this "
-                f"run's {len(buckets)} gradient buckets: the buckets changed (parallel.bucket_mb, "
-                "the model or tp/pp differ from the checkpoint's config.toml); resume with those "
-                "settings")
 
 
 def _root_causes(err: CheckpointException) -> str:
@@ -262,18 +174,19 @@ def _discard(path: Path) -> None:
 
 
 def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dict,
-         tensors: dict | None = None) -> Path:
+         tensors: dict | None = None, layout: StateLayout = PLAIN) -> Path:
     """Collective: every rank calls it. Returns the published checkpoint folder. `tensors`:
-    more entries under their own keys, the same on every rank (sparsity masks); `load`'s
-    `extra` reads them back."""
+    more entries under their own keys (the components' state: sparsity masks, a rank's
+    compression residuals); `load`'s `extra` reads them back. `extra` (plain values) goes into
+    loom.json."""
     final = step_dir(run_dir, step)
     partial = final.with_name(final.name + PARTIAL)
     if mesh.rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
         _discard(partial)  # what a crash during an earlier save of this step left
     comm.barrier(mesh)  # nobody writes into `partial` before it is clean
-    state = {**training_state(model, optimizer), **_rng_state(mesh.rank, mesh.device),
-             **_compression_state(model, mesh.rank), **(tensors or {})}
+    state = {**training_state(model, optimizer, layout=layout),
+             **_rng_state(mesh.rank, mesh.device), **(tensors or {})}
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
                  planner=_SavePlanner())
@@ -281,8 +194,6 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
         raise CheckpointError(f"could not write checkpoint {str(partial)!r}: {_root_causes(err)}") from None
     if mesh.rank == 0:
         meta = {"step": step, "world": mesh.world, "sizes": mesh.sizes, **extra}
-        if isinstance(optimizer, ZOOptimizer):  # resumed only by the method that wrote it
-            meta["optim"] = optimizer.name
         publish(run_dir, final, meta, keep)
     return final
 
@@ -402,49 +313,28 @@ def _init_optimizer_state(optimizer) -> None:
         p.grad = None
 
 
-def load(path: Path, model, optimizer, mesh, extra: dict | None = None) -> dict:
+def load(path: Path, model, optimizer, mesh, extra: dict | None = None,
+         layout: StateLayout = PLAIN) -> dict:
     """Collective. Restores model, optimizer and this rank's RNG state; returns loom.json.
     On a one-rank `mesh`, DCP runs without a process group (the asynchronous parameter server
     loads alone while its workers wait). `extra`: more entries to read, {key: placeholder},
-    replaced in place by the checkpoint's values."""
+    replaced in place by the checkpoint's values. `layout`: as `save`'s."""
     meta, metadata = verify(path)
-    mismatch = check_replicas(metadata.state_dict_metadata, model)
+    mismatch = layout.check(metadata.state_dict_metadata, model)
     if mismatch:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {mismatch}")
-    zero = isinstance(model, ShardedDataParallel)
-    zeroth = isinstance(optimizer, ZOOptimizer)
-    if not zeroth:  # a zeroth-order optimizer's state exists from its construction
+    if layout.init_optimizer:
         _init_optimizer_state(optimizer)
-    state = training_state(model, optimizer, for_saving=False)
+    state = training_state(model, optimizer, for_saving=False, layout=layout)
     # a checkpoint written on CPU has no CUDA RNG state: restore what it holds
     rng = {k: v for k, v in _rng_state(mesh.rank, mesh.device).items() if k in metadata.state_dict_metadata}
     state.update(rng)
-    compression = _compression_state(model, mesh.rank, metadata)
-    state.update(compression)
     state.update(extra or {})
     _dcp_load(path, state, metadata, no_dist=mesh.world == 1)
     for key in extra or {}:
         extra[key] = state[key]
     try:
-        if zero:
-            load_zero_state(model, optimizer, state)
-        elif zeroth:
-            model.load_state_dict(state["model"], strict=True)
-            optimizer.load_state_dict(state["optim"])
-        elif isinstance(model, LocalSGD):
-            load_lowcomm_state(model, optimizer, state)
-        else:
-            module = getattr(model, "module", model)
-            optim = _unboxed(state["optim"])
-            if isinstance(optim["param_groups"], dict):
-                optim["param_groups"] = _groups_as_list(optim["param_groups"],
-                                                        get_state_dict(module, optimizer)[1]["param_groups"])
-            set_state_dict(module, optimizer, model_state_dict=_unboxed(state["model"]),
-                           optim_state_dict=optim, options=StateDictOptions(strict=True))
-        if compression:
-            prefix = _compression_prefix(model, mesh.rank)
-            _check_residuals(model, {k[len(prefix):]: v for k, v in compression.items()})
-            model.compressor.load_state_dict({k[len(prefix):]: v for k, v in compression.items()})
+        layout.load(model, optimizer, state)
     except (RuntimeError, KeyError, ValueError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
     for key in rng:
@@ -453,6 +343,14 @@ def load(path: Path, model, optimizer, mesh, extra: dict | None = None) -> dict:
         else:
             torch.set_rng_state(state[key])
     return meta
+
+
+def saved_tensors(path: Path, prefix: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{key: (shape, dtype)} of checkpoint `path`'s tensors whose key starts with `prefix`
+    (what a component's `placeholders` needs to know)."""
+    return {k: (tuple(m.size), m.properties.dtype)
+            for k, m in read_metadata(path).state_dict_metadata.items()
+            if k.startswith(prefix) and hasattr(m, "size")}
 
 
 def load_model_state(path: Path) -> dict[str, torch.Tensor]:

@@ -1,19 +1,18 @@
 """The training loop every rank runs: `train_worker(cfg_dict, run_dir, resume)`.
 
-One optimizer step:
+The loop knows no technique: it builds the run from the components (train/apply.py) and calls
+their hooks (loomtrain/component.py) in their order. One optimizer step:
 1. the step's micro-batches for this dp rank come from the sampler (a pure function of step);
 2. one small all-reduce carries the global target-token count and the "stop" flag (SIGINT or
    SIGTERM on any rank), so every rank agrees on both before any gradient work;
-3. micro-batches run forward/backward, all but the last under `no_sync()`; each loss is the
-   token-summed cross-entropy divided by the global token count, and the engine sums
-   gradients over dp, so the gradient equals the single-process one on the global batch
-   (low-communication replicas, lowcomm/, never reduce gradients: each divides by its own
-   token count, and the replicas synchronize in `after_step` every `inner_steps` steps);
+3. `before_step` hooks; micro-batches run forward/backward (or a component runs them: a
+   pipeline schedule, SAM's passes), all but the last under `no_sync()`; each loss is the
+   token-summed cross-entropy divided by the global token count (or a component's count),
+   and the engine sums gradients over dp, so the gradient equals the single-process one;
 4. gradients are clipped; a non-finite gradient norm (identical on every rank after the
    all-reduce) skips the step, and too many in a row abort the run;
-5. AdamW steps; the loss is all-reduced only on logged steps.
-With [sparsity] (sparsity/training.py) the gradient of step 3 may take several passes (SAM,
-ZO-SAM) and is masked before step 4, and the masks are re-applied (and updated) after step 5.
+5. the optimizer steps, then `after_update` and `after_step` hooks; the loss is all-reduced
+   only on logged steps, with each component's `metrics`.
 
 What is learnt comes from train/task.py: the model and the samplers for `data.source` (text
 windows, or labelled examples for the digits classifier, whose "tokens" are examples). A run
@@ -32,15 +31,14 @@ from pathlib import Path
 import torch
 
 from loomtrain import comm
+from loomtrain.component import Built
 from loomtrain.data import eval_samples, rank_samples
-from loomtrain.errors import UserError
+from loomtrain.errors import CheckpointError, UserError
 from loomtrain.models import IGNORE_INDEX, token_loss_sum
-from loomtrain.train.apply import parallelize
-from loomtrain.parallel.pipeline import runtime_of
-from loomtrain.parallel.sequence import sequence_of
-from loomtrain.sparsity.training import build_sparse_training
+from loomtrain.parallel.state import PLAIN
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
+from loomtrain.train.apply import build
 from loomtrain.train.config import Config, config_from_dict, config_to_toml
 from loomtrain.train.init_from import load_init_weights
 from loomtrain.train.launch import init_distributed, shutdown
@@ -85,47 +83,64 @@ def _load(sampler, samples, cfg: Config, device) -> tuple:
     return (x.to(device), y.to(device), *docs)
 
 
-def _local(model, batch):
+def first(hooks):
+    """The first answer that is not None (the component that owns this part of the step)."""
+    return next((answer for answer in hooks if answer is not None), None)
+
+
+def _local(built: Built, batch) -> tuple:
     """(inputs, targets) of this rank: under context parallelism (or packing) the sequence
     runtime keeps this rank's tokens of the full rows and notes their documents."""
-    sequence = sequence_of(model)
-    return sequence.shard(*batch) if sequence is not None else batch
+    for component in built.applied:
+        batch = component.local_batch(built, batch)
+    return batch
 
 
 def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float,
-               loss_fn=token_loss_sum, sparse=None):
+               loss_fn=token_loss_sum):
+    """One step of a plain (or engine-wrapped) model, outside any run: `step` with no
+    components (the benchmarks time the engines through this)."""
+    built = Built(model=model, mesh=None, cfg=None, loss_sum=loss_fn, optimizer=optimizer)
+    return step(built, batches, global_tokens, grad_clip)
+
+
+def step(built: Built, batches, global_tokens: float, grad_clip: float):
     """Forward/backward over the micro-batches, clip, step. Returns (local loss sum, grad norm,
     stepped). The loss of every micro-batch is divided by `global_tokens`: the global token
-    count (this rank's own for low-communication replicas, which step on their own rows).
-    `sparse` (sparsity/training.py): its passes (SAM's two, ZO-SAM's probes) make the
-    gradient, which it masks before clipping, and it re-applies its masks after the step."""
-    runtime = runtime_of(model)
-    if getattr(runtime, "owns_optimizer", False):  # schedule="async": it steps per micro-batch
-        loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
-        return loss_sum, runtime.grad_norm, runtime.stepped
-    if runtime is not None:  # the schedule runs every micro-batch's forward and backward
-        loss_sum = runtime.train_step(model, batches, global_tokens, loss_fn)
-    elif sparse is not None:
-        loss_sum = sparse.gradient(lambda: _forward_backward(model, batches, global_tokens, loss_fn),
-                                   lambda: _forward_loss(model, batches, loss_fn))
-    else:
-        loss_sum = _forward_backward(model, batches, global_tokens, loss_fn)
+    count (or what a component normalizes by). A component may own the whole step (the
+    asynchronous pipeline), the forward and backward (a pipeline schedule), or take several
+    passes for the gradient (SAM); `after_update` follows the optimizer step."""
+    model, optimizer, loss_fn = built.model, built.optimizer, built.loss_sum
+    owned = first(c.train_step(built, batches, global_tokens, loss_fn) for c in built.applied)
+    if owned is not None:
+        return owned
+
+    def forward_backward():
+        loss_sum = first(c.forward_backward(built, batches, global_tokens, loss_fn)
+                         for c in built.applied)
+        return loss_sum if loss_sum is not None else _forward_backward(built, batches, global_tokens)
+
+    loss_sum = first(c.gradient(built, forward_backward, lambda: _forward_loss(built, batches))
+                     for c in built.applied)
+    if loss_sum is None:
+        loss_sum = forward_backward()
     grad_norm = model.clip_grad_norm_(grad_clip)
     stepped = bool(torch.isfinite(grad_norm))
     if stepped:
         optimizer.step()
-    if sparse is not None:
-        sparse.after_step(stepped)
+    for component in built.applied:
+        component.after_update(built, stepped)
     optimizer.zero_grad(set_to_none=False)  # keep grads as views into the engine's buckets
     return loss_sum, grad_norm, stepped
 
 
-def _forward_backward(model, batches, global_tokens: float, loss_fn) -> torch.Tensor:
+def _forward_backward(built: Built, batches, global_tokens: float) -> torch.Tensor:
     """Forward and backward of every micro-batch, all but the last under `no_sync()`;
     returns this rank's loss sum."""
+    model, loss_fn = built.model, built.loss_sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
     for i, batch in enumerate(batches):
-        x, y = _local(model, batch)
+        x, y = _local(built, batch)
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
             loss = loss_fn(model(x), y)
@@ -135,18 +150,21 @@ def _forward_backward(model, batches, global_tokens: float, loss_fn) -> torch.Te
 
 
 @torch.no_grad()
-def _forward_loss(model, batches, loss_fn) -> torch.Tensor:
+def _forward_loss(built: Built, batches) -> torch.Tensor:
     """This rank's loss sum over the micro-batches, forwards only (zeroth-order probes)."""
-    return sum(loss_fn(model(x), y).double() for x, y in (_local(model, b) for b in batches))
+    return sum(built.loss_sum(built.model(x), y).double()
+               for x, y in (_local(built, b) for b in batches))
 
 
 def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> float:
-    """Mean validation loss per token (per example for a classification task)."""
-    return validate(model, sampler, cfg, mesh, device, loss_fn)["val_loss"]
+    """Mean validation loss per token (per example for a classification task) of a model
+    built without components."""
+    built = Built(model=model, mesh=mesh, cfg=cfg, loss_sum=loss_fn)
+    return validate(built, sampler, device)["val_loss"]
 
 
 @torch.no_grad()
-def validate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> dict:
+def validate(built: Built, sampler, device) -> dict:
     """{"val_loss": the mean validation loss per token over the fixed validation set, dealt to
     the dp ranks}, and for a classification task (train/task.py) "val_accuracy": the share of
     those examples whose largest logit is their label's (the counts ride in the same
@@ -155,7 +173,9 @@ def validate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     Every rank runs the same number of forwards: a ZeRO-3 forward gathers parameters, a
     collective, so a rank with fewer batches (eval_batches not a multiple of dp) repeats its
     first one (or batch 0) and does not count it."""
-    _drain(model)
+    model, cfg, mesh, loss_fn = built.model, built.cfg, built.mesh, built.loss_sum
+    for component in built.applied:
+        component.before_evaluate(built)
     model.eval()
     classify = is_classification(cfg)
     total = torch.zeros(3 if classify else 2, dtype=torch.float64, device=device)
@@ -166,11 +186,11 @@ def validate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
         every = [eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, r, dp) for r in range(dp)]
         mine = [[g for share in every for g in (share[i] if i < len(share) else [])]
                 for i in range(rounds)]
-    runtime = runtime_of(model)
     for i in range(rounds):
         samples = mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0]
-        x, y = _local(model, _load(sampler, samples, cfg, device))
-        out = runtime.forward_only(model, x) if runtime is not None else model(x)
+        x, y = _local(built, _load(sampler, samples, cfg, device))
+        owned = first(c.forward_only(built, x) for c in built.applied)
+        out = owned[0] if owned is not None else model(x)
         if i < len(mine) and out is not None:  # under pp, the last stage has the output
             total[0] += loss_fn(out, y).double()
             total[1] += (y != IGNORE_INDEX).sum()
@@ -183,14 +203,6 @@ def validate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     if classify:
         metrics["val_accuracy"] = float(total[2] / total[1])
     return metrics
-
-
-def _drain(model) -> None:
-    """schedule="async" completes the micro-batches in flight, so that what is evaluated or
-    saved has learnt from every micro-batch so far on every stage."""
-    runtime = runtime_of(model)
-    if getattr(runtime, "owns_optimizer", False):
-        runtime.drain()
 
 
 def _target_tokens(batches) -> int:
@@ -263,76 +275,60 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     init = None  # a fresh run from a checkpoint's weights: before any layout splits them
     if resume is None and cfg.train.init_from is not None:
         init = load_init_weights(model, cfg)
-    # the strategies take the model and return it wrapped with its optimizer (built after
-    # tensor parallelism, rebuilt by ZeRO over this rank's shard) and the loss its outputs
-    # need; the checkpoint then loads into the wrapped pair
-    model, optimizer, loss_sum_fn = parallelize(model, mesh, cfg,
-                                             lambda m: build_optimizer(m, cfg.train))
-    if getattr(runtime_of(model), "owns_optimizer", False):
-        optimizer = runtime_of(model).optimizer  # schedule="async": the one its runtime steps
-    sparse = build_sparse_training(model, optimizer, cfg, mesh)  # masks the weights at once
+    # the components take the model in the apply order and leave it wrapped, with its
+    # optimizer (built after the split, rebuilt by ZeRO over this rank's shard) and the loss
+    # its outputs need; the checkpoint then loads into the wrapped pair
+    built = build(model, mesh, cfg, lambda m: build_optimizer(m, cfg.train))
     start = 0
     if resume is not None:
-        masks = sparse.placeholders(resume) if sparse is not None else {}
-        start = checkpoint.load(resume, model, optimizer, mesh, masks)["step"]
-        if sparse is not None:
-            sparse.load_state_dict(masks)
+        start = restore(built, resume)["step"]
         if mesh.rank == 0:  # only now that the checkpoint fits: a failed resume changes nothing
             truncate_metrics(run_dir, start)
             write_config(run_dir, cfg)  # with the resume's --set overrides
     log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
     log_start(log, f"{data.description}; {parameters:,} parameters", mesh, start, resume, init,
-              lambda: validate(model, val_data, cfg, mesh, device, loss_sum_fn))
-    plan = getattr(sequence_of(model), "plan", None)  # cp_method="auto": what it chose
-    if plan is not None:
-        log.message(f"automatic sequence parallelism: {plan.describe()}")
+              lambda: validate(built, val_data, device))
+    for component in built.applied:
+        line = component.describe(built)
+        if line is not None:
+            log.message(line)
     tokens_per_step = cfg.train.global_batch * data.targets_per_row
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
     loop_t0 = window_t0  # each record's elapsed_s counts from here
-    # async.worker_slowdown with async.mode="none": this rank a straggler on purpose
-    slowdown = cfg.asgd.worker_slowdown[mesh.rank] if cfg.asgd.worker_slowdown else 1.0
     saved_at = start  # the newest checkpoint (if any) holds the state after this step
-    lowcomm = cfg.lowcomm.algorithm != "none"
-    compressed = cfg.compression.method != "none"
     mesh.meter.take()
     mesh.meter.take_simulated()
     mesh.meter.take_link_wait()
     try:
-        for step in range(start, cfg.train.steps):
+        for step_index in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
-            batches = _batches(train_data, cfg, mesh, step, device)
+            batches = _batches(train_data, cfg, mesh, step_index, device)
             global_tokens, stopping = _control(batches, stop, mesh, cfg.data.balance)
             if stopping:
                 name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
-                if step > saved_at:
-                    save(cfg, run_dir, step, model, optimizer, mesh, {"stopped_by": name}, sparse)
-                log.message(f"stopped by {name} before step {step + 1}; " + (
-                    f"checkpoint step {step} is saved; continue with: loom train --resume {run_dir}"
-                    if step else "no step was done, so there is no checkpoint"))
+                if step_index > saved_at:
+                    save(built, run_dir, step_index, {"stopped_by": name})
+                log.message(f"stopped by {name} before step {step_index + 1}; " + (
+                    f"checkpoint step {step_index} is saved; continue with: loom train --resume "
+                    f"{run_dir}" if step_index else "no step was done, so there is no checkpoint"))
                 return 0
-            lr = lr_at(step, cfg.train)
-            set_lr(optimizer, lr)
-            timeline = _start_timeline(model, step, cfg)
-            every = cfg.compression.error_every
-            if every and (step + 1) % every == 0 and hasattr(model, "measure_error"):
-                model.measure_error()  # compressed gradients: this step's error against dense
-            # low-communication replicas step on their own rows: each normalizes by its tokens
-            loss_tokens = _target_tokens(batches) if lowcomm else global_tokens
-            if sparse is not None:
-                sparse.before_step(step)
-            compute_t0 = time.perf_counter()
-            loss_sum, grad_norm, stepped = train_step(model, optimizer, batches, loss_tokens,
-                                                      cfg.train.grad_clip, loss_sum_fn, sparse)
-            if slowdown > 1.0:  # the async workers' rule: sleep (f - 1) x this step's measured
-                # forward/backward/step time; the other ranks wait for it at the next collective
-                time.sleep((slowdown - 1.0) * (time.perf_counter() - compute_t0))
-            done = step + 1
-            if lowcomm:  # every inner_steps steps, and after the last, the replicas synchronize
-                model.observe_loss(loss_sum, loss_tokens)
-                model.after_step(done, last=done == cfg.train.steps)
-            bubble = None
+            lr = lr_at(step_index, cfg.train)
+            set_lr(built.optimizer, lr)
+            timeline = _start_timeline(built, step_index)
+            local_tokens = _target_tokens(batches)
+            loss_tokens = first(c.loss_tokens(built, local_tokens, global_tokens)
+                                for c in built.applied)
+            loss_tokens = global_tokens if loss_tokens is None else loss_tokens
+            for component in built.applied:
+                component.before_step(built, step_index)
+            loss_sum, grad_norm, stepped = step(built, batches, loss_tokens, cfg.train.grad_clip)
+            done = step_index + 1
+            for component in built.applied:
+                component.after_step(built, done, done == cfg.train.steps, loss_sum, loss_tokens)
+            figures = {}
             if timeline is not None:
-                bubble = _write_timeline(model, timeline, run_dir, step, mesh, cfg)
+                owner, recorder = timeline
+                figures = owner.write_timeline(built, recorder, run_dir, step_index, mesh)
             nonfinite = nonfinite_streak(nonfinite, stepped, done, cfg, log, "loss or gradient")
             window_steps += 1
             loss = None
@@ -342,38 +338,30 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
                               window_steps * tokens_per_step / (time.perf_counter() - window_t0))
                 loss = rec["loss"]
                 rec["elapsed_s"] = round(time.perf_counter() - loop_t0, 3)
-                if bubble is not None:
-                    rec["bubble"] = bubble
-                if cfg.data.balance:  # the step's last micro-batch: dealt, and whole rows per rank
-                    sequence = sequence_of(model)
-                    rec["work_imbalance"] = round(sequence.imbalance, 4)
-                    rec["dp_work_imbalance"] = round(sequence.dp_imbalance, 4)
-                if lowcomm or compressed or (sparse is not None and sparse.sparse_comm):
-                    # the algorithm's own figures (a spread, a ratio, the sparse bytes, ...)
-                    rec.update(model.metrics())
-                if sparse is not None:  # passes per step, density (per layer when evaluated)
-                    rec.update(sparse.metrics(per_layer=is_eval))
+                rec.update(figures)
+                for component in built.applied:  # each technique's own figures
+                    rec.update(component.metrics(built, is_eval))
                 if is_eval:
-                    rec.update(validate(model, val_data, cfg, mesh, device, loss_sum_fn))
+                    rec.update(validate(built, val_data, device))
                 log.record(rec)
                 window_t0, window_steps = time.perf_counter(), 0
             log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-                save(cfg, run_dir, done, model, optimizer, mesh, None, sparse)
+                save(built, run_dir, done)
                 saved_at = done
-        return finish(cfg, run_dir, start, model, optimizer, mesh, log, sparse)
+        return finish(built, run_dir, start, log)
     finally:
         log.close()
 
 
-def finish(cfg: Config, run_dir: Path, start: int, model, optimizer, mesh, log: RunLog,
-           sparse=None) -> int:
+def finish(built: Built, run_dir: Path, start: int, log: RunLog) -> int:
     """After the loop: the last step's checkpoint, or why a resumed run had nothing to do."""
-    if start < cfg.train.steps:
-        save(cfg, run_dir, cfg.train.steps, model, optimizer, mesh, None, sparse)
+    steps = built.cfg.train.steps
+    if start < steps:
+        save(built, run_dir, steps)
     else:
         log.message(f"nothing to do: the checkpoint is at step {start}, train.steps="
-                    f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
+                    f"{steps} (raise it with --set train.steps=N to continue)")
     return 0
 
 
@@ -410,44 +398,15 @@ def nonfinite_streak(streak: int, stepped: bool, done: int, cfg: Config, log: Ru
     return streak
 
 
-def _start_timeline(model, step: int, cfg: Config):
-    """Step `run.timeline_step` (counted from 1) records its timeline, if the engine records
-    (the pipeline runtime records its actions, the ZeRO engine its units)."""
-    if cfg.run.timeline_step != step + 1:
+def _start_timeline(built: Built, step_index: int):
+    """Step `run.timeline_step` (counted from 1) records its timeline, if a component records
+    (the pipeline runtime its actions, the ZeRO engine its units): (that component, the
+    Timeline) or None."""
+    if built.cfg.run.timeline_step != step_index + 1:
         return None
-    runtime = runtime_of(model)
-    if runtime is not None:
-        runtime.spans = []
-        return runtime
-    if not hasattr(model, "timeline"):
-        return None
-    model.timeline = Timeline()
-    return model.timeline
-
-
-def _write_timeline(model, timeline, run_dir: Path, step: int, mesh, cfg: Config) -> float | None:
-    """Writes the recorded step; returns the pipeline's measured bubble fraction (None
-    without a pipeline)."""
-    if timeline is runtime_of(model):
-        return _write_pipeline_timeline(timeline, run_dir, step, mesh, cfg)
-    model.timeline = None
-    if mesh.rank == 0:
-        timeline.write(run_dir / "timeline.json", step=step + 1, rank=0)
-    return None
-
-
-def _write_pipeline_timeline(runtime, run_dir: Path, step: int, mesh, cfg: Config) -> float:
-    from loomtrain.timeline import PIPELINE_TIMELINE_JSON, measured_bubble, write_pipeline_timeline
-
-    ranks = runtime.gather_spans()
-    bubble = measured_bubble(ranks)
-    s = runtime.schedule
-    theory = runtime.bubble_theory()
-    if mesh.rank == 0:
-        write_pipeline_timeline(run_dir / PIPELINE_TIMELINE_JSON, ranks, step=step + 1, pp=s.pp,
-                                schedule=s.name, microbatches=s.microbatches,
-                                bubble_measured=bubble, bubble_theory=theory)
-    return bubble
+    recorder = Timeline()
+    owner = next((c for c in built.applied if c.start_timeline(built, recorder)), None)
+    return None if owner is None else (owner, recorder)
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:
@@ -457,13 +416,38 @@ def write_config(run_dir: Path, cfg: Config) -> None:
     os.replace(tmp, run_dir / "config.toml")
 
 
-def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh, extra: dict | None = None,
-         sparse=None) -> None:
-    _drain(model)
-    if cfg.lowcomm.algorithm != "none":  # a stop between syncs: one model to save
-        model.end_period()
-    checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, extra or {},
-                    sparse.state_dict() if sparse is not None else None)
+def save(built: Built, run_dir: Path, step_done: int, extra: dict | None = None) -> None:
+    """Checkpoint step `step_done`: what the components must finish first (micro-batches in
+    flight, one model from the replicas), then the model and optimizer in their layout and
+    each component's own state (collective: every rank calls it)."""
+    for component in built.applied:
+        component.before_save(built)
+    rank = built.mesh.rank
+    tensors = {k: v for c in built.applied for k, v in c.state(built, rank).items()}
+    checkpoint.save(run_dir, step_done, built.model, built.optimizer, built.mesh,
+                    built.cfg.checkpoint.keep, {**built.meta, **(extra or {})}, tensors,
+                    built.layout or PLAIN)
+
+
+def restore(built: Built, path: Path, extra: dict | None = None) -> dict:
+    """Load checkpoint `path` into what `build` built and into each component's state;
+    returns its loom.json (collective). A component's state that does not fit is a
+    CheckpointError naming the checkpoint."""
+    saved = checkpoint.saved_tensors(path, "")
+    rank = built.mesh.rank
+    holders = {c.name: c.placeholders(built, path, saved, rank) for c in built.applied}
+    every = {k: v for part in holders.values() for k, v in part.items()}
+    every.update(extra or {})
+    meta = checkpoint.load(path, built.model, built.optimizer, built.mesh, every,
+                           built.layout or PLAIN)
+    try:
+        for component in built.applied:
+            component.load_state(built, {k: every[k] for k in holders[component.name]}, rank)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {err}") from None
+    for key in extra or {}:
+        extra[key] = every[key]
+    return meta
 
 
 def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from loomtrain import comm
+from loomtrain.component import Built
 from loomtrain.errors import CheckpointError, ConfigError
 from loomtrain.models import token_loss_sum
 from loomtrain.train import checkpoint, trainer
@@ -56,6 +57,7 @@ from loomtrain.train.trainer import (_batches, _target_tokens, log_start, nonfin
                                      validate, write_config)
 from loomtrain.zeroth import (STATE_PER_PARAMETER, SeedScalarExchange, ZOOptimizer,
                               build_zo_optimizer, hyper_keys)
+from loomtrain.zeroth.state import ZEROTH
 
 
 def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
@@ -68,17 +70,21 @@ def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     if resume is None and cfg.train.init_from is not None:
         init = load_init_weights(model, cfg)
     opt = build_optimizer(cfg, model)
+    # no components apply: the plain model, and a checkpoint layout of its own; loom.json
+    # names the method, which alone resumes it
+    built = Built(model=model, mesh=mesh, cfg=cfg, loss_sum=token_loss_sum, optimizer=opt,
+                  layout=ZEROTH, meta={"optim": opt.name})
     start = 0
     if resume is not None:
-        start = checkpoint.load(resume, model, opt, mesh)["step"]
+        start = trainer.restore(built, resume)["step"]
         if mesh.rank == 0:  # only now that the checkpoint fits: a failed resume changes nothing
             truncate_metrics(run_dir, start)
             write_config(run_dir, cfg)
     log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
     try:
         log_start(log, f"{data.description}; {describe(model, opt)}", mesh, start, resume, init,
-                  lambda: validate(model, data.val, cfg, mesh, mesh.device))
-        return _steps(cfg, run_dir, model, opt, data, mesh, stop, log, start)
+                  lambda: validate(built, data.val, mesh.device))
+        return _steps(cfg, run_dir, built, data, stop, log, start)
     finally:
         log.close()
 
@@ -197,8 +203,8 @@ def _control(loss: float, targets: int, stop, mesh) -> tuple[float, float, bool]
     return float(control[0] / control[1]), float(control[1]), bool(control[2])
 
 
-def _steps(cfg, run_dir: Path, model, opt: ZOOptimizer, data, mesh, stop, log: RunLog,
-           start: int) -> int:
+def _steps(cfg, run_dir: Path, built: Built, data, stop, log: RunLog, start: int) -> int:
+    model, opt, mesh = built.model, built.optimizer, built.mesh
     exchange = KeptPairs(SeedScalarExchange(mesh, "dp"))
     lrs = schedule(cfg)
     nonfinite, saved_at = 0, start  # the newest checkpoint holds the state after saved_at
@@ -224,21 +230,21 @@ def _steps(cfg, run_dir: Path, model, opt: ZOOptimizer, data, mesh, stop, log: R
             rec = _record(done, loss, lr, opt, exchange, mesh, window_targets / (now - window_t0),
                           now - loop_t0, stepped)
             if is_eval:
-                rec.update(validate(model, data.val, cfg, mesh, mesh.device))
+                rec.update(validate(built, data.val, mesh.device))
             log.record(rec)
             logged, window_t0, window_targets = loss, time.perf_counter(), 0.0
         log.advance(logged, targets / (time.perf_counter() - step_t0))
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-            trainer.save(cfg, run_dir, done, model, opt, mesh)
+            trainer.save(built, run_dir, done)
             saved_at = done
         if stopping and done < cfg.train.steps:
             name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
             if done > saved_at:
-                trainer.save(cfg, run_dir, done, model, opt, mesh, {"stopped_by": name})
+                trainer.save(built, run_dir, done, {"stopped_by": name})
             log.message(f"stopped by {name} after step {done}; checkpoint step {done} is saved; "
                         f"continue with: loom train --resume {run_dir}")
             return 0
-    return trainer.finish(cfg, run_dir, start, model, opt, mesh, log)
+    return trainer.finish(built, run_dir, start, log)
 
 
 def _record(done: int, loss: float, lr: float, opt: ZOOptimizer, exchange: KeptPairs, mesh,

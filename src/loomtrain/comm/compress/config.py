@@ -70,6 +70,42 @@ class Compression(Component):
                                             cfg.run.seed, scheme=cfg.comm.sparse_allreduce)
 
     @classmethod
+    def before_step(cls, built: Built, step: int) -> None:
+        """Every error_every steps: this step's compressed sum measured against the dense."""
+        every = built.cfg.compression.error_every
+        if every and (step + 1) % every == 0 and hasattr(built.model, "measure_error"):
+            built.model.measure_error()
+
+    # a rank's compressor state (error-feedback residuals, PowerSGD's factors, random-k's
+    # counters) differs per rank: the keys name the rank, and the method, so that a resume with
+    # another method starts its own state afresh
+    @classmethod
+    def _prefix(cls, built: Built, rank: int) -> str:
+        return f"compression.{built.compressor.name}.rank{rank}."
+
+    @classmethod
+    def state(cls, built: Built, rank: int) -> dict:
+        prefix = cls._prefix(built, rank)
+        return {prefix + k: v for k, v in built.compressor.state_dict().items()}
+
+    @classmethod
+    def placeholders(cls, built: Built, path, saved: dict, rank: int) -> dict:
+        import torch
+
+        prefix = cls._prefix(built, rank)
+        return {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in saved.items()
+                if k.startswith(prefix)}
+
+    @classmethod
+    def load_state(cls, built: Built, state: dict, rank: int) -> None:
+        prefix = cls._prefix(built, rank)
+        mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if not mine:
+            return  # none saved (another method, or none): the run starts its state afresh
+        _check_residuals(built.model, mine)
+        built.compressor.load_state_dict(mine)
+
+    @classmethod
     def validate(cls, cfg) -> None:
         c = cfg.compression
         refuse_unread("compression", c, "method", COMPRESSION_KEYS, ("ratio", "rank"))
@@ -85,3 +121,19 @@ class Compression(Component):
                 'compression.applies_to="pseudo_gradients" compresses DiLoCo\'s outer all-reduce; '
                 f"lowcomm.algorithm={cfg.lowcomm.algorithm!r} has none to compress: set "
                 'lowcomm.algorithm="diloco", or applies_to="gradients" without lowcomm')
+
+
+def _check_residuals(model, state: dict) -> None:
+    """Error-feedback residuals fit the engine's gradient buckets (ValueError if not)."""
+    buckets = getattr(model, "buckets", None)
+    if buckets is None:
+        return
+    for name, tensor in state.items():
+        slot, _, key = name.partition("/")
+        if slot == "residual" and (not key.isdigit() or int(key) >= len(buckets)
+                                   or buckets[int(key)].buffer.numel() != tensor.numel()):
+            raise ValueError(
+                f"its compression residual {key!r} ({tensor.numel()} values) does not fit this "
+                f"run's {len(buckets)} gradient buckets: the buckets changed (parallel.bucket_mb, "
+                "the model or tp/pp differ from the checkpoint's config.toml); resume with those "
+                "settings")

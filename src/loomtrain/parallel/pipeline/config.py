@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import PIPELINE, Built, Component, Refusal, Section, Switch, changed_keys
+from loomtrain.component import (PIPELINE, REPLICATE, Built, Component, Refusal, Section, Switch,
+                                 changed_keys)
 
 # a pipeline setting set while parallel.pp = 1 is refused (it would be silently ignored)
 _PIPELINE_ONLY = ("microbatches", "recompute", "offload_activations", "split_points",
@@ -51,9 +52,37 @@ class Pipeline(Component):
 
     @classmethod
     def apply(cls, built: Built) -> None:
-        from loomtrain.parallel.pipeline import apply_pipeline
+        from loomtrain.parallel.pipeline import apply_pipeline, runtime_of
+        from loomtrain.parallel.state import GroupedStateLayout
 
         built.model = apply_pipeline(built.model, built.mesh, built.cfg)
+        built.parts[cls.name] = runtime_of(built.model)
+        built.layout = GroupedStateLayout()  # unless ZeRO-1 takes it: its layout names groups
+
+    @classmethod
+    def forward_backward(cls, built: Built, batches, global_tokens: float, loss_fn):
+        return built.parts[cls.name].train_step(built.model, batches, global_tokens, loss_fn)
+
+    @classmethod
+    def forward_only(cls, built: Built, x):
+        return (built.parts[cls.name].forward_only(built.model, x),)
+
+    @classmethod
+    def start_timeline(cls, built: Built, timeline) -> bool:
+        built.parts[cls.name].spans = []  # the runtime records its actions
+        return True
+
+    @classmethod
+    def write_timeline(cls, built: Built, timeline, run_dir, step: int, mesh) -> dict:
+        """Every rank's actions, gathered; rank 0 writes them with the measured bubble."""
+        runtime = built.parts[cls.name]
+        ranks, s = runtime.gather_spans(), runtime.schedule
+        bubble = timeline.bubble_of(ranks)
+        if mesh.rank == 0:
+            timeline.write_pipeline(run_dir / timeline.PIPELINE_JSON, ranks, step=step + 1,
+                                    pp=s.pp, schedule=s.name, microbatches=s.microbatches,
+                                    bubble_theory=runtime.bubble_theory())
+        return {"bubble": bubble}
     refuses = {
         "tensor": Refusal("the pipeline composes with dp and ZeRO-1"),
         "context": Refusal("the pipeline composes with dp and ZeRO-1"),
@@ -111,7 +140,28 @@ class Pipeline(Component):
 
 class AsyncPipeline(Component):
     """schedule="async" steps its own (unsharded) optimizer on every stage and runs its
-    forwards on stashed weights, without recomputation or offload."""
+    forwards on stashed weights, without recomputation or offload: its runtime owns the
+    optimizer step."""
+
+    stage = REPLICATE + 5  # after the dp engine: the optimizer is the runtime's
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        built.optimizer = built.parts[Pipeline.name].optimizer
+
+    @classmethod
+    def train_step(cls, built: Built, batches, global_tokens: float, loss_fn):
+        runtime = built.parts[Pipeline.name]
+        loss_sum = runtime.train_step(built.model, batches, global_tokens, loss_fn)
+        return loss_sum, runtime.grad_norm, runtime.stepped
+
+    @classmethod
+    def before_evaluate(cls, built: Built) -> None:
+        """The micro-batches in flight complete, so that what is evaluated or saved has
+        learnt from every micro-batch so far on every stage."""
+        built.parts[Pipeline.name].drain()
+
+    before_save = before_evaluate
 
     name = "async_pipeline"
     switches = (Switch("parallel.schedule", on=("async",)),)

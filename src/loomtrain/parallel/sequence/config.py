@@ -37,9 +37,20 @@ class Context(Component):
 
     @classmethod
     def apply(cls, built: Built) -> None:
-        from loomtrain.parallel.sequence import apply_sequence
+        from loomtrain.parallel.sequence import apply_sequence, sequence_of
 
         built.model = apply_sequence(built.model, built.mesh, built.cfg)
+        built.parts[cls.name] = sequence_of(built.model)
+
+    @classmethod
+    def local_batch(cls, built: Built, batch: tuple) -> tuple:
+        """This rank's tokens of the full rows (and their documents, noted for the kernel)."""
+        return built.parts[cls.name].shard(*batch)
+
+    @classmethod
+    def describe(cls, built: Built) -> str | None:
+        plan = getattr(built.parts[cls.name], "plan", None)  # cp_method="auto": what it chose
+        return None if plan is None else f"automatic sequence parallelism: {plan.describe()}"
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -99,6 +110,13 @@ class Balance(Component):
     name = "balance"
     switches = (Switch("data.balance", False),)
     summary = "documents dealt over dp x cp by attention work (ByteScale)"
+
+    @classmethod
+    def metrics(cls, built: Built, evaluated: bool) -> dict:
+        """The step's last micro-batch: its work dealt over dp x cp, and whole rows per rank."""
+        sequence = built.parts[Context.name]
+        return {"work_imbalance": round(sequence.imbalance, 4),
+                "dp_work_imbalance": round(sequence.dp_imbalance, 4)}
 
     @classmethod
     def validate(cls, cfg) -> None:

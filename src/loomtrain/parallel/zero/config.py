@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import REPLICATE, Built, Component, Section, Switch
+from loomtrain.component import (REPLICATE, Built, Component, Section, Switch, start_engine_timeline,
+                                 write_engine_timeline)
 
 
 class ZeroKeys(Section):
@@ -53,7 +54,17 @@ class Zero(Component):
                 units=list(p.shard_units) or None, gradient_reduce="sum")
         except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
             raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
-        built.replicated = True
+        from loomtrain.parallel.zero.state import ZERO
+
+        built.replicated, built.layout = True, ZERO
+
+    @classmethod
+    def start_timeline(cls, built: Built, timeline) -> bool:
+        return start_engine_timeline(built, timeline)  # the engine records its own spans
+
+    @classmethod
+    def write_timeline(cls, built: Built, timeline, run_dir, step: int, mesh) -> dict:
+        return write_engine_timeline(built, timeline, run_dir, step, mesh)
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from loomtrain.parallel.placement import Boxes, placement_of
+from loomtrain.parallel.state import StateLayout
 
 
 def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -73,3 +74,17 @@ def load_zero_state(engine, optimizer, loaded: dict) -> None:
     for group, saved in zip(optimizer.param_groups, loaded["optim"]["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params" and k in group})
     publish(engine.all_units, engine.mesh)
+
+
+class ZeroStateLayout(StateLayout):
+    """The ZeRO engine's layout (this module): live views of the shards, saved as boxes of
+    the full tensors."""
+
+    def state(self, model, optimizer, for_saving: bool = True) -> dict:
+        return zero_state(model, optimizer, for_saving)
+
+    def load(self, model, optimizer, state: dict) -> None:
+        load_zero_state(model, optimizer, state)
+
+
+ZERO = ZeroStateLayout()
