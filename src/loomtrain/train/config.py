@@ -482,7 +482,7 @@ def _check_async_sgd(cfg) -> None:
     """[async] mode="ps" (asyncsgd/train.py): ranks 0..servers-1 serve fp32 parameters (all, or
     a slice each) to plain single-rank workers; its keys mean nothing without it, except
     worker_slowdown, which with mode "none" slows ranks of the synchronous trainer
-    (trainer._loop): one factor per rank."""
+    (trainer.train_backprop): one factor per rank."""
     a, p, t = cfg.asgd, cfg.parallel, cfg.train
     if a.mode == "none":
         changed = [k for k in AsyncConfig.model_fields if k not in ("mode", "worker_slowdown")

@@ -1,7 +1,9 @@
-"""The training loop every rank runs: `train_worker(cfg_dict, run_dir, resume)`.
+"""The backprop training loop every rank runs (`train_backprop`; train/run.py chooses it by
+mode), and the pieces the zeroth-order and parameter-server loops share with it.
 
 One optimizer step:
-1. the step's micro-batches for this dp rank come from the sampler (a pure function of step);
+1. the step's micro-batches for this dp rank come from the sampler (a pure function of step;
+   train/batches.py);
 2. one small all-reduce carries the global target-token count and the "stop" flag (SIGINT or
    SIGTERM on any rank), so every rank agrees on both before any gradient work;
 3. micro-batches run forward/backward, all but the last under `no_sync()`; each loss is the
@@ -32,20 +34,19 @@ from pathlib import Path
 import torch
 
 from loomtrain import comm
-from loomtrain.data import eval_samples, rank_samples
-from loomtrain.errors import UserError
+from loomtrain.data import eval_samples
 from loomtrain.models import IGNORE_INDEX, token_loss_sum
+from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.parallel import parallelize
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.parallel.sequence import sequence_of
 from loomtrain.sparsity.training import build_sparse_training
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
-from loomtrain.train.config import Config, config_from_dict, config_to_toml
+from loomtrain.train.batches import batches_of_step, load_rows, target_tokens
+from loomtrain.train.config import Config, config_to_toml
 from loomtrain.train.init_from import load_init_weights
-from loomtrain.train.launch import init_distributed, shutdown
 from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
-from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.task import build_task_model, is_classification, load_task_data
 
 
@@ -63,26 +64,6 @@ class StopFlag:
 
     def _set(self, signum, _frame):
         self.signum = signum
-
-
-def _batches(sampler, cfg: Config, mesh, step: int, device):
-    """This rank's micro-batches; with `data.balance` every rank loads the rows of the whole
-    dp x cp pool, which the hybrid runtime deals out by work."""
-    dp = mesh.size("dp")
-    ranks = range(dp) if cfg.data.balance else [mesh.local_rank("dp")]
-    out = []
-    for micro in range(cfg.accumulation_steps):
-        samples = [g for r in ranks for g in rank_samples(step, cfg.train.global_batch, r, dp,
-                                                          cfg.train.micro_batch, micro)]
-        out.append(_load(sampler, samples, cfg, device))
-    return out
-
-
-def _load(sampler, samples, cfg: Config, device) -> tuple:
-    """(inputs, targets) of the rows `samples`, and their documents with `data.packing`."""
-    x, y = sampler.batch(samples)
-    docs = (sampler.documents(samples).to(device),) if cfg.data.packing else ()
-    return (x.to(device), y.to(device), *docs)
 
 
 def _local(model, batch):
@@ -169,7 +150,7 @@ def validate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) 
     runtime = runtime_of(model)
     for i in range(rounds):
         samples = mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0]
-        x, y = _local(model, _load(sampler, samples, cfg, device))
+        x, y = _local(model, load_rows(sampler, samples, cfg, device))
         out = runtime.forward_only(model, x) if runtime is not None else model(x)
         if i < len(mine) and out is not None:  # under pp, the last stage has the output
             total[0] += loss_fn(out, y).double()
@@ -193,15 +174,10 @@ def _drain(model) -> None:
         runtime.drain()
 
 
-def _target_tokens(batches) -> int:
-    """The target tokens (not IGNORE_INDEX) in this rank's micro-batches."""
-    return sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches)
-
-
 def _control(batches, stop: StopFlag, mesh, balanced: bool = False) -> tuple[float, bool]:
     """(global target tokens, whether any rank got SIGINT/SIGTERM), agreed by all ranks in
     one all-reduce."""
-    control = torch.tensor([_target_tokens(batches), bool(stop.signum)], dtype=torch.float64,
+    control = torch.tensor([target_tokens(batches), bool(stop.signum)], dtype=torch.float64,
                            device=mesh.device)
     comm.all_reduce(control, mesh, "world")
     replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
@@ -235,24 +211,9 @@ def measured(mesh) -> dict:
     return rec
 
 
-def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
-    stop = StopFlag()
-    mesh = init_distributed(cfg)
-    try:
-        return _loop(cfg, run_dir, resume, mesh, stop)
-    finally:
-        shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
-
-
-def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
-    if cfg.asgd.mode == "ps":  # rank 0 serves parameters, ranks 1.. compute gradients
-        from loomtrain.asyncsgd.train import train_async  # it uses this module's pieces
-
-        return train_async(cfg, run_dir, resume, mesh, stop)
-    if cfg.optim.name != "backprop":  # zeroth-order: forward passes only, no engine
-        from loomtrain.zeroth.train import train_zeroth  # it uses this module's pieces
-
-        return train_zeroth(cfg, run_dir, resume, mesh, stop)
+def train_backprop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
+    """Every rank of a run with `optim.name = "backprop"` and no parameter server calls this
+    (run.train_loop does)."""
     device = mesh.device
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
@@ -300,7 +261,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     try:
         for step in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
-            batches = _batches(train_data, cfg, mesh, step, device)
+            batches = batches_of_step(train_data, cfg, mesh, step, device)
             global_tokens, stopping = _control(batches, stop, mesh, cfg.data.balance)
             if stopping:
                 name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
@@ -317,7 +278,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             if every and (step + 1) % every == 0 and hasattr(model, "measure_error"):
                 model.measure_error()  # compressed gradients: this step's error against dense
             # low-communication replicas step on their own rows: each normalizes by its tokens
-            loss_tokens = _target_tokens(batches) if lowcomm else global_tokens
+            loss_tokens = target_tokens(batches) if lowcomm else global_tokens
             if sparse is not None:
                 sparse.before_step(step)
             compute_t0 = time.perf_counter()
@@ -464,15 +425,3 @@ def save(cfg: Config, run_dir: Path, step: int, model, optimizer, mesh, extra: d
         model.end_period()
     checkpoint.save(run_dir, step, model, optimizer, mesh, cfg.checkpoint.keep, extra or {},
                     sparse.state_dict() if sparse is not None else None)
-
-
-def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:
-    """Entry point of every launched process (picklable: module level, plain arguments)."""
-    import sys
-
-    try:
-        return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None)
-    except (UserError, NonFiniteError, comm.CollectiveError) as err:
-        # a message for people, not a traceback; the launcher then stops the other ranks
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4)
