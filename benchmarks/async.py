@@ -7,7 +7,7 @@ with a straggler: time to a target validation loss, final validation loss, stale
 
 Four workers, one of them 4x slower (`async.worker_slowdown = [1, 1, 1, 4]`: after each step
 it sleeps 3x its own measured compute time of that step, the same rule in both modes). Every
-run is the trainer's own loop (`trainer._loop`) on the default corpus (the standard library's
+run is the trainer's own loop (`run.train_loop`) on the default corpus (the standard library's
 source) with the task of benchmarks/lowcomm.py: the default GPT made small (d_model 64, 2
 blocks, rows of 64 tokens, ~0.1 M parameters), AdamW with the trainer's defaults (lr 3e-3, 20
 warmup steps, cosine to 0.1x), 2 rows per worker and step. Two gloo worlds on 127.0.0.1, one

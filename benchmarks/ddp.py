@@ -46,9 +46,9 @@ from loomtrain import comm
 from loomtrain.data import WindowSampler, load_corpus, rank_samples
 from loomtrain.mesh import build_mesh
 from loomtrain.models import IGNORE_INDEX, build_model
+from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.parallel.data import DataParallel
 from loomtrain.train.config import config_from_dict
-from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.trainer import train_step
 
 WORLD = 2

@@ -8,7 +8,7 @@ slow link between two nodes: bytes, validation loss, wall time.
 One gloo world of 4 spawned ranks on 127.0.0.1 (one torch thread each), split into 2 simulated
 nodes of 2 ranks with a 1 Gbit/s link between them (`[comm] inter_node_gbps = 1`, 1 ms per
 op; comm/link.py: a cross-node op completes no sooner than latency + its wire bytes over the
-bandwidth). Every run is the trainer's own loop (`trainer._loop`) on the default corpus (the
+bandwidth). Every run is the trainer's own loop (`run.train_loop`) on the default corpus (the
 standard library's source) with the same config but for `[lowcomm]`: the same steps, rows and
 tokens, AdamW (the trainer's defaults: lr 3e-3, cosine), the default GPT made small (d_model
 64, 2 blocks, rows of 64 tokens, ~0.1 M parameters), 2 rows per replica and step (global

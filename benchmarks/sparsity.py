@@ -6,7 +6,7 @@ data parallelism, checkpoint size; and RigL at 10% density with SAM and ZO-SAM.
     .venv/bin/python benchmarks/sparsity.py --small     # smoke test: tiny model, 20 steps
 
 One gloo world of 2 spawned ranks on 127.0.0.1 (one torch thread each, plain data parallel,
-no simulated link), the trainer's own loop (`trainer._loop`) on the default corpus with the
+no simulated link), the trainer's own loop (`run.train_loop`) on the default corpus with the
 same config but for `[sparsity]`: the default GPT made small as in benchmarks/lowcomm.py
 (d_model 64, 2 blocks, 4 heads, rows of 64 tokens, ~0.1 M parameters), AdamW with the
 trainer's defaults (lr 3e-3, cosine), `--rows` rows per replica and step, the same seed, so

@@ -39,6 +39,7 @@ def _run_rank(rank: int, world: int, port: int, jobs: list, root: str, out,
     from loomtrain.train.config import config_from_dict
     from loomtrain.train.launch import init_distributed
     from loomtrain.train.metrics import read_metrics
+    from loomtrain.train.run import train_loop
 
     sys.stdout = open(os.devnull, "w")  # the trainer's log: stdout carries the one JSON line
     with joined_world(rank, world, port, timeout_s=600):
@@ -50,7 +51,7 @@ def _run_rank(rank: int, world: int, port: int, jobs: list, root: str, out,
             timer = threading.Timer(stop_after_s or 0.0, setattr, (stop, "signum", signal.SIGTERM))
             if stop_after_s is not None and label != "warmup" and rank == 0:
                 timer.start()  # rank 0 decides the stop: the others follow at the next step
-            trainer._loop(cfg, Path(root) / label, None, mesh, stop)
+            train_loop(cfg, Path(root) / label, None, mesh, stop)
             timer.cancel()
             elapsed = time.perf_counter() - start
             m = mesh.meter

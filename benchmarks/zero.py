@@ -65,6 +65,7 @@ from loomtrain import comm
 from loomtrain.data import WindowSampler, load_corpus, rank_samples
 from loomtrain.mesh import build_mesh
 from loomtrain.models import IGNORE_INDEX, build_model
+from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.parallel.data import DataParallel
 from loomtrain.parallel.zero import ROOT, assign_parameters, find_units, shard
 from loomtrain.parallel.zero.layout import unit_layout, zero_memory
@@ -72,7 +73,6 @@ from loomtrain.report import busy_s
 from loomtrain.timeline import Timeline, hidden_s
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.dryrun import activation_bytes
-from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.trainer import train_step
 
 MODEL = {"d_model": 512, "n_layers": 16, "n_heads": 8, "seq_len": 128, "vocab_size": 256}

@@ -112,7 +112,7 @@ def loss_of(model, batch):
 
 def _zo_rank(rank: int, world: int, port: int, tree: dict, out) -> None:
     from loomtrain.mesh import build_mesh
-    from loomtrain.train import trainer
+    from loomtrain.train.batches import batches_of_step
     from loomtrain.train.config import config_from_dict
     from loomtrain.train.task import build_task_model, load_task_data
     from loomtrain.zeroth import SeedScalarExchange, build_zo_optimizer
@@ -128,7 +128,7 @@ def _zo_rank(rank: int, world: int, port: int, tree: dict, out) -> None:
         mesh.meter.take()
         per_step = []
         for step in range(DIST_STEPS):
-            batch, = trainer._batches(data.train, cfg, mesh, step, torch.device("cpu"))
+            batch, = batches_of_step(data.train, cfg, mesh, step, torch.device("cpu"))
             opt.step(loss_of(model, batch), exchange)
             per_step.append(mesh.meter.take())
         flat = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
@@ -179,8 +179,9 @@ CPU = torch.device("cpu")
 
 def pretrain(cfg, mesh, args) -> tuple[dict, dict]:
     """Backprop AdamW on cfg's source from the seed; the weights and what the run was."""
+    from loomtrain.optim import build_optimizer, lr_at, set_lr
     from loomtrain.train import trainer
-    from loomtrain.train.optim import build_optimizer, lr_at, set_lr
+    from loomtrain.train.batches import batches_of_step
     from loomtrain.train.task import build_task_model, load_task_data
 
     torch.manual_seed(cfg.run.seed)
@@ -190,7 +191,7 @@ def pretrain(cfg, mesh, args) -> tuple[dict, dict]:
     start = time.perf_counter()
     for step in range(args.pretrain_steps):
         set_lr(opt, lr_at(step, cfg.train))
-        batch, = trainer._batches(data.train, cfg, mesh, step, CPU)
+        batch, = batches_of_step(data.train, cfg, mesh, step, CPU)
         loss_of(model, batch)().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
@@ -208,7 +209,7 @@ class FineTune:
     and `results[budget]` once the budget ("wall", "forwards") is spent."""
 
     def __init__(self, name: str, hyper: dict, weights: dict, cfg, mesh, data):
-        from loomtrain.train.optim import build_optimizer
+        from loomtrain.optim import build_optimizer
         from loomtrain.train.task import build_task_model
         from loomtrain.zeroth import build_zo_optimizer
 
@@ -241,9 +242,9 @@ class FineTune:
 
     def _loss_fn(self):
         """The loss on the next batch of the method's stream of training rows."""
-        from loomtrain.train import trainer
+        from loomtrain.train.batches import batches_of_step
 
-        batch, = trainer._batches(self.data.train, self.cfg, self.mesh, self.batches_read, CPU)
+        batch, = batches_of_step(self.data.train, self.cfg, self.mesh, self.batches_read, CPU)
         self.batches_read += 1
         return loss_of(self.model, batch)
 

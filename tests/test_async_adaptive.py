@@ -24,6 +24,7 @@ from loomtrain.train import trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop
 
 # --- the controller, pure -------------------------------------------------------------------
 
@@ -126,7 +127,7 @@ def _train_for(rank, world, tree, run_dir, seconds):
     if rank == 0:
         timer.start()
     try:
-        trainer._loop(cfg, Path(run_dir), None, mesh, stop)
+        train_loop(cfg, Path(run_dir), None, mesh, stop)
     finally:
         timer.cancel()
     return read_metrics(Path(run_dir)) if rank == 0 else None

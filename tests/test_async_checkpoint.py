@@ -34,7 +34,7 @@ from loomtrain.asyncsgd import build_policy, run_worker, serve
 from loomtrain.asyncsgd.state import SERVER_STATE
 from loomtrain.asyncsgd.train import ServerMetrics
 from loomtrain.mesh import build_mesh
-from loomtrain.train import checkpoint, trainer
+from loomtrain.train import checkpoint, run, trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.metrics import read_metrics
 
@@ -97,7 +97,7 @@ SECTIONS = {"parallel": {"nproc": 2}, "train": {"steps": 12}, "checkpoint": {"ev
 
 
 def _keep_group(mesh) -> None:
-    """Stands in for trainer.shutdown: consecutive runs share the harness's process group
+    """Stands in for run.shutdown: consecutive runs share the harness's process group
     (test_resume.py says why)."""
 
 
@@ -106,7 +106,7 @@ def _start(rank, cfg) -> Path:
     if rank == 0:  # what `loom train` writes before it spawns the ranks
         run_dir.mkdir(parents=True)
         trainer.write_config(run_dir, cfg)
-    trainer.run(cfg, run_dir, None)
+    run.run(cfg, run_dir, None)
     return run_dir
 
 
@@ -120,20 +120,20 @@ real_after_update = ServerMetrics.after_update
 
 
 def _runs(rank, world, cfg, stopped_cfg, sync_cfg, aside):
-    trainer.shutdown = _keep_group
+    run.shutdown = _keep_group
     run_dir = _start(rank, cfg)
     full = stopped = None
     if rank == 0:  # the uninterrupted run's end, moved out: the resume starts from update 6
         full = read_metrics(run_dir)
         shutil.move(checkpoint.step_dir(run_dir, 12), aside)
-    trainer.run(cfg, run_dir, checkpoint.step_dir(run_dir, 6))
+    run.run(cfg, run_dir, checkpoint.step_dir(run_dir, 6))
     if rank == 0:  # the server gets a SIGTERM
         ServerMetrics.after_update = _sigterm_after_update_4
     stopped_dir = _start(rank, stopped_cfg)
     ServerMetrics.after_update = real_after_update
     if rank == 0:  # before the resume's checkpoints replace it (checkpoint.keep = 2)
         stopped = [checkpoint.read_meta(p) for p in checkpoint.list_checkpoints(stopped_dir)]
-    trainer.run(stopped_cfg, stopped_dir, checkpoint.list_checkpoints(stopped_dir)[-1])
+    run.run(stopped_cfg, stopped_dir, checkpoint.list_checkpoints(stopped_dir)[-1])
     _start(rank, sync_cfg)  # a synchronous checkpoint, for the refusals below
     return full, stopped
 
@@ -316,7 +316,7 @@ def test_ringleader_mid_round_through_a_checkpoint_file(tmp_path, corpus):
     from loomtrain.asyncsgd import state
     from loomtrain.asyncsgd.train import alone, flatten_parameters
     from loomtrain.models import build_model
-    from loomtrain.train.optim import build_optimizer
+    from loomtrain.optim import build_optimizer
 
     cfg = config_from_dict(tiny_tree(tmp_path, corpus))  # its [model] and [train]
 

@@ -37,6 +37,7 @@ from loomtrain.mesh import build_mesh
 from loomtrain.train import trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
+from loomtrain.train.run import train_loop
 from loomtrain.train.trainer import write_config
 
 CAP = 1000  # updates; a run that reaches it never saw its rejoin through
@@ -264,7 +265,7 @@ def test_rejoin_refuses_bad_input(tmp_path, corpus, capsys):
 def _train_noting_pids(rank, world, tree, run_dir):
     (Path(run_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
     cfg = config_from_dict(tree)
-    trainer._loop(cfg, Path(run_dir), None, init_distributed(cfg), trainer.StopFlag())
+    train_loop(cfg, Path(run_dir), None, init_distributed(cfg), trainer.StopFlag())
     return rank
 
 

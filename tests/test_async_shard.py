@@ -28,6 +28,7 @@ from loomtrain.train import checkpoint, trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop
 
 SIZES = [6, 4, 6]  # three "parameters" of the D = 16 vector: cut at the tie 6 | 10 -> 6
 BOUNDS = shard_bounds(SIZES, 2)
@@ -215,7 +216,7 @@ def _train_then_stop(rank, world, tree, root):
         cfg = config_from_dict(tree)
         stop = trainer.StopFlag()
         stop.signum = signal.SIGTERM if name == "stopped" else 0
-        trainer._loop(cfg, Path(root) / name, None, init_distributed(cfg), stop)
+        train_loop(cfg, Path(root) / name, None, init_distributed(cfg), stop)
         out.append(read_metrics(Path(root) / name) if rank == 0 else None)
     return out
 

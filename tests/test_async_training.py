@@ -16,12 +16,13 @@ from loomtrain.train import checkpoint, trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop
 
 
 def _train(rank, world, tree, run_dir):
     cfg = config_from_dict(tree)
     mesh = init_distributed(cfg)
-    trainer._loop(cfg, Path(run_dir), None, mesh, trainer.StopFlag())
+    train_loop(cfg, Path(run_dir), None, mesh, trainer.StopFlag())
     if rank:
         return None
     return read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(Path(run_dir))]
@@ -157,7 +158,7 @@ def _plain_then_slowed(rank, world, plain_tree, slowed_tree, root):
     out = []
     for name, tree in (("plain", plain_tree), ("slowed", slowed_tree)):
         cfg = config_from_dict(tree)
-        trainer._loop(cfg, Path(root) / name, None, init_distributed(cfg), trainer.StopFlag())
+        train_loop(cfg, Path(root) / name, None, init_distributed(cfg), trainer.StopFlag())
         out.append(read_metrics(Path(root) / name) if rank == 0 else None)
     return out
 

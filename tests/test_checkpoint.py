@@ -20,9 +20,9 @@ import torch.distributed.checkpoint as dcp
 
 from loomtrain.errors import CheckpointError
 from loomtrain.models import build_model
-from loomtrain.train import checkpoint, trainer
+from loomtrain.optim import build_optimizer
+from loomtrain.train import checkpoint, run
 from loomtrain.train.config import config_to_toml
-from loomtrain.train.optim import build_optimizer
 
 LOOM = [sys.executable, "-m", "loomtrain"]
 # OpenMP threads that spin-wait for each other on a shared 2-core machine made 1-rank steps
@@ -42,10 +42,10 @@ def _run_dir(cfg) -> Path:
 
 
 def _train(cfg, resume=None) -> Path:
-    """One rank in this process; trainer.run installs SIGINT/SIGTERM handlers, put back after."""
+    """One rank in this process; run.run installs SIGINT/SIGTERM handlers, put back after."""
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        trainer.run(cfg, _run_dir(cfg), resume)
+        run.run(cfg, _run_dir(cfg), resume)
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -180,7 +180,7 @@ def _exercise(rank, world, tree):
     # the trainer joins this world (as under torchrun), builds its own linked mesh from [comm],
     # and tears the process group down at the end: it runs last
     from loomtrain.train.config import config_from_dict
-    from loomtrain.train.trainer import run
+    from loomtrain.train.run import run
     assert run(config_from_dict(tree), Path(tree["run"]["dir"]) / "t", None) == 0
     return out
 

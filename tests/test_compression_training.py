@@ -117,16 +117,17 @@ def _resume_with_other_buckets(rank, world, first, second, root):
     from loomtrain.errors import CheckpointError
     from loomtrain.train import checkpoint, trainer
     from loomtrain.train.launch import init_distributed
+    from loomtrain.train.run import train_loop
 
     run_dir = Path(root) / "run"
     cfg = config_from_dict(first)
-    trainer._loop(cfg, run_dir, None, init_distributed(cfg), trainer.StopFlag())
+    train_loop(cfg, run_dir, None, init_distributed(cfg), trainer.StopFlag())
     cfg = config_from_dict(second)
     mesh = init_distributed(cfg)
     comm.barrier(mesh)  # rank 0 has published the last checkpoint
     try:
-        trainer._loop(cfg, run_dir, checkpoint.list_checkpoints(run_dir)[-1], mesh,
-                      trainer.StopFlag())
+        train_loop(cfg, run_dir, checkpoint.list_checkpoints(run_dir)[-1], mesh,
+                   trainer.StopFlag())
     except CheckpointError as err:
         return str(err)
     return None

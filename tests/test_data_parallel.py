@@ -15,7 +15,7 @@ from loomtrain.parallel.data import DataParallel, apply_data_parallel, build_buc
 from loomtrain.train.config import ParallelConfig
 from loomtrain.train.metrics import read_metrics
 from test_zero import Blocks, _mean_loss_against_ddp, _train_many
-from loomtrain.train.trainer import run
+from loomtrain.train.run import run
 
 
 def _train(rank, world, cfg, run_dir):

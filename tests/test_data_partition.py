@@ -25,9 +25,11 @@ from loomtrain.data import (
 from loomtrain.data.corpus import Corpus
 from loomtrain.errors import DataError
 from loomtrain.train import trainer
+from loomtrain.train.batches import batches_of_step
 from loomtrain.train.config import config_from_dict, load_config
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop
 
 SEQ = 128
 
@@ -115,7 +117,7 @@ def _mesh(rank: int, dp: int):
 
 
 def test_dp_ranks_read_their_own_part_through_the_trainer(stdlib):
-    """trainer._batches with a PartitionedSampler: rank r's rows of step s are rows
+    """batches_of_step with a PartitionedSampler: rank r's rows of step s are rows
     s*B/dp ... of part r, in order, so each rank walks through its own files epoch by epoch."""
     dp, global_batch, micro_batch = 2, 8, 2
     cfg = config_from_dict({"train": {"global_batch": global_batch, "micro_batch": micro_batch},
@@ -124,7 +126,7 @@ def test_dp_ranks_read_their_own_part_through_the_trainer(stdlib):
     for rank in range(dp):
         own = part_sampler(stdlib, SEQ, 0, rank, dp)
         for step in (0, 3):
-            batches = trainer._batches(sampler, cfg, _mesh(rank, dp), step, "cpu")
+            batches = batches_of_step(sampler, cfg, _mesh(rank, dp), step, "cpu")
             x = torch.cat([b[0] for b in batches])
             rows = range(step * 4, step * 4 + 4)
             assert torch.equal(x, own.batch(rows)[0])
@@ -158,7 +160,7 @@ def test_by_file_needs_a_source_made_of_files(tmp_path, capsys):
 
 def _train(rank, world, tree, root):
     cfg = config_from_dict(tree)
-    trainer._loop(cfg, Path(root), None, init_distributed(cfg), trainer.StopFlag())
+    train_loop(cfg, Path(root), None, init_distributed(cfg), trainer.StopFlag())
     return [r["loss"] for r in read_metrics(Path(root))] if rank == 0 else None
 
 

@@ -15,6 +15,7 @@ from loomtrain.cli import main
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
 from loomtrain.models import GPT, MLP, build_model, token_loss_sum
+from loomtrain.optim import build_optimizer
 from loomtrain.parallel.data import build_buckets
 from loomtrain.parallel.zero import estimate as zero_estimate
 from loomtrain.parallel.zero import make_plan
@@ -23,7 +24,6 @@ from loomtrain.train import dryrun
 from loomtrain.train.config import config_to_toml
 from loomtrain.train.dryrun_text import dry_run
 from loomtrain.train.metrics import read_metrics
-from loomtrain.train.optim import build_optimizer
 
 
 def saved_storage_bytes(params, forward):
@@ -371,11 +371,12 @@ def _train(rank, world, cfgs, run_dirs):
     """Train each config in turn on this one world (a process group per config would cost a
     spawn each); `run()` would tear the group down, so its two halves are called directly."""
     from loomtrain.train.launch import init_distributed
-    from loomtrain.train.trainer import StopFlag, _loop
+    from loomtrain.train.run import train_loop
+    from loomtrain.train.trainer import StopFlag
 
     out = []
     for cfg, run_dir in zip(cfgs, run_dirs):
-        _loop(cfg, Path(run_dir), None, init_distributed(cfg), StopFlag())
+        train_loop(cfg, Path(run_dir), None, init_distributed(cfg), StopFlag())
         out.append(read_metrics(run_dir) if rank == 0 else None)
     return out
 

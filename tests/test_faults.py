@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from harness import run_world
-from loomtrain.train import trainer
+from loomtrain.train import run, trainer
 from loomtrain.train.metrics import read_metrics
 
 
@@ -44,7 +44,7 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
     stderr, error = io.StringIO(), None
     try:
         with contextlib.redirect_stderr(stderr):
-            trainer.run(cfg, Path(run_dir), None)
+            run.run(cfg, Path(run_dir), None)
     except trainer.NonFiniteError as err:
         error = str(err)
     finally:
@@ -55,7 +55,7 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
 
 def _two_scenarios(rank, world, skip_cfg, abort_cfg, root):
     # two runs share the harness's process group: re-creating it on the same port can race
-    trainer.shutdown = lambda mesh: None
+    run.shutdown = lambda mesh: None
     # NaN on rank 1 only: the all-reduced gradient norm makes every rank skip together
     skipped = _poisoned_run(rank, skip_cfg, f"{root}/skip", {3, 5}, nan_rank=1)
     aborted = _poisoned_run(rank, abort_cfg, f"{root}/abort", {3, 4}, nan_rank=1)

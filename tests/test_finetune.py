@@ -24,7 +24,7 @@ from loomtrain.data.corpus import STDLIB_DOMAINS, is_stdlib_test, stdlib_files
 from loomtrain.data.digits import CLASSES, ExampleSampler, load_digits, split_indices
 from loomtrain.errors import ConfigError
 from loomtrain.models import IGNORE_INDEX, token_loss_sum
-from loomtrain.train import checkpoint, trainer
+from loomtrain.train import checkpoint, run
 from loomtrain.train.config import config_from_dict, load_config
 from loomtrain.train.metrics import read_metrics
 from loomtrain.train.task import build_task_model, load_task_data
@@ -44,7 +44,7 @@ def one_thread(monkeypatch):
 
 def _loom(*args) -> int:
     """`loom train ARGS` in this process; its exit code (the trainer exits 2 on a user error
-    found after the CLI's checks). trainer.run's signal handlers are put back after."""
+    found after the CLI's checks). run.run's signal handlers are put back after."""
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return main(["train", *map(str, args)])
@@ -124,7 +124,7 @@ def test_init_from_a_parameter_server_checkpoint(tmp_path):
     "server_only", its state beside the model): a fine-tune starts from its model all the
     same, given the checkpoint folder itself."""
     from loomtrain.asyncsgd import state as server_checkpoint
-    from loomtrain.train.optim import build_optimizer
+    from loomtrain.optim import build_optimizer
 
     runs = tmp_path / "runs"
     server = config_from_dict(tiny_tree(tmp_path, Path("unused"), data={"source": "stdlib-code"}))
@@ -184,9 +184,9 @@ def test_init_from_that_is_no_checkpoint_is_refused(pretrained, tmp_path, capsys
 
 
 def _first_losses(rank, world, configs):
-    trainer.shutdown = lambda mesh: None  # keep the harness's group for the next run
+    run.shutdown = lambda mesh: None  # keep the harness's group for the next run
     for cfg in configs:
-        trainer.run(cfg, Path(cfg.run.dir) / cfg.run.name, None)
+        run.run(cfg, Path(cfg.run.dir) / cfg.run.name, None)
     return [read_metrics(Path(c.run.dir) / c.run.name)[0]["loss"] for c in configs] \
         if rank == 0 else None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import loomtrain.train.run as run
 import loomtrain.train.trainer as trainer
 from harness import run_world
 
@@ -24,7 +25,7 @@ def _one_rank_hangs(rank, world, cfg, run_dir):
         trainer.train_step = stalled
     t0 = time.monotonic()
     try:
-        trainer.run(cfg, Path(run_dir), None)
+        run.run(cfg, Path(run_dir), None)
     except trainer.comm.CollectiveError as err:
         return ("collective_error", str(err), time.monotonic() - t0)
     return ("finished", "", time.monotonic() - t0)

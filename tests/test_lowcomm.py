@@ -21,6 +21,7 @@ from loomtrain.train import checkpoint, trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop
 
 
 class _StopBefore:
@@ -48,7 +49,7 @@ def _runs(rank, world, jobs, root):
         comm.barrier(mesh)  # rank 0 publishes the previous run's last checkpoint
         latest = checkpoint.list_checkpoints(run_dir)[-1] if resume else None
         stop = _StopBefore(stop_before) if stop_before is not None else trainer.StopFlag()
-        trainer._loop(cfg, run_dir, latest, mesh, stop)
+        train_loop(cfg, run_dir, latest, mesh, stop)
         out[name] = (read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(run_dir)])
     return out if rank == 0 else None
 

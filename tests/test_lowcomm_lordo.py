@@ -19,9 +19,9 @@ from loomtrain.lowcomm import apply_lowcomm
 from loomtrain.lowcomm.lordo import lowrank_adamw
 from loomtrain.lowcomm.lowrank_adamw import oriented
 from loomtrain.models import build_model, token_loss_sum
+from loomtrain.optim import build_optimizer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
-from loomtrain.train.optim import build_optimizer
 from test_lowcomm import _losses, _runs
 
 # the MLP language model: Linear and LayerNorm only, every row of its small embedding seen

@@ -131,11 +131,12 @@ def _traced(rank, world, tree, steps):
     """Trains `steps` steps with the runtime's trace on; returns what the test checks."""
     from loomtrain.data import WindowSampler, load_corpus
     from loomtrain.models import build_model
+    from loomtrain.optim import build_optimizer
     from loomtrain.train.apply import parallelize
     from loomtrain.parallel.pipeline import runtime_of
     from loomtrain.train import trainer
+    from loomtrain.train.batches import batches_of_step
     from loomtrain.train.launch import init_distributed
-    from loomtrain.train.optim import build_optimizer
 
     cfg = config_from_dict(tree)
     mesh = init_distributed(cfg)
@@ -147,7 +148,7 @@ def _traced(rank, world, tree, steps):
     runtime = runtime_of(model)
     runtime.trace = []
     for step in range(steps):
-        batches = trainer._batches(sampler, cfg, mesh, step, mesh.device)
+        batches = batches_of_step(sampler, cfg, mesh, step, mesh.device)
         tokens, _ = trainer._control(batches, trainer.StopFlag(), mesh)
         trainer.train_step(model, runtime.optimizer, batches, tokens, cfg.train.grad_clip, loss_fn)
     runtime.drain()
@@ -197,10 +198,11 @@ def test_backward_uses_the_forward_weights_and_the_fixed_delay(tmp_path, corpus)
 def _train_all(rank, world, trees, root):
     from loomtrain.train import trainer
     from loomtrain.train.launch import init_distributed
+    from loomtrain.train.run import train_loop
 
     for i, tree in enumerate(trees):
         cfg = config_from_dict(tree)
-        trainer._loop(cfg, Path(root) / f"run{i}", None, init_distributed(cfg), trainer.StopFlag())
+        train_loop(cfg, Path(root) / f"run{i}", None, init_distributed(cfg), trainer.StopFlag())
 
 
 # async_momentum 0.9: the paper's 0.99 averages over ~100 updates, a quarter of these runs'

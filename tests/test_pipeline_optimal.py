@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from loomtrain.parallel.pipeline.optimal import (
-    StageCosts, action_times, compare, measure, peak_bytes, plan_for_config, solve, to_schedule)
+    compare, measure, peak_bytes, plan_for_config, solve, to_schedule)
+from loomtrain.parallel.pipeline.optimal_costs import StageCosts, action_times
 from loomtrain.parallel.pipeline.optimal_heuristic import _fit_rank, _order, levels
 from loomtrain.parallel.pipeline.schedules import Schedule, one_f_one_b, simulate, validate
 

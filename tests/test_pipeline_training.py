@@ -15,13 +15,14 @@ import torch
 from conftest import tiny_tree
 from harness import run_world
 from loomtrain.models import build_model
+from loomtrain.optim import build_optimizer
 from loomtrain.train.apply import parallelize
 from loomtrain.parallel.pipeline import runtime_of
 from loomtrain.train import trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
-from loomtrain.train.optim import build_optimizer
+from loomtrain.train.run import train_loop
 from test_zero import _train_many
 
 MODEL = {"n_layers": 6}  # 8 layers (embed, 6 blocks, head): enough for pp=4 x 2 virtual stages
@@ -134,4 +135,4 @@ def test_pipeline_checkpoint_resumes_on_the_same_curve(tmp_path, corpus):
 def _resume(rank, world, tree, run_dir):
     cfg = config_from_dict(tree)
     checkpoint = Path(run_dir) / "checkpoints" / "step_00000010"
-    trainer._loop(cfg, Path(run_dir), checkpoint, init_distributed(cfg), trainer.StopFlag())
+    train_loop(cfg, Path(run_dir), checkpoint, init_distributed(cfg), trainer.StopFlag())

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import tiny_tree
 from harness import run_world
-from loomtrain.train import checkpoint, trainer
+from loomtrain.train import checkpoint, run, trainer
 from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.train.metrics import read_metrics
 
@@ -45,15 +45,15 @@ def _losses(run_dir) -> list[float]:
 
 
 def _keep_group(mesh) -> None:
-    """Stands in for trainer.shutdown so consecutive runs in one world share the harness's
+    """Stands in for run.shutdown so consecutive runs in one world share the harness's
     process group: a re-initialized group on the same port can race (a rank reaching the
     old store before it closes), which timed out gloo's connect here."""
 
 
 def _uninterrupted(rank, world, configs):
-    trainer.shutdown = _keep_group
+    run.shutdown = _keep_group
     for cfg in configs:
-        trainer.run(cfg, Path(cfg.run.dir) / cfg.run.name, None)
+        run.run(cfg, Path(cfg.run.dir) / cfg.run.name, None)
     return [_losses(Path(c.run.dir) / c.run.name) for c in configs] if rank == 0 else None
 
 
@@ -67,7 +67,7 @@ def reference(tmp_path_factory, corpus):
 
 
 def _interrupt_and_resume(rank, world, sigterm_cfg, crash_cfg):
-    trainer.shutdown = _keep_group
+    run.shutdown = _keep_group
     real_save, real_step = trainer.save, trainer.train_step
 
     def save_then_sigterm(cfg, run_dir, step, *args):  # only rank 0 is signalled
@@ -89,14 +89,14 @@ def _interrupt_and_resume(rank, world, sigterm_cfg, crash_cfg):
         run_dir = Path(cfg.run.dir) / cfg.run.name
         setattr(trainer, *patch)
         try:
-            trainer.run(cfg, run_dir, None)
+            run.run(cfg, run_dir, None)
         except RuntimeError as err:
             assert "injected crash" in str(err)
         finally:
             trainer.save, trainer.train_step = real_save, real_step
         before = [r["step"] for r in read_metrics(run_dir)]
         latest = checkpoint.list_checkpoints(run_dir)[-1]
-        trainer.run(cfg, run_dir, latest)
+        run.run(cfg, run_dir, latest)
         out[name] = (before, latest.name, _losses(run_dir))
     return out if rank == 0 else None
 

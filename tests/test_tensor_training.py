@@ -23,6 +23,7 @@ from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_su
 from loomtrain.train import checkpoint, trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop
 from test_zero import _curves, _train_many
 
 TP_ORACLE = {  # world -> configurations checked against the single-process run
@@ -106,7 +107,7 @@ def _resume(rank, world, tree, run_dir):
 
     cfg = config_from_dict(tree)
     latest = checkpoint.list_checkpoints(Path(run_dir))[-1]
-    trainer._loop(cfg, Path(run_dir), latest, init_distributed(cfg), trainer.StopFlag())
+    train_loop(cfg, Path(run_dir), latest, init_distributed(cfg), trainer.StopFlag())
 
 
 def _saved_bytes(fn) -> int:

@@ -16,6 +16,7 @@ from harness import run_world
 from loomtrain.comm import wire_bytes
 from loomtrain.mesh import build_mesh
 from loomtrain.models import MLP, GPT, token_loss_sum
+from loomtrain.optim import build_optimizer
 from loomtrain.parallel.data import DataParallel
 from loomtrain.parallel.zero import shard
 from loomtrain.parallel.zero.layout import zero_memory
@@ -23,7 +24,7 @@ from loomtrain.train import trainer
 from loomtrain.train.config import TrainConfig, config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
-from loomtrain.train.optim import build_optimizer
+from loomtrain.train.run import train_loop
 
 
 def _train_many(rank, world, trees, root):
@@ -33,7 +34,7 @@ def _train_many(rank, world, trees, root):
     for i, tree in enumerate(trees):
         cfg = config_from_dict(tree)
         run_dir = Path(root) / f"run{i}"
-        trainer._loop(cfg, run_dir, None, init_distributed(cfg), trainer.StopFlag())
+        train_loop(cfg, run_dir, None, init_distributed(cfg), trainer.StopFlag())
         curves.append([r["loss"] for r in read_metrics(run_dir)] if rank == 0 else None)
     return curves
 

@@ -12,6 +12,7 @@ from loomtrain.train.checkpoint import read_metadata, step_dir
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop
 
 
 def _jobs(rank, world, jobs):
@@ -20,8 +21,8 @@ def _jobs(rank, world, jobs):
     out = []
     for tree, run_dir, resume in jobs:
         cfg = config_from_dict(tree)
-        trainer._loop(cfg, Path(run_dir), Path(resume) if resume else None, init_distributed(cfg),
-                      trainer.StopFlag())
+        train_loop(cfg, Path(run_dir), Path(resume) if resume else None, init_distributed(cfg),
+                   trainer.StopFlag())
         out.append({r["step"]: r["loss"] for r in read_metrics(run_dir)} if rank == 0 else None)
     return out
 

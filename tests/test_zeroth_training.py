@@ -24,12 +24,13 @@ from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.zeroth.config import ZO_METHODS, OptimConfig
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.run import train_loop, train_worker
 from loomtrain.train.task import build_task_model
 from loomtrain.zeroth import hyper_keys, pair_exchange_bytes
 
 
 def _run(cfg, run_dir: Path, resume: Path | None = None) -> dict:
-    """trainer._loop on this rank, one thread (the two cores are shared), with each save's
+    """run.train_loop on this rank, one thread (the two cores are shared), with each save's
     parameters kept: {step: this rank's model state}, and the model's gradient status."""
     mesh = init_distributed(cfg)
     torch.set_num_threads(1)
@@ -42,7 +43,7 @@ def _run(cfg, run_dir: Path, resume: Path | None = None) -> dict:
 
     trainer.save = keep
     try:
-        trainer._loop(cfg, run_dir, resume, mesh, trainer.StopFlag())
+        train_loop(cfg, run_dir, resume, mesh, trainer.StopFlag())
     finally:
         trainer.save = real_save
     return saved
@@ -230,7 +231,7 @@ def _signalled(rank, world, tree):
 
     trainer.save = save_then_signal
     try:
-        return trainer._loop(cfg, Path(cfg.run.dir) / cfg.run.name, None, mesh, trainer.StopFlag())
+        return train_loop(cfg, Path(cfg.run.dir) / cfg.run.name, None, mesh, trainer.StopFlag())
     finally:
         trainer.save = real_save
 
@@ -250,7 +251,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_saving(tmp_path, corpus):
 
 def _nonfinite(rank, world, tree):
     try:
-        trainer.train_worker(tree, str(Path(tree["run"]["dir"]) / "nan"), None)
+        train_worker(tree, str(Path(tree["run"]["dir"]) / "nan"), None)
     except SystemExit as exit:
         return exit.code
     return 0

@@ -165,7 +165,8 @@ def _rejoin(args) -> int:
 
 def cmd_train(args) -> int:
     from loomtrain.train.launch import in_torchrun, launch_forwarding_signals, launch_tolerant
-    from loomtrain.train.trainer import train_worker, write_config
+    from loomtrain.train.run import train_worker
+    from loomtrain.train.trainer import write_config
 
     if args.rejoin is not None or args.worker is not None:
         return _rejoin(args)

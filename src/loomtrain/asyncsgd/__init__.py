@@ -1,7 +1,7 @@
 """Asynchronous SGD: a parameter server (server.py; or several, each owning a slice of the
 parameters: shard.py) and its workers (worker.py) over point-to-point messages (protocol.py),
 with staleness policies (policies.py) and restarted workers rejoining (rejoin.py); train.py is
-the `loom train` mode ([async] mode = "ps"), imported by the trainer when used (it imports the
+the `loom train` mode ([async] mode = "ps"), imported by train/run.py when used (it imports the
 trainer, so it is not imported here)."""
 
 from loomtrain.asyncsgd.policies import Policy, StalenessLog, build_policy

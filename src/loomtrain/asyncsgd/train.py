@@ -73,10 +73,11 @@ from loomtrain.data import WindowSampler, load_corpus, part_sampler, rank_sample
 from loomtrain.errors import ConfigError, UserError
 from loomtrain.mesh import AXES, Mesh
 from loomtrain.models import build_model, token_loss_sum
+from loomtrain.optim import build_optimizer, lr_at
+from loomtrain.train.batches import load_rows, target_tokens
 from loomtrain.train.launch import pick_device
 from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
-from loomtrain.train.optim import build_optimizer, lr_at
-from loomtrain.train.trainer import NonFiniteError, _load, _target_tokens, evaluate, write_config
+from loomtrain.train.trainer import NonFiniteError, evaluate, write_config
 
 AXIS = "world"  # members 0..S-1: the servers; members S..: the workers
 
@@ -88,7 +89,7 @@ class WorkersLostError(comm.CollectiveError):
 
 
 def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
-    """Every rank of an `[async] mode = "ps"` run calls this (trainer._loop does). `resume`: the
+    """Every rank of an `[async] mode = "ps"` run calls this (run.train_loop does). `resume`: the
     checkpoint the server restores (the CLI has checked that it fits: asyncsgd/state.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
@@ -176,9 +177,9 @@ class WorkerStep:
                           & 0xFFFF_FFFF_FFFF_FFFF)  # dropout as a function of the step
         self.flat.copy_(params)
         self.flat.grad.zero_()
-        batches = [_load(self.data, self._rows(step, micro), self.cfg, self.device)
+        batches = [load_rows(self.data, self._rows(step, micro), self.cfg, self.device)
                    for micro in range(self.cfg.accumulation_steps)]
-        tokens = _target_tokens(batches)
+        tokens = target_tokens(batches)
         loss_sum = 0.0
         for x, y in batches:
             loss = token_loss_sum(self.model(x), y)

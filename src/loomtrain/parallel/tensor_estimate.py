@@ -9,6 +9,7 @@ c = compute bytes; S = b s h c, one activation.
 
 from __future__ import annotations
 
+from loomtrain.parallel.pipeline.estimate import INDEX_BYTES, mlp_activation_bytes
 from loomtrain.parallel.zero.estimate import Collective, metered
 
 FP32_BYTES = 4
@@ -72,7 +73,7 @@ def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, ac
 def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: bool,
                             compute_bytes: int = FP32_BYTES) -> int:
     """Bytes autograd saves in one forward of the tp-split model plus its loss, per rank
-    (dropout 0; the single-process counts are train/dryrun.py's, tensor by tensor).
+    (dropout 0; the single-process counts are parallel/pipeline/estimate.py's, tensor by tensor).
 
     GPT, per token and layer (c bytes): the inputs of both layer norms h each and their
     stats 4, the layer norms' outputs as the column layers keep them h each, qkv 3h/N,
@@ -86,8 +87,6 @@ def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: boo
     positions once per position. MLP model: per layer the layer norm's input, stats and
     output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit model.
     """
-    from loomtrain.train.dryrun import INDEX_BYTES, mlp_activation_bytes
-
     b, t, h, r, n, c = micro_batch, m.seq_len, m.d_model, m.mlp_ratio, tp, compute_bytes
     if m.name == "mlp":
         unsplit = mlp_activation_bytes(b, t, h, m.n_layers, r, m.vocab_size, c)

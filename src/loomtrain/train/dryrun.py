@@ -3,7 +3,8 @@ fake backend in this one process, estimate memory per rank and the collectives o
 optimizer step, and train nothing (the single-process dry run of torchtitan's fake backend).
 
 The estimates are pure functions of numbers (tested without processes): those of plain data
-parallel and of activations here, those of the sharded engine in parallel/zero/estimate.py.
+parallel here, those of activations in parallel/pipeline/estimate.py (the whole model's are
+the sums of its layers'), those of the sharded engine in parallel/zero/estimate.py.
 `estimate(cfg)` feeds them with what the real code builds: the mesh (`build_mesh` over torch's
 fake process group, which accepts every collective and moves nothing), the model on the meta
 device (shapes without storage), and either the gradient buckets of `apply_data_parallel` (ZeRO
@@ -26,8 +27,8 @@ from loomtrain.errors import ConfigError
 from loomtrain.parallel.pipeline.estimate import (
     PipelineEstimate,
     PipelineSplit,
-    gpt_layer_bytes,
-    mlp_layer_bytes,
+    gpt_activation_bytes,
+    mlp_activation_bytes,
     pipeline_estimate,
     split_on_meta,
 )
@@ -43,45 +44,6 @@ from loomtrain.parallel.zero.estimate import (
     zero_memory_per_rank,
 )
 from loomtrain.parallel.zero.flat import ShardPlan
-
-INDEX_BYTES = 8  # token ids, targets and positions are int64
-
-
-def gpt_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers: int,
-                         n_heads: int, mlp_ratio: int, vocab_size: int,
-                         compute_bytes: int = FP32_BYTES) -> int:
-    """Bytes autograd saves for backward in one forward of models/gpt.py plus the loss (dropout 0).
-
-    Per token and layer, in the compute dtype (c bytes): ln1 output d, qkv 3d (q, k, v are
-    views of it), attention output d (the proj input is a view of it: the fused SDPA kernel
-    writes it as b,t,h,dh), residual after attention d, ln2 output d, fc output rd, GELU output
-    rd, block output d, so 8d + 2rd; plus mean and rstd of both LayerNorms (4, in the input's
-    dtype on CPU). In fp32 always: the attention log-sum-exp (h). Once per token: the embedding
-    sum (block 0 input) d, ln_f output d and stats 2 (compute dtype), and the fp32 log-softmax
-    output V that cross-entropy keeps (the loss casts the logits to fp32). Ids and targets are
-    int64 per token, positions int64 per position, and cross-entropy keeps one fp32 total
-    weight. The flash/efficient attention kernels save no t x t matrix; this counts every
-    tensor measured by tests/test_dryrun.py on torch 2.13 CPU, in fp32 and bf16, to the byte.
-    It is the sum of the per-layer parts (embed, blocks, head) the pipeline's stages use.
-    """
-    parts = {kind: gpt_layer_bytes(kind, micro_batch, seq_len, d_model, n_heads, mlp_ratio,
-                                   vocab_size, compute_bytes) for kind in ("embed", "block", "head")}
-    return parts["embed"] + n_layers * parts["block"] + parts["head"]
-
-
-def mlp_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers: int,
-                         mlp_ratio: int, vocab_size: int, compute_bytes: int = FP32_BYTES) -> int:
-    """Bytes saved for backward by models/mlp.py plus the loss.
-
-    Per token and layer (compute dtype): LayerNorm output d and stats 2, fc output rd, GELU
-    output rd, block output d. Once per token: the embedding output d, ln_f output d and stats
-    2 (compute dtype), the fp32 log-softmax output V; int64 ids and targets; one fp32 total
-    weight. The sum of its per-layer parts, as gpt_activation_bytes.
-    """
-    parts = {kind: mlp_layer_bytes(kind, micro_batch, seq_len, d_model, mlp_ratio, vocab_size,
-                                   compute_bytes) for kind in ("embed", "block", "head")}
-    return parts["embed"] + n_layers * parts["block"] + parts["head"]
-
 
 def activation_bytes(model_cfg, micro_batch: int, compute_bytes: int = FP32_BYTES) -> int:
     """One micro-batch's saved activations: accumulation runs micro-batches one after another,

@@ -82,7 +82,7 @@ def init_distributed(cfg) -> Mesh:
 def shutdown(mesh: Mesh | None) -> None:
     """Destroy the process group, after a barrier of the mesh's ranks (none without a mesh).
 
-    A parameter-server run passes no mesh (trainer.run): its ranks need not and cannot meet
+    A parameter-server run passes no mesh (run.run): its ranks need not and cannot meet
     there. A worker may have died or been replaced by a rejoined process outside the world; the
     barrier then fails at once ("Connection closed by peer": measured, a server that had
     finished and saved exited 4, and so did the surviving workers), or a worker the server

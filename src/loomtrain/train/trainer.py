@@ -1,4 +1,5 @@
-"""The training loop every rank runs: `train_worker(cfg_dict, run_dir, resume)`.
+"""The backprop training loop every rank runs (`train_backprop`; train/run.py chooses it by
+mode), and the pieces the zeroth-order and parameter-server loops share with it.
 
 The loop knows no technique: it builds the run from the components (train/apply.py) and calls
 their hooks (loomtrain/component.py) in their order. One optimizer step:
@@ -32,18 +33,18 @@ import torch
 
 from loomtrain import comm
 from loomtrain.component import Built
-from loomtrain.data import eval_samples, rank_samples
-from loomtrain.errors import CheckpointError, UserError
+from loomtrain.data import eval_samples
+from loomtrain.errors import CheckpointError
 from loomtrain.models import IGNORE_INDEX, token_loss_sum
+from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.parallel.state import PLAIN
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
 from loomtrain.train.apply import build
-from loomtrain.train.config import Config, config_from_dict, config_to_toml
+from loomtrain.train.batches import batches_of_step, load_rows, target_tokens
+from loomtrain.train.config import Config, config_to_toml
 from loomtrain.train.init_from import load_init_weights
-from loomtrain.train.launch import init_distributed, shutdown
 from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
-from loomtrain.train.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train.task import build_task_model, is_classification, load_task_data
 
 
@@ -61,26 +62,6 @@ class StopFlag:
 
     def _set(self, signum, _frame):
         self.signum = signum
-
-
-def _batches(sampler, cfg: Config, mesh, step: int, device):
-    """This rank's micro-batches; with `data.balance` every rank loads the rows of the whole
-    dp x cp pool, which the hybrid runtime deals out by work."""
-    dp = mesh.size("dp")
-    ranks = range(dp) if cfg.data.balance else [mesh.local_rank("dp")]
-    out = []
-    for micro in range(cfg.accumulation_steps):
-        samples = [g for r in ranks for g in rank_samples(step, cfg.train.global_batch, r, dp,
-                                                          cfg.train.micro_batch, micro)]
-        out.append(_load(sampler, samples, cfg, device))
-    return out
-
-
-def _load(sampler, samples, cfg: Config, device) -> tuple:
-    """(inputs, targets) of the rows `samples`, and their documents with `data.packing`."""
-    x, y = sampler.batch(samples)
-    docs = (sampler.documents(samples).to(device),) if cfg.data.packing else ()
-    return (x.to(device), y.to(device), *docs)
 
 
 def first(hooks):
@@ -188,7 +169,7 @@ def validate(built: Built, sampler, device) -> dict:
                 for i in range(rounds)]
     for i in range(rounds):
         samples = mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0]
-        x, y = _local(built, _load(sampler, samples, cfg, device))
+        x, y = _local(built, load_rows(sampler, samples, cfg, device))
         owned = first(c.forward_only(built, x) for c in built.applied)
         out = owned[0] if owned is not None else model(x)
         if i < len(mine) and out is not None:  # under pp, the last stage has the output
@@ -205,15 +186,10 @@ def validate(built: Built, sampler, device) -> dict:
     return metrics
 
 
-def _target_tokens(batches) -> int:
-    """The target tokens (not IGNORE_INDEX) in this rank's micro-batches."""
-    return sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches)
-
-
 def _control(batches, stop: StopFlag, mesh, balanced: bool = False) -> tuple[float, bool]:
     """(global target tokens, whether any rank got SIGINT/SIGTERM), agreed by all ranks in
     one all-reduce."""
-    control = torch.tensor([_target_tokens(batches), bool(stop.signum)], dtype=torch.float64,
+    control = torch.tensor([target_tokens(batches), bool(stop.signum)], dtype=torch.float64,
                            device=mesh.device)
     comm.all_reduce(control, mesh, "world")
     replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
@@ -247,24 +223,9 @@ def measured(mesh) -> dict:
     return rec
 
 
-def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
-    stop = StopFlag()
-    mesh = init_distributed(cfg)
-    try:
-        return _loop(cfg, run_dir, resume, mesh, stop)
-    finally:
-        shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
-
-
-def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
-    if cfg.asgd.mode == "ps":  # rank 0 serves parameters, ranks 1.. compute gradients
-        from loomtrain.asyncsgd.train import train_async  # it uses this module's pieces
-
-        return train_async(cfg, run_dir, resume, mesh, stop)
-    if cfg.optim.name != "backprop":  # zeroth-order: forward passes only, no engine
-        from loomtrain.zeroth.train import train_zeroth  # it uses this module's pieces
-
-        return train_zeroth(cfg, run_dir, resume, mesh, stop)
+def train_backprop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
+    """Every rank of a run with `optim.name = "backprop"` and no parameter server calls this
+    (run.train_loop does)."""
     device = mesh.device
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
@@ -302,7 +263,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
     try:
         for step_index in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
-            batches = _batches(train_data, cfg, mesh, step_index, device)
+            batches = batches_of_step(train_data, cfg, mesh, step_index, device)
             global_tokens, stopping = _control(batches, stop, mesh, cfg.data.balance)
             if stopping:
                 name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
@@ -315,7 +276,7 @@ def _loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag)
             lr = lr_at(step_index, cfg.train)
             set_lr(built.optimizer, lr)
             timeline = _start_timeline(built, step_index)
-            local_tokens = _target_tokens(batches)
+            local_tokens = target_tokens(batches)
             loss_tokens = first(c.loss_tokens(built, local_tokens, global_tokens)
                                 for c in built.applied)
             loss_tokens = global_tokens if loss_tokens is None else loss_tokens
@@ -448,15 +409,3 @@ def restore(built: Built, path: Path, extra: dict | None = None) -> dict:
     for key in extra or {}:
         extra[key] = every[key]
     return meta
-
-
-def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:
-    """Entry point of every launched process (picklable: module level, plain arguments)."""
-    import sys
-
-    try:
-        return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None)
-    except (UserError, NonFiniteError, comm.CollectiveError) as err:
-        # a message for people, not a traceback; the launcher then stops the other ranks
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4)

@@ -9,7 +9,7 @@ distributed form that exchanges only seeds and scalars.
 - distributed.py: the pair all-gather over the dp axis (`SeedScalarExchange`);
 - memory.py: peak-memory measurement of inference, a MeZO step and backprop steps.
 - train.py: `loom train` with a zeroth-order `[optim] name` (`train_zeroth`, called by
-  trainer._loop; imported only there: it uses the trainer's pieces).
+  train/run.py's train_loop; imported only there: it uses the trainer's pieces).
 Guide: docs/zeroth.md.
 
 A loop without the trainer:

@@ -1,4 +1,4 @@
-"""`loom train` with `[optim] name` a zeroth-order method: `train_zeroth`, which trainer._loop
+"""`loom train` with `[optim] name` a zeroth-order method: `train_zeroth`, which run.train_loop
 calls, trains from forward passes alone (docs/zeroth.md, "Training with loom train").
 
 Every rank holds the whole fp32 model, unwrapped (config refuses tp, pp, cp, ZeRO, bf16 and
@@ -8,7 +8,7 @@ state (docs/zeroth.md, "Memory"). `optim.trainable` selects the parameters the m
 perturbs and updates (all by default); the others are never written.
 
 One step t on dp ranks:
-1. this rank's rows are the synchronous trainer's (trainer._batches: global_batch / dp rows,
+1. this rank's rows are the synchronous trainer's (batches.batches_of_step: global_batch / dp rows,
    in micro-batches), and `loss_fn` is their mean target loss (micro-batches summed, divided
    by this rank's target count) under torch.no_grad. A MeZO-SVRG refresh takes the rows of
    steps t .. t + svrg_batches - 1, one loss function each: the large batch;
@@ -48,20 +48,20 @@ from loomtrain import comm
 from loomtrain.component import Built
 from loomtrain.errors import CheckpointError, ConfigError
 from loomtrain.models import token_loss_sum
+from loomtrain.optim import lr_at
 from loomtrain.train import checkpoint, trainer
+from loomtrain.train.batches import batches_of_step, target_tokens
 from loomtrain.train.init_from import load_init_weights
 from loomtrain.train.metrics import RunLog, truncate_metrics
-from loomtrain.train.optim import lr_at
 from loomtrain.train.task import build_task_model, load_task_data
-from loomtrain.train.trainer import (_batches, _target_tokens, log_start, nonfinite_streak,
-                                     validate, write_config)
+from loomtrain.train.trainer import log_start, nonfinite_streak, validate, write_config
 from loomtrain.zeroth import (STATE_PER_PARAMETER, SeedScalarExchange, ZOOptimizer,
                               build_zo_optimizer, hyper_keys)
 from loomtrain.zeroth.state import ZEROTH
 
 
 def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
-    """Every rank of a run with a zeroth-order `optim.name` calls this (trainer._loop does)."""
+    """Every rank of a run with a zeroth-order `optim.name` calls this (run.train_loop does)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
     data = load_task_data(cfg, mesh.size("dp"))
@@ -161,7 +161,7 @@ def describe(model: nn.Module, opt: ZOOptimizer) -> str:
 
 def batch_loss(model: nn.Module, batches: list) -> Callable[[], torch.Tensor]:
     """The mean target loss of `batches` (micro-batches summed, divided by their targets)."""
-    targets = _target_tokens(batches)
+    targets = target_tokens(batches)
 
     @torch.no_grad()
     def loss_fn() -> torch.Tensor:
@@ -186,9 +186,9 @@ def zo_step(opt: ZOOptimizer, model, data, cfg, mesh, step: int, exchange, lr: f
     """Step `step` on this rank's rows (a refresh on those of steps step .. step +
     svrg_batches - 1); returns (this rank's probed loss, its target count)."""
     refresh = opt.needs_refresh()
-    groups = [_batches(data.train, cfg, mesh, step + b, mesh.device)
+    groups = [batches_of_step(data.train, cfg, mesh, step + b, mesh.device)
               for b in range(opt.svrg_batches if refresh else 1)]
-    targets = sum(_target_tokens(batches) for batches in groups)
+    targets = sum(target_tokens(batches) for batches in groups)
     if refresh:
         return opt.refresh([batch_loss(model, b) for b in groups], exchange, lr), targets
     return opt.step(batch_loss(model, groups[0]), exchange, lr), targets

@@ -3,7 +3,8 @@
 schedules.py   pure functions: (pp, microbatches, virtual stages) -> the ordered actions of
                every rank, and a simulator that checks and times them
 optimal.py     schedule = "optimal": the order and each pair's keep/offload/recompute under
-               a per-rank memory budget (MILP in optimal_milp.py, greedy in optimal_heuristic.py)
+               a per-rank memory budget (MILP in optimal_milp.py, greedy in optimal_heuristic.py,
+               the stage costs and action times both read in optimal_costs.py)
 split.py       the model cut into stages (balanced by parameters or measured time)
 runtime.py     executes a schedule: point-to-point sends overlapped with compute, the loss
                on the last stage, gradient accumulation, recomputation and offload
@@ -114,7 +115,8 @@ def _optimal_pipeline(model, mesh, cfg) -> PipelineModule:
     plan solved on global rank 0 (a time-limited MILP's answer depends on timing: ranks
     solving apart could disagree) and sent to every rank. The runtime is built with ZB-H1,
     which sets up the weight-gradient deferral a plan's I and W actions need."""
-    from loomtrain.parallel.pipeline.optimal import StageCosts, check_budget, plan_for_config
+    from loomtrain.parallel.pipeline.optimal import check_budget, plan_for_config
+    from loomtrain.parallel.pipeline.optimal_costs import StageCosts
     from loomtrain.parallel.pipeline.profile import profile_stages
 
     p, microbatches = cfg.parallel, cfg.accumulation_steps

@@ -1,10 +1,11 @@
 """What the pipeline keeps and sends per rank, for `loom train --dry-run` (train/dryrun.py).
 
 `split_on_meta` cuts a meta-device model with the real `split_model`; the rest are pure
-functions of numbers: the activations autograd saves per layer (the whole-model formulas of
-train/dryrun.py are their sums), what one micro-batch of a stage occupies and for how long,
-each rank's peak over the schedule's simulated timeline, and the point-to-point sends and
-pp all-reduces of one step with the wire bytes comm/meter.py counts. docs/dry-run.md states
+functions of numbers: the activations autograd saves per layer and their sums over the whole
+model (which train/dryrun.py and parallel/tensor_estimate.py use), what one micro-batch of a
+stage occupies and for how long, each rank's peak over the schedule's simulated timeline, and
+the point-to-point sends and pp all-reduces of one step with the wire bytes comm/meter.py
+counts. docs/dry-run.md states
 the formulas; tests/test_dryrun.py holds them to the saved tensors and to the meter.
 
 b = micro-batch, t = sequence length, d = d_model, h = heads, r = mlp_ratio, V = vocabulary,
@@ -52,6 +53,42 @@ def mlp_layer_bytes(kind: str, b: int, t: int, d: int, r: int, V: int, c: int) -
     if kind == "block":
         return c * bt * (2 * d + 2 * r * d + 2)
     return gpt_layer_bytes("head", b, t, d, 0, r, V, c)
+
+
+def gpt_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers: int,
+                         n_heads: int, mlp_ratio: int, vocab_size: int,
+                         compute_bytes: int = FP32_BYTES) -> int:
+    """Bytes autograd saves for backward in one forward of models/gpt.py plus the loss (dropout 0).
+
+    Per token and layer, in the compute dtype (c bytes): ln1 output d, qkv 3d (q, k, v are
+    views of it), attention output d (the proj input is a view of it: the fused SDPA kernel
+    writes it as b,t,h,dh), residual after attention d, ln2 output d, fc output rd, GELU output
+    rd, block output d, so 8d + 2rd; plus mean and rstd of both LayerNorms (4, in the input's
+    dtype on CPU). In fp32 always: the attention log-sum-exp (h). Once per token: the embedding
+    sum (block 0 input) d, ln_f output d and stats 2 (compute dtype), and the fp32 log-softmax
+    output V that cross-entropy keeps (the loss casts the logits to fp32). Ids and targets are
+    int64 per token, positions int64 per position, and cross-entropy keeps one fp32 total
+    weight. The flash/efficient attention kernels save no t x t matrix; this counts every
+    tensor measured by tests/test_dryrun.py on torch 2.13 CPU, in fp32 and bf16, to the byte.
+    It is the sum of the per-layer parts (embed, blocks, head) the pipeline's stages use.
+    """
+    parts = {kind: gpt_layer_bytes(kind, micro_batch, seq_len, d_model, n_heads, mlp_ratio,
+                                   vocab_size, compute_bytes) for kind in ("embed", "block", "head")}
+    return parts["embed"] + n_layers * parts["block"] + parts["head"]
+
+
+def mlp_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers: int,
+                         mlp_ratio: int, vocab_size: int, compute_bytes: int = FP32_BYTES) -> int:
+    """Bytes saved for backward by models/mlp.py plus the loss.
+
+    Per token and layer (compute dtype): LayerNorm output d and stats 2, fc output rd, GELU
+    output rd, block output d. Once per token: the embedding output d, ln_f output d and stats
+    2 (compute dtype), the fp32 log-softmax output V; int64 ids and targets; one fp32 total
+    weight. The sum of its per-layer parts, as gpt_activation_bytes.
+    """
+    parts = {kind: mlp_layer_bytes(kind, micro_batch, seq_len, d_model, mlp_ratio, vocab_size,
+                                   compute_bytes) for kind in ("embed", "block", "head")}
+    return parts["embed"] + n_layers * parts["block"] + parts["head"]
 
 
 def _kind(layer: str) -> str:

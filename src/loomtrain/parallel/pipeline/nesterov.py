@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from loomtrain.train.optim import build_optimizer
+from loomtrain.optim import build_optimizer
 
 
 class DelayedNesterov(torch.optim.Optimizer):

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import heapq
 
-from loomtrain.parallel.pipeline.optimal import KEEP, OFFLOADED, RECOMPUTED, action_times, backward_kinds
+from loomtrain.parallel.pipeline.optimal_costs import (
+    KEEP, OFFLOADED, RECOMPUTED, action_times, backward_kinds)
 from loomtrain.parallel.pipeline.schedules import B, F, I, W, Action
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from loomtrain.parallel.pipeline.optimal import KEEP, OFFLOADED, RECOMPUTED, backward_kinds
+from loomtrain.parallel.pipeline.optimal_costs import KEEP, OFFLOADED, RECOMPUTED, backward_kinds
 from loomtrain.parallel.pipeline.optimal_heuristic import _recomputed, _timeline
 from loomtrain.parallel.pipeline.schedules import F, W, Action
 

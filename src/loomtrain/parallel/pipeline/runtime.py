@@ -153,7 +153,7 @@ class PipelineRuntime:
         self.measure_activations = False
         self.use(schedule)
         self.spans: list[dict] | None = None  # per-action spans while a step is recorded
-        self.costs = None  # a planned schedule's stage costs (optimal.StageCosts)
+        self.costs = None  # a planned schedule's stage costs (optimal_costs.StageCosts)
         # parameters held on several pp ranks, in one order everywhere: (local or None, shape)
         self.shared = shared
 
@@ -170,7 +170,7 @@ class PipelineRuntime:
         s = self.schedule
         if s.name in S.SCHEDULES:
             return S.bubble_theory(s.name, s.pp, s.microbatches, s.virtual_stages)
-        from loomtrain.parallel.pipeline.optimal import action_times
+        from loomtrain.parallel.pipeline.optimal_costs import action_times
 
         return S.simulate(s, action_times(self.costs, s.recompute)).bubble
 

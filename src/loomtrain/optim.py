@@ -1,4 +1,6 @@
-"""The optimizer and the learning-rate schedule the trainer builds from [train]."""
+"""The optimizer and the learning-rate schedule the trainer builds from [train]. A module of
+its own below parallel/: the asynchronous pipeline (parallel/pipeline/nesterov.py) builds the
+same optimizer, and parallel/ imports nothing from train/ (tests/test_imports.py)."""
 
 from __future__ import annotations
 
