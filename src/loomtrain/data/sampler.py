@@ -13,6 +13,7 @@ part of a non-IID split (partition.py), whose samples are then numbered within t
 from __future__ import annotations
 
 import numpy as np
+import numpy.random  # noqa: F401  numpy 2 loads it on first use: inside a timed step otherwise
 import torch
 
 
