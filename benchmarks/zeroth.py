@@ -197,7 +197,7 @@ def pretrain(cfg, mesh, args) -> tuple[dict, dict]:
         opt.step()
         opt.zero_grad(set_to_none=True)
     wall = time.perf_counter() - start
-    val = trainer.validate(model, data.val, cfg, mesh, CPU)["val_loss"]
+    val = trainer.evaluate(model, data.val, cfg, mesh, CPU)
     info = {"source": cfg.data.source, "steps": args.pretrain_steps, **PRETRAIN,
             "tokens": args.pretrain_steps * cfg.train.micro_batch * cfg.model.seq_len,
             "wall_s": round(wall, 1), "val_loss_own_domain": round(val, 4)}
@@ -296,7 +296,7 @@ def finetune(weights: dict, cfg, mesh, args, hyper: dict) -> tuple[float, dict, 
     data = load_task_data(cfg, 1)
 
     def evaluate(model) -> float:
-        return trainer.validate(model, data.val, cfg, mesh, CPU)["val_loss"]
+        return trainer.evaluate(model, data.val, cfg, mesh, CPU)
 
     runs = [FineTune(name, h, weights, cfg, mesh, data) for name, h in hyper.items()]
     before = evaluate(runs[0].model)

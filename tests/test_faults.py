@@ -23,16 +23,23 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
     `nan_steps` (a test-side patch of the loss the trainer passes to its step), recording for every step whether
     the parameters and the optimizer's step counts changed."""
     steps: list[dict] = []
-    real_step = trainer.train_step
+    real_step = trainer.step
 
-    def step(model, optimizer, batches, global_tokens, grad_clip, real_loss, *rest):
+    def step(built, batches, global_tokens, grad_clip):
+        real_loss = built.loss_sum
+
         def loss(logits, targets):
             value = real_loss(logits, targets)
             return value * math.nan if rank == nan_rank and len(steps) + 1 in nan_steps else value
 
+        model, optimizer = built.model, built.optimizer
         before = [p.detach().clone() for p in model.parameters()]
         counts = [float(s["step"]) for s in optimizer.state.values()]
-        result = real_step(model, optimizer, batches, global_tokens, grad_clip, loss, *rest)
+        built.loss_sum = loss
+        try:
+            result = real_step(built, batches, global_tokens, grad_clip)
+        finally:
+            built.loss_sum = real_loss
         steps.append({
             "stepped": result[2],
             "params_changed": any(not torch.equal(a, p) for a, p in zip(before, model.parameters())),
@@ -40,7 +47,7 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
         })
         return result
 
-    trainer.train_step = step
+    trainer.step = step
     stderr, error = io.StringIO(), None
     try:
         with contextlib.redirect_stderr(stderr):
@@ -48,7 +55,7 @@ def _poisoned_run(rank: int, cfg, run_dir: str, nan_steps: set[int], nan_rank: i
     except trainer.NonFiniteError as err:
         error = str(err)
     finally:
-        trainer.train_step = real_step
+        trainer.step = real_step
     return {"steps": steps, "stderr": stderr.getvalue(), "error": error,
             "metrics": read_metrics(run_dir) if rank == 0 else None}
 
@@ -90,9 +97,9 @@ def test_nonfinite_steps_are_skipped_then_abort(tiny, tmp_path):
 
 _ABORT_CLI = """
 import math, sys
-import loomtrain.parallel as parallel
-real = parallel.token_loss_sum  # the loss parallelize hands the trainer without tp
-parallel.token_loss_sum = lambda logits, targets: real(logits, targets) * math.nan
+import loomtrain.train.apply as apply
+real = apply.token_loss_sum  # the loss `build` hands the trainer without tp
+apply.token_loss_sum = lambda logits, targets: real(logits, targets) * math.nan
 from loomtrain.cli import main
 sys.exit(main(sys.argv[1:]))
 """

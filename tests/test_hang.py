@@ -12,7 +12,7 @@ from harness import run_world
 
 def _one_rank_hangs(rank, world, cfg, run_dir):
     if rank == 1:
-        real = trainer.train_step
+        real = trainer.step
         calls = []
 
         def stalled(*args, **kwargs):
@@ -22,7 +22,7 @@ def _one_rank_hangs(rank, world, cfg, run_dir):
                 raise SystemExit(0)
             return real(*args, **kwargs)
 
-        trainer.train_step = stalled
+        trainer.step = stalled
     t0 = time.monotonic()
     try:
         run.run(cfg, Path(run_dir), None)

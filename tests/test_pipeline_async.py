@@ -132,9 +132,9 @@ def _traced(rank, world, tree, steps):
     from loomtrain.data import WindowSampler, load_corpus
     from loomtrain.models import build_model
     from loomtrain.optim import build_optimizer
-    from loomtrain.train.apply import parallelize
     from loomtrain.parallel.pipeline import runtime_of
     from loomtrain.train import trainer
+    from loomtrain.train.apply import build
     from loomtrain.train.batches import batches_of_step
     from loomtrain.train.launch import init_distributed
 
@@ -143,14 +143,14 @@ def _traced(rank, world, tree, steps):
     torch.manual_seed(cfg.run.seed)
     corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
     sampler = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed)
-    model, _, loss_fn = parallelize(build_model(cfg.model), mesh, cfg,
-                                    lambda m: build_optimizer(m, cfg.train))
-    runtime = runtime_of(model)
+    built = build(build_model(cfg.model), mesh, cfg, lambda m: build_optimizer(m, cfg.train))
+    runtime = runtime_of(built.model)
+    assert built.optimizer is runtime.optimizer  # the asynchronous schedule's own
     runtime.trace = []
     for step in range(steps):
         batches = batches_of_step(sampler, cfg, mesh, step, mesh.device)
         tokens, _ = trainer._control(batches, trainer.StopFlag(), mesh)
-        trainer.train_step(model, runtime.optimizer, batches, tokens, cfg.train.grad_clip, loss_fn)
+        trainer.step(built, batches, tokens, cfg.train.grad_clip)
     runtime.drain()
     forward = {e["microbatch"]: e for e in runtime.trace if e["kind"] == "F"}
     backward = {e["microbatch"]: e for e in runtime.trace if e["kind"] == "B"}

@@ -68,10 +68,10 @@ def reference(tmp_path_factory, corpus):
 
 def _interrupt_and_resume(rank, world, sigterm_cfg, crash_cfg):
     run.shutdown = _keep_group
-    real_save, real_step = trainer.save, trainer.train_step
+    real_save, real_step = trainer.save, trainer.step
 
-    def save_then_sigterm(cfg, run_dir, step, *args):  # only rank 0 is signalled
-        real_save(cfg, run_dir, step, *args)
+    def save_then_sigterm(built, run_dir, step, *args):  # only rank 0 is signalled
+        real_save(built, run_dir, step, *args)
         if step == 8 and rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -85,7 +85,7 @@ def _interrupt_and_resume(rank, world, sigterm_cfg, crash_cfg):
 
     out = {}
     for name, cfg, patch in (("sigterm", sigterm_cfg, ("save", save_then_sigterm)),
-                             ("crash", crash_cfg, ("train_step", crash_at_step_10))):
+                             ("crash", crash_cfg, ("step", crash_at_step_10))):
         run_dir = Path(cfg.run.dir) / cfg.run.name
         setattr(trainer, *patch)
         try:
@@ -93,7 +93,7 @@ def _interrupt_and_resume(rank, world, sigterm_cfg, crash_cfg):
         except RuntimeError as err:
             assert "injected crash" in str(err)
         finally:
-            trainer.save, trainer.train_step = real_save, real_step
+            trainer.save, trainer.step = real_save, real_step
         before = [r["step"] for r in read_metrics(run_dir)]
         latest = checkpoint.list_checkpoints(run_dir)[-1]
         run.run(cfg, run_dir, latest)

@@ -36,10 +36,11 @@ def _run(cfg, run_dir: Path, resume: Path | None = None) -> dict:
     torch.set_num_threads(1)
     saved, real_save = {}, trainer.save
 
-    def keep(cfg, run_dir, step, model, opt, mesh, *rest):
+    def keep(built, run_dir, step, *rest):
+        model = built.model
         saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
         saved["no_grad"] = all(not p.requires_grad and p.grad is None for p in model.parameters())
-        real_save(cfg, run_dir, step, model, opt, mesh, *rest)
+        real_save(built, run_dir, step, *rest)
 
     trainer.save = keep
     try:
@@ -224,8 +225,8 @@ def _signalled(rank, world, tree):
     torch.set_num_threads(1)
     real_save = trainer.save
 
-    def save_then_signal(cfg, run_dir, step, *args):
-        real_save(cfg, run_dir, step, *args)
+    def save_then_signal(built, run_dir, step, *args):
+        real_save(built, run_dir, step, *args)
         if step == 3 and rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -144,6 +144,12 @@ class Component:
         return None
 
     @classmethod
+    def loaded_ranks(cls, cfg, mesh) -> list[int] | None:
+        """The dp ranks whose rows this rank loads, where this component decides (a pool
+        dealt by work loads every dp rank's); None: its own."""
+        return None
+
+    @classmethod
     def local_batch(cls, built: Built, batch: tuple) -> tuple:
         """This rank's part of a loaded batch (context parallelism keeps its tokens)."""
         return batch

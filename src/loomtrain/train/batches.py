@@ -10,11 +10,11 @@ from loomtrain.models import IGNORE_INDEX
 from loomtrain.train.config import Config
 
 
-def batches_of_step(sampler, cfg: Config, mesh, step: int, device):
-    """This rank's micro-batches; with `data.balance` every rank loads the rows of the whole
-    dp x cp pool, which the hybrid runtime deals out by work."""
+def batches_of_step(sampler, cfg: Config, mesh, step: int, device, ranks=None):
+    """This rank's micro-batches: the rows of dp ranks `ranks` (None: its own; a component's
+    `loaded_ranks`, e.g. the whole pool that data.balance deals out by work)."""
     dp = mesh.size("dp")
-    ranks = range(dp) if cfg.data.balance else [mesh.local_rank("dp")]
+    ranks = [mesh.local_rank("dp")] if ranks is None else ranks
     out = []
     for micro in range(cfg.accumulation_steps):
         samples = [g for r in ranks for g in rank_samples(step, cfg.train.global_batch, r, dp,

@@ -161,10 +161,11 @@ def validate(built: Built, sampler, device) -> dict:
     classify = is_classification(cfg)
     total = torch.zeros(3 if classify else 2, dtype=torch.float64, device=device)
     dp = mesh.size("dp")
-    mine = eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, mesh.local_rank("dp"), dp)
     rounds = -(-cfg.run.eval_batches // dp)
-    if cfg.data.balance:  # the pool deals each round's rows of every dp rank, once
-        every = [eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, r, dp) for r in range(dp)]
+    every = [eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, r, dp)
+             for r in loaded_ranks(built)]
+    mine = every[0]
+    if len(every) > 1:  # a pool (data.balance) deals each round's rows of those ranks, once
         mine = [[g for share in every for g in (share[i] if i < len(share) else [])]
                 for i in range(rounds)]
     for i in range(rounds):
@@ -186,15 +187,22 @@ def validate(built: Built, sampler, device) -> dict:
     return metrics
 
 
-def _control(batches, stop: StopFlag, mesh, balanced: bool = False) -> tuple[float, bool]:
+def loaded_ranks(built: Built) -> list[int]:
+    """The dp ranks whose rows this rank loads (its own, unless a component loads more)."""
+    mesh = built.mesh
+    ranks = first(c.loaded_ranks(built.cfg, mesh) for c in built.applied)
+    return [mesh.local_rank("dp")] if ranks is None else ranks
+
+
+def _control(batches, stop: StopFlag, mesh, shares: int = 1) -> tuple[float, bool]:
     """(global target tokens, whether any rank got SIGINT/SIGTERM), agreed by all ranks in
     one all-reduce."""
     control = torch.tensor([target_tokens(batches), bool(stop.signum)], dtype=torch.float64,
                            device=mesh.device)
     comm.all_reduce(control, mesh, "world")
-    replicas = mesh.world // mesh.size("dp")  # tp/pp/cp peers count the same tokens
-    if balanced:  # every rank loaded the whole pool's rows
-        replicas = mesh.world
+    # tp/pp/cp peers count the same tokens, and a rank that loaded `shares` dp ranks' rows
+    # counts each of them
+    replicas = mesh.world // mesh.size("dp") * shares
     return float(control[0]) / replicas, bool(control[1])
 
 
@@ -254,6 +262,7 @@ def train_backprop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: 
         if line is not None:
             log.message(line)
     tokens_per_step = cfg.train.global_batch * data.targets_per_row
+    ranks = loaded_ranks(built)
     nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
     loop_t0 = window_t0  # each record's elapsed_s counts from here
     saved_at = start  # the newest checkpoint (if any) holds the state after this step
@@ -263,8 +272,8 @@ def train_backprop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: 
     try:
         for step_index in range(start, cfg.train.steps):
             step_t0 = time.perf_counter()
-            batches = batches_of_step(train_data, cfg, mesh, step_index, device)
-            global_tokens, stopping = _control(batches, stop, mesh, cfg.data.balance)
+            batches = batches_of_step(train_data, cfg, mesh, step_index, device, ranks)
+            global_tokens, stopping = _control(batches, stop, mesh, len(ranks))
             if stopping:
                 name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
                 if step_index > saved_at:

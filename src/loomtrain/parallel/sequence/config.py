@@ -112,6 +112,12 @@ class Balance(Component):
     summary = "documents dealt over dp x cp by attention work (ByteScale)"
 
     @classmethod
+    def loaded_ranks(cls, cfg, mesh) -> list[int]:
+        """Every rank loads the rows of the whole dp x cp pool, which the hybrid runtime deals
+        out by work."""
+        return list(range(mesh.size("dp")))
+
+    @classmethod
     def metrics(cls, built: Built, evaluated: bool) -> dict:
         """The step's last micro-batch: its work dealt over dp x cp, and whole rows per rank."""
         sequence = built.parts[Context.name]
