@@ -1,15 +1,8 @@
 """The named device mesh: every rank's place on the (pp, dp, cp, tp) grid.
 
-The grid is `arange(world).view(pp, dp, cp, tp)`: tp is innermost, so tensor-parallel peers
-are neighbouring ranks (on one node), and pipeline stages are the outermost blocks.
-
-    world 8, pp=2 dp=2 cp=1 tp=2:   pp0: dp0 [0 1]  dp1 [2 3]     pp1: dp0 [4 5]  dp1 [6 7]
-
-`ranks_per_node` lets one machine pretend to be several nodes: ranks r and s are on the same
-node when r // ranks_per_node == s // ranks_per_node. For every axis the mesh then also has a
-node-local sub-group (the axis peers on my node) and a cross-node sub-group (the peers with
-my node-local index on the other nodes), which hierarchical methods reduce over in two levels.
-`mesh.link` (a comm.link.SlowLink, or None) can make the wire between those nodes slow.
+The grid is `arange(world).view(pp, dp, cp, tp)`, tp innermost; `ranks_per_node` adds
+node-local and cross-node sub-groups for hierarchical methods, and `mesh.link` a simulated
+slow link between nodes. The layout, with an example: docs/architecture.md, "The mesh".
 """
 
 from __future__ import annotations

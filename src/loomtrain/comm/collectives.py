@@ -1,15 +1,8 @@
 """The collectives loomtrain uses: thin wrappers over torch.distributed with byte accounting.
 
-Every op takes the mesh and the axis it runs on, records payload and wire bytes in
-`mesh.meter`, remembers itself as this rank's last collective (for hang reports), and turns
-a failure (a peer that never joined, a timeout) into `CollectiveError` naming the rank, the
-op and the axis. On a group of one rank every op returns at once and counts nothing.
-
-With a simulated slow link (`mesh.link`, comm/link.py), an op whose group spans nodes is not
-reported complete before it would have crossed that link: `Pending.wait()` first waits for the
-real op, then sleeps for whatever is left until the op's due time. So a synchronous op takes at
-least its delay, and an asynchronous one started early overlaps its delay with the caller's
-compute, as a real slow link would. The op's simulated seconds go to `mesh.meter`.
+Every op takes the mesh and the axis it runs on, counts its bytes in `mesh.meter`, records
+itself as this rank's last collective and turns a failure into `CollectiveError`; across
+nodes, a simulated slow link (comm/link.py) delays it. Details: docs/comm.md.
 """
 
 from __future__ import annotations

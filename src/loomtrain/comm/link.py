@@ -1,49 +1,9 @@
 """A simulated slow link between nodes, so geo-distributed training can be studied on one machine.
 
-`parallel.ranks_per_node` makes the ranks of one machine pretend to be several nodes (mesh.py);
-`SlowLink` makes the wire between those pretend nodes slow. The collectives of comm/ ask it how
-long an op would take on that wire and do not report the op complete before then; model code
-never sees it.
-
-The model is the bandwidth-latency (alpha-beta) model of Hockney ("The communication challenge
-for MPP: Intel Paragon and Meiko CS-2", Parallel Computing 20(3), 1994): an op that moves
-w bytes takes alpha + w / beta. Here
-
-    delay_s = inter_node_latency_ms / 1e3 + wire_bytes * 8 / (inter_node_gbps * 1e9)
-
-for an op whose group spans more than one node, and 0 for a group inside one node (which costs
-what it really costs on this machine). `wire_bytes` is what one rank sends under the op's
-algorithm (comm/meter.py). Why the whole of it crosses the slow link:
-a ring whose ranks span nodes has at least one inter-node hop, and a ring moves at the pace of
-its slowest hop, each of its steps forwarding one chunk over every hop at once; so the op's
-per-rank wire bytes take as long as if they all crossed the slow link. A binomial-tree broadcast
-is paced by its root, which sends to one child per level: comm/ passes the root's bytes.
-
-Limits, on purpose:
-- alpha counts once per op, though a real ring pays it at each of its N-1 or 2(N-1) steps;
-- `inter_node_gbps` is each rank's own link: the ranks of a node do not share it;
-- the delay of an op is counted from the moment this rank starts it, so waiting for a late peer
-  overlaps the delay instead of adding to it (a recv posted well before its send, as pipeline
-  runtimes post them, hides its delay that way);
-- the real op is hidden under the delay, not added to it: the real transfer stands for the
-  link's own, so an op takes max(real time, delay);
-- node-local ops are not slowed, and do not occupy the slow link.
-
-Ops in flight on one rank share its link: their bytes cross it one op after the other, in the
-order they were started (`due`), while each op's latency runs alongside the queue. Without this,
-k buckets all-reduced asynchronously would cost one bucket's delay instead of k. Small ops (at
-most SMALL_OP_BYTES on the wire: the trainer's control and loss all-reduces) do not queue: on a
-real link their few packets interleave with a bulk transfer's instead of waiting for all of it,
-so one costs its own delay from its start, and adds nothing to the queue. Without this a
-low-communication method that keeps a model-sized sync in flight over the next steps would
-see each step's 16-byte control all-reduce wait for the whole sync, and its overlap vanish.
-
-A link whose bandwidth changes over time (`changes`: (after_s, gbps) pairs, seconds since the
-link was made; `comm.link_changes`) stands for a shared wide-area path whose capacity drops or
-recovers mid-run. Bytes cross at the rate in force while they cross: a transfer that straddles a
-change is integrated piecewise (`transfer_s`), so an op's delay depends on when it starts.
-Each rank makes its own link when its process joins the world, so the ranks switch within the
-spread of their start times (milliseconds after the rendezvous that init_process_group does).
+Hockney's alpha-beta model ("The communication challenge for MPP: Intel Paragon and Meiko
+CS-2", Parallel Computing 20(3), 1994): an op across nodes takes latency + wire bytes /
+bandwidth, queued behind this rank's earlier ops, at a bandwidth that may change mid-run. The
+formula, the queue and the limits: docs/comm.md, "The simulated slow link".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Mask synchronization: the axis member 0's sparsity masks to every rank, packed.
 
-Sparse-aware data parallel (parallel/sparse_dp.py) all-reduces only the gradient entries a
-mask keeps, so every rank must hold the same masks: the masks are sent when they change,
-the kept values every step. `broadcast_masks` replaces every rank's masks by member 0's
-(whatever the others computed), in two broadcasts counted as op "mask_sync":
-
-1. a header of 2 int64 per slot (P slots: the tensors that may carry a mask): its format
-   (0 unmasked, 1 indices, 2 bitmap) and its packed bytes; 16 P bytes;
-2. the packed masks, concatenated (skipped when no slot is masked). A mask of numel entries,
-   nnz of them kept, travels in the smaller of two formats (`sparse_plan.best_format` with
-   no values, so the same rule as the sparse all-reduce's chunks): its kept positions as
-   b_i-byte indices (`index_wire_dtype`: int32 below 2^31 entries), nnz b_i bytes, or a
-   bitmap (`pack_bits`), ceil(numel / 8) bytes. The bitmap is smaller from a density of
-   1/(8 b_i), 3.1% with int32 indices; a tie goes to the indices.
-
-Payload per sync: S = 16 P + sum over masked slots of min(b_i nnz, ceil(numel / 8))
-(`mask_sync_payload_bytes`); wire bytes: gloo's binomial-tree broadcast of each message, the
-root sending it to ceil(log2 N) children (`comm.wire_bytes("tree_broadcast", ...)`: world 2,
-S from the root; world 4, 2 S from the root, S from its member 1, nothing from the others).
+Sparse-aware data parallel (parallel/sparse_dp.py) needs the same masks on every rank:
+`broadcast_masks` sends member 0's, each as indices or a bitmap, whichever is smaller, in two
+broadcasts counted as op "mask_sync". Formats and bytes: docs/sparsity.md, "Sparse-aware
+data parallel".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Byte accounting for every collective, per mesh axis and op.
+"""Byte accounting for every collective, per mesh axis and op (DESIGN.md principle 3).
 
-Two numbers per op (DESIGN.md principle 3):
-- payload bytes: the size of the tensor the op covers (all-gather: the gathered output;
-  reduce-scatter: the full input; all-reduce: the tensor);
-- wire bytes: what this rank sends under the algorithm that actually ran. For N ranks and a
-  payload of S bytes: ring all-reduce 2(N-1)/N * S; ring all-gather and reduce-scatter
-  (N-1)/N * S; all-to-all (N-1)/N * S; send S; broadcast along gloo's binomial tree: the
-  member at distance r from the root sends S to each r + 2^k < N with 2^k > r (world 4, root
-  0: 2S, S, 0, 0 — measured on sockets, see docs/comm.md). An op run as a full all-reduce (gloo's reduce_scatter, see comm/collectives.py)
-  is counted with the all-reduce formula.
-
-With a simulated slow link (comm/link.py) each op also records its simulated seconds on that
-link (0 for a node-local op), in the same tables and in a window of their own
-(`take_simulated()`), so `take()` and `take_simulated()` can each be called on their own.
+Each op records its payload bytes, the wire bytes this rank sends under the algorithm that
+ran, and, with a simulated slow link, its simulated seconds. The formulas and their check
+against socket bytes: docs/comm.md, "Wire bytes".
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """Point-to-point channels to one peer, and a rendezvous that lets a process started later (a
 restarted parameter-server worker) open one to a process already running.
 
-A channel has `send(tensor, tag=..., async_op=...)` and `recv(...)` to its one peer and a
-`name` for messages; the parameter server and its workers (asyncsgd/) talk through it, so they
-need not know which kind they hold:
-
-- `MeshChannel(mesh, axis, peer)`: member `peer` of a mesh axis, through `comm.send`/`comm.recv`
-  (the world group built at launch; counted, delayed by a simulated link, as those are).
-- `PairChannel`: a two-member gloo group of its own. A new process cannot join an existing
-  gloo world, so a restarted worker and the server build one between just the two of them.
-
-Rendezvous (`PairHost` on the long-running side, `join_pair` on the newcomer's): the host
-creates a `torch.distributed.TCPStore` master on a free port (listening on every interface);
-its owner publishes `host.address` ("host:port") where newcomers find it. A newcomer connects
-as a store client, takes the next generation number of its key (`store.add`), pushes
-"key generation" onto the request queue and waits for the answer key. The host's watcher
-thread blocks on the queue (`TCPStore.queue_pop`: no polling; it holds no GIL while it waits,
-measured) and hands every request to a callback; the host's owner answers on its own thread:
-`accept` writes the answer (a JSON object the owner fills, e.g. where the newcomer resumes) and
-builds the pair group as its member 0, the newcomer builds it as member 1 once it has read the
-answer; `refuse` writes a reason instead. Each group lives under a store prefix unique per
-(key, generation), so a second rejoin of one key never meets the keys of the first. Every
-process-group construction and every op happens on the caller's thread; the watcher only waits
-on the store.
-
-Measured (torch 2.13, gloo, loopback): the rendezvous and the group's construction take a few
-ms; a peer process that died fails the next op within ~15 ms ("Connection reset by peer"), a
-silent one after the group's timeout; both raise `CollectiveError`.
-
-Costs: a `PairChannel` send counts its payload as wire bytes in the meter it was given, under
-(axis, "send"), as `comm.send` does; a receive sends nothing. It is not delayed by a simulated
-link (comm/link.py): the newcomer has no place on the mesh's nodes. `accept` blocks the host's
-thread until the newcomer has built its side: a newcomer that dies between its request and its
-group costs the host up to `timeout_s`.
+`MeshChannel` talks to a member of a mesh axis; `PairChannel` is a two-member gloo group built
+through a TCPStore rendezvous (`PairHost`, `join_pair`). Protocol, failures and costs:
+docs/comm.md, "Point-to-point channels and rejoining".
 """
 
 from __future__ import annotations

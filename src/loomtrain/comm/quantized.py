@@ -1,25 +1,9 @@
 """An all-reduce that sends int8 values with one fp32 scale per chunk, for decoding.
 
-Tensor-parallel decoding all-reduces a few KiB per layer per token: the op is bound by
-latency and by bytes on a slow link, not by arithmetic, so trading a little precision for a
-quarter of the bytes can pay (the int8 communication of ZeRO++'s qgZ, Wang et al., arXiv
-2306.10209, and of EQuARX, arXiv 2506.17615, here in its simplest one-collective form).
-
-Each rank cuts its tensor into chunks of `chunk` values, scales each by absmax / 127 and
-rounds to int8 (symmetric, round half to even). One all-gather carries every rank's int8
-values followed by its fp32 scales (as bytes); then every rank dequantizes all N
-contributions and adds them in rank order 0, 1, ..., N-1, so every rank holds the same bits
-(its own contribution goes through the quantizer too, for that reason).
-
-Error bound: a value of rank r in chunk c is off by at most scale_rc / 2 = absmax_rc / 254,
-so an element of the sum is off by at most sum_r absmax_rc / 254 (plus fp32 rounding of the
-additions).
-
-Wire bytes per rank, numel values of 4 bytes: (N-1) x numel x (1 + 4/chunk), against the
-ring all-reduce's 2 (N-1)/N x 4 numel: a ratio of N (1 + 4/chunk) / 8, 0.27 at N = 2 and
-0.53 at N = 4 with chunks of 64, and no saving from N = 8. A large tp would want the
-two-phase form (a quantized reduce-scatter by all-to-all, then a quantized all-gather:
-(1 + 4/chunk) / 4 at any N) at the price of a second collective and a second rounding.
+The int8 communication of ZeRO++'s qgZ (Wang et al., arXiv 2306.10209) and of EQuARX (arXiv
+2506.17615) in its one-collective form: one all-gather, then every rank adds the N dequantized
+contributions in rank order. Error bound and wire bytes: docs/generate.md, "Cutting the
+communication of tensor-parallel decoding".
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Ring reduce-scatter, ring all-gather and pairwise all-to-all built from isend/irecv.
 
-Why this file exists: gloo's reduce_scatter (both `reduce_scatter` and `reduce_scatter_single`)
-all-reduces the whole input and keeps one chunk (DESIGN.md: a clone plus a full all-reduce; the
-wheel ships no gloo C++ source, so what was checked is the traffic). Measured with the bytes each
-rank writes to its sockets (/proc/self/io, benchmarks/collectives.py, tests/test_comm.py):
-2(N-1)/N x S per rank, exactly an all-reduce, so a sharded method gains nothing on CPU from it. The ring
-below sends N-1 chunks of S/N, (N-1)/N x S: half. It is the first half of the bandwidth-optimal
-ring all-reduce (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations", JPDC 2009; the algorithm of Baidu's ring all-reduce and Horovod).
-
-All three take the global ranks of the group in group order and this rank's index `me` in it;
-tensors are contiguous and flat-viewable, input and output split into N equal chunks in that
-order. Every message carries `tag`, which must name the op instance identically on every rank
-(comm/collectives.py derives it), so two rings in flight on one group never take each other's
-chunks: gloo matches a receive with the first message from that peer with that tag.
-
-Async: a ring is N-1 dependent steps (step s+1 forwards what step s received), so no single
-torch Work handle covers it, and something has to drive the steps while the caller computes.
-`start` runs the ring on a background thread for async ops. That is enough on CPU because
-`Work.wait()` and the torch reductions release the GIL; the cost is one thread start per async
-op (0.14 ms measured here, against 0.6-3.6 ms for a 4 KiB native collective in
-benchmarks/collectives.py). A sync op runs the ring inline, with no thread.
+gloo's reduce-scatter sends the bytes of a full all-reduce; the ring here sends half, as the
+first half of the bandwidth-optimal ring all-reduce (Patarasuk & Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", JPDC 2009). Tags, the async thread and
+the measurements: docs/comm.md, "The rings".
 """
 
 from __future__ import annotations

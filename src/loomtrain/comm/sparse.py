@@ -1,44 +1,8 @@
 """Sparse all-reduce: the sum over a mesh axis of every rank's sparse tensor, written dense.
 
-A sparse tensor here is (indices, values): a top-k compressor's output, the rows an embedding
-gradient touches, the live weights of a masked model. N ranks, rank r holding k_r pairs
-(k_max the largest), numel elements, u distinct indices over all ranks, b_i index bytes on
-the wire (4 below 2^31 elements, else 8), b_v value bytes. Two schemes, built from comm/'s
-collectives, so the meter and the simulated link see every byte:
-
-- "allgather": exchange the counts (and each rank's largest index gap), all-gather every
-  rank's (index, value) pairs padded to k_max, and let every rank add them all up. The
-  indices travel sorted, as int16 gaps (`sparse_plan.gap_encode`: b_g = 2, plus a filler pair
-  per empty stretch of 32,767 values) when that is fewer bytes for the largest rank than
-  b_i-byte indices (decided from the exchanged counts, alike everywhere). 2 collectives,
-  (N-1) k_max (b_g + b_v) bytes per rank: every rank receives every contribution, so the
-  bytes grow with N.
-- "balanced", after Zen (Wang et al., "Zen: Near-Optimal Sparse Tensor Synchronization for
-  Distributed DNN Training", arXiv 2309.13254; OSDI 2025 as "ZEN: Empowering Distributed
-  Training with Sparsity-driven Data Synchronization"): the index space is split among the
-  ranks by a hash (`sparse_plan.owner_of`); each rank sends each partition's pairs to its
-  owner (all-to-all, pairs of positions in the partition and values), the owner sums them,
-  and the owners' sums are all-gathered, each in the format with the fewest bytes
-  (`sparse_plan.chunk_bytes`): pairs, a bitmap over the partition and the values present
-  (Zen's hash bitmap), or the partition's dense slice. 4 collectives, about
-  (N-1)/N k (b_i + b_v) + (N-1) min(u/N (b_i + b_v), numel/8N + u/N b_v, numel/N b_v) bytes
-  per rank: an index several ranks hold leaves its owner once, summed, and the second phase
-  never exceeds an all-gather of numel values. (Bitmaps for the first phase too would save a
-  further 0.87 MB per rank at density 10% of 2^22, N = 4, but cost more CPU here than that
-  saves at 1 Gbit/s: measured 174 ms against 135 ms, docs/sparse-allreduce.md, before the
-  bit codecs got cheaper.)
-- "auto": the one `sparse_plan.choose_scheme` prices lower, from the exchanged counts and,
-  for an out of 65,536 elements or more, a sketch of each rank's indices that estimates u
-  (`sparse_plan.sketch_size`: at most 1/2048 of the dense tensor's bytes); below that, u is
-  what independent sets of the same density would give.
-
-Both schemes add an element's contributions in rank order 0, 1, ..., N-1, starting from zero,
-by one `index_add_` per contributing rank (whose indices are unique: deterministic on any
-device), so every rank holds the same bits, and both schemes the same bits.
-
-Limits: the chunks of a collective are padded to its largest (counted); balanced exchanges an
-N x N count matrix (8 N (N-1) bytes per rank: fine for an axis of tens of ranks) and keeps the
-partitions' layout (8 bytes per element, cached, `sparse_plan.partition_layout`).
+Schemes: "allgather" (every rank's (index, value) pairs), "balanced" (after Zen, Wang et al.,
+arXiv 2309.13254: a hashed partition of the indices, each owner sums its part) and "auto",
+which prices both. Formats, cost model and measurements: docs/sparse-allreduce.md.
 """
 
 from __future__ import annotations

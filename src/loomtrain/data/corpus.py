@@ -1,19 +1,8 @@
 """Byte-level corpora and token files, split into train and validation token arrays.
 
-Sources (the [data] source key):
-- "stdlib": the running interpreter's standard-library .py files, in sorted path order;
-- "stdlib-code" and "stdlib-tests": the same files split in two disjoint domains whose union
-  is "stdlib" (`is_stdlib_test`): the library without its test modules, and the test modules
-  alone (a held-out text domain for fine-tuning: docs/finetune.md);
-- a text file, or a folder of text files (every file under it, sorted), read as bytes;
-- a pre-tokenized token file (`*.bin`, `*.u16`): raw little-endian uint16, memory-mapped.
-
-Where the source is made of files (stdlib, a folder), each file is a document: the corpus
-keeps where each one starts in its split's stream, for packing with document masks.
-
-The validation split holds out whole files where there are files (a file goes to validation
-when a CRC32 of its relative path falls in the lowest `val_fraction` of the range, so the
-split is stable as files are added) and the tail of the stream otherwise.
+Sources: the standard library ("stdlib", and its "stdlib-code" and "stdlib-tests" halves), a
+text file or folder, or a pre-tokenized uint16 token file. Files are documents, and validation
+holds out whole files. Details: docs/training.md, "Data", and docs/finetune.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """scikit-learn's handwritten digits as a classification task (`data.source = "digits"`).
 
-The data: `sklearn.datasets.load_digits`, 1,797 images of 8x8 pixels of the digits 0-9
-(about 180 per digit), shipped inside scikit-learn (no download). An example is the 64 pixel
-intensities (0..16) scaled to [0, 1] as float32, and its digit as an int64 label.
-
-The split is fixed, whatever `run.seed` and `data.classes`: within each digit, the examples
-in the order of a permutation seeded by 0, the first round(val_fraction x count) go to
-validation. So the validation examples of a run never were training examples of another run
-with the same `val_fraction`, whichever classes each one kept: a model pretrained on digits
-0-4 has not seen the validation images of a fine-tune on 5-9 or on all ten.
-
-`data.classes` keeps only those digits, in both splits. Labels stay the digits themselves (the
-classifier always has 10 outputs), so a checkpoint of one class filter fits a run with another.
-
-`ExampleSampler` has the WindowSampler interface (`batch(samples) -> (inputs, targets)`):
-sample g of the run is example perm_e[g mod N] of epoch e = g // N, the permutation seeded by
-(seed, e), so the trainer's `rank_samples` and `eval_samples` deal examples to ranks and steps
-exactly as they deal windows.
+The examples, the fixed stratified split, `data.classes` and `ExampleSampler` (the
+WindowSampler interface over examples): docs/finetune.md, "Digits: a classification task".
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
-"""Non-IID data (data.partition = "by_file"): each worker trains on its own group of files.
+"""Non-IID data (data.partition = "by_file"): each worker trains on its own group of files, the
+heterogeneous setting of Ringleader ASGD (Maranjyan & Richtárik, arXiv 2509.22860).
 
-The training split's files (its documents, in the corpus's sorted path order) are cut into
-`parts` contiguous groups, one per worker, so a worker sees one region of the source: with the
-standard library and 4 parts the first group runs up to `lib2to3`, the next from `lib2to3/tests` to
-`test/test_complex.py`, then to `test/test_regrtest.py`, then to the end (most of the
-stdlib's bytes are under `test/`), so three workers read mostly tests. This is the
-heterogeneous setting of Ringleader ASGD (Maranjyan & Richtárik, arXiv 2509.22860), where worker
-i samples only its own f_i. The cuts fall at the file boundaries nearest to equal shares of
-the tokens (`file_groups`), with at least one file per group; one very large file can still
-make its group larger than the others.
-
-A part's windows are cut like the whole stream's (seq_len + 1 tokens, stride seq_len) but
-start at its first token and end inside its last file, so no window mixes two parts' files;
-they differ from the IID windows by that alignment, and each part drops its last < seq_len + 1
-tokens instead of the stream dropping them once.
-
-How a run uses it:
-- data parallelism: `PartitionedSampler(corpus, seq_len, seed, parts=dp, rows_per_part=
-  global_batch // dp)` has the WindowSampler interface; it reads the global sample numbers of
-  `rank_samples` (rank r's rows of step s are samples s*B + r*B/dp ...) as row number
-  s*B/dp + ... of part r, so rank r only ever reads part r;
-- asynchronous SGD: `part_sampler(corpus, seq_len, seed, worker, workers)` is worker w's
-  WindowSampler over its own part; its samples are numbered within the part (batch k of size b
-  is samples k*b ... (k+1)*b - 1), each part shuffled per epoch of its own windows.
-The validation split is not partitioned: validation measures the whole distribution.
+The cut, a part's windows, and how data parallelism and asynchronous SGD read the parts:
+docs/training.md, "Non-IID partition".
 """
 
 from __future__ import annotations

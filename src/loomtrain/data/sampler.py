@@ -1,13 +1,8 @@
 """Deterministic distributed sampling of fixed-length windows.
 
-The token stream is cut into windows of seq_len + 1 tokens (stride seq_len). Sample number
-g of the run is window perm_e[g mod W] of epoch e = g // W, where perm_e is a permutation
-seeded by (seed, e). Step s covers samples [s*B, (s+1)*B) of the global batch B; data-parallel
-rank r takes the r-th contiguous slice of B/dp, cut into micro-batches. Hence:
-- the ranks' slices are disjoint, and together they are exactly the single-process batch;
-- the data-loader position is the step number alone, so resuming needs no other state.
-A sampler may also draw from a given list of window starts instead of the whole stream: one
-part of a non-IID split (partition.py), whose samples are then numbered within the part.
+Sample g of the run is a window of a permutation seeded by (seed, epoch); step s covers
+samples [s*B, (s+1)*B), dp rank r takes the r-th slice, so the data-loader position is the
+step number alone. Details: docs/training.md, "Data".
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Autoregressive decoding of loomtrain's GPT, whole or split over a `tp` mesh axis.
 
-    model = parallelize_tensor(gpt, mesh)          # or the unsplit GPT, on one process
     out = generate(model, prompt, max_new_tokens=64, temperature=0.8, top_k=40, seed=1)
 
-The prompt (b, t) runs through the model once (the prefill) and fills the KV cache; then
-each step feeds the token just chosen and reads the next token's logits. The output holds
-the prompt and the new tokens, (b, t + n).
-
-Choices (docs/generate.md):
-- The output head stays replicated (`parallelize_tensor` without `vocab_parallel`): every
-  rank computes the full logits from the same hidden state, so choosing the token needs no
-  communication. A vocabulary-parallel head would add an all-gather of the logit slices per
-  step (and its embedding an all-reduce) to save a vocab x d_model matrix per rank; with
-  byte-level vocabularies (256 rows) that matrix is tiny and the collective is not.
-- Every tp rank chooses the same token without communicating: the all-reduces leave the
-  same bits on every rank, the rest is replicated computation on the same bits, and
-  sampling draws from a generator seeded with `seed` on every rank. Broadcasting the token
-  from rank 0 would cost one more latency-bound collective per step (~1 ms on gloo); one
-  all-gather of the finished tokens checks instead that the ranks agreed.
-- Decoding stops when the sequence fills the model's context (`seq_len` tokens, its
-  position table): the learned absolute positions make a sliding window invalid (cached
-  keys carry their old positions) and recomputing the window every step is the cost the
-  cache exists to avoid.
-- `compress="int8"` sums the row-parallel partial sums through `comm.quantized_all_reduce`
-  (prefill and decode steps); `overlap=True` splits the batch into two nano-batches whose
-  all-reduces run behind each other's computation (inference/nanobatch.py). Both change
-  only how the reduce runs; without them decoding is the model's own forward.
+A prefill fills the KV cache, then one token per step. Why the head stays replicated, how the
+ranks agree without communicating, `compress` and `overlap`: docs/generate.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The key/value cache of autoregressive decoding.
+"""The key/value cache of autoregressive decoding (Vaswani et al., arXiv 1706.03762, section
+3.2.3): every layer's keys and values, kept so that a step computes one token, not t.
 
-Each new token's query needs the keys and values of every earlier token at every layer;
-keeping them turns step t's attention from recomputing t tokens into computing one (the
-cache of every transformer decoder since Vaswani et al., arXiv 1706.03762, section 3.2.3).
-
-Per layer the cache holds keys and values as (batch, heads, max_len, head_dim) buffers,
-allocated at the first append from the shapes the layer actually produces, so a
-tensor-parallel layer caches its own heads only (1/tp of the memory). `length` counts the
-tokens cached; the model calls `advance` once all its layers have appended.
+Buffers are allocated at the first append from the layer's shapes, so a tensor-parallel layer
+caches its own heads only. Details: docs/generate.md, "How it works".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Tensor-parallel decoding with its all-reduces hidden behind nano-batches.
 
-Under tensor parallelism each block ends its attention and its MLP with an all-reduce of
-the row-parallel layer's partial sums, and the next computation needs the sum: decoding a
-batch alternates computing and communicating, each idle while the other runs. Split the
-batch into two nano-batches and run them as two interleaved streams: nano-batch A launches
-its all-reduce asynchronously, and B computes its attention (or MLP) while A's sum is in
-flight; then B launches its own, and A, its sum arrived, goes on. The communication of one
-nano-batch hides behind the computation of the other (the nano-batching of NanoFlow, Zhu et
-al., arXiv 2408.12757; ISO, Xiao & Su, arXiv 2409.11155, splits one sequence in two
-instead, which helps the prefill but not the one-token decode steps).
-
-Each stream is a generator over the whole model that yields right after launching a
-reduce; `staged_forward` advances the streams in a fixed round robin, so every rank issues
-the collectives in the same order, as collectives require. A stream computes with the same
-operations as the model's own forward (`embed`, the attention's `mix`, the MLP's `hidden`,
-the row layer's matmul, its reduce, its bias), so only the reduce is swappable: the exact
-all-reduce, or comm's int8 one. With a single stream this is the plain forward with that
-reduce (how `compress="int8"` runs without overlap). Dropout must be off (eval mode).
+Two nano-batches run as interleaved streams, one computing while the other's all-reduce is in
+flight (the nano-batching of NanoFlow, Zhu et al., arXiv 2408.12757). The schedule and its
+limits: docs/generate.md, "Cutting the communication of tensor-parallel decoding".
 """
 
 from __future__ import annotations

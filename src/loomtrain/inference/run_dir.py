@@ -1,14 +1,7 @@
 """`loom generate RUN_DIR`: decode text with the newest checkpoint of a `loom train` run.
 
-The checkpoint may come from any layout (any rank count, ZeRO stage): `load_model_state`
-consolidates its shards into full tensors on CPU, the GPT is built from the run's
-`config.toml` [model] section and loaded, then split over `tp` ranks with
-`parallelize_tensor`. Every rank reads the full weights before keeping its slice, which is
-fine for the models trained here and not for ones that do not fit one process's memory.
-
-Text is byte-level, as in training (data/corpus.py): a token is a byte, so a run whose
-vocabulary is not the 256 bytes cannot take a text prompt. The request is checked in the
-launching process, before any worker starts; a bad one is a `UserError` (exit 2).
+A checkpoint of any layout is consolidated, loaded into the GPT of the run's config and split
+over `tp` ranks; the request is checked before any worker starts. Details: docs/generate.md.
 """
 
 from __future__ import annotations

@@ -2,35 +2,8 @@
 Ulysses sequence-parallel, chosen per batch by the tokens in flight (Hidayetoglu et al.,
 Snowflake, arXiv 2509.16495).
 
-    server = ShiftServer(gpt, mesh, threshold_tokens=64)   # every rank, the same full GPT
-    cache = server.new_cache()
-    logits = server.step(prompts, cache)                   # b x t >= 64 new tokens: "sp"
-    logits = server.step(next_tokens, cache)               # b < 64 new tokens: "tp"
-
-- "tp" (best latency at small batch): Megatron's split over the mesh axis. Rank r computes
-  heads [r H/N, (r+1) H/N) (q, k and v rows of the fused qkv) and the same slice of the MLP's
-  hidden width, and sums the partial outputs of proj and mlp.proj: 2 all-reduces per layer.
-- "sp" (throughput at large batch): DeepSpeed-Ulysses (Jacobs et al., arXiv 2309.14509).
-  The batch's b x t new tokens, flattened and padded to a multiple of N (gloo needs equal
-  chunks), are cut into N chunks; rank r runs its chunk through every layer with the FULL
-  weights. Around attention an all-to-all turns (my tokens, all heads' q, k, v) into (all
-  tokens, my heads), and a second one turns the attention output back to (my tokens, all
-  heads): 2 all-to-alls per layer, no all-reduce. One all-gather of the final hidden states
-  gives every rank the whole batch's logits.
-
-The KV cache has ONE layout for both modes: rank r holds the keys and values of its heads
-for all tokens, (b, H/N, len, head_dim) per layer, which is what the TP split produces and
-what Ulysses' attention sees after its first all-to-all. So a sequence prefilled in "sp"
-decodes in "tp" from the same cache, without moving a byte.
-
-Weights: SP needs the full model on every rank, so the TP path must not hold a second copy.
-It reads VIEWS of the full parameters: rank r's q, k and v rows are three contiguous row
-ranges of qkv.weight (three matmuls, not a gathered copy), fc's rows are one range, and
-proj's and mlp.proj's columns are strided views (F.linear reads them in place). Holding both
-modes costs no weight memory beyond the one GPT (tests/test_shift.py checks the storages).
-
-Every rank gets bit-identical logits in both modes (all-reduce and all-gather leave the
-same bits everywhere), so greedy tokens agree without a broadcast.
+Both modes share one KV-cache layout, and the tp path reads views of the full weights:
+docs/generate.md, "Shift Parallelism (serving)".
 """
 
 from __future__ import annotations

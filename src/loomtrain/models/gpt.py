@@ -1,15 +1,8 @@
 """A small pre-LN decoder-only transformer (GPT-2 style) with a tied output head.
 
-Attention is causal softmax attention through `scaled_dot_product_attention`, or with
-`attention="linear"` causal linear attention (models/linear_attention.py: phi = elu + 1,
-optionally RetNet's per-head decay; no attention dropout, there is no weight matrix to drop
-from). The module returns logits; the loss (summed over tokens, normalized by the trainer)
-lives in `models/__init__.py` so every model shares it.
-
-Decoding passes a key/value cache (`loomtrain.inference.KVCache`) as `forward(idx, cache)`:
-the new tokens' positions start at the cache's length, their keys and values are appended
-to it, and their queries attend to everything cached. Without a cache (training) the
-computation is the same sequence of operations as before the cache existed.
+Causal softmax attention through SDPA, or causal linear attention (models/linear_attention.py);
+`forward(idx, cache)` decodes with a key/value cache. The loss lives in models/__init__.py.
+Details: docs/training.md, "Models", and docs/generate.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Causal linear attention (Katharopoulos et al., "Transformers are RNNs", arXiv 2006.16236),
 with an optional per-head decay (RetNet, Sun et al., arXiv 2307.08621) and packed documents.
 
-With a positive feature map phi (elu + 1, their eq. 7) the softmax's exp(q.k) becomes
-phi(q).phi(k), so each output is a normalized sum of values (their eq. 4), here with a decay
-lambda_h in (0, 1] per head (lambda = 1: the original):
-
-    o_i = sum_{j<=i, same doc} lambda^(i-j) (phi(q_i).phi(k_j)) v_j
-          / sum_{j<=i, same doc} lambda^(i-j) (phi(q_i).phi(k_j))
-
-Numerator and denominator are one computation: append a ones column to v (`with_ones`) and
-the last output column is the denominator. The running "state" S = sum_j lambda^(t-1-j)
-phi(k_j) [v_j, 1]^T is d x (d_v + 1) per head whatever the length (their eq. 10-12: the RNN
-view), and lets attention run in chunks (the chunkwise form of RetNet, section 2.3):
-
-    chunk c, tokens [s, e):   sums_i = intra_i + lambda^(i-s+1) phi(q_i) S_s
-    intra = (Q_c K_c^T * lambda^(i-j) * causal * same-doc) [V_c, 1]     C x C, quadratic
-    S_e   = lambda^(e-s) S_s + sum_{j in c} lambda^(e-1-j) phi(k_j) [v_j, 1]^T
-
-O(t C d + t d^2) per head instead of O(t^2 d). Documents (packed rows): a token attends only
-inside its document, so the state restarts at each document start; a document is a run of
-equal ids in a row (`document_starts` checks that no id comes back after another).
-
-All functions take already feature-mapped q and k (`feature_map`), (b, heads, t, d), and v
-(b, heads, t, d_v); plain autograd differentiates them. `chunk_state` and `chunked_sums`
-(unnormalized, with a state carried in) are the pieces LASP (parallel/sequence/lasp.py)
-composes across ranks.
+Computed in chunks (RetNet's chunkwise form) with a d x (d_v + 1) state carried between them;
+`chunk_state` and `chunked_sums` are what LASP composes across ranks. The formulas:
+docs/sequence.md, "Linear attention, chunkwise".
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
-"""The data-parallel engine, ZeRO stage 0: replicated parameters, bucketed gradient all-reduce.
+"""The data-parallel engine, ZeRO stage 0: replicated parameters, bucketed gradient all-reduce
+(the scheme of PyTorch DDP, Li et al., VLDB 2020).
 
-What it does, in the order a step sees it (the scheme of PyTorch DDP, Li et al., VLDB 2020):
-1. At wrap time, parameters and buffers are broadcast from dp rank 0, and every parameter's
-   `.grad` becomes a view into a flat bucket buffer (buckets of `bucket_mb`, filled in reverse
-   registration order, which is roughly the order backward produces gradients). The gradients
-   produced last (up to `last_bucket_mb`) get a small bucket of their own: nothing is left to
-   compute while it is all-reduced, so all of its time is a wait after backward.
-2. During backward, a post-accumulate-grad hook counts each bucket's ready gradients; when a
-   bucket is full its all-reduce is launched asynchronously, so it runs while backward goes on.
-   Buckets launch strictly in index order, so every rank issues the same collective sequence.
-3. When backward ends (an autograd-engine callback), the engine waits for the buckets in
-   flight; parameters that got no gradient contribute zeros. After `loss.backward()` returns,
-   `.grad` holds the reduced gradient, as with DDP.
-Inside `no_sync()` (gradient-accumulation micro-steps) nothing is communicated.
-
-Gradients reduce with "mean" over the dp axis by default, as torch DDP does (each bucket is
-divided by the dp size before its all-reduce, DDP's order): a loop written for DDP, with each
-rank's loss averaged over its own batch, gets DDP's gradient. The trainer uses "sum" with the
-loss already divided by the global token count, so the result equals the single-process
-gradient whatever the number of tokens on each rank.
-
-With a `compressor` (comm/compress/, docs/compression.md) a full bucket is compressed where it
-would have been all-reduced (on the backward's thread, in the hook) and its exchange starts
-at once, so it overlaps the rest of the backward like the dense all-reduce; the end of
-backward completes each exchange (a method with a second phase, PowerSGD, runs it there) and
-the bucket holds the sum of every rank's decompressed contribution. Every `error_every`-th
-call of `measure_error()` keeps the uncompressed buckets and, after the exchange, all-reduces
-them densely (a diagnostic: counted apart, off the simulated link) to log the relative error
-of the compressed sum against the dense one.
-
-With gradient masks (`set_gradient_masks`, parallel/sparse_dp.py: sparse-aware data parallel)
-a bucket holding masked parameters all-reduces only the entries its masks keep, gathered into
-a compact buffer in the hook and scattered back at the end of backward, masked-out entries
-set to zero; the masks themselves travel once per change.
+Buckets are all-reduced asynchronously during backward, or compressed (docs/compression.md),
+or reduced on their masked entries only (docs/sparsity.md). The step, mean or sum, and the
+bytes: docs/data-parallel.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Where a rank's piece of a tensor sits in the full tensor, for checkpoints any layout reads.
 
-A checkpoint is written in the layout of the unsharded model: every tensor under its own name
-and full shape. A rank that holds only part of a tensor presents that part to
-torch.distributed.checkpoint (DCP) as *boxes*: rectangular blocks with their offsets in the
-full tensor. DCP stores each box as a chunk and, on load, reads for each rank whatever part
-of the saved chunks overlaps the boxes that rank asks for. So a run can resume under another
-layout (tp 2 -> tp 1, ZeRO stage 3 on 4 ranks -> data parallel on 2), and `loom export`
-consolidates any checkpoint.
-
-Two kinds of parts compose here:
-- ZeRO keeps a contiguous row-major range of a (local) parameter: `flat_range_boxes`
-  (zero/layout.py) tiles it with boxes;
-- tensor parallelism keeps a slice along one dimension, possibly in several runs (a fused
-  qkv keeps the same head range in each of the q, k and v thirds): a `Placement`, attached to
-  the parameter as `p.tp_placement`, maps local index runs to full ones.
-A ZeRO shard of a tensor-parallel parameter is first boxed in local coordinates, then every
-box is cut at the runs and moved to full coordinates (`Boxes.placed`).
+A rank's part (a ZeRO flat range, a tensor-parallel slice, or both) goes to
+torch.distributed.checkpoint as boxes of the full tensor, so a run resumes under another
+layout. Details: docs/tensor.md, "Checkpoints", and docs/zero.md.
 """
 
 from __future__ import annotations

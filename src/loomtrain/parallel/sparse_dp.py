@@ -1,30 +1,8 @@
 """Sparse-aware data parallel: with fixed masks, only the kept gradient entries travel.
 
-A model trained with sparsity masks (sparsity/) has gradients that are zero, or discarded,
-wherever a mask is False; the dense all-reduce sends them anyway. With
-`DataParallel.set_gradient_masks(masks)` each bucket whose parameters carry a mask instead
-all-reduces a compact buffer: its masked parameters' gradient values at the kept positions
-and its unmasked parameters' whole gradients, in bucket order (`bucket_keep`, one bool per
-bucket element). The hook launches it where the dense all-reduce would have been, so it
-overlaps backward the same way; the end of backward scatters the reduced values back and
-sets every masked-out entry to zero. Indices travel once per mask change, not per step:
-`set_gradient_masks` broadcasts the axis member 0's masks, packed (comm/mask_sync.py), and
-every rank uses those, so ranks that computed their masks separately still agree.
-
-Bytes per rank, N ranks, fp32 (b_v = 4), kept_b the entries bucket b keeps, nnz = their sum
-(the kept entries of the masked parameters plus every entry of the unmasked ones):
-- per step: one ring all-reduce per bucket of its compact buffer, 2(N-1)/N x 4 x kept_b
-  (floored per bucket, `values_wire_bytes`), about 2(N-1)/N x 4 x nnz: the dense all-reduce's
-  bytes times the density nnz / numel;
-- per mask change: the mask sync of comm/mask_sync.py, from member 0 ceil(log2 N) x S with
-  S = 16 P + sum over masked parameters of min(4 nnz_p, ceil(numel_p / 8)).
-
-The result equals dense data parallel followed by masking the reduced gradient: every kept
-entry is the same sum of the same N values. On 2 ranks it is the same bits (a + b is
-commutative in IEEE arithmetic); on more, gloo's ring adds an entry's N values starting at
-the rank its chunk of the buffer begins with, and the compact buffer's chunks cut elsewhere
-than the dense buffer's, so an entry's sum may be rounded in another order (differences of
-an ulp or so; tests/test_sparse_dp.py).
+Each masked bucket all-reduces a compact buffer of its kept entries; the masks travel once per
+change (comm/mask_sync.py). Bytes, and why the result equals dense data parallel followed by
+masking: docs/sparsity.md, "Sparse-aware data parallel".
 """
 
 from __future__ import annotations

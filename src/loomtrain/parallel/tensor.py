@@ -1,18 +1,8 @@
 """Tensor parallelism over the mesh's `tp` axis, Megatron-style (Shoeybi et al., arXiv
-1909.08053): a column-parallel linear layer keeps a slice of the output features, a
-row-parallel one a slice of the input features, and a pair of them (attention's qkv and proj,
-the MLP's fc and proj) costs one all-reduce in forward and one in backward.
+1909.08053): column- and row-parallel linear pairs, one all-reduce each way per pair.
 
-    x ─ copy ─ column(W1[rows_r]) ─ act ─ row(W2[:, cols_r]) ─ reduce ─ + b2
-        (identity forward, all-reduce of the input gradient backward)   (all-reduce forward)
-
-Everything outside the pairs (layer norms, embeddings, the biases added after a reduce) is
-replicated on the tp ranks; their inputs and the gradients reaching them are the same on
-every tp rank (the all-reduces make them so), so their gradients agree without any sync.
-
-Also here: the vocabulary-parallel embedding, tied head and cross-entropy, and Megatron
-sequence parallelism. The trainer applies these through `loomtrain.parallel.apply_tensor_parallel`
-(docs/tensor.md); decoding is in loomtrain/inference/.
+Also the vocabulary-parallel embedding, tied head and cross-entropy, and Megatron's sequence
+parallelism (Korthikanti et al., arXiv 2205.05198). Details: docs/tensor.md.
 """
 
 from __future__ import annotations

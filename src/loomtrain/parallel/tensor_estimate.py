@@ -1,10 +1,7 @@
 """What tensor parallelism costs per rank: the collectives of one optimizer step and the
 activations of one micro-batch, as pure functions of the config's numbers (the dry run prints
 them; tests/test_tensor_training.py and tests/test_dryrun.py hold them to the meter and to the
-tensors autograd saves).
-
-b = micro-batch, s = sequence length, h = d_model, r = mlp_ratio, L = layers, N = tp,
-c = compute bytes; S = b s h c, one activation.
+tensors autograd saves). Notation: docs/tensor.md, "Dry run".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Gradient compressors behind one interface (base.py), one file per method:
-
-| method   | sends per rank                          | exchange                      | EF default |
-|----------|-----------------------------------------|-------------------------------|------------|
-| topk     | k largest |x| and their indices         | sparse all-reduce (sparse.py) | on         |
-| randomk  | k values at seed-shared indices         | dense all-reduce of k values  | on         |
-| powersgd | rank-r factors P, Q (Vogels et al.)     | two all-reduces (+ one dense) | on         |
-| int8     | int8 + fp32 scale per 64 values         | all-gather (quantized.py)     | off        |
-| sign     | 1 bit per value + fp32 scale per chunk  | all-gather                    | on         |
+"""Gradient compressors behind one interface (base.py), one file per method: topk, randomk,
+powersgd, int8, sign.
 
 `build_compressor` turns a method name and its settings into a compressor (None for "none").
+What each method sends, its exchange and its error-feedback default: docs/compression.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """The compressor interface: compress one gradient bucket, exchange it, keep error feedback.
 
-A bucket is a contiguous 1-D buffer `flat` holding tensors of `shapes` back to back (a
-data-parallel gradient bucket, or a DiLoCo pseudo-gradient); `key` names it, and every piece
-of state (residual, warm-start factor, call counter) is kept per key. Keys are stored as
-`str(key)`, so 0 and "0" name the same bucket and a checkpoint's string keys find their state.
-
-Error feedback (EF; Seide et al., "1-bit SGD", Interspeech 2014; Karimireddy et al., "Error
-Feedback Fixes SignSGD", arXiv 1901.09847; DGC, arXiv 1712.01887): with residual e (zero at
-first),
-
-    x = flat + e,    sent = C(x),    e <- x - D(C(x))
-
-where D(C(x)) is this rank's own contribution to the sum. So e + D(C(x)) == x: nothing a
-compressor drops is lost, only delayed. It is exact bit for bit where the contribution is x
-itself or zero (top-k, random-k, PowerSGD's uncompressed tensors) or lies within a factor 2
-of x (int8: the difference is then exact, Sterbenz's lemma); elsewhere (sign, PowerSGD's
-low-rank part) the two fp32 roundings of e = x - c and e + c leave at most an ulp of |x| + |c|.
-
-Subclasses write `_encode` (x -> payload), `decompress` (payload -> dense contribution) and
-`_send` (start the collective; return the function that completes it). PowerSGD, whose
-exchange has two phases, overrides `compress` and `start`.
+Error feedback (Seide et al., "1-bit SGD", Interspeech 2014; Karimireddy et al., arXiv
+1901.09847): what a compressor drops stays in a residual and is sent later. Buckets, keys,
+exactness and the subclass hooks: docs/compression.md, "Reference: the compressors".
 """
 
 from __future__ import annotations

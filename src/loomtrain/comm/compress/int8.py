@@ -1,16 +1,8 @@
 """int8 quantization with one fp32 scale per chunk of 64 values, exchanged by
-`comm.quantized.quantized_all_reduce` (one all-gather; every rank adds the N dequantized
-contributions in rank order, so all hold the same bits).
+`comm.quantized.quantized_all_reduce` (one all-gather, summed in rank order).
 
-Per element the contribution is within absmax_chunk / 254 of x (half a quantization step).
-Wire bytes per rank: (N-1) x numel x (1 + 4/64) against the ring's 2 (N-1)/N x 4 numel, a
-ratio of 8 / (N (1 + 4/64)): 3.8 on 2 ranks, 1.9 on 4, none from 8 (comm/quantized.py).
-
-EF is off by default (the rounding moves each value by at most half a step); on, the
-residual carries the rounding to the next call.
-The bucket is quantized twice, once here for the residual and the stats and once inside
-`quantized_all_reduce`, with identical results (the quantizer is deterministic): O(numel)
-arithmetic traded for not duplicating the exchange.
+Error bound, wire bytes and the error-feedback default: docs/compression.md, "Reference: the
+compressors".
 """
 
 from __future__ import annotations

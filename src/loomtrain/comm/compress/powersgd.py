@@ -2,29 +2,8 @@
 Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
 Optimization", arXiv 1905.13727, Algorithm 1).
 
-Each tensor of a bucket with >= 2 dims is a matrix M (n = shape[0] rows, m = the rest); with
-Q (m x r) shared by all ranks, rank i holding M_i:
-
-    P = sum_i M_i Q          (all-reduce, n r values)
-    P^ = orthonormalize(P)   (the same bits on every rank: the same input)
-    Q_i = M_i^T P^           (m x r)
-    Q = sum_i Q_i            (all-reduce, m r values)
-    result = P^ Q^T = sum_i P^ Q_i^T,
-
-so P^ Q_i^T is rank i's contribution, and its residual under EF is e_i = M_i - P^ Q_i^T. The
-all-reduced Q is the next call's warm start (the first one is drawn from (seed, key), the same
-on every rank). A tensor with (n + m) r >= n m (low rank would not save bytes; this includes
-every r >= min(n, m)) and every 1-D tensor is sent as it is, all of them concatenated in one
-dense all-reduce: exact. All P's of a bucket travel in one buffer, all Q's in another.
-
-Wire bytes per rank: 2 (N-1)/N x 4 x (sum (n + m) r + the uncompressed numel), a ratio of
-n m / ((n + m) r) for a bucket of n x m matrices at any N (128 for 1024 x 1024 at r = 4).
-Compute: two matmuls per tensor (O(n m r)) and a QR of n x r.
-
-Overlap: `start` launches the P all-reduce and the uncompressed all-reduce; they overlap with
-whatever the caller computes until `wait()`. The orthonormalization, Q_i = M_i^T P^ and the Q
-all-reduce run inside `wait()`, blocking. `compress` (no communication) is the exchange over a
-group of one: P = M Q, and it updates the warm start as such.
+The algorithm, which tensors go uncompressed, wire bytes and what overlaps: docs/compression.md,
+"Reference: the compressors".
 """
 
 from __future__ import annotations

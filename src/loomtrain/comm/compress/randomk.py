@@ -1,18 +1,9 @@
 """Random-k sparsification (Stich et al., arXiv 1809.07599; Wangni et al., "Gradient
 Sparsification for Communication-Efficient Distributed Optimization", arXiv 1710.09854).
 
-Each rank keeps the same k = max(1, ceil(ratio x numel)) positions, drawn without replacement
-from a generator seeded by (seed, key, this key's call counter): every rank draws the same
-indices without sending them, so the exchange is a dense ring all-reduce of the k values,
-2 (N-1)/N x 4k bytes per rank, a ratio of numel / k against the dense all-reduce at any N.
-
-With EF the values are sent as they are and the rest waits in the residual. Without EF they
-are scaled by numel / k, which makes the contribution unbiased: each position is kept with
-probability k / numel, so E[contribution] = x (at the price of variance numel / k - 1 times
-x^2 per element).
-
-Cost of the draw: a permutation of numel on the CPU generator (O(numel)); every rank must
-call `compress`/`start` for a key equally often, or the counters, hence the indices, diverge.
+Every rank keeps the same k positions, drawn from a shared seed, so only their values travel,
+in one dense all-reduce. Scaling without error feedback and the cost of the draw:
+docs/compression.md, "Reference: the compressors".
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """1-bit compression: the sign of each value and one scale per chunk (signSGD with error
 feedback, Karimireddy et al., arXiv 1901.09847; 1-bit Adam, Tang et al., arXiv 2102.02888).
 
-For a chunk of values x_1..x_c the contribution is s x sign(x_j) with s = mean_j |x_j| (the
-scale of EF-signSGD, ||x||_1 / c, here per chunk so one outlier does not set the scale of the
-whole bucket). sign(0) is taken as +1: one bit cannot hold three values. EF is on by default:
-without it the bias of the sign is never corrected.
-
-Exchange: each rank sends ceil(numel / chunk) x (chunk / 8) bytes of packed signs (8 per
-uint8, most significant bit first) and 4 bytes per chunk of scales in one all-gather (equal
-sizes on every rank); every rank decodes the N contributions and adds them in rank order
-0..N-1, so all hold the same bits. Wire bytes per rank (N-1) x numel x (1/8 + 4/chunk),
-against the ring's 2 (N-1)/N x 4 numel: a ratio of 8 / (N (1/8 + 4/chunk)), 28 on 2 ranks
-and 14 on 4 with chunks of 256. The all-gather sends every contribution to every rank, so
-the saving shrinks as 1/N, as int8's does.
+The scale, the packing and the wire bytes: docs/compression.md, "Reference: the compressors".
 """
 
 from __future__ import annotations

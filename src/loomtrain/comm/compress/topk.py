@@ -1,16 +1,8 @@
 """Top-k sparsification with error feedback (Stich et al., "Sparsified SGD with Memory",
 arXiv 1809.07599; Lin et al., "Deep Gradient Compression", arXiv 1712.01887).
 
-Each rank sends the k = max(1, ceil(ratio x numel)) values of x = g + e largest in magnitude,
-with their indices; the rest stays in the residual e for later steps. Ranks choose different
-indices, so the exchange is a sparse all-reduce (comm/sparse.py): its "allgather" scheme sends
-(N-1) k_max (2 + 4) bytes per rank (the sorted indices as int16 gaps; int32 indices, 4 + 4,
-where gaps would cost more), "balanced" about (N-1)/N k 8 plus the owners' sums, "auto" picks
-the cheaper from the exchanged counts. Against the dense ring's 2 (N-1)/N x 4 numel that is,
-with the allgather scheme and gaps, a ratio of 4 numel / (3 N k): 67 at 1% density on 2
-ranks, 33 on 4 (measured 32.1 on 4: benchmarks/compression.py).
-
-Cost of the selection: one `torch.topk` over numel (O(numel)) plus a pass to break ties.
+Each rank sends its k largest |g + e| with their indices, summed by the sparse all-reduce
+(comm/sparse.py). Wire bytes and ratios: docs/compression.md, "Reference: the compressors".
 """
 
 from __future__ import annotations

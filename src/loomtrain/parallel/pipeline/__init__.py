@@ -1,15 +1,7 @@
-"""Pipeline parallelism over the mesh's `pp` axis (issue 5).
-
-schedules.py   pure functions: (pp, microbatches, virtual stages) -> the ordered actions of
-               every rank, and a simulator that checks and times them
-optimal.py     schedule = "optimal": the order and each pair's keep/offload/recompute under
-               a per-rank memory budget (MILP in optimal_milp.py, greedy in optimal_heuristic.py,
-               the stage costs and action times both read in optimal_costs.py)
-split.py       the model cut into stages (balanced by parameters or measured time)
-runtime.py     executes a schedule: point-to-point sends overlapped with compute, the loss
-               on the last stage, gradient accumulation, recomputation and offload
-asynchronous.py  schedule "async": no flush, a step per micro-batch and stage on stashed
-               weights (PipeDream); nesterov.py its delay-corrected Nesterov (arXiv 2505.01099)
+"""Pipeline parallelism over the mesh's `pp` axis (issue 5): schedules as pure functions, the
+model cut into stages, a runtime that executes a schedule, a memory-budgeted schedule
+("optimal") and an asynchronous one ("async"). The files and what each holds:
+docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,60 +1,8 @@
-"""Asynchronous pipeline training (`parallel.schedule = "async"`): no flush, every stage
-steps its optimizer after every micro-batch, on the weights that micro-batch's forward used
-(PipeDream's weight stashing, Narayanan et al., SOSP 2019), with the delay-corrected Nesterov
-update of Ajanthan et al. ("Nesterov Method for Asynchronous Pipeline Parallel Optimization",
-ICML 2025, arXiv 2505.01099) or, as the baseline, the plain optimizer.
-
-Schedule. The micro-batches form one stream g = 0, 1, ... across trainer steps (step t
-brings g = tM .. tM+M-1). Rank s (one stage per rank) runs PipeDream's 1F1B steady state with
-w_s = pp-1-s micro-batches in flight: F(g + w_s), B(g), F(g + w_s + 1), B(g + 1), ...,
-stepping after every B. A trainer step runs the forwards of its M micro-batches, each
-followed by the backward of the micro-batch w_s before it (`step_actions`), so the last w_s
-forwards of step t are still in flight when train_step returns and their backwards run in
-step t+1: the pipeline stays full across steps. `drain()` runs the pending backwards
-(`drain_actions`); the trainer drains before every evaluation and checkpoint, so what it
-evaluates or saves after step N has learnt from every micro-batch of steps <= N on every
-stage, and the step after starts cold (w_s forwards before the first backward, as 1F1B's
-warm-up). What remains of a bubble: the trainer's per-step all-reduce (token count, stop
-flag) is a barrier, so at the start of a step rank s+1 waits for one forward of rank s.
-
-Delay. Between F(g) and B(g) rank s makes the updates of g-w_s .. g-1: the gradient of every
-micro-batch is taken at weights tau_s = pp-1-s updates old, a fixed delay, largest on the
-first stage, zero on the last (micro-batch g0 + k after a cold start at g0 has min(k, tau_s)).
-`delays` counts it along any action list.
-
-Weight stashing. F(g) runs the stage through `torch.func.functional_call` on a copy of the
-stage's parameters (the stash of g); autograd saves the copy, so B(g) differentiates at
-exactly the weights F(g) used whatever updates came in between, and its gradient becomes the
-live parameters' gradient for the update. The copy dies after B(g): at most w_s + 1 = pp-s
-copies live on rank s, besides the weights themselves (PipeDream keeps as many versions).
-
-Update of stage s after B(g), in this order: the loss of a micro-batch is divided by its
-share of the step's target tokens (global_tokens / M), so an update follows the mean token
-loss of one micro-batch; the gradient is summed over dp (every update, as PipeDream does);
-it is clipped to train.grad_clip per stage (a global norm would be a pp collective per update
-and would lock the stages together again); each micro-batch is trained at the learning rate
-of its own trainer step, on every stage; a non-finite gradient skips that stage's update.
-- "stash": the train.optimizer (AdamW, or SGD with momentum) built as for the synchronous
-  schedules: PipeDream with weight stashing, the baseline.
-- "nesterov": `DelayedNesterov` (nesterov.py), the paper's Eq. 10, with gamma =
-  parallel.async_momentum (0.99, the paper's) and Adam's second moment when
-  train.optimizer = "adamw" (the paper's experiments: NAdamW with beta1 = 0.99).
-
-Tied parameters (the GPT's embedding and head, on the first and the last rank): their copies
-must stay equal, so every holder makes the same update: at its update g, the sum over the
-holders (in rank order) of their contributions of micro-batch g - pp, sent point to point,
-clipped by its own norm. The lag: in steady state the first stage's B(g) ends when the last
-stage's B(g + pp-1) does, so pp lets it arrive before it is needed. The first pp updates leave
-the tied weights alone; contributions not yet applied are not checkpointed (a resumed run
-loses pp micro-batches' worth of them).
-
-Messages: isend/irecv over pp; tags name the tensor and the micro-batch (mod 2^20), and gloo
-matches by tag. The posting order is not NCCL's (which matches in order and would need
-Megatron's paired batched sends): the async pipeline runs on CPU ranks (gloo) for now.
-Receives are posted at the start of each step; a send is waited for ceil((pp-1)/M) steps
-later, when its receive has surely been posted (a message for micro-batch g is received at
-the latest at the receiver's update g, at most that many steps after it is sent), so no rank
-ever waits on a peer that waits on it.
+"""Asynchronous pipeline training (`parallel.schedule = "async"`): no flush, an optimizer step
+per micro-batch and stage on the weights its forward used (PipeDream's weight stashing,
+Narayanan et al., SOSP 2019), with the delay-corrected Nesterov of Ajanthan et al. (ICML 2025,
+arXiv 2505.01099) or the plain optimizer. Schedule, delays, tied weights and messages:
+docs/pipeline.md, "The asynchronous runtime in detail".
 """
 
 from __future__ import annotations

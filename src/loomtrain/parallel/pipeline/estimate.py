@@ -1,15 +1,7 @@
-"""What the pipeline keeps and sends per rank, for `loom train --dry-run` (train/dryrun.py).
-
-`split_on_meta` cuts a meta-device model with the real `split_model`; the rest are pure
-functions of numbers: the activations autograd saves per layer and their sums over the whole
-model (which train/dryrun.py and parallel/tensor_estimate.py use), what one micro-batch of a
-stage occupies and for how long, each rank's peak over the schedule's simulated timeline, and
-the point-to-point sends and pp all-reduces of one step with the wire bytes comm/meter.py
-counts. docs/dry-run.md states
-the formulas; tests/test_dryrun.py holds them to the saved tensors and to the meter.
-
-b = micro-batch, t = sequence length, d = d_model, h = heads, r = mlp_ratio, V = vocabulary,
-c = compute bytes.
+"""What the pipeline keeps and sends per rank, for `loom train --dry-run` (train/dryrun.py):
+the stages cut on a meta-device model, the activations saved per layer and stage, each rank's
+peak over the simulated schedule, and the sends and pp all-reduces of one step. Formulas and
+notation: docs/dry-run.md, "Pipeline parallelism".
 """
 
 from __future__ import annotations

@@ -2,19 +2,8 @@
 back for the ones a schedule offloads (the PipeOffload idea, arXiv 2503.01328: offload what
 waits longest before its backward, reload it just before).
 
-A forward runs inside `stash.saving(key)`: autograd's saved-tensor hooks hand every tensor
-it saves for backward (parameters excepted: they are not activations) to the stash, which
-keeps it in a `Saved` record and gives autograd the record instead. `offload(key)` copies a
-pair's tensors into host buffers on a copy thread and drops the device tensors;
-`reload(key)` copies them back, also asynchronously; the backward's unpack hook waits for
-its tensor only if the copy has not finished. On a GPU the host buffers are pinned and the
-copies run on a side stream; on a CPU the "device" is host memory too, but the copy is still
-real (a separate buffer, the original freed), so the bytes live on the device are measured
-the same way.
-
-`live_bytes` counts the activation bytes on the device now: every storage a pair's saved
-tensors live in, once per pair (q, k and v are views of one qkv output; a tensor saved twice
-counts once); `peak_bytes` its maximum since `reset_peak()`.
+How tensors are captured, copied and counted: docs/pipeline.md, "Recomputation and
+activation offload".
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
-"""Memory-budgeted pipeline schedules (schedule = "optimal"): the order of every rank's compute
-actions and, for each (micro-batch, stage) pair, whether its activations are kept, offloaded
-or recomputed, chosen together to finish first under a per-rank activation-memory budget (the
-OptPipe idea, arXiv 2510.05186, on zero-bubble's split backward, arXiv 2401.10241). One
-stage per rank.
-
-What every plan here assumes:
-- rank s runs F_m, K_m (the backward: I, or B when it is not split) and W_m for m < M, one at
-  a time: forwards in micro-batch order, backwards in order, W's in order (a plan is an
-  interleaving of these three chains; micro-batches cost the same, so little is lost). Times
-  are simulate()'s: a compute starts once its rank is free and its input has arrived.
-- a recomputed pair keeps only its input from its F's end; its K is longer by `recompute`
-  and holds all its activations from the K's start to its release (W, or B's end).
-- an offloaded pair is copied out right after its F (and its send) and back from the start
-  of the compute right before its K (with_offload's lookahead 1). Only stages whose offload
-  plus reload fit inside their shortest compute offload (StageCosts.copies_hide): there every
-  copy ends within the compute it overlaps, so copies never delay a compute.
-- a plan is measured by simulate() and peak_bytes(), the byte-level count of its stash.
-
-solve() plans with the MILP (optimal_milp.py: time-indexed, HiGHS) when pp * M <= MILP_PAIRS
-and with the heuristic (optimal_heuristic.py: a greedy fit of 1F1B-shaped orders) otherwise,
-or when the MILP finds nothing better; compare() sets 1F1B and ZB-H1, made to fit the same
-budget, beside the plan; plan_for_config() is what the runtime calls with measured costs.
-Limits: one stage per rank (no interleaving); the MILP's grid must be coarse (MAX_SLOTS), so
-measured costs are rounded to the shortest compute and the plan is re-simulated with the real
-ones; ZB-H1 and 1F1B cannot always be made to fit (compare() says so).
+"""Memory-budgeted pipeline schedules (schedule = "optimal"): every rank's order and each
+(micro-batch, stage) pair's keep, offload or recompute, chosen together to finish first under
+a per-rank activation budget (the OptPipe idea, arXiv 2510.05186, on zero-bubble's split
+backward, arXiv 2401.10241). What every plan assumes, the solvers and the limits:
+docs/pipeline.md, "Memory-budgeted schedule".
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """The fast side of optimal.py: a memory model that depends on the order alone, and a greedy
-planner on it, for instances too large for the MILP (and its horizon for the others).
-
-The model (one rank, its compute order fixed): memory is checked where it grows, at each F's
-end, each reload's start and each recomputed K's start, counting a kept pair from its F to its
-release (W, or B's end); a recomputed one by its input from its F, wholly from its K's start;
-an offloaded one at its own F's end, during the compute right after its F when that is a
-recomputed K (its offload may still be running there) and from the start of the compute right
-before its K (where its reload starts) to its release. With copies that hide
-(StageCosts.copies_hide) each offload ends within the compute after its F and each reload
-within the compute before its K, whatever the timing, so `levels` bounds simulate()'s
-byte-level peak (optimal.peak_bytes) from above; the tests check it on the plans.
-
-The planner (`heuristic`): 1F1B-shaped orders, from serial through ZB-H1 (W's deferred by r
-micro-batches on rank r) to ZB-H2-like extra warm-up forwards, each fitted to the budget by a
-sweep over its checks that offloads the live pair whose backward comes last (its copies hide
-behind compute), else recomputes it; the fitted order whose timeline ends first, ties broken
-by the least idle per rank (the PipeOffload idea, arXiv 2503.01328: offload what waits longest).
+planner of 1F1B-shaped orders on it, for instances too large for the MILP (and its horizon
+for the others). The model and the planner: docs/pipeline.md, "Memory-budgeted schedule".
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """The MILP of optimal.py's problem, solved by HiGHS through scipy.optimize.milp: time-indexed
-(a binary per action and start slot, Sousa & Wolsey 1992, whose LP relaxation bounds idle
-time far better than big-M ordering binaries do: a disjunctive version of this model needed
-15-30 s for pp=2, M=8 and found nothing for pp=4), on a grid of `unit` seconds.
-
-Per rank s, with F_m, K_m (I or B; two modes, plain and recomputed) and W_m (split only):
-- x[a, t, mode] = 1 if action a starts in slot t; slots within [earliest, latest] start of a,
-  from the chains and stages and the horizon T (the heuristic's plan, timed on the grid).
-  Once per action.
-- one action at a time: busy(t) = sum of the x covering slot t <= 1.
-- precedence with lag L (a's end + L <= b's start), in the aggregated form that keeps the LP
-  tight: started(b, by t) <= ended(a, by t - L). Chains F_m < F_m+1, K_m < K_m+1, W_m < W_m+1,
-  F_m < K_m < W_m; stages F(m,s-1) -> F(m,s) and K(m,s+1) -> K(m,s), L = send.
-- left-justified: an action starts in slot t > 0 only if the rank was busy in t-1 or its input
-  from the other stage arrives at t. The MILP's times are then simulate()'s for its order
-  (with the costs on the grid).
-- decisions: c_m = the recomputed mode of K_m; o_m binary, o + c <= 1, o = 0 where copies do
-  not hide. An offloaded K starts with no idle before it (the compute its reload overlaps ends
-  at its start) and not right after its own F.
-- memory at each slot boundary t, as simulate() times it (copies hide, so an offload
-  ends `offload` after its F; a reload starts at most max-duration before its K): per pair a
-  continuous z[k, t] >= its bytes in each case (kept, offloaded, recomputed), each case's bound
-  lowered by its bytes unless its decision holds; sum over k of z[k, t] <= budget.
-- objective, lexicographic in integers: the makespan C >= each rank's end, then the sum of the
-  ranks' ends (the least idle per rank); optimal.solve then drops the offloads and recomputes
-  that the budget does not need.
-Size at pp=4, M=8, f=i=w=1 (T=27 slots): 1,240 binaries, ~2,000 continuous, ~7,100 rows,
-~30,000 nonzeros (~4,800 rows after HiGHS's presolve); solved to optimality in 6-9 s on a
-shared 2-core machine (pp=2, M=8: 3-22 s: proving the tie-break takes the search there).
-On a grid that rounds the costs (measured times) the plan is re-simulated with the real
-costs: optimal.solve keeps the heuristic's plan unless the MILP's is better within budget.
+(a binary per action and start slot, Sousa & Wolsey 1992) on a grid of `unit` seconds.
+Variables, constraints, objective and size: docs/pipeline.md, "Memory-budgeted schedule".
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Measured costs of every pipeline stage, for the memory-budgeted schedule (`schedule =
 "optimal"`): each rank times its own stages on one micro-batch of random input, and the
-figures are gathered over pp so that every rank plans with the same numbers.
-
-Per stage, in seconds: the forward (f), the full backward (b), the backward for the input
-(i) and for the weights (w) as the runtime splits it, the copy of the stage's activations
-to host memory and back (offload, reload); in bytes: the activations the forward saves for
-backward (`act`) and the stage input (`input`, what a recomputed micro-batch keeps). Each
-time is the median of `repeats` after one warm-up.
+figures are gathered over pp so that every rank plans with the same numbers. What is
+measured: docs/pipeline.md, "Memory-budgeted schedule".
 """
 
 from __future__ import annotations

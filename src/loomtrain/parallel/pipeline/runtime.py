@@ -1,29 +1,7 @@
-"""Executes a pipeline schedule on this rank: the actions of `schedule.actions[rank]` in order.
-
-F(m, s)   stage s's forward of micro-batch m on the input received for it (micro-batch m's
-          tokens on stage 0), under the stash's saved-tensor hooks; the last stage computes
-          the loss (token-summed, divided by the step's global token count).
-B(m, s)   backward from the loss, or from the output gradient received for it.
-I / W     zero-bubble's split backward: I runs the backward with every `nn.Linear`'s weight
-          gradient deferred (`DeferredWeightGrads`: the matmul dW = dy^T x is kept, not done),
-          so the input gradient reaches the previous stage sooner; W does the deferred
-          matmuls. Other parameters (norms, embeddings) get their small gradients in I.
-SEND/RECV point to point over the pp axis with `isend`/`irecv`: a receive is posted at its
-          RECV action and waited for by the compute that needs it (the wait is recorded);
-          sends are waited for at the end of the step. Tags name the tensor, so gloo matches
-          by tag; schedules also keep every pair's order (NCCL matches in order).
-OFFLOAD / RELOAD  the stash's asynchronous copies to host memory and back (offload.py).
-
-Recomputation: a (micro-batch, stage) in `schedule.recompute`, or every one with
-`recompute="full"`, runs its forward without autograd, keeping only the stage input and the
-RNG state; its backward first runs the forward again (same dropout masks) and then goes
-back through it, so the activations live only during that backward, and the stash counts
-them there. `recompute="selective"` is applied to the model (the GPT's attention core is
-checkpointed inside each block) before the runtime sees it.
-
-All backward passes run inside the dp engine's `no_sync()`; after the last, a parameter
-held by two pipeline ranks (the tied embedding and head) has its gradient summed over pp,
-then the engine reduces the accumulated gradients over dp once (`sync_gradients`).
+"""Executes a pipeline schedule on this rank: the actions of `schedule.actions[rank]` in order
+(forwards, backwards or zero-bubble's split I and W, sends and receives, offloads and
+reloads), with recomputation and the gradient sync over pp, then dp. What each action does:
+docs/pipeline.md, "The runtime".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Pipeline schedules as pure functions: who computes what, in which order.
 
-A schedule is the ordered list of actions of every pp rank. Stage `s` (of pp * V virtual
-stages) lives on rank `s % pp` (Megatron's interleaved placement; with V = 1, stage = rank).
-A rank posts each send where it stands in its list; a receive is posted (non-blocking) where
-it stands, and the compute that consumes it waits for it. Ranks of adjacent stages exchange
-messages only when the stages sit on different ranks (never with pp = 1).
-
-gpipe, one_f_one_b, interleaved, zb_h1 (or build by config name) make schedules;
-with_offload adds activation offload; validate checks one; simulate times it (live_peak
-weighs what a rank holds over the timed actions); bubble_theory gives the papers' closed-form bubble fractions to compare with.
+gpipe, one_f_one_b, interleaved, zb_h1 (or build by config name) make schedules; with_offload
+adds activation offload; validate checks one; simulate times it; bubble_theory gives the
+papers' closed-form bubble fractions. Placement and messages: docs/pipeline.md, "Schedules".
 """
 
 from __future__ import annotations

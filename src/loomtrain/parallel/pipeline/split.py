@@ -1,19 +1,7 @@
-"""The model cut into pipeline stages: a sequence of layers, split into contiguous runs.
-
-A model is seen as a sequence of `Layer`s, each owning some of its modules and computing
-`y = run(model, x)`. The GPT and the MLP model are [embed, block 0, ..., block n-1, head]
-(the head being the final norm and the output projection); an `nn.Sequential` is its
-children; any other model may say `pipeline_layers()` itself. `balance` cuts the sequence
-into `k` contiguous stages minimizing the largest stage cost (the linear-partition problem,
-solved exactly by dynamic programming), the cost being a layer's parameter count or its
-measured forward+backward time; explicit split points may be given instead.
-
-Each rank keeps only the layers of its own stages: `PipelineModule` holds the model's
-children under their own names (so state_dict keys, optimizer state and checkpoints keep the
-single-process names) with the other layers' modules removed. A parameter two stages on
-different ranks both use (the GPT's embedding, tied to its output head) lives on both; its
-gradient is summed between them after backward and it counts once in the gradient norm
-(`pp_copies`).
+"""The model cut into pipeline stages: a sequence of layers, split into contiguous runs that
+minimize the largest stage cost (the linear-partition problem, solved exactly by dynamic
+programming). How a model is seen as layers, and where tied parameters live:
+docs/pipeline.md, "The model as layers, cut into stages".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""Sequence and context parallelism over the mesh's `cp` axis (issue 6).
-
-context.py     layouts (contiguous, zig-zag), the Ring of cp peers, the per-batch SeqContext
-               (global positions, documents) and position-based masks
-ring.py        ring attention: exact causal softmax attention, K/V blocks around the ring
-ulysses.py     DeepSpeed-Ulysses: all-to-all from sequence-sharded to head-sharded and back
-lasp.py        linear-attention sequence parallelism: only the d x (d+1) state travels
-               (lasp_comm.py: their all-gather, and its reduce-scatter in backward)
-balance.py     pure: variable-length sequences dealt to ranks, long ones split across
-               several, so that every rank's attention work is even (the ByteScale idea)
-hybrid.py      pure: a micro-step's documents as each pool rank's token positions
-runtime.py     SequenceRuntime: shards each batch's rows, installs the kernels in the model
-hybrid_runtime.py  HybridRuntime (data.balance): the pool's rows dealt by hybrid.py, rings
-               among the ranks that share a document
-auto.py        cp_method="auto": the model's traced attention calls and positions rewritten
-               into these kernels, activation checkpointing chosen for the context length
+"""Sequence and context parallelism over the mesh's `cp` axis (issue 6): ring attention,
+DeepSpeed-Ulysses, LASP, dynamic hybrid dp x cp (`data.balance`) and automatic sequence
+parallelism. The files and what each holds: docs/sequence.md.
 """
 
 from __future__ import annotations

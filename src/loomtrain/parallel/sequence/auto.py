@@ -2,33 +2,8 @@
 traced graph, with activation checkpointing chosen for the context length (the AutoSP idea,
 arXiv 2604.27089). Nothing in the user's model class is edited or patched.
 
-    find_attention(model)   the traced attention calls and positions (auto_trace.py: torch.fx
-                            symbolic tracing, repeated blocks traced one by one)
-    plan_sequence(...)      pure decisions from the traced graphs run on meta tensors at the
-                            local length sample_len / cp: kernel, layout, checkpointing
-    auto_sequence(...)      the rewritten model: takes this rank's tokens, returns their logits
-
-The kernel (`choose_method`): DeepSpeed-Ulysses when every attention call's heads divide by
-cp, otherwise ring attention with the zig-zag layout. Per layer forward Ulysses sends (cp-1)/cp
-of 4 blocks of b x h x t_local x d (q, k, v, the output) whatever cp is; ring attention sends
-2(cp-1) (k and v at every step), and 4(cp-1) more backward against Ulysses' 4(cp-1)/cp. The
-two are equal at cp = 2 and Ulysses is ahead beyond, with its attention one fused SDPA over the
-whole sequence; ring attention needs no head count, so it is the fallback. One kernel serves
-the whole model, since the layout (which positions a rank holds) is per model.
-
-The rewrite: every SDPA node becomes a call of one `SequenceAttention` submodule, the kernel
-over the SeqContext that `SequenceRuntime.shard` records for the batch; every positions arange
-becomes `SequencePositions`, this rank's global positions under the layout. Refused with a
-ValueError naming the module: an explicit attn_mask, dropout, non-causal attention, a custom
-scale, grouped-query k/v (the kernels build causal, same-document masks themselves), and
-position tables indexed by the length.
-
-Checkpointing (`plan_checkpointing`, pure): the activation estimate is the bytes of the
-intermediates of one micro-batch at the local length (an upper bound on what autograd keeps;
-linear in t_local, since the attention's T^2 scores stay inside the SDPA node). Above the
-budget each block's call becomes `torch.utils.checkpoint.checkpoint(block, ...,
-use_reentrant=False)`: a block keeps its input and recomputes its forward in backward, the
-kernel's communication included, in the same order on every rank.
+`find_attention`, `plan_sequence`, `auto_sequence`; the rules and the refusals:
+docs/sequence-auto.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""How automatic sequence parallelism (auto.py) reads an unmodified model: torch.fx.
-
-1. Trace (symbolic tracing). The repeated blocks, the children of the model's outermost
-   nn.ModuleLists, are leaves of the model's trace and each is traced on its own, so that a
-   block stays one module (checkpointing wraps it whole) and every parameter keeps its name.
-   The model is called as `model(tokens)`: its other arguments, and those a block's call site
-   does not pass, are fixed to their defaults (`concrete_args`; the GPT's `cache=None`
-   training path). Python branches are frozen as the trace takes them, on the model's current
-   `training` flag; buffers are traced as get_attr nodes, like parameters.
-2. Find. Attention: every call_function node of `F.scaled_dot_product_attention`, with the
-   module that makes it (fx's `nn_module_stack`) and what it asks for beyond plain causal
-   attention. Positions: every `torch.arange` whose arguments are computed from an input's size
-   along dim 1 (x.shape[1], x.size(1)), the sequence dim of (batch, seq, ...) inputs. A
-   parameter or buffer indexed by that size (a position table sliced `[:T]`) is reported as a
-   problem: it would silently give every rank positions 0..T/cp-1.
-3. Shapes (`run_meta`). The graphs run on meta tensors (shapes and dtypes, no data, no
-   memory; modules on meta copies of their parameters) and every node keeps its value in
-   `node.meta["val"]`, which is what fx's ShapeProp records, with the blocks' graphs run in
-   place of their calls. From these: the heads of every attention call (q's shape) and the
-   bytes of the intermediates that own their memory (`owned_bytes`; views excluded).
+"""How automatic sequence parallelism (auto.py) reads an unmodified model: torch.fx symbolic
+tracing (the repeated blocks traced one by one), the attention calls and position aranges
+found in the graphs, and shapes from a run on meta tensors. Details: docs/sequence-auto.md,
+"How the model is read: torch.fx".
 """
 
 from __future__ import annotations

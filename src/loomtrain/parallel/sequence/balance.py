@@ -1,19 +1,7 @@
 """Dynamic hybrid data x context parallelism, the dealing part (the ByteScale idea, arXiv
-2502.21231): one pool of ranks; each step, every sequence either goes whole to one rank (data
-parallel) or, if it alone is more work than a rank's fair share, is split across several
-ranks that compute its attention together (context parallel). Pure: lengths in, a plan out.
-
-Work of a sequence of length l: l^2 for softmax attention (causal attention is half of that
-for every sequence alike; the factor cancels), l for linear attention. A sequence split over k
-ranks gives each of them 1/k of its work: ring attention's zig-zag chunks balance the causal
-triangle, and linear attention's chunks are equal by length.
-
-Dealing: the fair share is total work / ranks. A sequence heavier than the share is split
-over k = ceil(work / share) ranks (at most all of them). Then the pieces, heaviest first, go
-to the least-loaded ranks (longest-processing-time first; Graham 1969 bounds its makespan by
-4/3 of the optimum); the k pieces of one sequence go to k different ranks. While the busiest
-rank is more than `tolerance` above the mean, the heaviest piece on it that can still be
-split is split once more (its sequence over one more rank) and the pieces dealt again; the most even plan is kept.
+2502.21231): each sequence goes whole to one rank or, if heavier than a rank's fair share, is
+split across several, so that attention work is even. Pure: lengths in, a plan out. The rule:
+docs/sequence.md, "Dealing documents".
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""What a sequence-parallel attention kernel knows about the tokens it holds.
-
-Under context parallelism the ranks of a ring (the `cp` axis, or under dynamic hybrid
-parallelism any set of ranks that share one sequence) each hold some of the sequence's
-positions. A kernel sees only its own queries, keys and values, (b, heads, t_local, head_dim),
-and this context: where every ring member's tokens sit in the full sequence, the documents of
-the full rows (packing), and the ring to talk over.
-
-Masks come from positions, never from local indices: a key at global position j is visible to
-a query at global position i when j <= i and both lie in the same document. The layouts:
-
-    contiguous  member m holds positions [m T/n, (m+1) T/n)            (Ulysses, LASP)
-    zigzag      the row cut in 2n chunks; member m holds chunks m and 2n-1-m (ring attention:
-                every member gets the same share of the causal triangle)
-
-    T = 8, n = 2, zigzag:   member 0: positions 0 1 6 7   member 1: positions 2 3 4 5
+"""What a sequence-parallel attention kernel knows about the tokens it holds: where every ring
+member's tokens sit in the full sequence (the contiguous and zig-zag layouts), the documents
+of the full rows, and the ring to talk over. Masks come from global positions, never from
+local indices. Details: docs/sequence.md, "Layouts" and "The context a kernel sees".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Dynamic hybrid data x context parallelism, the planning part (ByteScale, arXiv 2502.21231).
-
-The pool is every rank of dp x cp. Each micro-batch, every pool rank loads the same packed
-rows; their documents, cut at the row edges, are the sequences (attention never crosses
-either, so the batch's attention is exactly the union of the sequences' own). `balance.deal`
-gives each sequence to one rank or splits it over several by attention work; here each
-rank's share becomes token positions:
-
-- a whole sequence: all its tokens, attended locally;
-- a sequence split over k ranks: the members (in part order) form a ring, and member m holds
-  the zig-zag chunks m and 2k-1-m of it (chunk sizes as even as the length allows), padded to
-  the longest member's share, since every ring step moves equal-sized blocks.
-
-Pure: document ids in, shares out; the runtime gathers the tokens and runs the rings.
+"""Dynamic hybrid data x context parallelism, the planning part (ByteScale, arXiv 2502.21231):
+a micro-batch's documents, dealt by `balance.deal`, as each pool rank's token positions
+(whole sequences, or zig-zag chunks of a split one). Pure: document ids in, shares out.
+Details: docs/sequence.md, "Dealing documents".
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Dynamic hybrid data x context parallelism, the running part (`data.balance = true`).
-
-Every pool rank (dp x cp) loads the micro-step's rows of the whole pool; `plan_shares` (pure,
-hybrid.py) deals their documents by attention work; this rank keeps the tokens of its shares
-as one row: whole documents attended locally, split ones by ring attention among the ranks
-that share them. The rest of the model is per token. Each token is held by one pool rank, so
-the loss and the gradient summed over the pool are the single-process ones.
-
-The rings of one layer run inside one autograd Function, in segment order in forward and in
-backward alike: a rank may share several documents with different peers, and if two ranks
-waited on rings in different orders they would deadlock; one order on every rank cannot
-(autograd alone orders independent nodes by an engine detail).
+"""Dynamic hybrid data x context parallelism, the running part (`data.balance = true`): this
+rank keeps the tokens of its shares as one row, attends whole documents locally and split
+ones by ring attention, all of a layer's rings in one order on every rank. Details:
+docs/sequence.md, "Dynamic hybrid dp x cp" and "Dealing documents".
 """
 
 from __future__ import annotations

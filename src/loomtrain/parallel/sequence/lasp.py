@@ -1,27 +1,7 @@
-"""LASP: causal linear attention over a sequence split in contiguous chunks across a ring
-(Sun et al., "Linear Attention Sequence Parallelism", arXiv 2404.02882; the states travel by
-one all-gather as in LASP-2, arXiv 2502.07563).
-
-Linear attention (models/linear_attention.py) sums everything before a token into a
-d x (d_v + 1) state per head, so a member needs only the states of the members before it,
-never their keys and values:
-
-    member m holds tokens [s_m, e_m); L_m = its state: its last document's tokens,
-        decayed to e_m - 1 (`chunk_state`)
-    every L_m is all-gathered (lasp_comm.py; backward: reduce-scatter of their gradients)
-    incoming_r = sum_{m<r} w_rm L_m,   w_rm = lambda^(s_r - e_m) if no member strictly
-        between m and r holds a document start, else 0 (`carry_weights`)
-    member r: its chunked attention with `incoming_r` carried into the tokens before its own
-        first document start (`chunked_sums`), then numerator / denominator.
-
-Communication per layer: (N-1) states out in forward and the reduce-scatter of N state
-gradients in backward, b * heads * d * (d_v + 1) numbers each: independent of the sequence
-length (LASP, section 3.3). Document starts are read from the full rows in `ctx.docs`, which
-every member holds, so no flags travel.
-
-Every member multiplies all N gathered states (the weights of later members are zero), so
-the gathered tensor is in every member's graph and every member joins the backward
-reduce-scatter, including member 0, which reads none of them.
+"""LASP: causal linear attention over a sequence split in contiguous chunks across a ring (Sun
+et al., "Linear Attention Sequence Parallelism", arXiv 2404.02882; the states travel by one
+all-gather as in LASP-2, arXiv 2502.07563). Only each member's d x (d_v + 1) state travels,
+whatever the sequence length. The formulas: docs/sequence.md, "LASP".
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
-"""Ring attention: exact causal attention over a sequence sharded around a ring of ranks.
-
-Ring Attention (Liu, Zaharia & Abbeel, arXiv 2310.01889): each member keeps its queries and
-passes its key/value block to the next member, n - 1 times, so that every query meets every
-key while a rank only ever holds two blocks. The block for step s + 1 is already travelling
-while step s computes (double-buffered), so the p2p time hides behind the matmuls.
-
-Blocks are merged exactly with the online softmax (Milakov & Gimelshein, arXiv 1805.02867):
-each partial result carries its log-sum-exp, lse = log sum_j exp(s_j), and two partials merge
-as lse = logaddexp(lse_a, lse_b), out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse).
-
-Masks come from global positions (`SeqContext.visible`), so any layout works. The contiguous
-layout leaves member m with m + 1 blocks of the causal triangle, the last member doing n times
-the first's work; the zig-zag layout (member m holds chunks m and 2n - 1 - m; the balancing of
-Brandon et al., "Striped Attention", arXiv 2311.09431, in the zig-zag form of
-ring-flash-attention) gives every member the same work. To collect that saving each block is
-cut into 2 x 2 tiles along the halves of the queries and of the keys (under zig-zag a half is
-one chunk) and a tile the mask hides entirely is never computed: from an earlier member a
-zig-zag rank computes 2 of 4 tiles, from its own block 3 of 4, the diagonal tiles masked.
-
-Backward (`torch.autograd.Function`, no autograd through communication) is the flash-attention
-backward per tile from the saved output and lse (Dao et al., arXiv 2205.14135, algorithm 2:
-P = exp(S - lse), dS = P * (dP - rowsum(dO * O))), run around the ring again: k, v travel as in
-forward, and each block's dk, dv accumulator travels one step behind them, gathering every
-member's contribution; its owner keeps its own contribution at home, so the accumulator makes
-n - 1 hops and arrives home after the last step. Per layer one rank sends 2(n-1) blocks forward
-and 4(n-1) backward (the accumulators in fp32).
+"""Ring attention: exact causal attention over a sequence sharded around a ring of ranks (Liu,
+Zaharia & Abbeel, arXiv 2310.01889), blocks merged by the online softmax (Milakov &
+Gimelshein, arXiv 1805.02867), masked zig-zag tiles skipped, and flash-attention's backward
+per tile (Dao et al., arXiv 2205.14135). The formulas: docs/sequence.md, "Ring attention".
 """
 
 from __future__ import annotations

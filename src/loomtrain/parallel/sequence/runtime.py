@@ -1,17 +1,7 @@
-"""The sequence runtime: what `apply_sequence` leaves on the model.
-
-Each step the trainer hands it the full rows of a micro-batch (every cp peer loads the same
-rows); `shard` keeps this rank's positions of them under the method's layout, sets the
-GPT's `position_ids` to those global positions, and records the batch's `SeqContext` (ring,
-positions, documents) that the attention kernels installed in every `CausalSelfAttention.core`
-read. Everything outside attention is per token, so it runs unchanged on the local tokens;
-the loss is summed over local targets, and gradients are summed over dp and cp together.
-
-    method    attention   layout      what travels per layer
-    ring      softmax     zigzag      K/V blocks around the ring (ring.py)
-    ulysses   either      contiguous  q, k, v and the output by all-to-all (ulysses.py)
-    lasp      linear      contiguous  the d x (d+1) state of each chunk (lasp.py)
-    local     either      -           nothing: cp = 1, documents only (packing)
+"""The sequence runtime: what `apply_sequence` leaves on the model. `shard` keeps this rank's
+positions of each micro-batch's full rows under the method's layout and records the batch's
+SeqContext for the attention kernels; everything outside attention runs per token. The
+methods and their layouts: docs/sequence.md, "The context a kernel sees".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""DeepSpeed-Ulysses: sequence parallelism by trading the sequence shard for a head shard.
-
-DeepSpeed-Ulysses (Jacobs et al., arXiv 2309.14509): the n members of a ring each hold t_local
-tokens of every head. One all-to-all turns that into every token of h/n heads, attention runs
-over the full sequence for those heads, and a second all-to-all turns the output back into a
-sequence shard. Per member and per layer forward sends (n-1)/n of 4 tensors of b h t_local d
-(q, k, v, then the output), which stays constant when the sequence grows with n (the paper's
-argument against all-gathering keys and values); the price is that n must divide the number of
-heads (`check_heads`).
-
-The gathered sequence is every member's tokens in member order, so its global positions are
-`torch.cat(ctx.positions)`, and the mask is built from them (causal by global position, within
-one document): any layout works, and the contiguous one gives plain `is_causal` attention. The
-backward of an all-to-all is the inverse all-to-all, so a small autograd Function covers it and
-the attention itself is differentiated by autograd through SDPA.
+"""DeepSpeed-Ulysses (Jacobs et al., arXiv 2309.14509): sequence parallelism by trading the
+sequence shard for a head shard, one all-to-all before attention and one after; the ring size
+must divide the number of heads. Details: docs/sequence.md, "Ulysses".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""ZeRO stages 1-3 over the dp axis, flat or hierarchical, with prefetch, offload and bf16.
+"""ZeRO stages 1-3 over the dp axis, flat or hierarchical, with prefetch, offload and bf16
+(Rajbhandari et al., arXiv 1910.02054).
 
     model, optimizer = shard(model, optimizer, mesh, stage=3)   # gradient_reduce="mean", as DDP
-    loss.backward(); model.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 
-Files: layout.py (pure: flat ranges, slices, checkpoint boxes, memory formulas), flat.py (one
-unit's tensors), communication.py (the two-level reductions and gathers), engine.py (the
-hooks), optimizer.py (the optimizer over slices), state.py (checkpoints). docs/zero.md has the
-formulas and the measurements.
+The files, the formulas and the measurements: docs/zero.md.
 """
 
 from __future__ import annotations

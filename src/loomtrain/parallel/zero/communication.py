@@ -1,26 +1,9 @@
 """The collectives ZeRO needs, over the shard axis (L ranks) and the replica axis (C ranks).
 
-Gradient of one unit, full length P_u, from the compute buffer to my optimizer range:
-1. reduce-scatter over the shard axis: sum over the L ranks, keep my shard (P_u / L);
-2. over the replica axis (hierarchical: the same shard on the other nodes), either all-reduce
-   the shard (optimizer state split over the node only) or reduce-scatter it (optimizer state
-   split over all ranks, P_u / LC kept), the two-level reduction of AsyncHZP (arXiv 2510.20111)
-   and ZeRO++'s hpZ (arXiv 2306.10209).
-Wire bytes per rank: (L-1)/L x P_u inside the node, then 2(C-1)/C x P_u/L (all-reduce) or
-(C-1)/C x P_u/L (reduce-scatter) across nodes, so cross-node traffic is 1/L of a flat reduction.
-With `gradient_reduce="mean"` the reduced range is then divided by the dp size L x C, once, on
-the smallest tensor of the way (P_u/L or P_u/LC elements, never the full unit), after the
-last collective: gloo has no AVG and refuses PREMUL_SUM, and one division of the summed
-gradient adds one rounding (none when the dp size is a power of two).
-
-Parameters after the optimizer step go the other way: all-gather over the replica axis (when
-the optimizer range is smaller than the shard), then over the shard axis (stages 1-2: every
-rank keeps the whole unit; stage 3 gathers it just before use instead).
-
-Ordering: every rank must issue the same collectives in the same order on each group, or
-gloo waits for the timeout. Reductions are started in the engine's fixed launch order and
-advanced in the order they were started; that keeps the per-group order identical on every
-rank whatever the timing.
+A unit's gradient is reduce-scattered over the shard axis, then all-reduced or
+reduce-scattered over the replicas (AsyncHZP, arXiv 2510.20111; ZeRO++'s hpZ, arXiv
+2306.10209); parameters are gathered back the other way. Bytes, the mean and the ordering
+rule: docs/zero.md, "Hierarchical ZeRO".
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""The ZeRO model wrapper: module hooks that gather, free and reduce one unit at a time.
-
-A step, as the hooks see it (ZeRO, Rajbhandari et al., arXiv 1910.02054; the unit-by-unit
-schedule of FSDP, Zhao et al., arXiv 2304.11277):
-
-forward   model pre-hook: (stage 3) gather the root unit (parameters outside every unit:
-          embeddings, final norm, tied head) and start gathering the first `prefetch` units.
-          unit pre-hook: (stage 3) wait for this unit's gather, start the next `prefetch`.
-          unit post-hook: (stage 3) free the gathered parameters; register a hook on the
-          unit's outputs that fires when their gradient arrives, just before the unit's
-          backward ("pre-backward").
-backward  pre-backward: (stage 3) gather the unit again and start gathering the next
-          `prefetch` units in backward order; (stages 2-3, and bf16) give the unit a zeroed
-          gradient buffer, `.grad` of its parameters being views of it.
-          post-accumulate-grad hooks count the unit's gradients; a complete unit is launched:
-          its buffer starts reducing asynchronously (communication.py), its parameters are
-          freed (stage 3); older reductions move on one phase, so they run behind compute.
-          end of backward (autograd callback): launch what is left, finish every reduction,
-          free the root unit.
-step      the optimizer (optimizer.py) updates its shard and publishes the new parameters.
-
-Units launch in one fixed order (blocks in reverse, then the root), so every rank issues the
-same collectives in the same order; a unit that gets no gradient waits for the end of
-backward and reduces zeros. Stage 1 reduces on the last micro-batch only (`no_sync()`, as
-DDP); stages 2 and 3 keep no full gradient between micro-batches, so they reduce every
-micro-batch and accumulate in their fp32 shard (DeepSpeed's and FSDP's default).
+"""The ZeRO model wrapper: module hooks that gather, free and reduce one unit at a time (ZeRO,
+Rajbhandari et al., arXiv 1910.02054; the unit-by-unit schedule of FSDP, Zhao et al., arXiv
+2304.11277). The hooks in the order a step sees them, the launch order and micro-batches:
+docs/zero.md, "How it works".
 """
 
 from __future__ import annotations

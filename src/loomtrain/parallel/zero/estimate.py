@@ -1,14 +1,7 @@
 """What the ZeRO engine keeps and sends per rank, from its plan and unit lengths alone.
 
-Pure functions of numbers (no process group, no tensor): the persistent memory of
-`layout.zero_memory` plus what lives only during a step (gathered units, gradient buffers in
-flight), and every collective of one optimizer step and of evaluation, each with the wire bytes
-comm/meter.py counts for the implementation comm/collectives.py picks. `loom train --dry-run`
-(train/dryrun.py) reports them; docs/dry-run.md and docs/zero.md state the formulas and their
-sources, and tests/test_dryrun.py checks them against the meter and a measured run.
-
-`units`: (name, padded flat length) of every unit in forward order, the root unit excluded;
-`root`: the root unit's padded length (0: no parameter outside the units).
+Pure functions of numbers, reported by `loom train --dry-run`; the formulas, their sources and
+their checks against the meter: docs/dry-run.md, "ZeRO", and docs/zero.md.
 """
 
 from __future__ import annotations

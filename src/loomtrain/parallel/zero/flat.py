@@ -1,23 +1,8 @@
 """One ZeRO unit's tensors: the flat parameter store, the fp32 master and gradient shards, and
 the parameters as views into a gathered buffer.
 
-Ranges (layout.py): the unit's flat length `padded` is split over the L ranks of the shard
-axis (my *shard*) and, when the optimizer state is also split over the C replicas of the
-replica axis, my shard over C again (my *optimizer range*); otherwise the optimizer range is
-the shard.
-
-    store    stage 1-2: the whole flat unit in the compute dtype; the parameters are views of it
-             stage 3:   my shard only; the parameters are empty until the unit is gathered
-    master   fp32 weights of my optimizer range: a view of `store` when the compute dtype is
-             fp32 and nothing is offloaded, else a tensor of its own (on the host if offloaded)
-    grad     fp32 reduced gradient of my optimizer range, what the optimizer reads
-    acc      stage 1 only: the whole unit's fp32 gradient, accumulated over micro-batches and
-             reduce-scattered in place at the last one (then `grad` is a view of it)
-
-Swapping `param.data` between a gathered view and an empty tensor is how the parameters stay
-the user's own `nn.Parameter` objects (the model's structure is never changed); `set_data`
-keeps the autograd version counter, so tensors saved for backward stay valid once the unit is
-gathered again before its backward (the mechanism of FSDP's first version).
+What each tensor holds at each stage, and how the parameters stay the user's own:
+docs/zero.md, "The tensors of one unit".
 """
 
 from __future__ import annotations

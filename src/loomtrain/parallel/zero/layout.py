@@ -1,18 +1,8 @@
 """Where every parameter lives in ZeRO's flat buffers: pure functions of shapes and rank counts.
 
-A *unit* (a transformer block, or the model's remaining parameters) is flattened into one
-buffer: its parameters back to back in registration order, then zero padding up to a multiple
-of the number of ranks it is split over, so every rank's shard has the same size (gloo refuses
-uneven chunks, DESIGN.md). Rank i of a group of n owns the contiguous range
-[i * padded / n, (i + 1) * padded / n): the layout of ZeRO (Rajbhandari et al., arXiv
-1910.02054, section 5) and of FSDP's flat parameters, in which a gathered unit is one buffer and
-every parameter a view of it, so nothing is copied in or out around a gather.
-
-A shard boundary can fall anywhere, also inside a parameter. The optimizer therefore sees
-*slices* (the part of each parameter inside my range, as a 1-D view), and a checkpoint sees
-*boxes*: the rectangular blocks that tile a contiguous row-major range of a tensor, so a shard
-is saved under the parameter's own name and shape, and any other layout (another rank count,
-another stage, plain data parallel) can read it back (`flat_range_boxes`).
+A unit is flattened and padded so that every rank owns an equal contiguous range (ZeRO,
+Rajbhandari et al., arXiv 1910.02054, section 5; FSDP's flat parameters); the optimizer sees
+slices and a checkpoint sees boxes. Details: docs/zero.md, "Units and flat buffers".
 """
 
 from __future__ import annotations

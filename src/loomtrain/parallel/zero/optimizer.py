@@ -1,19 +1,7 @@
-"""The sharded optimizer: the user's optimizer, rebuilt over this rank's slices of the parameters.
-
-ZeRO stage 1 (Rajbhandari et al., arXiv 1910.02054, section 5.1): each rank updates only its
-optimizer range of every unit, so it keeps optimizer state for 1/N of the parameters. The
-torch optimizer the user built (its class, defaults and parameter groups) is rebuilt over
-*slices*: for every parameter, the 1-D part of it inside my range, a view of the fp32 master
-weights, in the parameter's own group (so weight decay still skips biases and norms). Its
-`.grad` is the matching view of the reduced fp32 gradient. This is exact for optimizers whose
-update is elementwise (AdamW, Adam, SGD); ones that use a whole tensor at once (LAMB's trust
-ratio, Adafactor's factored moments, Shampoo) would be wrong on slices and are refused.
-
-Offload (ZeRO-Offload, Ren et al., arXiv 2101.06840): with `offload_optimizer`, master
-weights, gradient shard and optimizer state live in host memory, the step runs on the host,
-and the new weights are copied back to the device's parameter store before they are gathered.
-On a CPU-only machine host and device are the same memory: the path runs (and is tested) with
-separate host tensors and real copies, and saves nothing.
+"""The sharded optimizer: the user's optimizer, rebuilt over this rank's slices of the parameters
+(ZeRO stage 1, Rajbhandari et al., arXiv 1910.02054, section 5.1), with optional host offload
+(ZeRO-Offload, Ren et al., arXiv 2101.06840). Why only elementwise optimizers, and what
+offload does on a CPU: docs/zero.md, "The optimizer over slices" and "Offload".
 """
 
 from __future__ import annotations
