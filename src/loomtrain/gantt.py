@@ -1,13 +1,7 @@
 """The pipeline's timeline of one step as a Gantt chart: one row per pp rank (rank 0 on top),
-milliseconds across, drawn by `loom report` from RUN_DIR/pipeline_timeline.json (timeline.py).
-
-Each rank's row holds its compute lane as boxes coloured by kind (F, B, I, W, waits for a
-receive, the optimizer step and the gradient sync), the forward/backward boxes labelled with
-their microbatch; under it a thin strip of point-to-point communication (sends in its upper
-half, receives in its lower half, each from post to completion) and a thinner one of host
-copies (activation offload and reload). Dashed lines bound the forward/backward phase over
-which the bubble is measured (`timeline.measured_bubble`). Drawing uses matplotlib's Agg
-canvas on a `Figure` of its own, as report.py does.
+milliseconds across, compute boxes by kind, strips of sends/receives and host copies, dashed
+lines around the phase the bubble is measured over. Drawn by `loom report` from
+RUN_DIR/pipeline_timeline.json (timeline.py); details: docs/training.md, "Report".
 """
 
 from __future__ import annotations

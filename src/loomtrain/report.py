@@ -1,15 +1,7 @@
-"""`loom report RUN_DIR`: one PNG of a run's metrics.jsonl (loss and validation loss,
-throughput, peak memory, communication per logged record), written to RUN_DIR/report.png,
-and, when the run recorded one (`run.timeline_step`), the step's timeline drawn from
-RUN_DIR/timeline.json into RUN_DIR/timeline.png (`write_timeline_png`, which benchmarks reuse),
-and, when a pipeline run recorded one, every pp rank's step from RUN_DIR/pipeline_timeline.json
-into RUN_DIR/pipeline_timeline.png (gantt.py), its bubble stated by `pipeline_note`.
-
-The records are the trainer's (train/trainer.py): `step`, `loss`, `tokens_per_s`,
-`peak_mem_bytes` and `comm_bytes` ({op: wire bytes, "total"} since the previous record) are
-required; `val_loss` appears on evaluation steps. The timeline is `Timeline.write`'s
-(timeline.py): {"step", "rank", "spans": [{"lane", "name", "start_s", "end_s"}]}. Drawing uses
-matplotlib's Agg canvas on a `Figure` of its own, so no pyplot state or display is involved.
+"""`loom report RUN_DIR`: one PNG of a run's metrics.jsonl (RUN_DIR/report.png) and, when the
+run recorded them, its step timeline (timeline.png, `write_timeline_png`, which benchmarks
+reuse) and the pipeline's Gantt chart (pipeline_timeline.png, gantt.py). The records and files
+it reads, and what each picture shows: docs/training.md, "Report".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""A measured timeline of one training step: spans of compute and communication on lanes.
-
-Engines record what they do (`begin`/`end` around compute, `track` for an asynchronous
-collective: from the moment it is issued to the moment it completes, reported by the comm
-layer's completion callback on whatever thread finishes it). The trainer writes one step's
-spans to RUN_DIR/timeline.json and `loom report` draws them (report.py), so overlap of
-communication with compute can be seen rather than assumed.
-
-The pipeline runtime writes every pp rank's spans of one step, on a clock common to all ranks,
-to RUN_DIR/pipeline_timeline.json (`write_pipeline_timeline`); `measured_bubble` is the idle
-fraction they show, and `loom report` draws them as a Gantt chart (gantt.py).
+"""A measured timeline of one training step: spans of compute and communication on lanes, so
+that overlap can be seen rather than assumed. The trainer writes one step's spans to
+RUN_DIR/timeline.json; the pipeline runtime writes every pp rank's, on a common clock, to
+RUN_DIR/pipeline_timeline.json (`measured_bubble`: their idle fraction). How spans are
+recorded and drawn (`loom report`): docs/training.md, "Report".
 """
 
 from __future__ import annotations

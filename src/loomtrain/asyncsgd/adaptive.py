@@ -1,43 +1,9 @@
 """Adaptive communication load: each worker chooses how many gradients it averages into one push.
 
-Keuper & Pfreundt (arXiv 1510.01155) let every ASGD worker adapt how often it communicates to
-the load it measures on the network, so that the exchange follows changing bandwidths and
-latencies instead of saturating them. Here the worker (worker.py) accumulates k gradients at
-the parameters it pulled, on its next k batches, and pushes their mean: one message each way
-per k gradients. This class is the worker's pure decision: it is fed one measurement per push
-and returns the k of the next one; no process, clock or communication of its own.
-
-Per push it sees the compute time per gradient c, the round trip r (the PUSH's send started ->
-the next PARAMS received: the worker's own link, the server's queue and apply, the reply's
-crossing; time the worker does not compute), the PUSH send alone s (its own link: one message
-of b bytes, alpha + 8b / beta in the alpha-beta model of comm/link.py) and b. It keeps
-exponentially weighted moving averages (weight `smoothing` on the newest) of c, r and s, the
-latency alpha from the PULL (a header-only message: alpha and nothing else), and derives
-
-    bandwidth  beta = 8b / (s - alpha)                         (the link, as this worker sees it)
-    server_s        = max(0, r - 2s)                           (queueing and apply at the server:
-                                                               the reply is as large as the push)
-    comm_share(k)   = r / (k c + r)                            (the cycle's share not computing)
-
-and chooses k so that comm_share(k) <= f (`comm_fraction`):
-
-    needed(f) = ceil(r (1 - f) / (f c)),  clipped to [1, max_accumulation].
-
-Why this keeps the server link below saturation: W workers at cycle k c + r send W PARAMS of
-b bytes per cycle through the server's link, which carry them in W x 8b / beta <= W r / 2
-seconds, so the link's utilisation is at most (W / 2) x comm_share; and once the link does
-saturate, the reply queue behind it lengthens every worker's r, which raises their k until the
-load falls again. With W workers a share f <= 2 / W bounds it below 1 even before queueing.
-
-Hysteresis, so measurement noise does not flap k: k rises to needed(f) as soon as the share
-at k exceeds f (saturation is the costly side), and falls only once k exceeds
-needed(f / (1 + hysteresis)), to that value: lowering needs r to drop by about (1 + hysteresis)x
-below what raised it, and after lowering the share is still at most f / (1 + hysteresis).
-
-Not built: a compressed payload once even max_accumulation is not enough (the paper's other
-knob, message size). A PUSH of varying size needs its size announced before the server posts
-the receive (gloo matches a receive to a send of the same size); this controller would then
-pick the payload from the estimated alpha and beta. See docs/async.md.
+Keuper & Pfreundt (arXiv 1510.01155): every ASGD worker adapts how often it communicates to the
+load it measures on the network. This class is the worker's pure decision, one measurement per
+push in, the next k out. Its estimates, the rule, why it keeps the server's link below
+saturation, the hysteresis and what is not built: docs/async.md, "Adaptive communication load".
 """
 
 from __future__ import annotations

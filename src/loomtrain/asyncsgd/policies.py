@@ -1,47 +1,9 @@
 """Staleness policies of the asynchronous parameter server: whether a worker may start now, and
 what the server does with a gradient computed on parameters that have moved on since.
 
-The protocol (asynchronous SGD with a parameter server; Dean et al., "Large Scale Distributed
-Deep Networks", NIPS 2012; Keuper & Pfreundt, arXiv 1510.01155): the server holds the
-parameters x and a version counter v, the number of updates applied so far. A worker pulls
-(x, v), computes a gradient on it and pushes (gradient, p) where p is the version it pulled.
-When the server is at version v on arrival, the gradient's *staleness* is tau = v - p: the
-number of updates it has not seen. A policy answers two questions for the server:
-
-- `may_start(worker, v, pulled)`: may the worker pull version v now? `pulled` maps every other
-  worker still computing to the version it pulled. False: the worker waits, and the server asks
-  again after the next arrival.
-- `on_gradient(worker, g, p, v)`: (direction, lr_scale), which the server applies as
-  x <- x - lr * lr_scale * direction and then v <- v + 1, or None: nothing applied now.
-  `last_outcome` then says why: "applied", "held" (kept for a later update: Ringleader) or
-  "discarded".
-- `on_lost(worker)`: the server lost the worker (its process died or it timed out) and will
-  never hear from it again. Nothing to do for the stateless policies; Ringleader removes it
-  from its table (see there). The server also drops a lost worker from `pulled`, so bounded
-  staleness never holds the others back for it: `may_start` sees only live workers computing.
-- `on_rejoin(worker)`: a lost worker is back (a hung one that answered late, or a restarted
-  process: server.py). The stateless policies need nothing: the server puts it in `pulled`
-  again at its next reply, so bounded staleness counts it again from then on. Ringleader gives
-  it its table entry back (ringleader.py). Its first gradient may be very stale; each policy
-  treats it by its own rule.
-
-The policies (`build_policy` by the name of config key async.policy):
-
-- "plain": apply every gradient at full rate. With one worker tau is always 0: this is SGD.
-- "bounded": stale-synchronous parallel, after Ho et al., "More Effective Distributed ML via a
-  Stale Synchronous Parallel Parameter Server" (NIPS 2013), counted in server versions instead
-  of the paper's per-worker clocks; see `BoundedStaleness` for the rule and what it bounds.
-- "drop_stale": discard every gradient with tau > max_staleness, apply the others at full rate:
-  the rule of Ringmaster ASGD (Maranjyan, Tyurin & Richtárik, arXiv 2501.16168), whose
-  threshold R ("apply when the delay is below R") is max_staleness + 1 here.
-- "staleness_scaled": apply every gradient with its rate divided by its staleness (Zhang,
-  Gupta, Lian & Liu, "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016,
-  arXiv 1511.05950: alpha / tau). tau = 0 is undefined there; this uses 1 / max(1, tau), so a
-  fresh gradient and a gradient one update late both get the full rate and one worker is SGD.
-- "ringleader": a table with one entry per worker, updates in rounds that use every worker
-  equally (Maranjyan & Richtárik, arXiv 2509.22860); the table is in ringleader.py.
-
-`StalenessLog` records every arrival, for the server's metrics and the tests.
+plain (Dean et al., NIPS 2012), bounded (Ho et al., NIPS 2013), drop_stale (arXiv 2501.16168),
+staleness_scaled (arXiv 1511.05950), ringleader (arXiv 2509.22860, ringleader.py). Each rule
+and the interface the server calls: docs/async.md, "Policies".
 """
 
 from __future__ import annotations

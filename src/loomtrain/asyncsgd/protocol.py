@@ -1,45 +1,7 @@
-"""The wire protocol of the parameter server (server.py) and its workers (worker.py).
-
-Ranks: members 0..S-1 of the axis are the servers (S = 1 unless the parameters are sharded,
-below), members S..S+W-1 are workers; worker index w (what policies and the staleness log call
-a worker) is member S + w.
-
-Messages, each one `comm.send` of one byte buffer: an int64 header of `HEADER_WORDS` words
-followed by an fp32 body. Tags name the kind, so a receiver that expects one kind never takes
-another (gloo matches a send to the receive of the same tag and source):
-
-    kind    tag        direction         header                            body
-    PULL    TAG_PULL   worker -> server  (-1, 0, 0, 0)                     none
-    PUSH    TAG_PUSH   worker -> server  (pulled version, step, loss, k)   gradient, numel fp32
-    PARAMS  TAG_PARAMS server -> worker  (version, step, stop, 0)          parameters, numel fp32
-
-In PARAMS, step is the number of gradients the server has received from that worker, i.e. the
-step it computes next: 0 in a fresh run, where a resumed server's checkpoint left it otherwise
-(asyncsgd/state.py); a worker takes its counter from its first reply. The third word is
-kind-specific: in PARAMS it is the stop flag, in PUSH the worker's training
-loss on the batch of that gradient (the bits of an fp64, NaN when the worker reports none),
-which the server averages into its metrics. Reusing the word keeps every message the size it
-was: the loss costs no byte on the wire. The fourth word of a PUSH is k >= 1, the number of
-gradients (at the same pulled version, on the worker's batches step .. step + k - 1) whose
-mean the body holds (adaptive.py); 0 in PULL and PARAMS.
-
-A worker sends PULL once; after that each PUSH is also its request for the next PARAMS (one
-message per step each way instead of three). The reply with stop = 1 carries the final
-parameters and ends the worker. Per worker the kinds strictly alternate, so the server knows
-which tag its one posted receive per worker must use.
-
-Sharded servers (shard.py): server s owns a contiguous slice of the flat vector, and every
-message it sends or receives has that slice as its body (numel = the slice's); the header is
-unchanged. A worker sends PULL to every server, receives one PARAMS from each server still
-serving it (their steps agree: each received the same pushes from it), and sends PUSH, its
-gradient's slice s with server s's version in the header, to each of them. Every server keeps
-its own version, policy and log and stops a worker on its own; a worker pushes no more to a
-server that has sent it stop, keeps that server's final slice, and ends once every server has
-stopped it. At the end each server s >= 1 sends server 0 its final slice (tag TAG_SLICE,
-header (version, aborted, 0, 0)).
-
-Costs: a PUSH or PARAMS message sends 8 x HEADER_WORDS + 4 x numel bytes (counted by
-`comm.send` as that many wire bytes); PULL sends 8 x HEADER_WORDS once per worker and server.
+"""The wire protocol of the parameter server (server.py) and its workers (worker.py): which ranks
+serve and which work, the PULL / PUSH / PARAMS messages (an int64 header and an fp32 body, one
+tag per kind) and what each costs, with one server or several each owning a slice of the
+parameters. Specification: docs/async.md, "The protocol" and "Sharded servers".
 """
 
 from __future__ import annotations

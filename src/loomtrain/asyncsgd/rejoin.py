@@ -1,19 +1,7 @@
-"""A restarted worker rejoining a running parameter server (the server's side: server.py).
-
-A new process cannot join the gloo world the server and its workers were launched in, so the
-server hosts a rendezvous (comm.PairHost, a TCPStore on a free port) whose address its owner
-publishes: `serve(..., rejoin=host)` from your code, or `loom train`'s server in the run folder
-(`ADDRESS_FILE`, written while the server runs, removed when it ends). `rejoin_worker` asks it
-for worker w's place; the server accepts only if it has lost w and is not stopping, and tells
-it the step to resume at (one after w's last gradient that arrived, so the data of w goes on
-where it stopped; the gradient the dead process was computing is computed again). Both sides
-then build a two-member gloo group (comm.PairChannel), and the worker runs the ordinary worker
-loop (`run_worker`) over it: PULL, then PUSH/PARAMS until stop.
-
-Costs: one store round trip to connect and a few to ask, one gloo connection; then each step
-costs what it costs any worker (32 + 4 x numel bytes each way), counted in `meter` under
-(axis, "send"). Refusal or no server: `comm.PairRefused` (the server's reason) or
-`comm.PairError`, before anything is computed.
+"""A restarted worker rejoining a running parameter server (the server's side: server.py): a
+rendezvous the server hosts (comm.PairHost), a two-member gloo group (comm.PairChannel), then
+the ordinary worker loop over it. When it is accepted or refused, what is recovered and what
+it costs: docs/async.md, "Failures and rejoining".
 """
 
 from __future__ import annotations

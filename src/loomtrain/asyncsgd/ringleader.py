@@ -1,63 +1,8 @@
 """Ringleader ASGD's gradient table: every update averages one entry per worker, so workers
 that hold different data weigh the same however fast they are.
 
-Maranjyan & Richtárik, "Ringleader ASGD: The First Asynchronous SGD with Optimal Time
-Complexity under Data Heterogeneity" (arXiv 2509.22860, ICLR 2026). The problem is
-min f(x) = (1/n) sum_i f_i(x), where worker i samples only its own f_i. Plain asynchronous SGD
-applies whichever gradient arrives, so a worker k times faster moves the model k times as often
-towards its own f_i. Ringleader keeps, for every worker i, an entry (G_i, b_i): the sum of the
-b_i gradients of worker i gathered for the current round, and steps along their mean of means
-
-    g = (1/n) sum_i G_i / b_i,        x <- x - gamma g.
-
-The round structure (from the paper):
-- Phase 1 collects and applies nothing: arrivals are added to their worker's entry until every
-  entry holds at least one gradient. The arrival that fills the last empty entry triggers the
-  round's first update; its worker counts as served.
-- Phase 2 serves every other worker exactly once: the next arrival from a worker not yet
-  served this round is added to its entry and triggers one update. So a round makes exactly n
-  updates, one per worker.
-- An arrival in Phase 2 from a worker already served goes to a second table (G_i^+, b_i^+)
-  instead: it is neither applied now nor discarded. When the last worker is served the round
-  ends, the second table becomes the main one (entries it lacks start empty) and Phase 1 begins.
-The paper proves that every gradient in the table is then at most 2n - 2 updates old, whatever
-the workers' speeds, and that no worker ever waits (`may_start` is always true for this policy).
-
-The fast worker's extra gradients are averaged inside its own entry: they lower its variance
-and do not raise its weight, which stays 1/n. With one worker every arrival is a full round of
-one update on that gradient alone: Ringleader with one worker is SGD.
-
-Choices of this implementation (the paper leaves them open or does not apply):
-- the table is kept as sums and counts, as in the paper; the direction is recomputed from the
-  n entries at each update (n tensors of the model's size: fine for the few workers of a
-  parameter server, O(n) memory like the paper's table);
-- each entry also records the oldest version its gradients were computed on, so the delay of
-  every update in the paper's sense is known (`served_oldest`); the tests check it against
-  2n - 2;
-- the state (both tables, the phase, who is still to be served) is a plain dict of ints and
-  tensors for the server's checkpoint; a restored table continues the round where it was.
-
-Failure semantics: a round needs every worker in the table, so a worker lost for good would
-stall Phase 1 (its entry stays empty) or Phase 2 (it is never served) forever. The paper
-assumes workers do not fail; our choice is that the server calls `remove(worker)` when it loses
-one, and the worker leaves the table: its entries in both tables are dropped (the gradients it
-had gathered are never applied), the current round goes on over the remaining workers (a
-Phase 1 table is then full at the next arrival, a Phase 2 round closes once the others are
-served, at once if it was the last one left to serve), and every later round has one entry
-fewer. The update is then the mean over the *remaining* workers, so the objective becomes
-(1/m) sum of their f_i over the m workers left: the lost worker's data is no longer trained
-on, and nothing can restore its share. A gradient it sent before it was lost that still
-arrives is discarded (`add` returns None; the policy reports "discarded"). The set of workers
-in the table is part of the state, so a worker stays out after a resume from it.
-
-Rejoining (`readmit`, when the server takes a lost worker back): in Phase 1 it is a member
-again at once, with an empty entry, so the round's first update waits for its next gradient
-as it waits for everyone's. In Phase 2 it cannot be: the round's updates average one entry per
-member and its entry is empty; it joins when the round closes, and its arrivals meanwhile go to
-the second table, the next round's start, as an already-served worker's do. From then on the
-update is the mean over all workers again and its data weighs 1/n again. Its first gradient
-after a long absence may be far older than 2n - 2 updates (the bound assumes no worker
-stops); `served_oldest` shows it.
+Maranjyan & Richtárik, arXiv 2509.22860 (ICLR 2026). The rounds, our choices, and what happens
+when a worker is lost or rejoins: docs/async.md, "Ringleader's table".
 """
 
 from __future__ import annotations

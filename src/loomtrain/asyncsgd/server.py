@@ -1,78 +1,8 @@
 """The asynchronous parameter server: applies each worker's gradient the moment it arrives.
 
-Keuper & Pfreundt (arXiv 1510.01155) and the asynchronous SGD they survey: workers pull the
-parameters, compute a gradient on their own batch, push it; the server applies it at once,
-    params <- params - lr * lr_scale * direction,    version <- version + 1,
-where the policy (policies.py) turns the gradient into (direction, lr_scale) or drops it, and
-may hold a worker back before it starts a step (bounded staleness). Plain SGD on one flat fp32
-buffer by default; with an `optimizer` (the trainer's AdamW or SGD over views into that buffer)
-the direction becomes the buffer's gradient and the optimizer steps at lr x lr_scale instead.
-The staleness of an arrival is (version when it arrived) - (version it was pulled at).
-
-Protocol and message layout: protocol.py. The server keeps exactly one posted receive per live
-worker (PULL first, then PUSH) and serves the completions in the order they happen; it never
-joins a barrier or a collective, so a slow worker delays only itself. It sleeps on the inbox
-(protocol.Inbox) until a message arrives or the earliest worker deadline passes: no polling.
-Measured (2 shared cores, gloo on loopback): with one worker taking 50 ms per gradient the
-server used 2% of a core; with instant gradients and 16 parameters a round trip (PUSH, apply,
-PARAMS) took 1.6 ms at one worker, and three workers together got one update per 0.5 ms.
-
-Stopping: once `total_updates` updates are applied, every worker gets a PARAMS reply with
-stop = 1 (holding the final parameters) at its next push or pull; gradients that arrive after
-the last update are logged with applied = False. The run returns when every worker has been
-sent its stop and has read it, or is lost.
-
-Failure semantics: a worker is lost when its receive fails (its process died: gloo reports
-"Connection closed by peer" at once), or when it sends nothing within `worker_timeout_s` of
-the server expecting it to (it hung; the deadline runs from the PARAMS reply, so it must cover
-one gradient computation). A lost worker is logged, dropped from the policy's `pulled` map and
-not waited for; a policy with `on_lost(worker)` is told. Its posted receive stays posted, so
-one process group serves one run when a worker was lost. If every worker is lost the run
-returns early, with fewer than `total_updates` updates (the result says so).
-
-Rejoining (recorded in `ServerResult.membership`, logged; a policy with `on_rejoin(worker)` is
-told, e.g. Ringleader gives it its table entry back):
-- "returned": a worker dropped as hung whose late message then completes that posted receive
-  is readmitted. A late PUSH is treated like any gradient, by the policy at its staleness
-  (plain applies it, drop_stale discards it when too stale, Ringleader files it in the
-  worker's entry): it is a correct gradient, only old, and judging old gradients is what a
-  policy is for. The worker then gets fresh parameters and goes on with its own step counter.
-- "restarted": a new process asks the `rejoin` host (comm.PairHost) for worker w's place. It is
-  refused (with the reason, which the newcomer raises) unless w is lost and the run is not
-  stopping; else the server builds a pair channel with it (comm/pair.py, on this thread), tells
-  it the step to resume at (one after the last step of w's that arrived), posts its PULL and
-  from then on talks to w over that channel only. Events of w's earlier channel (the old
-  process, if it was hung rather than dead, and comes back) are ignored: its late message gets
-  no reply. The rejoin request reaches the server through the inbox (PairHost's watcher thread
-  blocks on the store's queue), so it still never polls.
-Not recovered: the gradient a dead worker was computing, and (Ringleader) what its table entry
-held when it was lost. The run never waits for a rejoin: with every worker lost it ends.
-
-Non-finite gradients: a PUSH whose body holds a NaN or an infinity is discarded before the
-policy sees it (outcome "nonfinite", logged as a warning, applied = False in the staleness log;
-a gradient table never holds it), and its worker gets fresh parameters as after any arrival.
-The check is one pass over the gradient (`torch.isfinite(...).all()`, a bool per value;
-measured on one shared CPU core: 0.18 ms for 120,576 values, 1.5 ms for a million). After
-`max_nonfinite` non-finite arrivals in a row (from any workers) the server ends the run as a
-stop does (every worker gets its stop) and says why in `ServerResult.aborted`; one worker whose
-gradients are always non-finite among healthy ones only loses its share.
-
-Resuming (`state_dict`, `load_state_dict`; the checkpoint itself is asyncsgd/state.py's): the
-version, the policy's state and each worker's step, the number of gradients received from it.
-Every PARAMS reply carries that step in its header, so a worker started afresh continues from
-it on new rows (worker.py); a gradient in flight at the save is computed again, on the same
-rows, after a resume.
-
-Costs per applied gradient: one PUSH received and one PARAMS sent, 32 + 4 x numel bytes each
-way (`mesh.meter`: the server's sends are counted there; receives send nothing). The PUSH's
-loss rides in its header (protocol.py): no extra bytes. A PUSH may hold the mean of k
-gradients (its header says k; worker.py); the policy treats it as one gradient, and the server
-only records k (`accumulation`, for the metrics' tokens).
-
-Sharded (`servers` = S > 1, shard.py): this same loop on one slice of the parameters, with its
-own version, policy, log and deadlines; numel above is the slice's. It never waits for the
-other servers, and decides alone what to do with its slice of each gradient (applied, held,
-discarded, non-finite), so the servers' versions may differ.
+Keuper & Pfreundt (arXiv 1510.01155) and the asynchronous SGD they survey. The serving loop,
+stopping, losing and readmitting workers, non-finite gradients, resuming, costs and sharding:
+docs/async.md, "The parameter server and its workers" and the sections it links.
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
-"""Sharded parameter servers: S server ranks each own a contiguous slice of the flat parameters.
-
-Layout (`shard_bounds`, pure): the flat fp32 vector (the model's parameters in
-`model.parameters()` order, train.flatten_parameters) is cut into S contiguous slices at
-parameter boundaries, so every parameter, its optimizer state and its weight-decay group live
-on exactly one server. Cut s (s = 1..S-1) is the parameter boundary closest to s x N / S (N
-the total numel; a tie goes to the earlier boundary), taken among the boundaries that leave
-every slice at least one parameter. Unless that condition moves it (a model with barely more
-parameter tensors than servers), each cut is within half the parameter it falls in of its
-target, so every slice holds N / S +- the largest parameter's numel. Server s is member s of
-the axis and owns slice s; workers are members S.. (worker w is member S + w) and know the
-layout from the same model.
-
-What each server does (server.py with `servers=S`): exactly what the one server does, on its
-slice: its own version, policy instance, staleness log and optimizer (the trainer's, with the
-same weight-decay groups, restricted to its parameters: AdamW's moments are per element, so
-the restriction changes nothing per parameter), its lr schedule at its own version. No message
-passes between servers while they serve. The protocol (protocol.py) is unchanged; only the
-body is the server's slice: a worker pulls from every server, receives S PARAMS (assembled into
-the whole parameters; the replies agree on the step), and pushes slice s of its gradient to
-server s, with server s's version in the header.
-
-At the end (`send_final`, `gather_final`): servers 1..S-1 each send their final slice to
-server 0 (one message, header (version, aborted, 0, 0), tag TAG_SLICE), which assembles the
-whole model for the final evaluation and the saved model: the only time servers talk.
-
-Costs: per push, server s receives 32 + 4 x n_s bytes and sends the same in its reply (n_s its
-slice's numel); a worker sends S x 32 + 4 x N bytes per push (and S x 32 once, its PULLs) and
-receives the same per reply round. At the end, 32 + 4 x n_s bytes from each server s >= 1.
+"""Sharded parameter servers: S server ranks each own a contiguous slice of the flat parameters
+(`shard_bounds`, pure), serve it on their own and meet only at the end, when server 0 gathers
+the whole model. Layout, protocol, costs and limits: docs/async.md, "Sharded servers".
 """
 
 from __future__ import annotations

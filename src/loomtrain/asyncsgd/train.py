@@ -1,42 +1,7 @@
 """`loom train` with `[async] mode = "ps"`: rank 0 is the parameter server (server.py), ranks
-1..W its workers (worker.py); docs/async.md. With async.servers = S > 1, ranks 0..S-1 are
-servers each owning a slice of the parameters (shard.py) and ranks S..S+W-1 the workers (worker
-w is rank S + w); "the server" below is then each server on its slice.
-
-Every rank builds the model from `run.seed` (the same initial weights; the server sends its
-parameters with every reply anyway) and keeps its parameters as views into one flat fp32
-buffer, and their gradients as views into `flat.grad`, so the messages' bodies load and leave
-without reshaping.
-
-- A worker w (rank S + w) at its own step s takes the rows the trainer's sampler gives dp rank w
-  of W at step s: global_batch / W rows, in micro-batches of train.micro_batch (with
-  data.partition = "by_file", rows k*b ... of its own part of the files: data/partition.py;
-  b = global_batch / W, k = s). It loads the
-  pulled parameters, runs forward and backward (the token-summed loss over its target tokens,
-  as one dp rank of W would), clips its own gradient to train.grad_clip and pushes the
-  gradient with its loss. With async.worker_slowdown factor f > 1 it then sleeps (f - 1) x its
-  measured compute time: a straggler whose step is f times as long, whatever the machine.
-  Before each gradient it seeds its RNG from (run.seed, w, s): dropout masks are a function
-  of the step, so a resumed worker draws what the uninterrupted one would have.
-  With async.adaptive it pushes the mean of k such gradients (its steps s .. s + k - 1), k
-  chosen per push by adaptive.AdaptiveAccumulation from the round trips it measures.
-- The server applies each update with the trainer's optimizer (train.optimizer, with its
-  weight-decay groups) at lr = lr_at(version) x the policy's lr_scale; train.steps counts
-  server updates. It writes metrics.jsonl (the trainer's RunLog), evaluates on its own (a
-  one-rank mesh: no collective with the workers, who never evaluate), discards non-finite
-  gradients (run.max_nonfinite_steps in a row abort the run, exit code 3) and saves checkpoints
-  of its whole state (asyncsgd/state.py), from which `loom train --resume` continues. Losing
-  every worker before train.steps ends the run after a save, exit code 4 (WorkersLostError).
-- Sharded (S > 1): rank 0 writes the metrics (its own server's counts); only the final model
-  is whole on one rank (servers 1..S-1 send their final slices to rank 0 after the run), so it
-  alone is evaluated and saved (without optimizer or server state: not resumable), and the
-  records during the run have no val_loss. No rejoin host (a restarted worker would need every
-  server), no periodic checkpoints, no resume (config.py, state.py refuse them).
-
-- A worker that died rejoins by `loom train --rejoin RUN_DIR --worker W` (`rejoin_async`): while
-  the server runs, the run folder holds its rejoin address (rejoin.ADDRESS_FILE); the new
-  process builds the same model and data as rank W + 1 did, asks the server for W's place
-  and resumes at the step the server gives (rejoin.py, server.py).
+1..W its workers (worker.py); with async.servers = S > 1, ranks 0..S-1 are servers each owning
+a slice of the parameters (shard.py). What each rank does, stragglers, metrics, checkpoints
+and `loom train --rejoin`: docs/async.md, "The training mode".
 """
 
 from __future__ import annotations

@@ -1,39 +1,8 @@
 """An asynchronous SGD worker: pull, compute a gradient, push, until the server says stop.
 
-The worker side of server.py (protocol in protocol.py): one PULL, then per step it receives
-PARAMS (version v), calls `grad_fn(params, step)` and sends PUSH (the gradient, v and the
-loss grad_fn reports, if any). It never talks to another worker. It blocks only on its own reply, for as long as the server's policy
-holds it back or the server is busy.
-
-Its steps start where the server's first reply says (header word STEP: 0 in a fresh run; after
-a resume, the step after this worker's last gradient the server had received,
-asyncsgd/state.py).
-
-Accumulation (`accumulation`: a fixed k, or an adaptive.AdaptiveAccumulation that picks k per
-push from the round trips it measures): the worker calls grad_fn k times at the same pulled
-parameters, on steps s .. s + k - 1 (distinct batches), and pushes the mean of the k gradients
-(summed in step order, then divided by k) and of their losses; the header's count word says k.
-One message each way per k gradients; with k = 1 this is the plain loop.
-
-Failure semantics: if the server dies, the next send or receive raises `comm.CollectiveError`
-(at once for a closed connection, after the process-group timeout for a silent server). A
-worker the server has dropped as lost (too slow for `worker_timeout_s`) is readmitted when its
-late PUSH arrives (server.py) and goes on; if the run has ended meanwhile, or another process
-has rejoined in its place, it gets no reply and fails the same way, at the process-group
-timeout at the latest. A restarted worker talks to the server over a pair channel
-(asyncsgd/rejoin.py) and runs this same loop on it.
-
-Sharded servers (`shards`, shard.py): the worker sends PULL to every server, then per step
-receives one PARAMS from each server still serving it (their STEP words must agree: each
-received the same pushes), calls grad_fn on the assembled parameters and sends each of those
-servers its slice of the gradient with that server's version. A server's stop ends only that
-server's part: the worker keeps its final slice and goes on with the others until every server
-has stopped it. The round trip (adaptive accumulation) runs from the last PUSH to the last
-reply: the slowest server's.
-
-Costs per push (k gradients): sends 32 + 4 x numel bytes (counted in `mesh.meter` as op "send"),
-receives the same; the k gradients are summed in the PUSH's own body. With S servers: S x 32 +
-4 x numel each way (one more copy of the gradient and of the parameters to split and assemble).
+The worker side of server.py (protocol.py), with gradient accumulation (adaptive.py) and
+sharded servers (shard.py). Its steps, failure semantics and costs: docs/async.md, "The
+parameter server and its workers" and "Sharded servers".
 """
 
 from __future__ import annotations

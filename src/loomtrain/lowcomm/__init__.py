@@ -1,27 +1,7 @@
-"""Low-communication data parallelism: replicas that train apart and synchronize rarely.
-
-A strategy is `apply_lowcomm(model, optimizer, mesh, cfg)` over the dp axis, applied in place
-of the data-parallel engine (parallel/__init__.py): no per-step gradient all-reduce over the
-whole dp axis; the replicas meet as their algorithm says, which the loop drives by calling
-`model.after_step(step)` after every optimizer step.
-
-Every algorithm is a subclass of `LocalSGD` (local_sgd.py, the wrapper interface) in its own
-module, which has `build(model, optimizer, mesh, cfg, seed) -> (wrapped model, optimizer)`
-(`seed`: run.seed, for what the replicas draw in common):
-
-- local_sgd.py: local SGD, the parameters averaged every H steps;
-- diloco.py: DiLoCo, H inner steps then an outer optimizer step on the averaged
-  pseudo-gradient;
-- streaming.py: streaming DiLoCo, fragments synced at staggered steps, overlapped;
-- noloco.py: NoLoCo, each outer step averaged with one random peer, no all-reduce;
-- dreamddp.py: DreamDDP, layer-wise partial syncs scheduled behind backward (its schedule:
-  dreamddp_schedule.py, pure);
-- hpsgd.py: HPSGD, each step's sync in flight during the next step;
-- hierarchical.py: DASO, node-local every step, across nodes every H steps;
-- lordo.py: LoRDO, a rank-r projected optimizer with infrequent syncs (its optimizer:
-  lowrank_adamw.py);
-- state.py: their checkpoints.
-Guide: docs/lowcomm.md.
+"""Low-communication data parallelism: dp replicas that train apart and synchronize rarely,
+partially, with one peer or late (local SGD, DiLoCo, streaming DiLoCo, NoLoCo, DreamDDP, HPSGD,
+DASO, LoRDO), one module per algorithm. `apply_lowcomm` puts the chosen wrapper in place of
+the data-parallel engine. Guide, module map and the wrapper interface: docs/lowcomm.md.
 """
 
 from __future__ import annotations

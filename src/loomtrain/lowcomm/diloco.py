@@ -1,25 +1,8 @@
-"""DiLoCo: H inner optimizer steps per replica, then one outer step on the averaged
-pseudo-gradient.
+"""DiLoCo: H inner optimizer steps per replica, then one outer step (Nesterov SGD) on the
+averaged pseudo-gradient.
 
-Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
-(arXiv 2311.08105), Algorithm 1: every replica i starts an outer step from the global
-parameters theta, takes H inner steps (AdamW) on its own data to theta_i, and the replicas
-average the outer gradient, the pseudo-gradient
-
-    delta = (1/k) sum_i (theta - theta_i)
-
-which an outer optimizer applies to theta (SGD with Nesterov momentum, lr 0.7, momentum 0.9
-in the paper); every replica then continues from the new theta. With H = 1, outer SGD of
-learning rate 1 and no momentum, theta - delta is the mean of the theta_i: parameter
-averaging, i.e. local SGD (local_sgd.py), up to fp32 rounding (tests/test_lowcomm.py).
-
-What is communicated is the pseudo-gradient, not the parameters (one flat all-reduce of the
-model's size per sync, as local SGD): the same bytes in fp32, and what a compressed variant
-(int8 pseudo-gradients, streaming DiLoCo) has to send.
-
-State kept per replica on top of the model: theta (one flat copy of the parameters) and the
-outer optimizer's momentum (another), identical on every replica after each sync, so a
-checkpoint stores them once (lowcomm/state.py).
+Douillard et al., arXiv 2311.08105, Algorithm 1. The maths, bytes, state and checkpoints:
+docs/lowcomm.md, "Local SGD and DiLoCo".
 """
 
 from __future__ import annotations

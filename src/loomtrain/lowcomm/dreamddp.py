@@ -1,59 +1,8 @@
-"""DreamDDP: local SGD whose parameter averaging is split by layer over the H steps of a
-period, each layer averaged while the backward of the layers before it computes.
+"""DreamDDP: local SGD whose parameter average is split by layer over the H steps of a period,
+each layer's all-reduce overlapping the backward of the layers before it.
 
-Tang et al., "DreamDDP: Accelerating Data Parallel Distributed LLM Training with Layer-wise
-Scheduled Partial Synchronization" (arXiv 2502.11058). Local SGD (local_sgd.py) averages the
-whole model every H steps, after the optimizer step, with nothing left to hide it behind.
-DreamDDP averages each layer once per period instead, in the iteration a schedule gives it,
-during that iteration's backward, so its all-reduce overlaps the backward of the layers
-nearer the input.
-
-The algorithm as built:
-- Units (`layer_units`): the model's top-level modules, a ModuleList (the transformer blocks)
-  split into its elements; for the GPT: tok_emb, pos_emb, blocks.0 ... blocks.L-1, ln_f. A
-  tied tensor belongs to the unit of its first name (the head's weight is tok_emb's).
-- The schedule (dreamddp_schedule.py, pure): unit u is averaged at iteration s_u of every
-  period of H = `inner_steps` steps (step t is iteration (t - 1) mod H), s_u chosen to
-  minimize the communication the backward does not hide.
-- Warm-up: during the first period every unit syncs at its last step (local SGD's timing,
-  with the overlap); its other H - 1 steps measure when each unit's gradients are complete,
-  from the start of the backward (hooks, last micro-batch only). At the period's end the
-  replicas average their measurements (one all-reduce), rank 0's schedule is broadcast (so a
-  floating-point tie cannot split the replicas), and it stays fixed for the run (and its
-  resumes: it is checkpointed). All-reduce seconds per unit come from the simulated link's
-  formula when the dp group crosses it (comm/link.py), else from an alpha-beta fit of the
-  warm-up sync's own all-reduces (launch to completion, one after the other). With H = 1
-  every unit syncs every step: there is nothing to choose or measure.
-- A unit's tensors are views of one flat buffer (made at wrap time: the parameters' storage
-  moves into it, as a ZeRO flat parameter does), so a unit is one all-reduce, not one per
-  tensor, and costs no memory. Per tensor (12 all-reduces for a GPT block), benchmarks/
-  lowcomm.py measured DreamDDP at 1.14x DP's simulated wall time; one per unit, 0.89x
-  (each op pays the link latency and gloo's per-op cost; docs/lowcomm.md).
-- The sync of a unit: when the last of its tensors has its gradient accumulated in the step's
-  last backward (a post-accumulate-grad hook: a tied tensor's fires once, after both uses),
-  its flat buffer is all-reduced in place, asynchronously; `before_update()` (after the last
-  backward, before the optimizer step) waits and divides by the replica count. No copy: the
-  all-reduce writes into the parameters, which the rest of the backward does not read (their
-  own backward is done).
-- Update order and its maths, replica i, unit u synced at step t with gradient g_i taken at
-  its own parameters theta_i(t):  theta_i(t+1) = mean_j theta_j(t) - lr * update_i(g_i),
-  the average of the step's starting point, then the replica's own step. Local SGD steps then
-  averages, mean_j (theta_j(t) - lr * update_j): here the update of the sync step stays
-  local until the next period. So a partial sync does not leave the replicas equal.
-- A full sync (every unit's buffer averaged in place, no copy) follows the run's last step and
-  precedes every checkpoint (`end_period`), so a run and a checkpoint hold one model.
-
-What differs from the paper, and why: the paper searches contiguous runs of layers per
-iteration and fills spare time with extra syncs of some layers; here any assignment is
-searched (an exact branch and bound within a budget) and each unit syncs exactly once per
-period, so a period sends one model, as local SGD's sync (dreamddp_schedule.py). The
-paper profiles offline; here the first period measures. The full sync before checkpoints and
-at the end is ours: a checkpoint holds one model.
-
-Failure semantics: as local SGD's. Every replica must run the same steps with the same
-micro-batch count (the hooks issue the all-reduces in the backward's order, the same on every
-replica); a replica that skips its optimizer step (non-finite gradient) has still averaged.
-A unit with a tensor that got no gradient in a step is synced in `before_update`, exposed.
+Tang et al., arXiv 2502.11058. The algorithm as built, its deviations from the paper and its
+failure semantics: docs/lowcomm-dreamddp.md (the schedule itself: dreamddp_schedule.py).
 """
 
 from __future__ import annotations

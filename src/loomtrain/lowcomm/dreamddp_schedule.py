@@ -1,37 +1,8 @@
-"""DreamDDP's schedule (pure): which iteration of the H-step period syncs each unit (layer).
+"""DreamDDP's schedule (pure): which iteration of the H-step period syncs each unit (layer),
+chosen by a branch and bound to minimize the communication the backward does not hide.
 
-Tang et al., "DreamDDP: Accelerating Data Parallel Distributed LLM Training with Layer-wise
-Scheduled Partial Synchronization" (arXiv 2502.11058), section on scheduling: every unit
-is averaged once per period of H iterations; in the iteration that syncs it, its all-reduce
-starts when its backward is done and runs while the backward of the units before it in the
-network computes. What the backward does not hide is waited for before the optimizer step.
-
-The cost model (numbers in, numbers out; lowcomm/dreamddp.py measures them):
-- the units in backward order (the output's side first), unit u's backward taking
-  `backward_s[u]`, so it is ready at r_u = backward_s[0] + ... + backward_s[u] and the
-  backward ends at B = r_last;
-- the all-reduces of one iteration occupy the link one after the other, each from when its
-  unit is ready and the link is free: f <- max(f, r_u) + comm_s[u]; the last one is complete
-  `latency_s` later (the simulated link of comm/link.py queues the bytes, while each op's
-  latency runs alongside the queue);
-- the exposed time of an iteration that syncs something is max(0, f + latency_s - B); of a
-  schedule, the sum over the H iterations (alike: the same backward every step).
-
-The search (`plan`): a depth-first branch and bound over the assignments, units in backward
-order. The iterations are interchangeable in the cost, so a unit goes into an iteration already
-used or into the first unused one (each partition is visited once, not H! times); the
-children are tried earliest finish first, so the first complete assignment is the greedy
-list schedule (each unit onto the iteration where its all-reduce ends soonest). A branch is
-cut when its exposed time so far (which only grows as units are added) plus a lower bound for
-the units left (`_left_at_least`) is no better than the best found. The incumbent starts at
-the naive schedule (every unit in one iteration, as local SGD syncs), so the result is never
-worse than it. Within `budget` visited nodes the search is exhaustive and the result optimal
-under the model (`Plan.exact`); past it, the best found so far (at least the greedy one).
-
-The paper instead restricts the search to contiguous runs of layers, the first iteration taking
-the layers nearest the output, and may sync a layer more than once per period where time is
-left over; here any assignment is allowed (contiguous ones included) and every unit is synced
-exactly once per period, so a period sends one model, as local SGD's sync does.
+Tang et al., arXiv 2502.11058, section on scheduling. The cost model, the search and how it
+differs from the paper's: docs/lowcomm-dreamddp.md, "The schedule".
 """
 
 from __future__ import annotations

@@ -1,53 +1,8 @@
 """Hierarchical DASO: a gradient average inside each node every step, a parameter average
 between the nodes every H steps (blocking, or one step stale), H adapted to the loss trend.
 
-Coquelin et al., "Accelerating neural network training with distributed asynchronous and
-selective optimization (DASO)" (arXiv 2104.05588). Nodes are fast inside and slow between
-them, so DASO syncs at two rates:
-
-- every step, the ranks of a node average their gradients (all-reduce over "dp.local", then a
-  division): the ranks of a node step on one gradient and stay one model;
-- every H steps (`inner_steps`, the global period), the nodes average their parameters,
-  hierarchically: the flat parameters are cut into `ranks_per_node` shards, local rank i
-  all-reduces shard i over "dp.cross" (its peers with the same local index on the other
-  nodes), and an all-gather over "dp.local" puts the node's shards back together. Each rank
-  sends only its shard across nodes: with P parameters of `b` bytes, L ranks per node and n
-  nodes, 2(n-1)/n x b x (ceil(P/L) + 2) wire bytes per rank per global sync (the + 2: the
-  window's loss sum and tokens ride along, below), against 2(k-1)/k x b x P per step for
-  synchronous data parallelism over k = nL ranks;
-- `overlap_steps` = 0: the global average is waited for at once (H = 1 with plain SGD is then
-  synchronous data parallelism). `overlap_steps` = 1 (DASO's asynchronous mode): the sync
-  launched after step t is merged after step t + 1, S = 1 step stale, with DASO's weighting of
-  the stale global sum against the current, node-averaged local parameters x:
-
-      x <- (2S x + sum_nodes x_node(t)) / (2S + n)
-
-  (the local parameters, fresher by S steps, count as 2S nodes; the paper's global merge.)
-  Only the cross-node all-reduce overlaps the next step; the node-local all-gather runs at the
-  merge. Between a merge and the next exact average the nodes hold different models.
-- With `adaptive_period`, the period follows the loss trend as DASO's plateau rule does: over
-  windows of at least `inner_steps` steps, the global mean training loss (every replica's loss
-  sum and target tokens, summed by the sync itself, so every rank decides on the same number)
-  counts as improving when it is below (1 - 0.05) x the best window so far; more than 2
-  windows in a row without improvement are a plateau, and the period halves; a plateau at
-  period 1 resets it to `inner_steps`, so it cycles down again (`next_period`, pure).
-
-Deviations from the paper, and why: DASO decides once per epoch; here a window of >=
-`inner_steps` steps stands for the epoch (runs here are counted in steps, not epochs). DASO's
-warm-up and cool-down epochs of blocking syncs are left out (the trainer's learning-rate
-warm-up; the run's last step and every checkpoint average exactly). Its waits of several
-steps (S up to `max_global_skips` / 4) and its bf16 casts of the sent parameters are left out:
-S is 1 and the wire carries fp32, so the H = 1 blocking case is exactly data parallelism. The
-node-local gradient all-reduce blocks after backward instead of overlapping it (the node's
-link is the fast one). DASO all-reduces the whole model on one local rank's group at a time,
-cycling which one; here every local rank sends its shard at once, so each sends 1/L of it.
-
-Failure semantics: every rank must call `after_step` at the same steps (the trainer does);
-the schedule (period, windows, decisions) is computed from numbers every rank holds alike, so
-ranks never disagree on when to sync. A replica that skips its optimizer step (a non-finite
-gradient: its whole node, which shares the gradient) still takes part in the syncs; a
-non-finite loss makes its window count as not improving. `end_period()` and the run's last
-step finish any sync in flight and average exactly: one model, nothing in flight.
+Coquelin et al., arXiv 2104.05588. The maths, wire bytes, deviations from the paper and
+failure semantics: docs/lowcomm-hierarchical.md.
 """
 
 from __future__ import annotations

@@ -1,59 +1,8 @@
 """HPSGD: the synchronization of step t runs while step t+1 computes; the stale average is
 merged into the replica when it arrives.
 
-Zhou, Ye, Zhang and Lv, "HPSGD: Hierarchical Parallel SGD With Stale Gradients Featuring"
-(arXiv 2009.02701). Its observation: the data synchronization of one step need not block the
-feed-forward and back-propagation of the next, so the two run in parallel. Its remedy for the
-stale gradients this introduces: updates are committed to a replica (a temporary model
-holding the global model's parameters) and the average of the workers' changes is merged into
-the global model when the synchronization completes.
-
-As built, every replica i keeps the global model G (one flat buffer, bitwise identical on
-every replica) and trains the replica x_i = G + its own change not yet merged. At
-`after_step(t)`:
-
-    d_i,t = x_i - s_i                   this replica's change of step t (s_i: x_i before it)
-    G    += (1/k) sum_j d_j,t-1         the previous step's sync, now complete (stale by one)
-    x_i   = G + d_i,t                   own change at once, the others' when their sync lands
-    all-reduce d_i,t (sum, then / k)    launched by step t+1's first forward, in flight
-                                        during its forward, backward and optimizer step
-
-In place that is `x_i += mean(d_t-1) - d_i,t-1`: the replica's own stale change replaced by
-the average of everyone's, our reading of the paper's merge. `overlap_steps = 0` waits for
-the sync at once (G += mean(d_t), x_i = G after every step): with plain SGD that is
-synchronous data parallelism, the mean of the updates -lr g_i being the update of the mean
-gradient.
-`overlap_steps = 1` (the default) keeps one step's sync in flight, the paper's setting.
-
-One all-reduce of the model's size per step, like synchronous data parallelism: what HPSGD
-saves is the time of waiting for it, not bytes.
-
-What differs from the paper, and why:
-- Only the paper's abstract was available to us; the exact form of its merge is our reading
-  of it (above), and the "hierarchical" side (several devices per worker) is not built: a
-  replica here is one rank of the dp axis.
-- The sync of step t is launched by step t+1's first `forward`, not at the end of step t:
-  the trainer starts every step with a small all-reduce over the world (the stop flag and
-  the token count, train/trainer.py `_control`), which on the simulated slow link
-  (comm/link.py) would queue behind the in-flight bytes and wait for them, hiding nothing.
-  Launched after it, the sync overlaps the step's forward, backward and optimizer step.
-  The arithmetic is the same; only the moment the bytes leave moves by a batch's loading.
-- Keeping G apart (rather than adding mean - d_i,t-1 into x_i in place) costs one more flat
-  copy, and buys replicas that never drift apart by fp32 rounding: G is computed from
-  all-reduced values only, so when nothing is in flight every replica holds G exactly.
-- At most one step in flight (`overlap_steps` 0 or 1; more is refused at config time):
-  more would need one buffer and one own-change copy per step in flight.
-
-Memory beyond the model and the optimizer: three flat fp32 copies of the parameters, G, s
-(the snapshot) and the change buffer (in flight, all-reduced in place).
-
-Failure semantics: every replica must call `forward` and `after_step` in the same order (the
-trainer does), since the first forward of a step issues the collective; a replica that skips
-its optimizer step (a non-finite gradient) sends a zero change and still takes part.
-`end_period()` (before every checkpoint) and the run's last step wait for what is in flight
-and merge it, so afterwards every replica holds G, bitwise, and nothing is in flight; the step
-after a checkpoint therefore starts without a stale change, in a resumed run as in the
-uninterrupted one, which keeps resumption exact. Guide: docs/lowcomm-hpsgd.md.
+Zhou, Ye, Zhang and Lv, arXiv 2009.02701. The merge as built, memory, deviations from the
+paper and failure semantics: docs/lowcomm-hpsgd.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Local SGD: every replica steps its own optimizer on its own data, and the replicas average
-their parameters every H optimizer steps (`inner_steps`).
+their parameters every H optimizer steps (`inner_steps`). `LocalSGD` is also the replica
+wrapper every low-communication algorithm subclasses.
 
-Periodic parameter averaging, analysed as "local SGD" by Stich, "Local SGD Converges Fast and
-Communicates Little" (ICLR 2019, arXiv 1805.09767) and Lin et al., "Don't Use Large
-Mini-Batches, Use Local SGD" (ICLR 2020, arXiv 1808.07217): with H = 1 and plain SGD it is
-synchronous data parallelism (the mean of the replicas' updates is the update of the mean
-gradient); with H > 1 it sends 1/H of the bytes.
-
-`LocalSGD` is the replica wrapper the trainer drives in place of `DataParallel` (same
-interface: forward, `no_sync()`, `clip_grad_norm_`, `sync_gradients`, `.module`), plus
-`after_step(step)`, the hook the loop calls after every optimizer step. Between syncs
-nothing is communicated: each replica's gradient is its own, its loss is normalized by its
-own target-token count, and clipping uses its own gradient norm. DiLoCo (diloco.py) is this
-wrapper with an outer optimizer in place of the plain average.
-
-Failure semantics: every replica must call `after_step` at the same steps (the trainer does);
-a replica that skips its optimizer step (a non-finite gradient) still takes part in the sync.
+Stich, arXiv 1805.09767; Lin et al., arXiv 1808.07217. Guide: docs/lowcomm.md.
 """
 
 from __future__ import annotations

@@ -1,49 +1,8 @@
 """LoRDO: a rank-r projected AdamW on every replica, synchronized every H steps, its
 projection computed globally from the averaged pseudo-gradient.
 
-Jovanovic et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication"
-(arXiv 2602.04396). Low-rank optimizers (GaLore, arXiv 2403.03507) choose the subspace of
-Adam's moments from the gradient; under infrequent communication a replica only sees its own
-noisy gradient, so LoRDO computes the projection from what the replicas share, the averaged
-pseudo-gradient of the last period, identical on every replica without a further message.
-Because a projected optimizer's updates stay in the span of its projection, and the next
-projection is computed from those updates, the trajectory would stay in one subspace for
-ever; the full-rank quasi-hyperbolic term (lowrank_adamw.py) mixes the raw gradient into
-every step to leave it.
-
-As built, per replica and period of H = `inner_steps` optimizer steps:
-
-1. the inner optimizer (`LowRankAdamW`, lowrank_adamw.py) steps on this replica's rows; the
-   weights of the model's nn.Linear layers are projected at rank r = `rank` (at most their
-   shorter side), everything else (embeddings and the head tied to them, biases, norms) gets
-   plain AdamW, as GaLore does;
-2. after H steps the replicas all-reduce the pseudo-gradient, theta - theta_i (DiLoCo's outer
-   step, diloco.py); the paper averages the replicas (its outer step is the mean, as in
-   DES-LOC, arXiv 2505.22549), which is this library's default for LoRDO: outer SGD with
-   learning rate 1 (config.py); DiLoCo's Nesterov is `outer_optimizer = "nesterov"`;
-3. every projected matrix's projection becomes the top-r left singular vectors of its block of
-   the averaged pseudo-gradient (its shorter side), and the replica's moments are rotated into
-   the new basis (`LowRankAdamW.set_projection`).
-
-Before the first sync there is no pseudo-gradient: at the first step the replicas all-reduce
-their gradients of the projected matrices once and take the projections from that average
-(the bytes of one data-parallel step over those matrices, once per run).
-
-What differs from the paper, and why (docs/lowcomm-lordo.md): no error feedback of the
-projection residual (it needs an m x n buffer per matrix, AdamW's memory again; the
-full-rank term already puts the residual into every step); the full-rank term's
-denominator and the moments' rotation are this library's choices (lowrank_adamw.py); the
-quasi-hyperbolic weight is QHM's recommended 0.7.
-
-Failure semantics: as DiLoCo's. A non-finite entry in the averaged gradient or
-pseudo-gradient (a replica's overflow, which the trainer skips the step for) is read as 0
-when a projection is computed from it, the same on every replica, so that the SVD does not
-fail and the replicas keep one projection. The projections are identical on every replica
-because they are computed from identical all-reduced data by the same code (an SVD that
-gives the same bits for the same input on the same software and hardware); replicas on
-different LAPACK builds could disagree in rounding. A checkpoint (written at a sync) holds
-the projections once (`lowcomm.projection.<name>`) and each replica's moments under its own
-key.
+Jovanovic et al., arXiv 2602.04396 (after GaLore, arXiv 2403.03507). The algorithm as built,
+deviations and failure semantics: docs/lowcomm-lordo.md (its optimizer: lowrank_adamw.py).
 """
 
 from __future__ import annotations

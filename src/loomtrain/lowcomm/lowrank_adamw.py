@@ -1,36 +1,8 @@
 """LoRDO's inner optimizer: AdamW whose moments of each weight matrix live in a rank-r
 subspace, plus a full-rank quasi-hyperbolic term.
 
-GaLore (Zhao et al., arXiv 2403.03507) keeps Adam's moments of an m x n matrix in the span of
-r orthonormal vectors: the gradient is projected onto them, the moments are updated there
-(r x n instead of m x n each) and the normalized step is projected back. LoRDO (Jovanovic et
-al., arXiv 2602.04396) shares that projection between replicas and adds a full-rank term, in
-the form of quasi-hyperbolic momentum (Ma & Yarats, arXiv 1810.06801): the step mixes the
-low-rank momentum step with the raw gradient, so that the iterates leave the subspace.
-
-Per matrix W with gradient G, oriented so that the projected side is the shorter one (m <= n;
-a tall matrix is handled as its transpose, GaLore's choice), with Q (m x r, orthonormal):
-
-    g = Q^T G                                       (r x n)
-    u = b1 u + (1 - b1) g,   v = b2 v + (1 - b2) g^2 (r x n each; bias-corrected as Adam)
-    low  = Q (u / (sqrt(v) + eps))                  (m x n: the momentum step, back-projected)
-    full = G / (sqrt(mean over the r rows of v) + eps), per column
-    W <- W - lr wd W - lr (w low + (1 - w) full)
-
-`full` needs a full-size denominator, and the second moment is only known in the subspace:
-each column is divided by the root mean square of its projected second moment (the paper's
-scaling factor mu taken as 1), which gives the full-rank term per column the norm of the
-rank-r Adam step it is mixed with (about sqrt(r) each). With w = 1 (no full-rank term), r = m
-and Q a signed permutation, this is AdamW exactly (tests/test_lowcomm_lordo.py).
-
-The state per matrix is Q, u and v: r(m + 2n) numbers against AdamW's 2mn. Parameters with
-`rank` 0 in their group (biases, norms, embeddings) get plain AdamW. Where Q comes from is
-the caller's choice (`set_projection`; LoRDO computes it from the replicas' averaged
-pseudo-gradient); a matrix without one gets the top-r left singular vectors of its first
-gradient, as GaLore. A new projection rotates the moments into its basis (u <- C u,
-v <- (C * C) v with C = Q_new^T Q_old): exact for the first moment inside the common
-subspace, a non-negative mixing for the second; GaLore keeps them as they are, which a sign
-flip of a singular vector would turn against the gradient.
+GaLore (Zhao et al., arXiv 2403.03507), LoRDO (Jovanovic et al., arXiv 2602.04396), QHM (Ma &
+Yarats, arXiv 1810.06801). The update, its state and our choices: docs/lowcomm-lordo.md.
 """
 
 from __future__ import annotations

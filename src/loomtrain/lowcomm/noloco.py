@@ -1,59 +1,8 @@
 """NoLoCo: no all-reduce; at every outer step each replica meets one peer drawn at random and
 takes a modified momentum step on what the two hold.
 
-Kolehmainen et al., "NoLoCo: No-all-reduce Low Communication Training Method for Large
-Models" (arXiv 2506.10911). As in DiLoCo (diloco.py), every replica i keeps outer weights
-phi_i and trains H = `inner_steps` inner steps from them to theta_i; its pseudo-gradient is
-Delta_i = phi_i - theta_i. Unlike DiLoCo the phi_i are not one global copy: each replica has its
-own, and at an outer step it is paired with one partner j (`partners`, the same draw on every
-replica from run.seed and the outer step's index, so both ends choose each other without a
-message). With the pair means Delta_bar = (Delta_i + Delta_j) / 2 and phi_bar = (phi_i + phi_j) / 2
-the outer step is
-
-    delta_i <- alpha delta_i - beta Delta_bar - gamma (phi_i - phi_bar)
-    phi_i   <- phi_i + delta_i
-
-alpha = `outer_momentum`, beta = `outer_lr`, gamma = `outer_pull` (0.7 by default: equal to
-beta, as in the authors' released code, where the pull is the outer learning rate). The last
-term pulls each replica towards its pair's mean outer weights: it is what keeps replicas that
-never all-reduce from drifting apart. Its sign here is the contracting one (towards the mean),
-as in that code; an independent implementation notes that the paper's printed equation has the
-opposite sign, which would push the pair apart.
-
-What goes on the wire: the update needs from the partner only the combination
-s_j = beta theta_j - (beta - gamma) phi_j (`pair_message`), since
-
-    delta_i <- alpha delta_i + (s_i + s_j) / 2 - gamma phi_i        (the same update, rearranged)
-
-so the two replicas swap one flat buffer of the model's size P with `comm.send`/`comm.recv`
-(asynchronous, both ways at once): P bytes sent per replica per outer step, against a ring
-all-reduce's 2(N-1)/N x P, and no collective over the replicas. With gamma = beta (the default)
-the message is beta theta_j, the partner's weights, so their relative distance is known for
-free: `param_spread` = |theta_i - theta_j| / |theta_i|, at the moment of the exchange. With
-gamma != beta the message mixes the two weights and no spread is reported.
-
-How it relates to DiLoCo: with two replicas the pair is always (0, 1), the replicas start
-identical and make the same step, so phi_0 = phi_1 at every outer step and the pull term is
-zero whatever gamma: NoLoCo at world 2 is DiLoCo with *heavy-ball* outer momentum (torch's SGD
-with momentum alpha, lr beta, nesterov=False). It is not this repository's Nesterov DiLoCo: the
-first Nesterov step is already beta (1 + alpha) Delta_bar, against beta Delta_bar here.
-tests/test_lowcomm_noloco.py checks both on hand-computed tensors, and at world 2 in the
-trainer that NoLoCo with (almost) no momentum equals DiLoCo with outer SGD.
-
-Differences from the paper, on purpose:
-- no pipeline, so none of its random routing of activations between pipeline stages;
-- the end of a run and every checkpoint need one model (lowcomm/state.py): there the replicas
-  take their outer step if one is pending and then average their outer weights in one
-  all-reduce (`synchronize`). A checkpoint therefore holds the replicas' mean, and a run that
-  saves is a different run from one that does not. Each replica's momentum delta_i stays its
-  own and is saved under its own key.
-- the exchange blocks the two partners until it completes (no other replica waits for it).
-
-Failure semantics: every replica must call `after_step` at the same steps (the trainer does);
-a replica that skips its optimizer step still exchanges. A partner that never answers makes
-the receive fail after the process group's timeout (`CollectiveError`, naming the op). With an
-odd number of replicas one replica per outer step has no partner: it steps on its own
-pseudo-gradient, without a pull, and sends nothing.
+Kolehmainen et al., arXiv 2506.10911. The outer step, what is sent, its relation to DiLoCo,
+deviations and failure semantics: docs/lowcomm-noloco.md.
 """
 
 from __future__ import annotations

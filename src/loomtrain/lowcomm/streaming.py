@@ -1,56 +1,8 @@
 """Streaming DiLoCo: DiLoCo whose outer step is taken one fragment of the model at a time, at
 staggered steps, each fragment's all-reduce in flight while the replicas keep training.
 
-Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
-Free Lunch" (arXiv 2501.18512). DiLoCo (diloco.py, arXiv 2311.08105) sends the whole model's
-pseudo-gradient every H steps, and every replica idles while it crosses the wire. The paper
-changes three things, all built here:
-
-1. Fragments. The transformer blocks are dealt to F fragments, strided (block i to fragment
-   i mod F, the paper's better-performing pattern: a fragment is spread over the depth).
-   Fragment p has its own global copy theta_p and its own outer optimizer, and syncs once
-   every H steps, at the steps s with (s - p H/F) mod H == 0: the offsets split the period
-   evenly, so the peak bandwidth is a 1/F of DiLoCo's.
-2. Overlap. At its sync step s, fragment p's pseudo-gradient theta_p - theta_{i,p} is
-   all-reduced with async_op=True and the replica goes on computing; tau = `overlap_steps`
-   steps later (after the optimizer step of s + tau) it waits for the sum, steps theta_p with
-   the outer optimizer (Nesterov SGD, as diloco.py) on the mean, and merges the new global
-   fragment into its local one, which has moved on for tau steps, as the paper does:
-
-       theta_{i,p} <- mix * theta_{i,p} + (1 - mix) * theta_p          (mix: the paper's alpha)
-
-   With tau = 0 nothing moved: the local fragment is replaced (DiLoCo's rule), whatever `mix`.
-3. Quantized pseudo-gradients. With quantize = "int8" the all-reduce is comm/quantized.py's
-   (int8 values, one fp32 scale per 64, one all-gather): at world 2 about a quarter of the
-   fp32 ring all-reduce's bytes. The outer step itself stays in fp32.
-
-With F = 1 and tau = 0 this is DiLoCo, operation for operation (tests/test_lowcomm_streaming.py).
-
-Where this differs from the paper, and why:
-- The paper quantizes to 4-bit floats (E3M0); comm/ has int8 with per-chunk scales, the
-  format it already meters and tests. The sum is computed from every replica's dequantized
-  contribution in a fixed order, so every replica holds the same bits.
-- Parameters outside the blocks (embeddings, final norm, an untied head) are not discussed
-  in the paper. Here each joins the fragment of the block registered before it, and those
-  before any block (the embeddings, and the head tied to them, counted once) join fragment 0:
-  every parameter is in exactly one fragment (`split_fragments`, pure and tested).
-- Checkpoints and the run's end need one model on every replica, which the paper's
-  schedule never reaches (some fragment is always mid-period). `end_period()` waits for the
-  syncs in flight and lands them at once (outer step and merge, as at their due step), then
-  averages the local parameters of every fragment whose replicas may differ (one all-reduce
-  of their parameters, local SGD's average). It leaves every theta_p and outer momentum as
-  they are, so the outer schedule goes on unchanged: each fragment's next pseudo-gradient is
-  measured from its theta_p, as always. A checkpoint therefore holds the model, theta_p and
-  the momentum of every fragment (lowcomm/state.py's "lowcomm." entries, identical on every
-  replica), and a resumed run continues exactly as the unstopped run with the same
-  checkpoint steps. The price: a checkpoint step is an extra average, so a run's trajectory
-  depends on where it checkpoints (as DiLoCo's does on a stop between syncs).
-
-Failure semantics: every replica must call `after_step` at the same steps (the trainer does),
-so that they launch and wait for the same all-reduces in the same order; a replica that skips
-its optimizer step (a non-finite gradient) still takes part in every sync. A peer that dies
-with a sync in flight surfaces as CollectiveError at the wait, tau steps later (or at the
-next `end_period`), not at the launch.
+Douillard et al., arXiv 2501.18512. Fragments, overlap, int8, checkpoints, deviations and
+failure semantics: docs/lowcomm-streaming.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""A plan -> a config `loom train` runs (issue 12: "the plan is applied").
-
-`plan_config` writes a Plan into the TOML tree of a config; `runnable` says whether `loom
-train` would run that config (the config's own validation plus the refusals the trainer
-makes after loading it), so the search can keep to plans that run (`loom plan --space
-loom`); `write_config` writes the tree; `resolve_auto` applies the plan chosen for a config
-with `parallel.plan = "auto"` (`choose_here` searches for it on this machine's devices). The
-mapping, field by field:
-
-    Plan                      config
-    dp, tp, pp, cp            parallel.dp, tp, pp, cp; parallel.nproc = their product
-    zero_stage, hierarchical  parallel.zero_stage, hierarchical
-    micro_batch               train.micro_batch (sequences per micro-batch and dp replica)
-    microbatches              parallel.microbatches with pp > 1; with pp = 1 the gradient
-                              accumulation steps global_batch / (dp * micro_batch) imply it
-    schedule, virtual_stages  parallel.schedule, virtual_stages (pp > 1)
-    recompute, offload_*      parallel.recompute, offload_activations (pp > 1), offload_optimizer
-    sequence_parallel         parallel.sequence_parallel
-    precision                 train.precision
-    split                     parallel.split_points: the first layer of stages 1.. (layers:
-                              embed, blocks, head, as pipeline/split.py counts them)
-    recompute_layers          parallel.recompute, when every block has the same flag; loomtrain
-                              cannot recompute some blocks and not others, so a mixed list is
-                              refused
-    diloco_h > 1              lowcomm.algorithm = "diloco", inner_steps = diloco_h
+"""A plan -> a config `loom train` runs (issue 12: "the plan is applied"): `plan_config`,
+`runnable` (would `loom train` run it), `write_config`, and `resolve_auto` for
+`parallel.plan = "auto"`. The mapping, field by field: docs/planner.md, "A plan as a config".
 """
 
 from __future__ import annotations

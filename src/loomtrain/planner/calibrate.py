@@ -1,13 +1,8 @@
-"""`loom bench calibrate`: this machine, measured, as the planner's `cpu-here` device
-(docs/planner-calibrate.md).
-
-measure.py times matmuls, attention, memory, operator overhead and gloo's collectives in four
-spawned processes; here the all-reduce times are kept as the table comm_cost.py interpolates
-(and fitted to the ring formula, for people and for comparison: fit_alpha_beta), the sends
-fitted, and the figures become a DeviceSpec saved where `load_device("cpu-here")` reads it.
-
-Nothing here is assumed about the hardware; `matmul_efficiency` is 1 because the rate in
-`flops_by_procs` is the achieved one.
+"""`loom bench calibrate`: this machine, measured (measure.py), as the planner's `cpu-here`
+device: the all-reduce times kept as the table comm_cost.py interpolates (and fitted to the
+ring formula, for people: fit_alpha_beta), the sends fitted, the whole saved as a DeviceSpec
+where `load_device("cpu-here")` reads it. Details and this machine's figures:
+docs/planner-calibrate.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Alpha-beta costs of the collectives a plan runs, on the level of the hierarchy each group
-spans (docs/planner.md, "Communication").
-
-A message of S bytes costs alpha + S / beta (Hockney's model). The ring algorithms over n
-ranks (Thakur, Rabenseifner & Gropp 2005; what NCCL and loomtrain's comm/ring.py run):
-- all-reduce: 2(n-1) steps of S/n each: 2(n-1) alpha + 2(n-1)/n S / beta;
-- all-gather, reduce-scatter (S the whole gathered tensor): (n-1) alpha + (n-1)/n S / beta;
-- send (point to point): alpha + S / beta.
-The wire bytes one rank sends are the same fractions of S (DESIGN.md, principle 3).
-
-Which link a group uses follows the mesh (mesh.py): ranks are laid out pp, dp, cp, tp with
-tp innermost, so an axis's group has stride = the product of the sizes inside it. The group
-stays in one node when stride x size <= devices per node; otherwise the ring crosses the
-network and every step runs at the network's speed (its slowest link).
-
-cpu-here (planner/calibrate.py) replaces the formula by what gloo measured: an all-reduce
-interpolates the measured times by size (`collective_table`; an all-gather or reduce-scatter,
-half the ring's steps and bytes, half of it), sends use the fitted send/recv link, and every
-collective that blocks between compute (tp, cp) pays `sync_penalty` on top (`inline_s`).
+spans: Hockney's model with the ring algorithms of Thakur, Rabenseifner & Gropp (2005), or on
+`cpu-here` what gloo measured plus its sync penalty. Formulas and the link rule:
+docs/planner.md, "Communication".
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The analytic cost model of one training step of a GPT under a Plan (docs/planner.md states
-every formula with its source; the names below follow it).
-
-The model is seen as loomtrain's pipeline sees it (parallel/pipeline/split.py): layers
-[embed, block x L, head]. Per layer and microbatch it counts FLOPs (matmuls at the device's
-achieved rate), memory traffic of the memory-bound operators (at its bandwidth), operator
-launches (a fixed overhead each) and the blocking tp/cp collectives; stages sum their layers;
-the schedule's formula turns stage times into the pipeline's time; the data-parallel (ZeRO)
-collectives add what the backward cannot hide, then the optimizer step. Memory per device:
-weights, gradients and optimizer state as ZeRO shards them, the activations each schedule
-keeps in flight, ZeRO-3's gathered units.
-
-step_costs() gives the same per-stage numbers to the event simulator (simulate.py).
+"""The analytic cost model of one training step of a GPT under a Plan: FLOPs, memory traffic,
+launches and collectives per layer, the schedule's step time, memory per device (docs/planner.md
+states every formula with its source; the names below follow it). step_costs() gives the same
+per-stage numbers to the event simulator (simulate.py).
 """
 
 from __future__ import annotations

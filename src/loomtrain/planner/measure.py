@@ -1,23 +1,7 @@
-"""The measurements behind `loom bench calibrate` (calibrate.py turns them into `cpu-here`;
-docs/planner-calibrate.md).
-
-Four processes are spawned on 127.0.0.1 (gloo), laid out as a mesh dp=2 x tp=2, and measure
-in turn, each figure a median over repetitions:
-- alone on rank 0: a large fp32 and bf16 GEMM, memory bandwidth (a large tensor add), the
-  fixed cost of one operator (forward and backward of a chain of tiny ops under autograd), and
-  the attention core's rate against the linear layers' (both forward and backward);
-- the default model's linear layers, forward and backward (the forward, input-gradient and
-  weight-gradient GEMMs training runs; the backward ones run ~20% slower than the forward's
-  here), with 1, 2 and 4 processes computing at once, each process with the torch threads
-  `loom train` gives a rank (train/launch.py: cores // local processes), while the others wait
-  idle in a barrier (gloo's wait uses no CPU: measured, 0.006 s of CPU over 3 s);
-- gloo's all-reduce by message size over one pair (the other pair idle) and over all four
-  (loomtrain's comm.all_reduce, as training calls it), and a send/recv ping-pong over the pair;
-- the sync penalty: what an all-reduce costs between two GEMMs beyond its back-to-back time
-  (the ranks' compute does not end together; gloo's threads must wake): one pair computing, both
-  pairs at once, and all four, as tp's collectives run inside a step; and what a ring shift of
-  two tensors (ring attention's K and V) adds to the GEMMs when started before them and waited
-  for after, over a pair, alone and beside the other pair.
+"""The measurements behind `loom bench calibrate` (calibrate.py turns them into `cpu-here`): four
+gloo processes on 127.0.0.1, a mesh dp=2 x tp=2, timing GEMMs, attention, memory bandwidth,
+operator overhead, all-reduces and sends, and the penalty of a collective between two GEMMs.
+What each figure is and how it is taken: docs/planner-calibrate.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""The planner's search (docs/planner.md, "Search"): enumerate the plans search_space.py
-yields, skip those that cannot fit or cannot beat the K-th best so far, rank the rest by the
-cost model's step time, then let the stage-split MILP (split_milp.py) rebalance the best
-pipeline plans.
-
-Pruning is exact branch and bound: a plan is skipped only when it provably does not fit or
-is slower than K plans already found, so the top K equals an exhaustive evaluation's
-(tests/test_planner_search.py checks it). Compute keys are visited in order of their bound,
-and the bounds hold for cost.py's model as it stands:
-- time, per compute key: compute + tp/cp collectives + bubble by step_time.py's formula for
-  the schedule, from layer_costs' per-layer times on the even split, less the sends and
-  selective recompute's replay (both >= 0); plus, per ZeRO/offload variant, pp rank 0's
-  exposed gradient sync (or, under ZeRO-3, the max with its comm stream's gathers and
-  reduce-scatters: sync_bound) and its optimizer step on the mean pp rank's shard. Offload
-  copies add >= 0. Once one variant is estimated, its compute + comm + bubble, exact and
-  shared by all, replaces the key's pipeline part.
-- memory: the most loaded pp rank holds at least the mean, parameters / (tp pp) x the bytes
-  ZeRO leaves per parameter, plus one microbatch's stash of every layer / pp (/ v with
-  activation offload: only the computing chunk stays); past that bound cost.py's own
-  memory count decides, before the (dearer) full estimate.
+"""The planner's search: enumerate the plans search_space.py yields, skip those that cannot fit
+or cannot beat the K-th best so far (exact branch and bound: the top K equals an exhaustive
+evaluation's), rank the rest by the cost model's step time, then let the stage-split MILP
+(split_milp.py) rebalance the best pipeline plans. The bounds: docs/planner-search.md.
 """
 
 from __future__ import annotations

@@ -1,55 +1,7 @@
-"""An event-level simulation of one training step, to check the analytic cost model against
-(cost.py) and to draw the step (`loom plan --timeline`).
-
-simulate_step(StepCosts) -> SimulatedStep: the step time, each pipeline rank's busy compute
-time and bubble, and every rank's spans on its streams; bubble_fraction(sim);
-timeline_json / write_timeline_json (the spans as JSON); draw_timeline (simulate_draw.py, PNG).
-
-The model, rank by rank (pp ranks; stage s of pp * virtual_stages lives on rank s % pp):
-- Streams. A compute stream, one comm stream and, with activation offload, a copy stream;
-  each runs one thing at a time.
-- Order of the computes: the pipeline schedule (schedules.build: gpipe, 1f1b, interleaved,
-  zb-h1). With pp == 1 the step is gradient accumulation whatever the schedule's name: each
-  microbatch's forward through the rank's stages, then its backward back through them.
-  schedules.simulate times them; this module gives it the durations and, through its
-  start_at hook, the comm stream.
-- Durations per microbatch on stage s: F = forward_s; B = recompute_s + backward_input_s +
-  backward_weight_s (the recompute replays the forward before the backward); zb-h1 splits B
-  into I = recompute_s + backward_input_s and W = backward_weight_s.
-- tp/cp collectives are inside those durations (the compute waits for them), so they take
-  no comm-stream time and are not counted twice. The spans show them on the comm lane (kind
-  "tp_cp") as one block at the start of their compute (of a backward: after its recompute;
-  all of backward_comm_s goes to B or I: the weight gradient W needs no collective).
-- The comm stream is a queue served in release order (at equal release times: sends, then
-  ZeRO-3 gathers, then gradient buckets); an item starts at max(its release, the end of the
-  item before it), so a send may wait behind a gradient bucket, as operations on one
-  stream do: an overlapped sync longer than its backward then delays that backward's send,
-  and rank after rank the pipeline's drain. By default (p2p_stream=True) the sends have a
-  stream of their own ("p2p"), as separate NCCL communicators for pp and dp do;
-  p2p_stream=False queues them with the rest.
-  - send (SEND_F, SEND_B): released when its compute ends; it takes the sending stage's
-    send_s, and the receiving compute may start when it ends (latency on the link).
-  - ZeRO-3 gather: param_gather_s per microbatch, half before the forward and half before the
-    backward (B, or I: W needs no parameters). Prefetch depth one: the gather for a compute
-    is released when the rank's previous compute starts (the first one's at 0), and the
-    compute waits for it. Gathers shorter than the compute before them are hidden, except
-    the first.
-  - gradient sync: grad_sync_s per stage per step. With grad_sync_overlaps, DDP-like
-    buckets: BUCKETS of grad_sync_s / BUCKETS, bucket i released at i / BUCKETS of the
-    stage's last backward (its last B or W in the rank's order). On a free stream a sync no
-    longer than that backward is hidden and a longer one exposes grad_sync_s - backward.
-    (DDP's bucket i is ready at (i+1) / BUCKETS; releasing it at i / BUCKETS idealizes the
-    reduction as streaming beside the backward: at most one bucket optimistic.) Without
-    overlap, one item released when that backward ends.
-- Copy stream: when any stage has offload_s > 0, every (microbatch, stage) pair offloads
-  (cost.py folds the offloaded fraction into offload_s): schedules.with_offload(schedule, 1)
-  puts OFFLOAD after the forward and RELOAD one compute ahead of the backward, offload_s each,
-  and schedules.simulate runs them on the copy stream; the backward waits for its RELOAD.
-- Optimizer: optimizer_s on the compute stream once the rank's last compute and the
-  gradient syncs of all its stages have ended. step_time_s: the latest optimizer end.
-- busy_s[r]: rank r's compute-stream time (computes and optimizer). bubble_fraction:
-  1 - sum(busy_s) / (pp * step_time_s), the idle share of the compute streams; without
-  communication and optimizer it is schedules.bubble_theory's.
+"""An event-level simulation of one training step, to check the analytic cost model (cost.py)
+against and to draw the step (`loom plan --timeline`): compute, comm and copy streams per pp
+rank, the pipeline schedule's order, gradient buckets and ZeRO-3 gathers on the comm stream.
+The model, stream by stream: docs/planner.md, "The event simulator".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Device and cluster specs: what the cost model needs to know about the hardware.
-
-Built-in GPU kinds come from the vendors' datasheets (docs/planner.md cites each figure);
-`cpu-here` is this machine, measured by `loom bench calibrate` (planner/calibrate.py) and
-read back from the file it saves. A user describes other hardware in TOML (`load_device`).
-
-Bandwidths are per device and per direction, in bytes per second: `intra_node` is the link
-between devices of one node (NVLink; loopback gloo on a CPU), `inter_node` each device's
-share of the network between nodes (InfiniBand/RoCE NICs), `host_link` the device <-> host
-copy path used by offload (PCIe). Latencies are the fixed cost of one message (alpha).
+"""Device and cluster specs: what the cost model needs to know about the hardware. Built-in GPU
+kinds from the vendors' datasheets, `cpu-here` measured by `loom bench calibrate`
+(calibrate.py), other hardware from a user's TOML (`load_device`). Each figure's source and
+what each bandwidth means: docs/planner.md, "Device specs".
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """Uneven pipeline stage splits and per-layer recompute, chosen together as one mixed-integer
-program (the operator-level MIP planning idea, arXiv 2503.09357; OptPipe, arXiv 2510.05186,
-optimizes recompute under a memory budget the same way), solved by HiGHS through
-scipy.optimize.milp.
-
-Layers l = 0..n-1 ([embed, blocks.., head]) go to stages s = 0..S-1 in order. Per layer:
-t_l the forward+backward time of one microbatch, r_l the extra time if it is recomputed,
-p_l its static bytes (weights, gradients, optimizer state), a_l its stash, c_l the stash
-kept instead when recomputed. Stage s keeps `inflight[s]` microbatches' stashes.
-
-Variables: u[l,s] = 1 if layer l is on a stage <= s (s < S-1; u[l,S-1] = 1, u[l,-1] = 0), so
-x[l,s] = u[l,s] - u[l,s-1] says layer l is on stage s; w[l,s] = 1 if it is there and
-recomputed; T continuous.
-
-    minimize   T + eps sum w
-    subject to u[l,s] <= u[l,s+1]                                (x[l,.] is one stage)
-               u[l+1,s] <= u[l,s]                                (stages in layer order)
-               sum_l x[l,s] >= 1                                 (no empty stage)
-               w[l,s] <= x[l,s]
-               sum_l t_l x[l,s] + r_l w[l,s] <= T                (the slowest stage)
-               sum_l (p_l + inflight[s] a_l) x[l,s] - inflight[s] (a_l - c_l) w[l,s] <= budget
-
-The cumulative ("staircase") u makes contiguity two inequalities per pair, with no big-M,
-and solved the 175B cases here about 2.5x faster than per-stage x with cumulative-sum rows.
-w is the product y[l] x[l,s] as its own binary: a layer lies on one stage, so y[l] =
-sum_s w[l,s] and the product needs no linearization. eps = 1e-6 / n prefers the fewest
-recomputed layers among equally fast splits (times are scaled so that T ~ 1).
+program (the operator-level MIP planning idea, arXiv 2503.09357; OptPipe, arXiv 2510.05186),
+solved by HiGHS through scipy.optimize.milp. The program, why its variables are cumulative,
+and measurements: docs/planner-search.md, "Stage split MILP".
 """
 
 from __future__ import annotations

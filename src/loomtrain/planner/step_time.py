@@ -1,21 +1,7 @@
-"""Step time from per-stage costs, in closed form (docs/planner.md, "Step time"); the event
-simulator (simulate.py) times the same StepCosts action by action to check it.
-
-With p ranks, m microbatches, stage s's forward f_s and backward b_s = I_s + W_s + recompute:
-- gpipe, 1f1b (Huang et al. 2019; Narayanan et al. 2021 sec. 2.2.1): the first microbatch
-  fills the pipeline through every stage, the slowest stage then sets the pace:
-  (m - 1) max_s(f_s + b_s) + sum_s (f_s + b_s) + 2 (p - 1) send; uniform stages give
-  (m + p - 1)(f + b), a bubble of (p - 1)/(m + p - 1);
-- interleaved (v chunks per rank, Narayanan et al. sec. 2.2.2): m x the busiest rank's chunks
-  + (p - 1) x a chunk's f + b + 2 (p v - 1) send: the bubble shrinks v-fold;
-- zb-h1 (Qi et al. 2024, arXiv 2401.10241, sec. 2.1): m max_s(F + I + W) + (p - 1)(F + I - W)
-  + 2 (p - 1) send (mean stage F, I, W).
-On cpu-here with more processes than cores the bubble is scaled by StepCosts.bubble_scale
-(cost.py's `bubble_scale`: the processes idle in it lend their cores to the rest).
-Then what cannot hide: ZeRO-3's prefetched gathers and per-microbatch reduce-scatters beyond
-the compute they share the step with (plus the first gather), activation
-offload copies beyond it, the gradient sync beyond the backward it overlaps (rank r's
-backward ends r backward-slots before rank 0's, which it may use), and the optimizer step.
+"""Step time from per-stage costs, in closed form: gpipe and 1f1b (Huang et al. 2019; Narayanan
+et al. 2021, sec. 2.2.1), interleaved (sec. 2.2.2), zb-h1 (Qi et al. 2024, arXiv 2401.10241,
+sec. 2.1), plus what cannot hide. The event simulator (simulate.py) times the same StepCosts
+action by action to check it. Formulas: docs/planner.md, "Step time".
 """
 
 from __future__ import annotations

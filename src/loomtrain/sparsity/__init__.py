@@ -1,12 +1,7 @@
-"""Sparse training: masks on nn.Linear weights, N:M, gradual magnitude pruning, dynamic sparse
-training (SET, RigL), and sharpness-aware gradients (SAM, ZO-SAM) that keep the masks.
-
-- masks.py: pure mask functions (ERK/uniform densities, random, magnitude, N:M, the cubic
-  pruning schedule, bit packing);
-- dst.py: SET and RigL updates and RigL's cosine fraction, pure;
-- sparsifier.py: `Sparsifier`, the masks of a model kept in step with training;
-- sam.py: `SharpnessAware`, SAM and ZO-SAM gradients;
-- training.py: `SparseTraining`, the [sparsity] section inside `loom train`.
+"""Sparse training: masks on nn.Linear weights (static, N:M, gradual magnitude pruning, SET,
+RigL) and sharpness-aware gradients (SAM, ZO-SAM) that keep the masks. masks.py and dst.py
+are pure; sparsifier.py keeps a model's masks in step with training; sam.py computes SAM and
+ZO-SAM gradients; training.py is the [sparsity] section inside `loom train`.
 Guide: docs/sparsity.md.
 """
 

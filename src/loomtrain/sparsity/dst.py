@@ -1,23 +1,9 @@
-"""Dynamic sparse training: SET and RigL mask updates, pure functions of (weight, mask, ...).
+"""Dynamic sparse training: SET and RigL mask updates, pure functions of (weight, mask, ...):
+drop the k smallest active weights, regrow k inactive ones (SET at random, RigL by the dense
+gradient's magnitude), so each layer's density stays exactly constant.
 
-Both drop the k active weights of smallest magnitude and regrow k inactive ones, so a layer's
-active count, and the density, stay exactly constant:
-- SET (Mocanu et al., Nature Comms 2018): regrow uniformly at random;
-- RigL (Evci et al., "Rigging the Lottery", arXiv 1911.11134, Algorithm 1): regrow the k
-  inactive positions of largest |dense gradient|, the gradient of the loss with respect to
-  every weight, masked or not (computed only at update steps).
-The regrowth candidates are the positions inactive after the drop, the dropped ones included
-(as RigL's reference code does); a connection that was not active before the update (a new
-one) starts at weight 0, set by the caller when it applies the new mask; a dropped connection
-regrown at once keeps its weight.
-
-k = round(f_t x active), with RigL's cosine-decaying fraction f_t = alpha/2 (1 + cos(pi t /
-t_end)) for t < t_end and no updates from t_end on (alpha 0.3, t_end at 75% of training in the
-paper), or SET's constant f_t = alpha.
-
-Determinism: scores are ranked by a stable sort (ties to the lower index), and SET's random
-scores come from a generator seeded by the caller, so ranks that hold the same weights, the
-same (all-reduced) gradient and the same seed compute the same masks without communicating.
+SET: Mocanu et al., Nature Comms 2018; RigL: Evci et al., arXiv 1911.11134, Algorithm 1.
+The rules, RigL's cosine fraction and determinism: docs/sparsity.md, "Methods".
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""Sparsity masks as pure functions of shapes, weights and seeds (no state, no processes).
+"""Sparsity masks as pure functions of shapes, weights and seeds (no state, no processes): layer
+densities (uniform, ERK), random and magnitude masks, N:M, the cubic pruning schedule, packing.
 
-Per-layer densities for a global `density` over layers of shapes (n_out, n_in):
-- uniform: every layer at `density`;
-- Erdos-Renyi-Kernel (ERK; Mocanu et al. "SET", Nature Comms 2018, for Erdos-Renyi; Evci et
-  al. "RigL", arXiv 1911.11134, Appendix, the form used here): layer l gets density
-  eps * (n_in + n_out) / (n_in * n_out), eps chosen so that the layers' active weights sum to
-  density x their total size; a layer whose density would exceed 1 is made dense and eps is
-  solved again over the others (RigL's `get_sparsities_erdos_renyi`, erk_power_scale 1).
-  Small layers keep more of their weights than large ones.
-A layer of numel weights at density d keeps exactly `active_count` = round(d x numel) of them
-(at least one), so a method that swaps weights keeps every layer's count, and the overall
-density, exactly constant.
-
-Masks are bool tensors shaped like the weight (True: the weight is kept). Ties in a magnitude
-or score ranking go to the lower flat index (a stable sort), so a mask is a function of its
-inputs on every rank and every run.
-
-N:M (Mishra et al., "Accelerating Sparse Deep Neural Networks", arXiv 2104.08378: 2:4 on
-NVIDIA Ampere): in every row of an (n_out, n_in) weight, each group of m consecutive input
-elements keeps its n largest magnitudes: density n/m, exactly, in every group.
-
-The cubic schedule of gradual magnitude pruning (Zhu & Gupta, arXiv 1710.01878, eq. 1) in
-densities: d_t = d_f + (1 - d_f)(1 - p)^3, p = (t - t_start) / (t_end - t_start) clipped to
-[0, 1]: dense at t_start, d_f from t_end on, pruning fast early and slowly late.
+ERK: Evci et al., arXiv 1911.11134, Appendix; N:M: Mishra et al., arXiv 2104.08378; the cubic
+schedule: Zhu & Gupta, arXiv 1710.01878, eq. 1. Formulas and tie-breaking: docs/sparsity.md,
+"What is sparse" and "Methods".
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """Sharpness-aware gradients for (sparse) training: SAM, and ZO-SAM.
 
-SAM (Foret et al., arXiv 2010.01412, eq. 2 and Algorithm 1) steps with the gradient at the
-worst nearby point: g = grad L(w); e = rho g / ||g||; the step uses grad L(w + e), taken at
-w + e and applied to w. Two forward-backward passes per step.
-
-ZO-SAM (Ji et al., arXiv 2603.13115) takes the idea further for sparse training: the ascent
-direction is estimated with zeroth-order probes instead of the first backward, so a step
-costs one backward. What is implemented here: one SPSA probe with loomtrain.zeroth's
-`Perturber` (seed-regenerated z ~ N(0, I), applied module by module during the forward and
-restored bitwise): L+ = L(w + eps z), L- = L(w - eps z) on the step's batch (two forwards,
-summed over the data-parallel ranks in one all-reduce of two numbers), the projected
-gradient c = (L+ - L-) / (2 eps), the estimate g^ = c z, and e = rho g^ / ||g^|| =
-rho sign(c) z / ||z||; then one forward-backward at w + e. With one probe the perturbation is
-thus a random direction of length rho, turned uphill by the sign of the measured difference.
-The paper's own estimator settings (number of directions, smoothing) are not reproduced.
-
-Sparsity: g (SAM) is masked before it is normalized, and z (ZO-SAM) is masked (the
-`Perturber`'s mask is the sparsifier's current one), so e, and the probes, never move a
-masked weight: w + e keeps the sparse pattern. e covers every trainable parameter (the
-dense ones too).
-
-Exactness: w is copied before it is perturbed and copied back after the perturbed backward,
-so after a step's gradient the weights are bitwise what they were (the probes' own
-restoration is the Perturber's, bitwise as well). Memory: one copy of the trainable
-parameters during the step. Every rank derives the same e: g is the all-reduced gradient,
-z comes from a seed of (run seed, step) and the probe losses are all-reduced.
-
-The logged loss: SAM's is L(w), from its first pass; ZO-SAM computes no loss at w, and logs
-(L+ + L-) / 2, which is L(w) + O(eps^2) (second-order terms of the probe).
+SAM: Foret et al., arXiv 2010.01412, eq. 2 and Algorithm 1. ZO-SAM: Ji et al., arXiv
+2603.13115, here with one SPSA probe (loomtrain.zeroth's `Perturber`). What is implemented,
+how the masks are kept, exactness, memory and the logged loss: docs/sparsity.md, "SAM and
+ZO-SAM".
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
-"""`Sparsifier`: the masks of a model's sparse layers, kept in step with training.
+"""`Sparsifier`: the masks of a model's sparse layers (every nn.Linear weight but a tied one),
+kept in step with training: applied to the weights, applied to the gradients, updated on the
+method's schedule.
 
-Scope: the weight of every `nn.Linear` of the model, except a weight that is also registered
-under another name (tied): the GPT's output head *is* its token embedding (`head.weight` is
-`tok_emb.weight`), a lookup table that would lose whole token rows, so it stays dense, like
-the embeddings, biases and LayerNorm gains. So for the GPT (softmax or linear attention) the
-sparse layers are each block's qkv, attention proj, MLP fc and MLP proj; for the MLP language
-model also its head; for the digits classifier its input layer, blocks and head.
-
-Use around a plain loop (the trainer does the same, sparsity/training.py):
-
-    sparsifier = Sparsifier(model, cfg.sparsity, seed=0, total_steps=1000)  # masks weights
-    for t in range(1, steps + 1):
-        loss.backward()
-        dense = sparsifier.dense_gradients() if sparsifier.needs_dense_gradient(t) else None
-        sparsifier.mask_gradients()          # before clipping and the optimizer
-        optimizer.step()
-        sparsifier.apply()                   # masked weights back to exactly 0
-        if sparsifier.update_due(t):
-            changed = sparsifier.update(t, dense)
-            sparsifier.reset_optimizer_state(optimizer, changed)
-
-Methods (`cfg.method`): "static" (random masks at the layer densities, fixed), "nm" (N:M by
-magnitude of the initial weights, fixed), "prune" (gradual magnitude pruning, dense to
-`density` on the cubic schedule, every `update_every` steps from `start_step` to `end_step`),
-"set" and "rigl" (random masks at the layer densities, k weights swapped every
-`update_every` steps before `end_step`; sparsity/dst.py). Initial random masks and SET's
-regrowth draw from generators seeded by (seed, layer, step): every rank with the same seed
-holds the same masks without communicating (the generators are per device type: CPU and
-CUDA draw differently).
-
-Costs: one bool mask per sparse weight (1 byte per weight in memory; packed to 1 bit in
-checkpoints); `apply` and `mask_gradients` one masked_fill per sparse weight per step; an
-update sorts each sparse layer's scores (O(numel log numel)) and RigL keeps one copy of the
-sparse layers' gradients for that step.
+Scope, methods, the loop it is used in and its costs: docs/sparsity.md, "What is sparse",
+"Using it in your own loop", "Methods" and "Composition and limits".
 """
 
 from __future__ import annotations

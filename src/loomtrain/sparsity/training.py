@@ -1,23 +1,9 @@
 """The [sparsity] section in the trainer: `SparseTraining` runs a step's gradient (plain, SAM
 or ZO-SAM), masks it, re-applies and updates the masks, and reports and saves them.
 
-Its place in `trainer.train_step`, in order:
-1. `before_step(step)`: with `sparse_comm`, the engine gets the current masks when they have
-   changed (`DataParallel.set_gradient_masks`: only the kept gradient entries are all-reduced),
-   and none at a RigL update step, whose dense gradient must be all-reduced whole;
-2. `gradient(forward_backward, forward_loss)`: the step's forward and backward passes (one;
-   SAM two; ZO-SAM two probe forwards and one), each counted; then, at a RigL update step, a
-   copy of the dense (all-reduced, unmasked) gradient; then the gradient masked;
-3. the trainer clips (the norm of the masked gradient) and steps the optimizer;
-4. `after_step(stepped)`: masked weights set back to 0; at an update step, the new masks, the
-   new connections' weights and the optimizer state of every changed position zeroed (RigL
-   skips a step whose gradient was not finite; pruning and SET, which read no gradient, do not).
-
-Metrics, in every logged record: `forward_per_step` and `backward_per_step`, passes over the
-step's batch averaged over the steps since the previous record (plain 1 and 1, SAM 2 and 2,
-ZO-SAM 3 and 1), and with a sparsity method `density` (kept weights over the sparse layers'
-weights); in evaluated records also `density_per_layer`. Checkpoints hold the masks (packed,
-1 bit per weight) and their version: a resume continues bitwise.
+Its place in `trainer.train_step`: docs/sparsity.md, "What is sparse"; its metrics
+(`forward_per_step`, `backward_per_step`, `density`, `density_per_layer`): "What is
+measured"; the masks in checkpoints: "Checkpoints and export".
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""Zeroth-order training: MeZO and its variants, with memory equal to inference, and a
-distributed form that exchanges only seeds and scalars.
-
-- perturb.py: seeds, z regenerated from them, the in-place per-module perturbation with
-  bitwise restoration (`Perturber`), `projected_gradient`, sparse MeZO's thresholds;
-- optimizers.py: the step split into probes -> (seed, scalar) pairs and a deterministic
-  `apply(pairs)`; MeZO, ZO-momentum, ZO-Adam, sparse MeZO;
-- svrg.py: MeZO-SVRG; helene.py: HELENE;
-- distributed.py: the pair all-gather over the dp axis (`SeedScalarExchange`);
-- memory.py: peak-memory measurement of inference, a MeZO step and backprop steps.
-- train.py: `loom train` with a zeroth-order `[optim] name` (`train_zeroth`, called by
-  train/run.py's train_loop; imported only there: it uses the trainer's pieces).
-Guide: docs/zeroth.md.
-
-A loop without the trainer:
-
-    opt = build_zo_optimizer("mezo", model, lr=1e-4, eps=1e-3)
-    for x, y in batches:
-        loss = opt.step(lambda: loss_fn(model(x), y))               # one process
-        loss = opt.step(lambda: ..., exchange=SeedScalarExchange(mesh))   # data parallel
-MeZO-SVRG asks for a large-batch step every `svrg_every` steps:
-        if opt.needs_refresh(): opt.refresh([fn_1, ..., fn_svrg_batches], exchange)
+"""Zeroth-order training: MeZO and its variants (ZO-momentum, ZO-Adam, sparse MeZO, MeZO-SVRG,
+HELENE), with memory equal to inference, and a distributed form that exchanges only seeds
+and scalars. `build_zo_optimizer` makes one; train.py (`loom train` with a zeroth-order
+`[optim] name`) is imported only by train/run.py, as it uses the trainer's pieces.
+Guide, the module map and a loop without the trainer: docs/zeroth.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""Distributed zeroth-order training that sends only seeds and scalars.
-
-Every data-parallel rank probes its own K = n_perturbations seeds (step_seed(seed, step,
-rank, k)) on its own batch, then the ranks all-gather their (seed, projected gradient) pairs
-and every rank applies all world x K pairs in (rank, k) order (optimizers.py, `apply`). The
-update is a function of the pairs and of theta alone, theta starts identical, and z is
-regenerated from the seeds on every rank, so the parameters stay bitwise identical with no
-parameter or gradient communication (ranks must share the device type: CPU and CUDA
-generators draw different z).
-
-Per step, one all-gather through loomtrain.comm over `axis` (dp by default) of one uint8
-tensor: each rank's K pairs packed as K int64 seeds then K float32 scalars, 12 K bytes.
-Counted in mesh.meter as op "all_gather": payload world x 12 K bytes (the gathered tensor),
-wire (world - 1) x 12 K bytes sent per rank (ring all-gather) - O(world) scalars whatever the
-model size. MeZO-SVRG's refresh steps exchange their K large-batch pairs the same way, so
-every step of every method costs exactly this.
-
-The seeds are sent although every rank could derive them: the receiver checks them against
-the step's expected seeds (optimizers.check_seeds), which catches ranks at different steps.
+"""Distributed zeroth-order training that sends only seeds and scalars: every dp rank probes its
+own seeds on its own batch, the ranks all-gather their (seed, projected gradient) pairs and
+every rank applies them all, so the parameters stay bitwise identical with no parameter or
+gradient communication. Packing, bytes per step and the seed check: docs/zeroth.md,
+"Distributed: seeds and scalars only".
 """
 
 from __future__ import annotations

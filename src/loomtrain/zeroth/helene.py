@@ -1,33 +1,9 @@
 """HELENE: annealed gradient averaging, a diagonal Hessian estimate from the ZO signal, and
 layer-wise clipping of the preconditioned update.
 
-Zhao et al., "HELENE: Hessian Layer-wise Clipping and Gradient Annealing for Accelerating
-Fine-tuning LLM with Zeroth-order Optimization" (arXiv 2411.10696). The abstract names three
-parts: annealed A-GNB gradients, a diagonal Hessian estimate, and layer-wise clipping as a
-second-order preconditioner (Sophia's clipped diagonal preconditioning, Liu et al., arXiv
-2305.14342, made layer-wise). What is implemented, per parameter tensor l (a "layer") with
-g = g_hat (optimizers.py: the SPSA estimate averaged over the pairs), step t from 0:
-
-    alpha_t = b1 + (1 - b1) exp(-t / anneal_steps)           annealing
-    m = b1 m + alpha_t g                                      annealed gradient averaging
-    every `hessian_every` steps:  h = b2 h + (1 - b2) g * g   diagonal Hessian (h = g * g the
-                                                              first time)
-    lambda_l = hessian_clip x mean(h over l)                  the layer's clipping floor
-    theta -= lr clip(m / (gamma max(h, lambda_l) + precond_eps), -1, 1)
-
-Where this is our reading, not the paper's text (which we could not consult beyond its
-abstract and a third-party summary of its update): (1) the annealing schedule and the
-momentum form follow that summary; (2) the Hessian estimate: A-GNB squares per-example
-gradients of the true labels, which a zeroth-order method does not have; we square the ZO
-estimate itself (its expectation is the squared gradient plus the estimator's variance,
-E[(u.z)^2 z_i^2] = |u|^2 + 2 u_i^2 for a true gradient u), so h measures the local gradient
-energy the way a Gauss-Newton diagonal does; (3) lambda_l, which the summary leaves
-unspecified, is a fraction of the layer's own mean h, so within a layer no coordinate's
-preconditioner is below that fraction of the layer's scale (the conditioning is bounded per
-layer); (4) the element-wise clip to [-1, 1] of the preconditioned update is Sophia's, so lr
-bounds every coordinate's step.
-
-State: m and h, 2P elements for P trainable elements (3x the trainable parameters in all).
+Zhao et al., arXiv 2411.10696 (with Sophia's clipping, Liu et al., arXiv 2305.14342). The
+update as implemented and which parts are our reading of the paper: docs/zeroth.md,
+"The methods".
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""Peak memory of inference, a MeZO step and backprop steps, measured on one model.
-
-What is measured, on CPU (Linux): the process's peak resident set size (VmHWM in
-/proc/self/status) during a phase, minus its resident size (VmRSS) just before the model was
-built. Before each phase the peak is reset to the current RSS by writing "5" to
-/proc/self/clear_refs. So every figure includes the model's parameters, plus what the phase
-allocates and has not freed at its high point: activations (inference, MeZO), the
-perturbation's copies (MeZO), gradients, the graph's saved tensors and optimizer state
-(backprop). The phases run in this order on one model, each freeing what it allocated except
-the model: "inference" (one forward and the loss under no_grad), "mezo" (one MeZO step: two
-probed forwards and the update), "backprop_sgd" and "backprop_adamw" (two steps each of
-forward, backward, optimizer step, gradients then set to None; the optimizer is deleted after).
-
-On CUDA the same phases are measured with torch.cuda's allocator statistics
-(max_memory_allocated after reset_peak_memory_stats, minus the allocated bytes before the
-model was built): tensors only, no allocator cache or CUDA context.
-
-For a stable figure on CPU run it in a fresh process (`measure_in_subprocess`): glibc's malloc
-then serves every allocation of 64 KiB or more by mmap and returns it to the OS on free
-(MALLOC_MMAP_THRESHOLD_=65536, which also switches off its dynamic threshold), and a first
-pass of every phase on a one-layer copy of the model, before the baseline, moves torch's lazy
-one-time allocations (thread pools, kernels' caches) out of the figures.
+"""Peak memory of inference, a MeZO step and backprop steps, measured on one model: on CPU the
+process's peak resident size per phase (reset through /proc/self/clear_refs), on CUDA the
+allocator's peak. What each phase includes and how a fresh process makes the figures stable
+(`measure_in_subprocess`): docs/zeroth.md, "Memory".
 """
 
 from __future__ import annotations

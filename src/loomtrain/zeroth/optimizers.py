@@ -1,37 +1,9 @@
 """Zeroth-order optimizers split in two: local probes -> (seed, projected gradient) pairs, and
-a deterministic update from the pairs alone.
+a deterministic update from the pairs alone (`probe`, `apply`; `step` does both).
 
-A step of every method is
-  (a) `probe(loss_fn, rank)`: K = n_perturbations SPSA probes on this rank's batch, probe k
-      along z of seed step_seed(seed, step, rank, k) (perturb.py), 2 forwards each; returns
-      the pairs (seed, g_k) with g_k = (L(theta + eps z) - L(theta - eps z)) / (2 eps) as a
-      float32, and the mean of the probed losses;
-  (b) `apply(pairs, lr)`: the update from the pairs (every rank's, in (rank, k) order) and the
-      optimizer's state; it reads nothing else, so ranks that apply the same pairs to the same
-      theta stay bitwise identical (distributed.py). Its estimate of the gradient is
-          g_hat = (1/n) sum_j g_j z_j      over the n = world x K pairs,
-      regenerated parameter by parameter (one parameter-sized buffer at a time, never the
-      model's). A step whose pairs hold a non-finite g is skipped (the same on every rank) and
-      counted in `skipped_steps`.
-`step(loss_fn, exchange, lr)` does both, `exchange` gathering the pairs of every rank
-(distributed.py; default: this process alone).
-
-Methods here (MeZO-SVRG in svrg.py, HELENE in helene.py), with the state they keep on top of
-the model, for P trainable elements:
-- "mezo": ZO-SGD (Malladi et al., arXiv 2305.17333, Algorithm 1): theta -= lr g_hat, applied
-  as theta += (-lr g_j / n) z_j pair after pair, in place. State: none.
-- "zo-momentum": heavy ball on g_hat: m = mu m + g_hat; theta -= lr m. State: m, P elements.
-- "zo-adam": Adam (Kingma & Ba, arXiv 1412.6980, Algorithm 1, bias-corrected) on g_hat.
-  State: m and v, 2P elements (the memory MeZO exists to avoid: 3x the model with it).
-- "sparse-mezo": Sparse MeZO (Liu et al., arXiv 2402.15751): z masked to the small-magnitude
-  entries of each tensor, the fraction `sparsity` of largest |theta| left unperturbed and
-  un-updated. Our choice: the state is one threshold per tensor (recomputed from theta every
-  `mask_every` steps), not a mask; the mask is |theta| <= threshold taken from theta at each
-  use (each probe's unperturbed theta, and once per tensor before its update), so entries
-  can cross the threshold between recomputations. State: one float per tensor.
-Transient memory of a step: the perturbation's (perturb.py: one module's parameters and one
-z); in `apply`, one z plus for the dense methods one estimate buffer (and Adam's
-temporaries) of one parameter at a time.
+MeZO (Malladi et al., arXiv 2305.17333, Algorithm 1), ZO-momentum, ZO-Adam (Kingma & Ba, arXiv
+1412.6980) and sparse MeZO (Liu et al., arXiv 2402.15751); MeZO-SVRG is svrg.py, HELENE
+helene.py. Updates, state and memory: docs/zeroth.md, "The methods" and "Memory".
 """
 
 from __future__ import annotations

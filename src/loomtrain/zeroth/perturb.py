@@ -1,35 +1,9 @@
-"""SPSA perturbations regenerated from seeds, applied in place during the forward.
+"""SPSA perturbations regenerated from seeds, applied in place during the forward, module by
+module, and restored bitwise.
 
-MeZO (Malladi et al., arXiv 2305.17333, Algorithm 1) estimates the gradient from two
-forwards, g = (L(theta + eps z) - L(theta - eps z)) / (2 eps) along z ~ N(0, I), and never
-stores z: it is regenerated from a seed whenever it is needed.
-
-Seeds. `mix_seed(*words)` folds 64-bit words through splitmix64 (Steele et al., "Fast
-splittable pseudorandom number generators", 2014): h = 0; for each word w, h =
-splitmix64(h xor w); the result is h >> 1 (63 bits, so it travels as a non-negative int64).
-z of the parameter with index i (its position in `model.named_parameters()`, tied parameters
-counted once) under seed s is `torch.randn` of the parameter's shape and dtype from a
-torch.Generator on the parameter's device seeded with mix_seed(s, i): it depends on the
-parameter's identity, not on the module that uses it or on the trainable subset, and it is
-the same on every rank of one device type (CPU and CUDA generators give different z).
-
-Exact restoration. Whole-model p += eps z; p -= 2 eps z; p += eps z in fp32 does not give p
-back: 46% of the elements of p ~ N(0, 0.02) differ by an ulp at eps = 1e-3 (docs/zeroth.md).
-So `Perturber.perturbed(seed, scale)` perturbs module by module during the forward: a forward
-pre-hook on every module that directly owns a trainable parameter saves a copy of those
-parameters and adds scale * z to them in place; the module's forward hook copies them back,
-bitwise. A parameter used by several modules (the GPT's head is tok_emb.weight) gets the same
-z at each use, so the forward computes f(theta + scale z) exactly; a parameter already
-perturbed by an enclosing use is left as it is (a depth count per parameter). Extra memory:
-the saved copies of the parameters of the modules on the forward stack plus one z, for a
-transformer about one Linear layer. The hooks exist only inside the context; the model is
-not changed. Requirement: a trainable parameter is used only inside the forward of a module
-that owns it directly (true for loomtrain's GPT, linear-attention GPT and MLP); a trainable
-parameter that no hook saw during a probed forward is refused with an error.
-
-Sparse MeZO (Liu et al., arXiv 2402.15751): with `thresholds` set, z of parameter i is
-masked to the entries with |theta| <= thresholds[i], i.e. the small-magnitude ones; the mask
-is taken from the unperturbed parameter at each use, so only one float per tensor is state.
+MeZO (Malladi et al., arXiv 2305.17333, Algorithm 1); sparse MeZO's masks (Liu et al., arXiv
+2402.15751). Seeds, why whole-model perturbation is not exact, the hooks and their
+requirement on models: docs/zeroth.md, "Exact restoration".
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """MeZO-SVRG: a periodic large-batch ZO estimate at a snapshot as the control variate of the
 minibatch estimates.
 
-Gautam et al., "Variance-reduced Zeroth-Order Methods for Fine-Tuning Language Models"
-(arXiv 2404.08080), Algorithm 1, with q = `svrg_every`:
-
-  step t with t mod q == 0 (a refresh, `refresh(loss_fns)`):
-      g_full = the SPSA estimate on the large batch at theta_t;  snapshot = theta_t;
-      theta_{t+1} = theta_t - mu_1 g_full
-  other steps (`step(loss_fn)`), one minibatch B and z for both projections:
-      g = proj_B(theta_t) z - proj_B(snapshot) z + g_full;  theta_{t+1} = theta_t - mu_2 g
-
-Here mu_2 is the step's lr and mu_1 = `svrg_lr_ratio` x lr. The large batch is the
-`loss_fns` given to `refresh` (each a forward on one batch; `svrg_batches` is how many the
-caller is asked to pass) on every rank. Its estimate uses K = n_perturbations directions
-whose seeds do not depend on the rank (stream 1 of perturb.step_seed), so that every rank's
-scalar for direction k measures the same SPSA difference on its own part of the large batch:
-each rank sends (seed_k, mean over its batches of g), and the large-batch scalar is the mean
-over ranks, g_k = (1/world) sum_r g_{r,k} in rank order; g_full = (1/K) sum_k g_k z_k. The
-minibatch pairs carry one scalar each, proj_B(theta) - proj_B(snapshot) for the same seed, so
-the exchange is the same world x K pairs on every step (distributed.py).
-
-Memory: the snapshot and g_full, each the size of the trainable parameters: 2P elements on
-top of the model (3x the trainable parameters in all), the price of the control variate. The
-snapshot is evaluated by swapping the parameters' storage with it (`Tensor.data`, no copy).
-Cost: a minibatch step runs 4 K forwards, a refresh 2 K x len(loss_fns).
+Gautam et al., arXiv 2404.08080, Algorithm 1. The update, how the large batch is split over
+ranks, memory and cost: docs/zeroth.md, "The methods".
 """
 
 from __future__ import annotations
