@@ -1,52 +1,8 @@
 """Checkpoints of the asynchronous parameter server (`[async] mode = "ps"`), and resuming them.
 
-Layout: the trainer's (train/checkpoint.py), written by the server alone (DCP without a process
-group: the workers never take part): `checkpoints/step_N.partial/`, then loom.json, then one
-rename to `checkpoints/step_N/`, then all but the newest `checkpoint.keep` deleted. N is the
-server's version. `loom export` and `loom generate` read it like any other checkpoint.
-
-What is saved:
-- "model", "optim": the parameters and the server's optimizer, as the trainer saves them;
-- "server_state": one `torch.save` blob of plain data, read back with `weights_only=True`:
-  `ParameterServer.state_dict()` (the version, which also places the lr schedule,
-  lr_at(version); each worker's step, the number of gradients received from it; the policy's
-  state: Ringleader's two tables, its phase and members) and the metrics' run-wide counts (the
-  staleness histogram and the applied gradients per worker; the arrivals one by one are not
-  kept). Its tensors (Ringleader's sums) are DCP entries of their own, "server_tensor.<i>",
-  each named in the blob by a marker: a blob holding them would be pickled twice over (once by
-  torch.save, once more by DCP, which saves non-tensor values with torch.save), measured at
-  twice the write time of the same bytes as tensors;
-- loom.json: the step, `"async"` (the policy), `"workers"`, `"server_only": true`, and
-  `"stopped_by"` after a signal.
-No RNG state: the server draws no random number, and a worker seeds its RNG from (run.seed,
-worker, step) before each gradient (train.py), so dropout needs no saved state either.
-
-When: inside the server's `on_update`, after the update it covers: every `checkpoint.every`
-updates and at the last update (train.steps, or the stop that SIGINT/SIGTERM causes); after
-the run only if it ended otherwise (every worker lost). So a checkpoint never counts a
-gradient that arrived after the last update.
-
-Cost: the write happens on the server's thread. While it writes the server answers nobody, so
-a worker that pushes meanwhile waits for its next parameters up to the write's duration (its
-PUSH itself lands in the receive posted for it; the others keep computing). The write is 4 x
-numel bytes for the parameters, the optimizer's state (AdamW: 8 x numel) and Ringleader's
-tables (up to 2 x W x 4 x numel), fsynced.
-
-Resume: the server restores model, optimizer and state before answering any worker, and every
-PARAMS reply carries the worker's step (protocol.py), so a worker started afresh continues at
-its next rows. The gradient each worker was computing at the save is lost and computed again
-(the same rows, on the checkpoint's parameters); with one worker nothing is in flight at a save
-(the server saves before it replies), so a resumed run repeats the uninterrupted one bitwise.
-A worker lost before the save is live again after a resume (new processes), but Ringleader's
-table keeps it out (ringleader.py). `check_resume` refuses, before anything is spawned or
-written, a checkpoint the run does not fit.
-
-Sharded servers (async.servers = S > 1, shard.py): server 0 writes one checkpoint, after the
-run (at its end or at a stop), of the whole model that it gathers from the other servers:
-loom.json adds `"servers": S`; no optimizer and no server state, so `loom export` and
-`loom generate` read it and `--resume` refuses it. The servers keep independent versions and
-never wait for one another, so no moment of the run holds a consistent state of all of them
-to save (config.py refuses checkpoint.every != 0 with S > 1).
+The server alone writes them, in the trainer's layout: the model, its optimizer and the
+server's state (its version, each worker's step, the policy's state). What is saved, when, the
+cost, resume and sharded servers: docs/async.md, "Checkpoints and resume" and "Sharded servers".
 """
 
 from __future__ import annotations

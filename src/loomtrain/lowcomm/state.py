@@ -1,16 +1,7 @@
 """Checkpoints of low-communication runs: one model, one outer state, each replica's own
-inner optimizer.
+inner optimizer, written only where the replicas are synchronized.
 
-A checkpoint is written only where the replicas are synchronized (the trainer calls
-`end_period()` before saving), so every replica's parameters are the global ones: the model
-entry ("model.<name>", as in any checkpoint) is the global model, written once (DCP keeps one
-copy of a key that several ranks write). DiLoCo's outer momentum is identical on every
-replica too: "lowcomm.momentum_buffer.<name>", written once. The inner optimizers (AdamW's
-moments) differ between replicas: each goes under its own key,
-"optim.replica<R>.state.<name>.exp_avg", ..., so a resume restores every replica's own state
-and continues the run as if it had not stopped. The price: a checkpoint resumes only at the
-same number of replicas, and only into a low-communication run (`loom export` and generation
-read the model entry like any other).
+The keys, resume and its limits: docs/lowcomm.md, "Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, every rank writes its own part.
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, every rank writes its own part;
+written atomically, and loaded without letting anything in the files run code.
 
-Layout: `RUN_DIR/checkpoints/step_00000100/` holds DCP's files (`__<rank>_0.distcp`, one per
-rank, and `.metadata`) plus `loom.json` (the step, the mesh it was written on, why it was
-written). What is saved: the model, the optimizer (state and param groups; a zeroth-order
-optimizer's `state_dict`, zeroth/) and every rank's RNG state. The LR schedule is a pure function of the step (`optim.lr_at`) and so is the data
-position (`data.sampler`), so the step number restores both.
-
-Atomicity: every rank writes into `step_N.partial/`; DCP fsyncs each file and writes
-`.metadata` last, on rank 0, after it has gathered every rank's write result. Only then does
-rank 0 write and fsync `loom.json` and rename the folder to `step_N/` (one rename, then an
-fsync of the parent folder). A crash at any point before the rename leaves a `.partial`
-folder, which is never listed as a checkpoint and which the next save removes. Old
-checkpoints are first renamed to `.trash` and then deleted, so a crash mid-delete never leaves
-a half-deleted folder under a checkpoint's name.
-
-Safe loading (nothing in a checkpoint can run code): DCP's `.metadata` is a pickle, read here
-by an unpickler that accepts only the classes a genuine one contains; non-tensor values (the
-optimizer's param groups) are read with `torch.load(weights_only=True)` before DCP sees them;
-tensors go through DCP's own `torch.load(weights_only=True)`.
+Layout, what is saved, atomicity, resume and safe loading: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Typed configuration, assembled from the components (train/components.py): one frozen
-pydantic model per TOML section, unknown keys rejected.
-
-The run's own sections ([run], [train], [checkpoint]) live here; [model] and [data] in their
-packages; every other key belongs to a component, which validates it. A section several
-components share ([parallel]) is the union of their parts. `load_config(path, overrides)`
-reads a TOML file (or nothing, for the defaults), applies `section.key=value` overrides,
-validates every section, each component's rules and the composition table, and raises
-`ConfigError` with a one-paragraph message on any problem.
+pydantic model per TOML section, unknown keys rejected; [run], [train] and [checkpoint] live
+here. How `load_config` assembles and validates it: docs/architecture.md, "The component
+interface"; every key: docs/config.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""`loom train --dry-run`: resolve the config, build the mesh and the data-parallel engine on a
-fake backend in this one process, estimate memory per rank and the collectives of one
-optimizer step, and train nothing (the single-process dry run of torchtitan's fake backend).
+"""`loom train --dry-run`: resolve the config, build the mesh and the engine on a fake backend
+in this one process, estimate memory per rank and the collectives of one optimizer step, and
+train nothing (the single-process dry run of torchtitan's fake backend).
 
-The estimates are pure functions of numbers (tested without processes): those of plain data
-parallel here, those of activations in parallel/pipeline/estimate.py (the whole model's are
-the sums of its layers'), those of the sharded engine in parallel/zero/estimate.py.
-`estimate(cfg)` feeds them with what the real code builds: the mesh (`build_mesh` over torch's
-fake process group, which accepts every collective and moves nothing), the model on the meta
-device (shapes without storage), and either the gradient buckets of `apply_data_parallel` (ZeRO
-stage 0 in fp32) or the ZeRO plan and unit layout of parallel/zero/ (`make_plan`, `find_units`,
-`assign_parameters`, `unit_layout`: the lengths, without allocating a buffer). With pp > 1, rank
-0's stages are cut first as the trainer cuts them, and the pipeline's own estimates (stages,
-the schedule's stash peaks, the point-to-point sends) come from parallel/pipeline/estimate.py.
-The text it prints: dryrun_text.py. Formulas and their sources: docs/dry-run.md.
+What it builds, where each estimate comes from, and the formulas: docs/dry-run.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """`loom export RUN_DIR --to safetensors`: the newest checkpoint's model, consolidated from
 every rank's DCP shard into one `.safetensors` file that needs only `safetensors` to read.
 
-The file holds the model's state_dict under its own names (`tok_emb.weight`, ...), every
-tensor full-size and contiguous, plus string metadata: the checkpoint and step it came from,
-the [model] config as JSON, and the tied weights.
-
-Tied weights (the GPT's output head *is* its token embedding): safetensors refuses tensors
-that share memory, and a reader should not need to know about ties to use the file. So both
-names are written, each as its own full copy, after checking that the checkpoint holds equal
-values for them; metadata `tied` (JSON, alias -> source name) records the tie, so a reader
-that ties them again may keep just one. The copy costs one vocab x d_model matrix on disk.
-
-A sparse run's checkpoint (sparsity/) also holds its masks: the file stays dense (masked
-weights are stored as zeros, readable by any reader), and metadata `loomtrain.sparsity`
-(JSON, weight name -> kept fraction) records each sparse layer's density. docs/sparsity.md
-measures what a sparse format would save on disk and in CPU time.
-
-Writing is atomic: the file is written next to its target as `NAME.tmp`, fsynced, then
-renamed over the target, so an interrupted export never leaves a truncated file under the
-final name.
+Names, metadata, tied weights, sparse runs and the atomic write: docs/checkpoints.md, "Export".
 """
 
 from __future__ import annotations

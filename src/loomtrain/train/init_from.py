@@ -1,31 +1,7 @@
-"""`[train] init_from = PATH`: a new run whose model starts from a checkpoint's weights.
+"""`[train] init_from = PATH`: a new run whose model starts from a checkpoint's weights, and
+from nothing else of it; every rank reads the whole model before the run's layout splits it.
 
-The run is otherwise fresh: step 0, a new optimizer (no moments), the LR schedule from its
-warmup, the data from its first batch; nothing but the model's tensors is read (not the
-optimizer, the step, the RNG states, nor low-communication or parameter-server state).
-
-PATH is a run folder (its newest complete checkpoint is used) or one checkpoint folder
-(`RUN_DIR/checkpoints/step_N`), written by the synchronous trainer (train/checkpoint.py) or
-by the asynchronous parameter server (asyncsgd/state.py, `"server_only"` in its loom.json):
-both keep the model as DCP entries "model.<name>" of whole, unsharded tensors, whatever the
-engine, tensor/pipeline split, ZeRO stage or rank count that wrote them.
-
-How: every rank reads the whole model (DCP without a process group, as `loom export` does:
-`checkpoint.load_model_state`) into its freshly built model, before `parallelize` splits
-(tp, pp) or shards (ZeRO) it. So any layout of the new run starts from any layout of the old
-one: the resharding is the one every run already does from its initial weights. Cost: each
-rank reads the checkpoint's model tensors once and holds them as full CPU tensors until they
-are copied (4 bytes per parameter, once, at the start).
-
-Checks (`resolve_init_from`, called by the CLI before any process starts or any file is
-written; CheckpointError, exit 2): PATH exists and resolves to a complete checkpoint, which
-`checkpoint.verify` accepts, whose model tensors have the names and shapes of the model this
-config builds (compared on the meta device: no memory, no initialization). The resolved
-checkpoint folder replaces PATH in the run's config.toml, so the run names exactly the
-weights it started from even after the source run has written newer checkpoints.
-
-`--resume` of such a run loads its own checkpoints and never reads `init_from` again (the
-checkpoint it names may be gone by then).
+PATH, the checks, the cost and resume: docs/finetune.md, "train.init_from".
 """
 
 from __future__ import annotations

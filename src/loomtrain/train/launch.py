@@ -1,15 +1,8 @@
-"""Process start-up: torch's elastic launcher on one machine, or joining a torchrun job.
+"""Process start-up: torch's elastic launcher on one machine, or joining a torchrun job (one
+process runs in place); `loom train`'s signals forwarded to the workers; the parameter
+server's own launcher, which outlives a dead worker.
 
-- `loom train` outside torchrun spawns `parallel.nproc` workers through
-  `torch.distributed.launcher.api.elastic_launch` (c10d rendezvous on 127.0.0.1, no restarts).
-- Under `torchrun ... -m loomtrain train CONFIG` the environment (RANK, WORLD_SIZE,
-  MASTER_ADDR, ...) already describes the job; the worker joins it.
-- One process (nproc = 1) runs in place on a one-rank gloo group, so the single-process oracle
-  uses the same code path as every parallel run.
-- `loom train`'s own SIGINT/SIGTERM go to the workers (`launch_forwarding_signals`), which save
-  a checkpoint at the next step boundary and exit normally.
-- A parameter-server run (`[async] mode = "ps"`) outside torchrun spawns and watches its ranks
-  itself (`launch_tolerant`): a dead worker is reported and the run goes on without it.
+Details: docs/training.md, "Processes"; signals: docs/checkpoints.md, "Signals".
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""What a run learns, decided by `data.source`: next-token prediction on text (every source
-but one), or classification of scikit-learn's digits (`"digits"`, data/digits.py).
-
-The trainer, and any other loop over the same config (the zeroth-order one), asks this
-module for the three things that differ between the two:
-- `build_task_model(cfg)`: the language model of [model], or for digits the classifier
-  (`model.name = "mlp"`: 64 features -> d_model -> residual blocks -> 10 logits);
-- `load_task_data(cfg, dp)`: a `TaskData`, train and validation samplers with one interface,
-  `batch(samples) -> (inputs, targets)`, read through the trainer's `rank_samples` and
-  `eval_samples`, and `targets_per_row` (seq_len, or 1 example) for throughput;
-- nothing for the loss: `token_loss_sum` (or what `parallelize` returns) sums the
-  cross-entropy over the targets that are not IGNORE_INDEX, which for a classifier's
-  [n, 10] logits and [n] labels is the sum over examples, and the trainer divides by the
-  global target count, so `loss` and `val_loss` are per token or per example alike.
-`is_classification(cfg)` tells the evaluation to count correct predictions (`val_accuracy`).
+"""What a run learns, decided by `data.source`: next-token prediction on text, or
+classification of scikit-learn's digits (`"digits"`, data/digits.py). The model and the data
+of each; the loss is the same for both. docs/finetune.md, "For code: the pieces another
+training loop reuses".
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """The backprop training loop every rank runs (`train_backprop`; train/run.py chooses it by
 mode), and the pieces the zeroth-order and parameter-server loops share with it.
 
-The loop knows no technique: it builds the run from the components (train/apply.py) and calls
-their hooks (loomtrain/component.py) in their order. One optimizer step:
-1. the step's micro-batches for this dp rank come from the sampler (a pure function of step);
-2. one small all-reduce carries the global target-token count and the "stop" flag (SIGINT or
-   SIGTERM on any rank), so every rank agrees on both before any gradient work;
-3. `before_step` hooks; micro-batches run forward/backward (or a component runs them: a
-   pipeline schedule, SAM's passes), all but the last under `no_sync()`; each loss is the
-   token-summed cross-entropy divided by the global token count (or a component's count),
-   and the engine sums gradients over dp, so the gradient equals the single-process one;
-4. gradients are clipped; a non-finite gradient norm (identical on every rank after the
-   all-reduce) skips the step, and too many in a row abort the run;
-5. the optimizer steps, then `after_update` and `after_step` hooks; the loss is all-reduced
-   only on logged steps, with each component's `metrics`.
-
-What is learnt comes from train/task.py: the model and the samplers for `data.source` (text
-windows, or labelled examples for the digits classifier, whose "tokens" are examples). A run
-with `train.init_from` loads that checkpoint's weights into the model before `parallelize`
-splits it (train/init_from.py), and validates it once before its first step.
+The loop knows no technique: it calls the components' hooks in their order. One step:
+docs/training.md, "One step"; the loop: docs/architecture.md, "The run loop".
 """
 
 from __future__ import annotations

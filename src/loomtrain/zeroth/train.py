@@ -1,36 +1,7 @@
 """`loom train` with `[optim] name` a zeroth-order method: `train_zeroth`, which run.train_loop
-calls, trains from forward passes alone (docs/zeroth.md, "Training with loom train").
-
-Every rank holds the whole fp32 model, unwrapped (config refuses tp, pp, cp, ZeRO, bf16 and
-the other engines: train/config.py `_check_optim`), with requires_grad off on every parameter:
-no backward can run and no gradient buffer exists, so memory is inference's plus the method's
-state (docs/zeroth.md, "Memory"). `optim.trainable` selects the parameters the method
-perturbs and updates (all by default); the others are never written.
-
-One step t on dp ranks:
-1. this rank's rows are the synchronous trainer's (batches.batches_of_step: global_batch / dp rows,
-   in micro-batches), and `loss_fn` is their mean target loss (micro-batches summed, divided
-   by this rank's target count) under torch.no_grad. A MeZO-SVRG refresh takes the rows of
-   steps t .. t + svrg_batches - 1, one loss function each: the large batch;
-2. `opt.step(loss_fn, exchange, lr)` (`opt.refresh(loss_fns, ...)` when `needs_refresh()`):
-   this rank's probes, the all-gather of every rank's (seed, scalar) pairs and the same update
-   on every rank, which stay bitwise identical (distributed.py); lr = lr_at(t) of train's
-   schedule (warmup, cosine) with peak optim.lr (default train.lr);
-3. one all-reduce of 3 float64 (this rank's loss x targets, its targets, its stop flag): the
-   step's loss over the global batch, and whether any rank got SIGINT/SIGTERM, in which case
-   the step's checkpoint is saved and the run ends, as the trainer's does.
-Wire bytes per rank and step: the pair exchange, `pair_exchange_bytes(dp, K)["wire"]` =
-(dp - 1) x K x 12 (op "all_gather"), and the control, 2 (dp - 1) / dp x 24 (op
-"all_reduce"); an evaluated step adds validation's all-reduce. Nothing scales with the model.
-
-A step whose exchanged scalars hold a NaN or infinity is skipped by the optimizer, on every
-rank alike; run.max_nonfinite_steps in a row end the run (NonFiniteError, exit code 3).
-
-Checkpoints: the trainer's layout (train/checkpoint.py; "optim" holds the optimizer's
-`state_dict()`, loom.json's "optim" names the method), every checkpoint.every steps, at the
-end and on a stop. `loom export` and `loom generate` read their model like any other;
-`--resume` restores the model, the optimizer (step, forward count, method state) and the RNG
-states and continues bitwise: data, lr and seeds are functions of the step (and the rank).
+calls, trains from forward passes alone (MeZO, Malladi et al., arXiv 2305.17333), the dp ranks
+exchanging only seeds and scalars. The step, its bytes, checkpoints and what is refused:
+docs/zeroth.md, "Training with loom train".
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """ZeRO checkpoints in the same layout as an unsharded one, so any run can load any other.
 
-The state dict has the keys and full shapes of `get_state_dict(model, optimizer)` on the
-unsharded model ("model.blocks.0.attn.qkv.weight", "optim.state.<name>.exp_avg", ...), but
-every sharded tensor is a `Boxes` (parallel/placement.py): this rank's contiguous slice of
-it, as the rectangular boxes that tile the slice, in the coordinates of the full tensor (also
-when tensor parallelism split the parameter first). DCP stores boxes as chunks with their
-offsets and, on load, reads for each rank whatever part of the saved chunks overlaps the
-boxes it asks for. So a checkpoint written by 4 ranks at stage 3 loads into 2 ranks at stage 1, into plain data
-parallel, and back (resharding), and `loom export` reads it like any other.
-
-Saved values: the fp32 master weights (the weights of a bf16 run), the optimizer state of
-every slice, the optimizer's hyperparameters, buffers. Where the optimizer range is the same
-on several ranks (hierarchical, optimizer state split inside the node only), only the first
-replica writes it; every rank reads its own.
+Each rank writes its slice of every tensor as boxes of the full tensor (parallel/placement.py),
+which DCP reshards on load. What is saved and how: docs/zero.md, "Checkpoints and resharding".
 """
 
 from __future__ import annotations
