@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from loomtrain.component import Component, Composition, Refusal, Section, Switch
+from loomtrain.component import Component, Refusal, Section, Switch
+from loomtrain.composition import Composition
 from loomtrain.errors import ConfigError
 from loomtrain.train.components import COMPONENTS
 from loomtrain.train.config import Config, assemble, config_from_dict, load_config

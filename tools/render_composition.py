@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from loomtrain.component import Composition
+from loomtrain.composition import Composition
 from loomtrain.train.components import COMPONENTS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "composition.md"

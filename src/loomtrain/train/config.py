@@ -13,7 +13,8 @@ from typing import Any, ClassVar, Literal
 import tomli_w
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from loomtrain.component import Component, Composition, Section
+from loomtrain.component import Component, Section
+from loomtrain.composition import Composition
 from loomtrain.data.config import DataConfig
 from loomtrain.errors import ConfigError
 from loomtrain.models.config import ModelConfig
