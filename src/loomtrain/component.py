@@ -273,3 +273,17 @@ def refuse_unread(name: str, section: BaseModel, selector: str, table: dict, key
         raise ValueError(f"{name}.{unread[0]} is not read by {name}.{selector}={chosen!r}; it is a "
                          f"setting of {', '.join(repr(m) for m in readers)}: set {name}.{selector} "
                          "to one of them or leave the key at its default")
+
+
+class EngineTimeline:
+    """The timeline hooks of a replica engine that records its own spans (`model.timeline`):
+    mixed into its component (ZeRO, the low-communication replicas)."""
+
+    @classmethod
+    def start_timeline(cls, built: Built, timeline) -> bool:
+        return start_engine_timeline(built, timeline)
+
+    @classmethod
+    def write_timeline(cls, built: Built, timeline, run_dir, step: int, mesh) -> dict:
+        return write_engine_timeline(built, timeline, run_dir, step, mesh)
+

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from loomtrain.component import (REPLICATE, Built, Component, Refusal, Section, Switch, changed_keys,
-                                 start_engine_timeline, write_engine_timeline)
+from loomtrain.component import (REPLICATE, Built, Component, EngineTimeline, Refusal, Section, Switch,
+                                 changed_keys)
 
 # the [lowcomm] keys each algorithm reads; a key set away from its default for an algorithm
 # that does not read it is refused (it would be silently ignored)
@@ -68,7 +68,7 @@ class LowcommConfig(Section):
 _REPLICAS = "its replicas are whole fp32 models over dp"
 
 
-class Lowcomm(Component):
+class Lowcomm(EngineTimeline, Component):
     """Low-communication replicas run today as plain fp32 replicas of the whole model over dp,
     each on its own rows, checkpointed only where they are synchronized."""
 
@@ -112,14 +112,6 @@ class Lowcomm(Component):
     @classmethod
     def before_save(cls, built: Built) -> None:
         built.model.end_period()  # a stop between syncs: one model to save
-
-    @classmethod
-    def start_timeline(cls, built: Built, timeline) -> bool:
-        return start_engine_timeline(built, timeline)  # the engine records its own spans
-
-    @classmethod
-    def write_timeline(cls, built: Built, timeline, run_dir, step: int, mesh) -> dict:
-        return write_engine_timeline(built, timeline, run_dir, step, mesh)
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -7,8 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loomtrain.component import (REPLICATE, Built, Component, Section, Switch, start_engine_timeline,
-                                 write_engine_timeline)
+from loomtrain.component import REPLICATE, Built, Component, EngineTimeline, Section, Switch
 
 
 class ZeroKeys(Section):
@@ -20,7 +19,7 @@ class ZeroKeys(Section):
     shard_units: list[str] = []  # ZeRO units as module-name patterns; empty: ModuleList children
 
 
-class Zero(Component):
+class Zero(EngineTimeline, Component):
     """ZeRO stages 1-3, flat or hierarchical; its keys need a stage (shard_units also serves
     bf16, which runs in the same engine)."""
 
@@ -57,14 +56,6 @@ class Zero(Component):
         from loomtrain.parallel.zero.state import ZERO
 
         built.replicated, built.layout = True, ZERO
-
-    @classmethod
-    def start_timeline(cls, built: Built, timeline) -> bool:
-        return start_engine_timeline(built, timeline)  # the engine records its own spans
-
-    @classmethod
-    def write_timeline(cls, built: Built, timeline, run_dir, step: int, mesh) -> dict:
-        return write_engine_timeline(built, timeline, run_dir, step, mesh)
 
     @classmethod
     def validate(cls, cfg) -> None:
