@@ -107,12 +107,12 @@ def test_mezo_on_two_ranks_exchanges_only_pairs_and_stays_identical(tmp_path, co
     ranks = run_world(_train, 2, [tree], timeout_s=180)
     records = ranks[0][0]["records"]
     _assert_loss_falls(records)
-    # every record covers one step (log_every=1): one all-gather of the pairs and the control
-    # all-reduce of 3 float64. What runs after a record's meter reading lands in the next
+    # every record covers one step (log_every=1): one all-gather of the pairs, the control
+    # all-reduce of 2 float64 (tokens, stop flag) and the logged loss (1 float64). What runs after a record's meter reading lands in the next
     # record: after step 75's, validation's all-reduce (2 float64) and the checkpoint's barrier
     # (an all-reduce of 1 float32); DCP's own collectives are not loomtrain's to count
     pairs = pair_exchange_bytes(2, 1)["wire"]
-    control = comm.wire_bytes("ring_all_reduce", 3 * 8, 2)
+    control = comm.wire_bytes("ring_all_reduce", 2 * 8, 2) + comm.wire_bytes("ring_all_reduce", 8, 2)
     after_75 = comm.wire_bytes("ring_all_reduce", 2 * 8, 2) + comm.wire_bytes("ring_all_reduce", 4, 2)
     assert pairs == 12 and control == 24
     for r in records:
@@ -179,7 +179,7 @@ def test_every_method_trains_end_to_end_on_two_ranks(every_method, name):
     records = runs[0]["records"]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     k = METHOD_KEYS.get(name, {}).get("n_perturbations", 1)
-    control = comm.wire_bytes("ring_all_reduce", 3 * 8, 2)
+    control = comm.wire_bytes("ring_all_reduce", 2 * 8, 2) + comm.wire_bytes("ring_all_reduce", 8, 2)
     barrier = comm.wire_bytes("ring_all_reduce", 4, 2)  # step 3's checkpoint, in record 4
     for r in records:
         assert r["comm_bytes"]["all_gather"] == pair_exchange_bytes(2, k)["wire"] == 12 * k
@@ -237,17 +237,18 @@ def _signalled(rank, world, tree):
         trainer.save = real_save
 
 
-def test_a_signal_to_one_rank_stops_every_rank_after_saving(tmp_path, corpus):
+def test_a_signal_to_one_rank_stops_every_rank_before_the_next_step(tmp_path, corpus):
     tree = _zo_tree(tmp_path, corpus, train={"steps": 8}, parallel={"nproc": 2},
                     checkpoint={"every": 3, "keep": 5})
     assert run_world(_signalled, 2, tree, timeout_s=120) == [0, 0]
     run_dir = Path(tree["run"]["dir"]) / "zo"
-    # the stop rides in step 4's control all-reduce: both ranks finish step 4, save it, return
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    # the stop rides in step 4's control all-reduce, before its probes: both ranks stop
+    # before step 4, as in every mode (test_stop.py); step 3's checkpoint already holds them
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
     saved = checkpoint.list_checkpoints(run_dir)
-    assert [p.name for p in saved] == ["step_00000003", "step_00000004"]
+    assert [p.name for p in saved] == ["step_00000003"]
     meta = checkpoint.read_meta(saved[-1])
-    assert meta["stopped_by"] == "SIGTERM" and meta["optim"] == "mezo"
+    assert meta["step"] == 3 and meta["optim"] == "mezo"
 
 
 def _nonfinite(rank, world, tree):

@@ -14,7 +14,8 @@ from loomtrain import comm
 from loomtrain.errors import UserError
 from loomtrain.train.config import Config, config_from_dict
 from loomtrain.train.launch import init_distributed, shutdown
-from loomtrain.train.trainer import NonFiniteError, StopFlag, train_backprop
+from loomtrain.train.backprop import train_backprop
+from loomtrain.train.trainer import NonFiniteError, StopFlag
 
 
 def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:

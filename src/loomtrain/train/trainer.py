@@ -1,7 +1,8 @@
-"""The backprop training loop every rank runs (`train_backprop`; train/run.py chooses it by
-mode), and the pieces the zeroth-order and parameter-server loops share with it.
+"""One training step of what `build` built (`step`), and what every mode of the run loop
+(train/loop.py) shares: validation, checkpoints and their restore, the control all-reduce,
+the non-finite streak, the first log lines and the stop flag.
 
-The loop knows no technique: it calls the components' hooks in their order. One step:
+The step knows no technique: it calls the components' hooks in their order. One step:
 docs/training.md, "One step"; the loop: docs/architecture.md, "The run loop".
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from pathlib import Path
 
 import torch
@@ -20,16 +20,13 @@ from loomtrain.component import Built
 from loomtrain.data import eval_samples
 from loomtrain.errors import CheckpointError
 from loomtrain.models import IGNORE_INDEX, token_loss_sum
-from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.parallel.state import PLAIN
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
-from loomtrain.train.apply import build
-from loomtrain.train.batches import batches_of_step, load_rows, target_tokens
 from loomtrain.train.config import Config, config_to_toml
-from loomtrain.train.init_from import load_init_weights
-from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
-from loomtrain.train.task import build_task_model, is_classification, load_task_data
+from loomtrain.train.batches import load_rows, target_tokens
+from loomtrain.train.metrics import RunLog, peak_mem_bytes
+from loomtrain.train.task import is_classification
 
 
 class NonFiniteError(RuntimeError):
@@ -190,21 +187,6 @@ def _control(batches, stop: StopFlag, mesh, shares: int = 1) -> tuple[float, boo
     return float(control[0]) / replicas, bool(control[1])
 
 
-def _record(done: int, loss_sum, global_tokens: float, lr: float, grad_norm, stepped: bool,
-            mesh, tokens_per_s: float) -> dict:
-    """One metrics.jsonl record; the loss all-reduce happens only on logged steps (over pp
-    too: the pipeline's last stage holds the loss; over cp: each peer has its tokens' loss).
-    With a simulated inter-node link, also this rank's simulated link seconds since the
-    previous record, and of those the seconds it waited (not hidden by computation)."""
-    for axis in ("dp", "cp", "pp"):
-        comm.all_reduce(loss_sum, mesh, axis)
-    rec = {"step": done, "loss": float(loss_sum) / global_tokens, "lr": lr,
-           "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s, **measured(mesh)}
-    if not stepped:
-        rec["skipped"] = True
-    return rec
-
-
 def measured(mesh) -> dict:
     """A record's wire bytes per op since the previous record and this process's peak memory;
     with a simulated link, also its simulated seconds and the seconds waited on it."""
@@ -213,110 +195,6 @@ def measured(mesh) -> dict:
         rec["comm_simulated_s"] = round(mesh.meter.take_simulated()["total"], 6)
         rec["comm_link_wait_s"] = round(mesh.meter.take_link_wait(), 6)
     return rec
-
-
-def train_backprop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
-    """Every rank of a run with `optim.name = "backprop"` and no parameter server calls this
-    (run.train_loop does)."""
-    device = mesh.device
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.run.seed)
-    data = load_task_data(cfg, mesh.size("dp"))  # text windows or labelled examples
-    train_data, val_data = data.train, data.val
-    model = build_task_model(cfg).to(device)
-    parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    init = None  # a fresh run from a checkpoint's weights: before any layout splits them
-    if resume is None and cfg.train.init_from is not None:
-        init = load_init_weights(model, cfg)
-    # the components take the model in the apply order and leave it wrapped, with its
-    # optimizer (built after the split, rebuilt by ZeRO over this rank's shard) and the loss
-    # its outputs need; the checkpoint then loads into the wrapped pair
-    built = build(model, mesh, cfg, lambda m: build_optimizer(m, cfg.train))
-    start = 0
-    if resume is not None:
-        start = restore(built, resume)["step"]
-        if mesh.rank == 0:  # only now that the checkpoint fits: a failed resume changes nothing
-            truncate_metrics(run_dir, start)
-            write_config(run_dir, cfg)  # with the resume's --set overrides
-    log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
-    log_start(log, f"{data.description}; {parameters:,} parameters", mesh, start, resume, init,
-              lambda: validate(built, val_data, device))
-    for component in built.applied:
-        line = component.describe(built)
-        if line is not None:
-            log.message(line)
-    tokens_per_step = cfg.train.global_batch * data.targets_per_row
-    ranks = loaded_ranks(built)
-    nonfinite, window_t0, window_steps = 0, time.perf_counter(), 0
-    loop_t0 = window_t0  # each record's elapsed_s counts from here
-    saved_at = start  # the newest checkpoint (if any) holds the state after this step
-    mesh.meter.take()
-    mesh.meter.take_simulated()
-    mesh.meter.take_link_wait()
-    try:
-        for step_index in range(start, cfg.train.steps):
-            step_t0 = time.perf_counter()
-            batches = batches_of_step(train_data, cfg, mesh, step_index, device, ranks)
-            global_tokens, stopping = _control(batches, stop, mesh, len(ranks))
-            if stopping:
-                name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
-                if step_index > saved_at:
-                    save(built, run_dir, step_index, {"stopped_by": name})
-                log.message(f"stopped by {name} before step {step_index + 1}; " + (
-                    f"checkpoint step {step_index} is saved; continue with: loom train --resume "
-                    f"{run_dir}" if step_index else "no step was done, so there is no checkpoint"))
-                return 0
-            lr = lr_at(step_index, cfg.train)
-            set_lr(built.optimizer, lr)
-            timeline = _start_timeline(built, step_index)
-            local_tokens = target_tokens(batches)
-            loss_tokens = first(c.loss_tokens(built, local_tokens, global_tokens)
-                                for c in built.applied)
-            loss_tokens = global_tokens if loss_tokens is None else loss_tokens
-            for component in built.applied:
-                component.before_step(built, step_index)
-            loss_sum, grad_norm, stepped = step(built, batches, loss_tokens, cfg.train.grad_clip)
-            done = step_index + 1
-            for component in built.applied:
-                component.after_step(built, done, done == cfg.train.steps, loss_sum, loss_tokens)
-            figures = {}
-            if timeline is not None:
-                owner, recorder = timeline
-                figures = owner.write_timeline(built, recorder, run_dir, step_index, mesh)
-            nonfinite = nonfinite_streak(nonfinite, stepped, done, cfg, log, "loss or gradient")
-            window_steps += 1
-            loss = None
-            is_eval = done % cfg.run.eval_every == 0 or done == cfg.train.steps
-            if is_eval or done % cfg.run.log_every == 0:  # an evaluated step is always logged
-                rec = _record(done, loss_sum, global_tokens, lr, grad_norm, stepped, mesh,
-                              window_steps * tokens_per_step / (time.perf_counter() - window_t0))
-                loss = rec["loss"]
-                rec["elapsed_s"] = round(time.perf_counter() - loop_t0, 3)
-                rec.update(figures)
-                for component in built.applied:  # each technique's own figures
-                    rec.update(component.metrics(built, is_eval))
-                if is_eval:
-                    rec.update(validate(built, val_data, device))
-                log.record(rec)
-                window_t0, window_steps = time.perf_counter(), 0
-            log.advance(loss, tokens_per_step / (time.perf_counter() - step_t0))
-            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-                save(built, run_dir, done)
-                saved_at = done
-        return finish(built, run_dir, start, log)
-    finally:
-        log.close()
-
-
-def finish(built: Built, run_dir: Path, start: int, log: RunLog) -> int:
-    """After the loop: the last step's checkpoint, or why a resumed run had nothing to do."""
-    steps = built.cfg.train.steps
-    if start < steps:
-        save(built, run_dir, steps)
-    else:
-        log.message(f"nothing to do: the checkpoint is at step {start}, train.steps="
-                    f"{steps} (raise it with --set train.steps=N to continue)")
-    return 0
 
 
 def log_start(log: RunLog, description: str, mesh, start: int, resume: Path | None,
@@ -352,7 +230,7 @@ def nonfinite_streak(streak: int, stepped: bool, done: int, cfg: Config, log: Ru
     return streak
 
 
-def _start_timeline(built: Built, step_index: int):
+def start_timeline(built: Built, step_index: int):
     """Step `run.timeline_step` (counted from 1) records its timeline, if a component records
     (the pipeline runtime its actions, the ZeRO engine its units): (that component, the
     Timeline) or None."""

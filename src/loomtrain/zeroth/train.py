@@ -7,57 +7,78 @@ docs/zeroth.md, "Training with loom train".
 from __future__ import annotations
 
 import fnmatch
-import signal
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from loomtrain import comm
 from loomtrain.component import Built
 from loomtrain.errors import CheckpointError, ConfigError
 from loomtrain.models import token_loss_sum
 from loomtrain.optim import lr_at
-from loomtrain.train import checkpoint, trainer
+from loomtrain.train import checkpoint
 from loomtrain.train.batches import batches_of_step, target_tokens
 from loomtrain.train.init_from import load_init_weights
-from loomtrain.train.metrics import RunLog, truncate_metrics
-from loomtrain.train.task import build_task_model, load_task_data
-from loomtrain.train.trainer import log_start, nonfinite_streak, validate, write_config
+from loomtrain.train.loop import Stepped, SyncMode, SyncStep, train_sync
+from loomtrain.train.task import build_task_model
 from loomtrain.zeroth import (STATE_PER_PARAMETER, SeedScalarExchange, ZOOptimizer,
                               build_zo_optimizer, hyper_keys)
 from loomtrain.zeroth.state import ZEROTH
 
 
+class ZerothMode(SyncMode):
+    """The zeroth-order mode of the run loop (train/loop.py): the plain model, no components;
+    a step probes the loss and the dp ranks exchange only seeds and scalars."""
+
+    nonfinite = "projected gradient"
+
+    def __init__(self, cfg, mesh, data, fresh: bool):
+        model = build_task_model(cfg).to(mesh.device)
+        if fresh and cfg.train.init_from is not None:
+            self.init = load_init_weights(model, cfg)
+        opt = build_optimizer(cfg, model)
+        # a checkpoint layout of its own; loom.json names the method, which alone resumes it
+        super().__init__(Built(model=model, mesh=mesh, cfg=cfg, loss_sum=token_loss_sum,
+                               optimizer=opt, layout=ZEROTH, meta={"optim": opt.name}), data)
+        self.description = f"{data.description}; {describe(model, opt)}"
+        self.exchange = KeptPairs(SeedScalarExchange(mesh, "dp"))
+        self.schedule = schedule(cfg)
+
+    def load(self, step: int):
+        """Step `step`'s rows (a refresh: those of steps step .. step + svrg_batches - 1)."""
+        opt, cfg, mesh = self.built.optimizer, self.cfg, self.mesh
+        refresh = opt.needs_refresh()
+        groups = [batches_of_step(self.data.train, cfg, mesh, step + b, mesh.device)
+                  for b in range(opt.svrg_batches if refresh else 1)]
+        return (groups, refresh), [batch for batches in groups for batch in batches]
+
+    def run(self, step: int, work) -> Stepped:
+        (groups, refresh), global_tokens = work
+        opt, model, exchange = self.built.optimizer, self.built.model, self.exchange
+        lr = lr_at(step, self.schedule)
+        skipped = opt.skipped_steps
+        targets = sum(target_tokens(batches) for batches in groups)
+        if refresh:
+            loss = opt.refresh([batch_loss(model, b) for b in groups], exchange, lr)
+        else:
+            loss = opt.step(batch_loss(model, groups[0]), exchange, lr)
+        loss_sum = torch.tensor(loss * targets, dtype=torch.float64, device=self.mesh.device)
+        return Stepped(opt.skipped_steps == skipped, global_tokens,
+                       detail=SyncStep(loss_sum, global_tokens, lr, self._fields))
+
+    def _fields(self) -> dict:
+        """zo_grad: the mean of the step's exchanged scalars (MeZO-SVRG: g(theta) -
+        g(snapshot) on minibatch steps, the large batch's g on a refresh); forward_passes: the
+        probes' forwards so far over all ranks (each runs the same ones)."""
+        grads = [p.grad for p in self.exchange.pairs]
+        return {"zo_grad": sum(grads) / len(grads),
+                "forward_passes": self.built.optimizer.forward_passes * self.mesh.size("dp")}
+
+
 def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     """Every rank of a run with a zeroth-order `optim.name` calls this (run.train_loop does)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.run.seed)
-    data = load_task_data(cfg, mesh.size("dp"))
-    model = build_task_model(cfg).to(mesh.device)
-    init = None
-    if resume is None and cfg.train.init_from is not None:
-        init = load_init_weights(model, cfg)
-    opt = build_optimizer(cfg, model)
-    # no components apply: the plain model, and a checkpoint layout of its own; loom.json
-    # names the method, which alone resumes it
-    built = Built(model=model, mesh=mesh, cfg=cfg, loss_sum=token_loss_sum, optimizer=opt,
-                  layout=ZEROTH, meta={"optim": opt.name})
-    start = 0
-    if resume is not None:
-        start = trainer.restore(built, resume)["step"]
-        if mesh.rank == 0:  # only now that the checkpoint fits: a failed resume changes nothing
-            truncate_metrics(run_dir, start)
-            write_config(run_dir, cfg)
-    log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
-    try:
-        log_start(log, f"{data.description}; {describe(model, opt)}", mesh, start, resume, init,
-                  lambda: validate(built, data.val, mesh.device))
-        return _steps(cfg, run_dir, built, data, stop, log, start)
-    finally:
-        log.close()
+    return train_sync(ZerothMode, cfg, run_dir, resume, mesh, stop)
 
 
 def build_optimizer(cfg, model: nn.Module) -> ZOOptimizer:
@@ -150,84 +171,3 @@ class KeptPairs:
     def __call__(self, pairs):
         self.pairs = self.exchange(pairs)
         return self.pairs
-
-
-def zo_step(opt: ZOOptimizer, model, data, cfg, mesh, step: int, exchange, lr: float
-            ) -> tuple[float, int]:
-    """Step `step` on this rank's rows (a refresh on those of steps step .. step +
-    svrg_batches - 1); returns (this rank's probed loss, its target count)."""
-    refresh = opt.needs_refresh()
-    groups = [batches_of_step(data.train, cfg, mesh, step + b, mesh.device)
-              for b in range(opt.svrg_batches if refresh else 1)]
-    targets = sum(target_tokens(batches) for batches in groups)
-    if refresh:
-        return opt.refresh([batch_loss(model, b) for b in groups], exchange, lr), targets
-    return opt.step(batch_loss(model, groups[0]), exchange, lr), targets
-
-
-def _control(loss: float, targets: int, stop, mesh) -> tuple[float, float, bool]:
-    """(the step's loss per target over the global batch, its global targets, whether any rank
-    got SIGINT/SIGTERM), agreed in one all-reduce."""
-    control = torch.tensor([loss * targets, targets, bool(stop.signum)], dtype=torch.float64,
-                           device=mesh.device)
-    comm.all_reduce(control, mesh, "dp")
-    return float(control[0] / control[1]), float(control[1]), bool(control[2])
-
-
-def _steps(cfg, run_dir: Path, built: Built, data, stop, log: RunLog, start: int) -> int:
-    model, opt, mesh = built.model, built.optimizer, built.mesh
-    exchange = KeptPairs(SeedScalarExchange(mesh, "dp"))
-    lrs = schedule(cfg)
-    nonfinite, saved_at = 0, start  # the newest checkpoint holds the state after saved_at
-    loop_t0 = window_t0 = time.perf_counter()
-    window_targets = 0.0
-    mesh.meter.take()
-    mesh.meter.take_simulated()
-    mesh.meter.take_link_wait()
-    for step in range(start, cfg.train.steps):
-        step_t0 = time.perf_counter()
-        lr = lr_at(step, lrs)
-        skipped = opt.skipped_steps
-        loss, targets = zo_step(opt, model, data, cfg, mesh, step, exchange, lr)
-        loss, targets, stopping = _control(loss, targets, stop, mesh)
-        done = step + 1
-        stepped = opt.skipped_steps == skipped
-        nonfinite = nonfinite_streak(nonfinite, stepped, done, cfg, log, "projected gradient")
-        window_targets += targets
-        is_eval = done % cfg.run.eval_every == 0 or done == cfg.train.steps
-        logged = None
-        if is_eval or done % cfg.run.log_every == 0:
-            now = time.perf_counter()
-            rec = _record(done, loss, lr, opt, exchange, mesh, window_targets / (now - window_t0),
-                          now - loop_t0, stepped)
-            if is_eval:
-                rec.update(validate(built, data.val, mesh.device))
-            log.record(rec)
-            logged, window_t0, window_targets = loss, time.perf_counter(), 0.0
-        log.advance(logged, targets / (time.perf_counter() - step_t0))
-        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < cfg.train.steps:
-            trainer.save(built, run_dir, done)
-            saved_at = done
-        if stopping and done < cfg.train.steps:
-            name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
-            if done > saved_at:
-                trainer.save(built, run_dir, done, {"stopped_by": name})
-            log.message(f"stopped by {name} after step {done}; checkpoint step {done} is saved; "
-                        f"continue with: loom train --resume {run_dir}")
-            return 0
-    return trainer.finish(built, run_dir, start, log)
-
-
-def _record(done: int, loss: float, lr: float, opt: ZOOptimizer, exchange: KeptPairs, mesh,
-            tokens_per_s: float, elapsed_s: float, stepped: bool) -> dict:
-    """One metrics.jsonl record. zo_grad: the mean of the step's exchanged scalars (MeZO-SVRG:
-    g(theta) - g(snapshot) on minibatch steps, the large batch's g on a refresh);
-    forward_passes: the probes' forwards so far over all ranks (each runs the same ones)."""
-    grads = [p.grad for p in exchange.pairs]
-    rec = {"step": done, "loss": loss, "lr": lr, "zo_grad": sum(grads) / len(grads),
-           "forward_passes": opt.forward_passes * mesh.size("dp"), "tokens_per_s": tokens_per_s,
-           **trainer.measured(mesh), "elapsed_s": round(elapsed_s, 3)}
-    if not stepped:
-        rec["skipped"] = True
-    return rec
-
