@@ -32,7 +32,7 @@ from test_async_runtime import LeastSquares
 from loomtrain import cli
 from loomtrain.asyncsgd import build_policy, run_worker, serve
 from loomtrain.asyncsgd.state import SERVER_STATE
-from loomtrain.asyncsgd.train import ServerMetrics
+from loomtrain.asyncsgd.train import ServerMode
 from loomtrain.mesh import build_mesh
 from loomtrain.train import checkpoint, run, trainer
 from loomtrain.train.config import config_from_dict
@@ -110,13 +110,14 @@ def _start(rank, cfg) -> Path:
     return run_dir
 
 
-def _sigterm_after_update_4(metrics, server):
-    real_after_update(metrics, server)
-    if server.version == 4:  # seen at the next update, which becomes the last
+def _sigterm_after_update_4(mode, step, work):
+    result = real_run(mode, step, work)
+    if mode.server.version == 4:  # seen at the step boundary: update 4 is the last
         os.kill(os.getpid(), signal.SIGTERM)
+    return result
 
 
-real_after_update = ServerMetrics.after_update
+real_run = ServerMode.run
 
 
 def _runs(rank, world, cfg, stopped_cfg, sync_cfg, aside):
@@ -128,9 +129,9 @@ def _runs(rank, world, cfg, stopped_cfg, sync_cfg, aside):
         shutil.move(checkpoint.step_dir(run_dir, 12), aside)
     run.run(cfg, run_dir, checkpoint.step_dir(run_dir, 6))
     if rank == 0:  # the server gets a SIGTERM
-        ServerMetrics.after_update = _sigterm_after_update_4
+        ServerMode.run = _sigterm_after_update_4
     stopped_dir = _start(rank, stopped_cfg)
-    ServerMetrics.after_update = real_after_update
+    ServerMode.run = real_run
     if rank == 0:  # before the resume's checkpoints replace it (checkpoint.keep = 2)
         stopped = [checkpoint.read_meta(p) for p in checkpoint.list_checkpoints(stopped_dir)]
     run.run(stopped_cfg, stopped_dir, checkpoint.list_checkpoints(stopped_dir)[-1])
@@ -193,8 +194,9 @@ def test_resumed_from_update_6_ends_as_the_uninterrupted_run_bitwise(runs):
 
 def test_a_stop_saves_the_server_and_the_resume_ends_as_the_uninterrupted_run(runs):
     _, _, aside, full, stopped_dir, stopped = runs
-    # SIGTERM after update 4: update 5 is the last, saved (checkpoint.every = 6 saved nothing)
-    assert [(m["step"], m["stopped_by"]) for m in stopped] == [(5, "SIGTERM")]
+    # SIGTERM after update 4: the run stops before update 5, as every mode does at a stop
+    # (test_stop.py), and saves update 4 (checkpoint.every = 6 saved nothing)
+    assert [(m["step"], m["stopped_by"]) for m in stopped] == [(4, "SIGTERM")]
     uninterrupted = _all_tensors(aside)
     resumed = _all_tensors(checkpoint.step_dir(stopped_dir, 12))
     for key, value in uninterrupted.items():

@@ -208,14 +208,26 @@ def test_bounded_staleness_can_deadlock_sharded_servers():
     assert deadlocked > 20, deadlocked  # measured: 117 of 200 with this seed
 
 
+class _StopAfterFirst:
+    """A StopFlag whose "signal" arrives once the first step is done: the run loop reads
+    `signum` once per step boundary."""
+
+    def __init__(self):
+        self.reads = 0
+
+    @property
+    def signum(self) -> int:
+        self.reads += 1
+        return signal.SIGTERM if self.reads > 1 else 0
+
+
 def _train_then_stop(rank, world, tree, root):
     """The run to its end, then the same run stopped as SIGINT/SIGTERM stops it (the flag set
-    before the first update, on every rank as the local launcher forwards it)."""
+    after the first update, on every rank as the local launcher forwards it)."""
     out = []
     for name in ("full", "stopped"):
         cfg = config_from_dict(tree)
-        stop = trainer.StopFlag()
-        stop.signum = signal.SIGTERM if name == "stopped" else 0
+        stop = _StopAfterFirst() if name == "stopped" else trainer.StopFlag()
         train_loop(cfg, Path(root) / name, None, init_distributed(cfg), stop)
         out.append(read_metrics(Path(root) / name) if rank == 0 else None)
     return out
@@ -255,7 +267,8 @@ def test_loom_train_with_two_servers_saves_the_whole_model(tmp_path, corpus):
     with pytest.raises(CheckpointError, match=r"async.servers=2: sharded parameter servers "
                                               r"cannot resume"):
         check_resume(cfg, saved)
-    # stopped: every server ends at its first update; the model is gathered and saved there
+    # stopped: every server stops before its second update (as every mode stops before the
+    # next step); the model is gathered and saved at update 1, with the run's summary record
     assert [(r["step"], r["server_versions"], "val_loss" in r) for r in stopped] \
         == [(1, [1, 1], True)]
     [saved] = checkpoint.list_checkpoints(tmp_path / "stopped")

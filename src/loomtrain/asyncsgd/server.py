@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -77,7 +77,7 @@ class _Peer:
 
 
 class ParameterServer:
-    """Server loop state; `serve()` is the entry point."""
+    """Server loop state; `build_server()` makes one, `serve()` runs one to its end."""
 
     def __init__(self, mesh, axis: str, params: torch.Tensor, policy, lr: float,
                  total_updates: int, worker_timeout_s: float, optimizer=None,
@@ -104,12 +104,23 @@ class ParameterServer:
         self.peers = [_Peer(channel=comm.MeshChannel(mesh, axis, servers + w))  # members S..
                       for w in range(mesh.size(axis) - servers)]
         self.worker_steps = [0] * len(self.peers)  # per worker: one after its last step that arrived
-        self.max_nonfinite: int | None = None  # serve() sets it
+        self.max_nonfinite: int | None = None  # build_server() sets it
         self.nonfinite_in_a_row = 0
         self.aborted: str | None = None
         self.inbox = Inbox()
 
     def run(self) -> ServerResult:
+        """Serve to the end, calling `on_update` after every update."""
+        for _ in self.updates():
+            if self.on_update is not None:
+                self.on_update(self)  # may lower total_updates to version: the run then stops
+        return self.result()
+
+    def updates(self) -> Iterator[None]:
+        """Serve until every worker is done or lost, yielding after each update, while the
+        worker whose gradient made it waits for its reply: what runs there (the run loop's
+        step boundary: records, checkpoints, a stop) sees the update and may end the run by
+        lowering `total_updates` to `version`."""
         for w in range(len(self.peers)):
             self._post(w, "pull", message(0), TAG_PULL)
         if self.rejoin is not None:
@@ -118,13 +129,13 @@ class ParameterServer:
             while any(p.expect not in ("done", "lost") for p in self.peers):
                 event = self.inbox.next(self._time_to_deadline())
                 if event is not None:
-                    self._on_event(*event)
+                    yield from self._on_event(*event)
                 if self._time_to_deadline() == 0.0:
                     # a deadline passed, also while events kept coming (a busy server): first
                     # serve what has already arrived, so a worker whose message waits in the
                     # queue is not dropped, then drop those still silent
                     while (queued := self.inbox.next(0)) is not None:
-                        self._on_event(*queued)
+                        yield from self._on_event(*queued)
                     self._expire()
         finally:
             if self.rejoin is not None:
@@ -133,6 +144,8 @@ class ParameterServer:
         if self.version < self.total_updates:
             log.error("async SGD stopped after %d of %d updates: every worker was lost (%s)",
                       self.version, self.total_updates, self.lost)
+
+    def result(self) -> ServerResult:
         return ServerResult(self.params, self.version, self.staleness, self.lost, self.reports,
                             self.membership, self.aborted, self.accumulation)
 
@@ -155,7 +168,8 @@ class ParameterServer:
                 self._lose(w, f"no message within worker_timeout_s={self.timeout_s} "
                               f"(expected {peer.expect})")
 
-    def _on_event(self, key: tuple[int, int], what: str, error: Exception | None) -> None:
+    def _on_event(self, key: tuple[int, int], what: str, error: Exception | None
+                  ) -> Iterator[None]:
         w, generation = key
         if what == "rejoin":  # from the rejoin host: (worker, request's generation), no error
             self._on_rejoin_request(w, generation)
@@ -173,16 +187,17 @@ class ParameterServer:
         if peer.expect == "stopping":
             peer.expect, peer.deadline = "done", None
             return
-        if peer.expect == "push":
-            self._on_gradient(w, peer.inbox)
+        if peer.expect == "push" and self._on_gradient(w, peer.inbox):
+            yield  # an update: `updates()` hands it to its caller
         peer.expect, peer.deadline = "wait", None
         self.pulled.pop(w, None)  # it computes nothing until its next reply
         self.waiting.append(w)
         self._answer_waiting()
 
-    def _on_gradient(self, w: int, msg: Message) -> None:
-        """Apply one PUSH through the policy. The policy owns `msg.body`: every posted receive
-        gets a fresh buffer, so a policy may keep the gradient (a gradient table)."""
+    def _on_gradient(self, w: int, msg: Message) -> bool:
+        """Apply one PUSH through the policy; whether it made an update. The policy owns
+        `msg.body`: every posted receive gets a fresh buffer, so a policy may keep the
+        gradient (a gradient table)."""
         pulled_version = int(msg.header[VERSION])
         arrived_at = self.version
         update, outcome = None, "late"
@@ -203,8 +218,7 @@ class ParameterServer:
         self.accumulation.append(read_count(msg))
         log.debug("worker %d step %d: pulled v%d, arrived at v%d, %s", w,
                   int(msg.header[STEP]), pulled_version, arrived_at, outcome)
-        if update is not None and self.on_update is not None:
-            self.on_update(self)  # may lower total_updates to version: the run then stops
+        return update is not None
 
     def _on_nonfinite(self, w: int, step: int) -> None:
         self.nonfinite_in_a_row += 1
@@ -331,14 +345,19 @@ class ParameterServer:
         return None
 
 
-def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
-          worker_timeout_s: float = 60.0, axis: str = "world", optimizer=None,
-          lr_schedule: Callable[[int], float] | None = None,
-          on_update: Callable[[ParameterServer], None] | None = None,
-          rejoin: comm.PairHost | None = None, state: dict | None = None,
-          max_nonfinite: int | None = None, servers: int = 1) -> ServerResult:
-    """Run the parameter server on member 0 of `axis` until `total_updates` updates are
-    applied; members 1.. run `worker.run_worker`. `params`: the initial parameters (copied,
+def serve(mesh, params: torch.Tensor, policy, **options) -> ServerResult:
+    """`build_server(...).run()`: serve to the end, calling `on_update` after each update."""
+    return build_server(mesh, params, policy, **options).run()
+
+
+def build_server(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
+                 worker_timeout_s: float = 60.0, axis: str = "world", optimizer=None,
+                 lr_schedule: Callable[[int], float] | None = None,
+                 on_update: Callable[[ParameterServer], None] | None = None,
+                 rejoin: comm.PairHost | None = None, state: dict | None = None,
+                 max_nonfinite: int | None = None, servers: int = 1) -> ParameterServer:
+    """The parameter server of member 0 of `axis`, to serve (`run()` or `updates()`) until
+    `total_updates` updates are applied; members 1.. run `worker.run_worker`. `params`: the initial parameters (copied,
     flattened to fp32). `servers`: with S > 1 the parameters are sharded (shard.py): this is
     server s, member s < S, `params` is its slice, and its workers are members S..; the
     others run `serve` on their slices. `policy`: has `may_start(worker, version, pulled)` and
@@ -349,8 +368,8 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
     tensor, then used in place, not copied) and whose gradients are views into `params.grad`;
     each update writes the direction there and steps with every group's lr = lr x lr_scale.
     `lr_schedule(version)`: the lr of the update made at `version` (default: `lr`).
-    `on_update(server)`: called after every update (metrics, evaluation, checkpoints); it may
-    end the run early by setting `server.total_updates = server.version`. `state`: a
+    `on_update(server)`: called by `run()` after every update (metrics, evaluation,
+    checkpoints); it may end the run early by setting `server.total_updates = server.version`. `state`: a
     `ParameterServer.state_dict()` to resume from (with `params` and `optimizer` restored by
     the caller); `total_updates` then counts from version 0 as before, not from the state's.
     `max_nonfinite`: end the run after this many non-finite gradients in a row (None: never).
@@ -375,4 +394,4 @@ def serve(mesh, params: torch.Tensor, policy, *, lr: float, total_updates: int,
     server.max_nonfinite = max_nonfinite
     if state is not None:
         server.load_state_dict(state)
-    return server.run()
+    return server

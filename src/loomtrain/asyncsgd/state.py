@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import signal
 import warnings
 from pathlib import Path
 
@@ -151,49 +150,3 @@ def _model_mismatch(cfg, metadata) -> list[str]:
                     f"{saved.get(name, 'absent')} in the checkpoint and {ours.get(name, 'absent')} "
                     "in this run"]
     return []
-
-
-class ServerCheckpoints:
-    """The checkpoint part of the server's `on_update`: one every `checkpoint.every` updates
-    and at the last update (train.steps or a stop); `finish()` one more if the run ended
-    otherwise. `metrics` (train.ServerMetrics) gives the run-wide counts (`state_dict()`)."""
-
-    def __init__(self, cfg, run_dir: Path, model, optimizer, metrics, stop, log, start: int):
-        self.cfg, self.run_dir, self.model, self.optimizer = cfg, run_dir, model, optimizer
-        self.metrics, self.stop, self.log = metrics, stop, log
-        self.saved = start  # the version of the newest checkpoint
-        self.server = None
-
-    def after_update(self, server) -> None:
-        self.server = server
-        every, version = self.cfg.checkpoint.every, server.version
-        if self.cfg.asgd.servers > 1:
-            return  # the model is whole only after the run (finish): module docstring
-        if version >= server.total_updates or (every and version % every == 0):
-            self._save(server)
-
-    def finish(self) -> None:
-        """After the run: a checkpoint of the last update if none holds it yet."""
-        if self.server is not None and self.saved < self.server.version:
-            self._save(self.server)
-
-    def _save(self, server) -> None:
-        extra = {"async": self.cfg.asgd.policy, "workers": len(server.peers)}
-        if self.stop.signum:
-            extra["stopped_by"] = signal.Signals(self.stop.signum).name
-        if self.cfg.asgd.servers > 1:  # the gathered model alone (module docstring)
-            path = save(self.run_dir, server.version, self.model, None, None,
-                        self.cfg.checkpoint.keep, {**extra, "servers": self.cfg.asgd.servers})
-            self.saved = server.version
-            self.log.message(f"saved the final model {path} at update {server.version} of "
-                             "server 0 (sharded servers: not resumable)")
-            return
-        state = {"server": server.state_dict(), "metrics": self.metrics.state_dict()}
-        path = save(self.run_dir, server.version, self.model, self.optimizer, state,
-                    self.cfg.checkpoint.keep, extra)
-        self.saved = server.version
-        if self.stop.signum:
-            self.log.message(f"saved checkpoint {path} at update {server.version}; continue "
-                             f"with: loom train --resume {self.run_dir}")
-        elif server.version >= server.total_updates:
-            self.log.message(f"saved checkpoint {path} at update {server.version}")

@@ -25,7 +25,7 @@ from loomtrain.asyncsgd.rejoin import (
     rejoin_worker,
     withdraw_address,
 )
-from loomtrain.asyncsgd.server import ParameterServer, ServerResult, serve
+from loomtrain.asyncsgd.server import ParameterServer, build_server
 from loomtrain.asyncsgd.shard import (
     gather_final,
     owned_parameters,
@@ -41,10 +41,12 @@ from loomtrain.models import build_model, token_loss_sum
 from loomtrain.optim import build_optimizer, lr_at
 from loomtrain.train.batches import load_rows, target_tokens
 from loomtrain.train.launch import pick_device
+from loomtrain.train.loop import Mode, Stepped, run_loop
 from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
 from loomtrain.train.trainer import NonFiniteError, evaluate, write_config
 
 AXIS = "world"  # members 0..S-1: the servers; members S..: the workers
+_END = object()  # the end of a server's updates
 
 
 class WorkersLostError(comm.CollectiveError):
@@ -73,7 +75,7 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
         _serve(cfg, run_dir, mesh, stop, model, flat, val_data, corpus.description, resume,
                bounds)
     elif mesh.rank < servers:
-        _serve_slice(cfg, mesh, stop, model, flat, bounds)
+        _serve_slice(cfg, run_dir, mesh, stop, model, flat, bounds)
     else:
         if resume is not None and not _restored(mesh, True):
             return 0  # the server could not load its checkpoint: it reports why
@@ -177,32 +179,127 @@ def _server_parts(cfg, mesh, model, bounds: list[tuple[int, int]]):
             build_optimizer(model, cfg.train, owned))
 
 
-def _run_server(cfg, mesh, flat, bounds, policy, optimizer, on_update, state=None,
-                rejoin=None) -> ServerResult:
-    """`serve` on this server's slice of `flat`, with the trainer's lr schedule."""
-    return serve(mesh, server_slice(flat, bounds[mesh.rank]), policy, lr=cfg.train.lr,
-                 total_updates=cfg.train.steps, worker_timeout_s=cfg.asgd.worker_timeout_s,
-                 axis=AXIS, optimizer=optimizer,
-                 lr_schedule=lambda version: lr_at(version, cfg.train), on_update=on_update,
-                 state=state, max_nonfinite=cfg.run.max_nonfinite_steps, rejoin=rejoin,
-                 servers=len(bounds))
+def _build_server(cfg, mesh, flat, bounds, policy, optimizer, state=None,
+                  rejoin=None) -> ParameterServer:
+    """The server of this rank's slice of `flat`, with the trainer's lr schedule."""
+    return build_server(mesh, server_slice(flat, bounds[mesh.rank]), policy, lr=cfg.train.lr,
+                        total_updates=cfg.train.steps,
+                        worker_timeout_s=cfg.asgd.worker_timeout_s, axis=AXIS,
+                        optimizer=optimizer, lr_schedule=lambda version: lr_at(version, cfg.train),
+                        state=state, max_nonfinite=cfg.run.max_nonfinite_steps, rejoin=rejoin,
+                        servers=len(bounds))
 
 
-def _serve_slice(cfg, mesh, stop, model, flat, bounds) -> None:
+class ServerMode(Mode):
+    """A parameter server in the run loop (train/loop.py): a step is one update, the step
+    boundary the moment after it (the worker whose gradient made it waits for its reply). A
+    server acts on its own stop flag: its workers hear the stop in their next reply. Server 0
+    records, evaluates and checkpoints; sharded servers (shard.py) send it their final slices,
+    and it saves the gathered model only, at the end."""
+
+    def __init__(self, cfg, mesh, log: RunLog, run_dir: Path, server: ParameterServer, model,
+                 optimizer, flat, bounds, metrics: "ServerMetrics | None"):
+        self.cfg, self.mesh, self.log, self.run_dir = cfg, mesh, log, run_dir
+        self.server, self.model, self.optimizer, self.flat = server, model, optimizer, flat
+        self.bounds, self.metrics = bounds, metrics
+        self.updates = server.updates()
+        self.sharded = len(bounds) > 1
+        workers = mesh.world - len(bounds)
+        # every gradient was computed on global_batch / workers rows (an arrival averages k)
+        self.tokens_per_gradient = (cfg.train.global_batch // workers) * cfg.model.seq_len
+        self.ended = self.exhausted = self.stopped = False
+        if metrics is not None:
+            metrics.server = server
+
+    def begin(self, step, stop):
+        self.stopped = bool(stop.signum)
+        return None, self.stopped
+
+    def run(self, step, work) -> Stepped | None:
+        server = self.server
+        before = len(server.staleness.arrivals)
+        if next(self.updates, _END) is _END:
+            self.exhausted = True  # served to the end without another update
+            return None
+        gradients = sum(server.accumulation[before:])
+        return Stepped(True, gradients * self.tokens_per_gradient)
+
+    def record(self, done, result, evaluate, tokens_per_s, elapsed_s):
+        if self.metrics is None or (self.sharded and done >= self.server.total_updates):
+            return None  # sharded: the last record is written on the gathered model (end)
+        return self.metrics.record(self.server, evaluate and not self.sharded,
+                                   done >= self.server.total_updates, tokens_per_s, elapsed_s)
+
+    def save(self, done, extra=None):
+        if self.metrics is None or (self.sharded and not self.ended):
+            return  # the model is whole only once the slices are gathered
+        extra = {"async": self.cfg.asgd.policy, "workers": len(self.server.peers), **(extra or {})}
+        if self.sharded:
+            path = server_state.save(self.run_dir, done, self.model, None, None,
+                                     self.cfg.checkpoint.keep,
+                                     {**extra, "servers": len(self.bounds)})
+            self.log.message(f"saved the final model {path} at update {done} of server 0 "
+                             "(sharded servers: not resumable)")
+            return
+        state = {"server": self.server.state_dict(), "metrics": self.metrics.state_dict()}
+        server_state.save(self.run_dir, done, self.model, self.optimizer, state,
+                          self.cfg.checkpoint.keep, extra)
+
+    def end(self):
+        """Lower the run's end to this update. The workers hear it in their replies once the
+        server serves on: here for sharded servers (server 0 then gathers the slices, to save
+        them), after the final checkpoint otherwise (`close`), as they waited for it before."""
+        server = self.server
+        server.total_updates = min(server.total_updates, server.version)
+        if self.sharded or self.exhausted:
+            self._serve_out()
+
+    def close(self):
+        if not self.ended:
+            self._serve_out()
+        result = self.result
+        if self.metrics is not None and result.version < self.cfg.train.steps and not self.stopped:
+            raise WorkersLostError(
+                f"async SGD: every worker was lost, after {result.version} of "
+                f"{self.cfg.train.steps} updates; the server's state at update {result.version} "
+                f"is saved: continue with `loom train --resume {self.run_dir}`")
+
+    def _serve_out(self) -> None:
+        """Serve until every worker has its stop (late gradients make no update now), then
+        the slices to server 0 (sharded), the last record and the workers lost. Non-finite
+        gradients that ended the run fail it here, before any checkpoint."""
+        for _ in self.updates:
+            pass
+        self.ended = True
+        self.result = result = self.server.result()
+        if self.metrics is None:  # server s >= 1 of sharded servers
+            send_final(self.mesh, AXIS, result.params, result.version, result.aborted is not None)
+            aborted = result.aborted and f"server {self.mesh.rank}: {result.aborted}"
+        else:
+            others = gather_final(self.mesh, AXIS, self.flat, self.bounds)  # (version, aborted)
+            # the run's summary record, whatever ended it (its last update, a stop, the
+            # workers lost), unless the last update's record holds it
+            self.metrics.finish({"server_versions": [result.version, *(v for v, _ in others)]}
+                                if others else None)
+            if result.lost:
+                self.log.message(f"workers lost: {result.lost}; rejoins: "
+                                 f"{[(m.worker, m.event) for m in result.membership if m.event != 'lost']}")
+            aborted = result.aborted or next((f"server {s} aborted at its version {v}" for s, (v, ab)
+                                              in enumerate(others, 1) if ab), None)
+        if aborted:  # like the synchronous modes: no checkpoint, exit code 3
+            raise NonFiniteError(f"async SGD: {aborted} (run.max_nonfinite_steps="
+                                 f"{self.cfg.run.max_nonfinite_steps}); aborting")
+
+
+def _serve_slice(cfg, run_dir: Path, mesh, stop, model, flat, bounds) -> None:
     """Server s >= 1 of sharded servers (shard.py): serves its slice with its own policy and
-    optimizer, ends at SIGINT/SIGTERM as server 0 does (at its next update), then sends server
-    0 its final slice. It writes nothing: server 0 writes the metrics and the final model."""
+    optimizer through the run loop, then sends server 0 its final slice. It writes nothing:
+    server 0 writes the metrics and the final model."""
     policy, optimizer = _server_parts(cfg, mesh, model, bounds)
-
-    def on_update(server: ParameterServer) -> None:
-        if stop.signum and server.version < server.total_updates:
-            server.total_updates = server.version  # the workers get this server's stop
-
-    result = _run_server(cfg, mesh, flat, bounds, policy, optimizer, on_update)
-    send_final(mesh, AXIS, result.params, result.version, result.aborted is not None)
-    if result.aborted:
-        raise NonFiniteError(f"async SGD, server {mesh.rank}: {result.aborted} "
-                             f"(run.max_nonfinite_steps={cfg.run.max_nonfinite_steps}); aborting")
+    server = _build_server(cfg, mesh, flat, bounds, policy, optimizer)
+    log = RunLog(run_dir, cfg.train.steps, 0, False, False)
+    run_loop(ServerMode(cfg, mesh, log, run_dir, server, model, optimizer, flat, bounds, None),
+             run_dir, 0, stop)
 
 
 def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: str,
@@ -229,48 +326,22 @@ def _serve(cfg, run_dir: Path, mesh, stop, model, flat, val_data, description: s
         else:
             log.message(f"resumed from {resume} at update {start}; the workers continue at "
                         f"their steps {saved['server']['worker_steps']}")
-        if start >= cfg.train.steps:
-            log.message(f"nothing to do: the checkpoint is at update {start}, train.steps="
-                        f"{cfg.train.steps} (raise it with --set train.steps=N to continue)")
         if mesh.link is not None:
             log.message(mesh.link.describe())
-        metrics = ServerMetrics(cfg, model, val_data, mesh, log, stop, start)
+        metrics = ServerMetrics(cfg, model, val_data, mesh, log, start)
         if saved is not None:
             metrics.load_state_dict(saved["metrics"])
-        checkpoints = server_state.ServerCheckpoints(cfg, run_dir, model, optimizer, metrics,
-                                                     stop, log, start)
-
-        def on_update(server: ParameterServer) -> None:
-            metrics.after_update(server)  # first: a stop it notices makes this update the last
-            checkpoints.after_update(server)
-
-        mesh.meter.take()
         rejoin = None  # sharded: a restarted worker would need a channel to every server
         if servers == 1:
             rejoin = comm.PairHost(cfg.parallel.timeout_s)
             publish_address(run_dir, rejoin.address, workers, flat.numel())
         try:
-            result = _run_server(cfg, mesh, flat, bounds, policy, optimizer, on_update,
-                                 None if saved is None else saved["server"], rejoin)
+            server = _build_server(cfg, mesh, flat, bounds, policy, optimizer,
+                                   None if saved is None else saved["server"], rejoin)
+            run_loop(ServerMode(cfg, mesh, log, run_dir, server, model, optimizer, flat, bounds,
+                                metrics), run_dir, start, stop)
         finally:
             withdraw_address(run_dir)
-        others = gather_final(mesh, AXIS, flat, bounds)  # servers 1..S-1: (version, aborted)
-        metrics.finish({"server_versions": [result.version, *(v for v, _ in others)]}
-                       if others else None)
-        if result.lost:
-            log.message(f"workers lost: {result.lost}; rejoins: "
-                        f"{[(m.worker, m.event) for m in result.membership if m.event != 'lost']}")
-        aborted = result.aborted or next((f"server {s} aborted at its version {v}" for s, (v, ab)
-                                          in enumerate(others, 1) if ab), None)
-        if aborted:  # like the synchronous trainer: no checkpoint, exit code 3
-            raise NonFiniteError(f"async SGD: {aborted} (run.max_nonfinite_steps="
-                                 f"{cfg.run.max_nonfinite_steps}); aborting")
-        checkpoints.finish()
-        if result.version < cfg.train.steps and not stop.signum:
-            raise WorkersLostError(
-                f"async SGD: every worker was lost, after {result.version} of {cfg.train.steps} "
-                f"updates; the server's state at update {result.version} is saved: continue "
-                f"with `loom train --resume {run_dir}`")
     finally:
         log.close()
 
@@ -280,7 +351,7 @@ def _restore(cfg, run_dir: Path, resume: Path | None, model, optimizer, policy, 
     """Resume: the model and optimizer loaded from the checkpoint, its server state returned
     (None for a fresh run) and the outcome told to the workers. Only once it has loaded are
     metrics.jsonl cut back to its update and config.toml rewritten (with this resume's --set
-    overrides), as the synchronous trainer does: a failed resume changes nothing."""
+    overrides), as the synchronous modes do: a failed resume changes nothing."""
     if resume is None:
         return None
     try:
@@ -295,16 +366,14 @@ def _restore(cfg, run_dir: Path, resume: Path | None, model, optimizer, policy, 
 
 
 class ServerMetrics:
-    """`on_update` of the server: a metrics.jsonl record every run.log_every updates (and at
-    every evaluated update and the last), the validation loss every run.eval_every updates
-    (and at the last), and the stop on SIGINT/SIGTERM. After a resume the run-wide counts of
-    the last record include the checkpoint's (`load_state_dict`). Sharded servers: this
-    server's counts; no evaluation during the run (the other slices are elsewhere), and the
-    last record is written by `finish`, on the model gathered after the run."""
+    """Server 0's metrics.jsonl records (`record`, when the run loop logs an update), with the
+    run-wide counts of applied gradients; after a resume those include the checkpoint's
+    (`load_state_dict`). Sharded servers: this server's counts; no evaluation during the run
+    (the other slices are elsewhere), and the last record is written by `finish`, on the
+    model gathered after the run."""
 
-    def __init__(self, cfg, model, val_data, mesh, log: RunLog, stop, start: int = 0):
-        self.cfg, self.model, self.val_data, self.mesh, self.log, self.stop = (
-            cfg, model, val_data, mesh, log, stop)
+    def __init__(self, cfg, model, val_data, mesh, log: RunLog, start: int = 0):
+        self.cfg, self.model, self.val_data, self.mesh, self.log = cfg, model, val_data, mesh, log
         self.server: ParameterServer | None = None
         self.seen = 0  # arrivals already in a record
         self.recorded = start  # the version of the latest record
@@ -313,42 +382,24 @@ class ServerMetrics:
         self.histogram_before: dict[int, int] = {}
         workers = mesh.world - cfg.asgd.servers
         self.applied_before = [0] * workers
-        self.window_t0 = self.advanced_t0 = self.t0 = time.perf_counter()
-        self.advanced_seen = 0  # arrivals when the progress bar last moved
-        # every gradient was computed on global_batch / workers rows (an arrival averages k)
+        self.window_t0 = self.t0 = time.perf_counter()
         self.tokens_per_gradient = (cfg.train.global_batch // workers) * cfg.model.seq_len
-        self.whole = cfg.asgd.servers == 1  # the model here is whole during the run
-
-    def after_update(self, server: ParameterServer) -> None:
-        self.server = server
-        version = server.version
-        if self.stop.signum and version < server.total_updates:
-            saved = ("a checkpoint of the server's state is saved at it" if self.whole else
-                     "the final model is gathered from every server and saved")
-            self.log.message(f"stopped by signal {self.stop.signum} at update {version}; {saved}")
-            server.total_updates = version  # the workers get their stop at their next push
-        last = version >= server.total_updates
-        is_eval = self.whole and (version % self.cfg.run.eval_every == 0 or last)
-        loss = None
-        if (is_eval or version % self.cfg.run.log_every == 0) and (self.whole or not last):
-            loss = self._record(server, is_eval, last)["loss"]
-        now, arrivals = time.perf_counter(), len(server.staleness.arrivals)
-        gradients = sum(server.accumulation[self.advanced_seen:arrivals])
-        self.log.advance(loss, gradients * self.tokens_per_gradient
-                         / max(now - self.advanced_t0, 1e-9))
-        self.advanced_t0, self.advanced_seen = now, arrivals
 
     def finish(self, extra: dict | None = None) -> None:
-        """A last record if the run ended before its last update (every worker lost), or,
+        """A last record if the run ended after its latest record (every worker lost), or,
         sharded, the last record, with `extra` fields. When the workers were lost right after
         a record, the last record repeats its update with the losses counted."""
         server = self.server
         if server is not None and (self.recorded < server.version
                                    or self.recorded_lost != len(server.lost)):
-            self._record(server, True, True, extra)
+            now = time.perf_counter()
+            counts = sum(server.accumulation[self.seen:])
+            self.log.record(self.record(server, True, True, counts * self.tokens_per_gradient
+                                        / max(now - self.window_t0, 1e-9), now - self.t0, extra))
 
-    def _record(self, server: ParameterServer, is_eval: bool, last: bool,
-                extra: dict | None = None) -> dict:
+    def record(self, server: ParameterServer, is_eval: bool, last: bool, tokens_per_s: float,
+               elapsed_s: float, extra: dict | None = None) -> dict:
+        self.server = server
         arrivals = server.staleness.arrivals[self.seen:]
         reports = server.reports[self.seen:]
         counts = server.accumulation[self.seen:]  # gradients each arrival averages
@@ -357,11 +408,10 @@ class ServerMetrics:
         losses = [loss for a, (loss, _) in zip(arrivals, reports)
                   if a.applied and math.isfinite(loss)]
         now = time.perf_counter()
-        elapsed = now - self.window_t0
         rec = {"step": server.version,
                "loss": sum(losses) / len(losses) if losses else float("nan"),
                "lr": server.last_lr, "grad_norm": float(server.params.grad.norm()),
-               "tokens_per_s": sum(counts) * self.tokens_per_gradient / max(elapsed, 1e-9),
+               "tokens_per_s": tokens_per_s,
                "comm_bytes": self.mesh.meter.take(),
                "peak_mem_bytes": peak_mem_bytes(self.mesh.device),
                "staleness_mean": sum(applied) / len(applied) if applied else 0.0,
@@ -371,7 +421,7 @@ class ServerMetrics:
                "nonfinite": sum(outcome == "nonfinite" for _, outcome in reports),
                "workers_lost": len(server.lost),
                "workers_rejoined": sum(m.event != "lost" for m in server.membership),
-               "elapsed_s": round(time.perf_counter() - self.t0, 3),
+               "elapsed_s": round(elapsed_s, 3),
                "accumulation_mean": sum(counts) / len(counts) if counts else 0.0}
         if self.mesh.link is not None:  # the server's link: its PARAMS sends over its capacity
             rec["link_gbps"] = self.mesh.link.gbps_at(now)
@@ -385,10 +435,9 @@ class ServerMetrics:
             rec["staleness_histogram"] = {str(k): v for k, v in
                                           counts["staleness_histogram"].items()}
             rec["applied_by_worker"] = counts["applied_by_worker"]
-        self.log.record({**rec, **(extra or {})})
         self.recorded, self.window_t0 = server.version, time.perf_counter()
         self.recorded_lost = rec["workers_lost"]
-        return rec
+        return {**rec, **(extra or {})}
 
     def state_dict(self) -> dict:
         """The run-wide counts so far, resumed ones included: {staleness: applied gradients}
