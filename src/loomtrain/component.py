@@ -132,6 +132,11 @@ class Component:
     def apply(cls, built: Built) -> None:
         """Its step of building the run: transform `built` in place, over its mesh axes."""
 
+    @classmethod
+    def estimate(cls, plan) -> None:
+        """Its part of `loom train --dry-run` (the `loomtrain.estimate.DryRunPlan` of rank 0,
+        on a meta model), where it applies, in the apply order; ConfigError: it refuses."""
+
     # --- the run: the loop calls these on the components that applied (Built.applied) ---
     @classmethod
     def describe(cls, built: Built) -> str | None:
@@ -232,7 +237,6 @@ class Component:
         """Write the recorded step (its files under `run_dir`); returns figures for the
         step's record."""
         return {}
-
 
     @classmethod
     def batch_ranks(cls, cfg) -> tuple[int, str] | None:

@@ -95,6 +95,12 @@ class Lowcomm(EngineTimeline, Component):
         built.replicated, built.layout = True, LOWCOMM
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.lowcomm.estimate import estimate_lowcomm
+
+        estimate_lowcomm(plan)
+
+    @classmethod
     def loss_tokens(cls, built: Built, local_tokens: int, global_tokens: float) -> float:
         """The replicas step on their own rows: each normalizes by its own tokens."""
         return local_tokens

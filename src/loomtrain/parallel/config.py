@@ -44,6 +44,20 @@ class DataParallelComponent(Component):
         built.layout = built.layout or PLAIN  # the pipeline's, when it cut the model
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        """The real engine's gradient buckets, all-reduced over dp once per step."""
+        from loomtrain.estimate import gradient_all_reduces
+        from loomtrain.parallel.data import apply_data_parallel
+
+        if plan.replicated:
+            return
+        p = plan.cfg.parallel
+        engine = apply_data_parallel(plan.model, plan.mesh, p)
+        plan.bucket_bytes = [b.buffer.numel() * b.buffer.element_size() for b in engine.buckets]
+        plan.reductions = gradient_all_reduces(plan.bucket_bytes, p.dp_size)
+        plan.replicated = True
+
+    @classmethod
     def metrics(cls, built: Built, evaluated: bool) -> dict:
         """The engine's compression and sparse-communication figures (none without them)."""
         return built.model.metrics() if cls.name in built.parts else {}

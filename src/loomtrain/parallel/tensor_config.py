@@ -30,6 +30,12 @@ class TensorParallel(Component):
         built.model, built.loss_sum = apply_tensor_parallel(built.model, built.mesh, built.cfg)
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.parallel.tensor_estimate import estimate_tensor
+
+        estimate_tensor(plan)
+
+    @classmethod
     def validate(cls, cfg) -> None:
         p, m = cfg.parallel, cfg.model
         if p.sequence_parallel and (p.tp == 1 or m.name != "gpt"):

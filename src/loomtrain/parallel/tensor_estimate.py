@@ -1,15 +1,29 @@
 """What tensor parallelism costs per rank: the collectives of one optimizer step and the
 activations of one micro-batch, as pure functions of the config's numbers (the dry run prints
-them; tests/test_tensor_training.py and tests/test_dryrun.py hold them to the meter and to the
-tensors autograd saves). Notation: docs/tensor.md, "Dry run".
+them, `estimate_tensor`; tests/test_dryrun.py holds them to the meter and to the tensors
+autograd saves). Notation: docs/tensor.md, "Dry run".
 """
 
 from __future__ import annotations
 
-from loomtrain.parallel.pipeline.estimate import INDEX_BYTES, mlp_activation_bytes
-from loomtrain.parallel.zero.estimate import Collective, metered
+from loomtrain.activations import FP32_BYTES, INDEX_BYTES, mlp_activation_bytes
+from loomtrain.estimate import Collective, DryRunPlan, metered
 
-FP32_BYTES = 4
+
+def estimate_tensor(plan: DryRunPlan) -> None:
+    """Tensor parallelism's part of the dry run (the `TensorParallel` component's hook): this
+    rank's pieces of the meta model, as `apply_tensor_parallel` splits it, their activations
+    and the tp collectives of a step and of the evaluation forwards."""
+    from loomtrain.parallel import apply_tensor_parallel
+
+    cfg = plan.cfg
+    p, m, b = cfg.parallel, cfg.model, cfg.train.micro_batch
+    plan.model, _ = apply_tensor_parallel(plan.model, plan.mesh, cfg)
+    plan.activation_bytes = tensor_activation_bytes(m, b, p.tp, p.sequence_parallel,
+                                                    plan.compute_bytes)
+    plan.collectives += tensor_collectives(m, b, p.tp, p.sequence_parallel, cfg.accumulation_steps,
+                                           plan.compute_bytes, plan.eval_forwards,
+                                           cfg.run.eval_every)
 
 
 def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, accumulation: int,
@@ -70,7 +84,7 @@ def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, ac
 def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: bool,
                             compute_bytes: int = FP32_BYTES) -> int:
     """Bytes autograd saves in one forward of the tp-split model plus its loss, per rank
-    (dropout 0; the single-process counts are parallel/pipeline/estimate.py's, tensor by tensor).
+    (dropout 0; the single-process counts are loomtrain/activations.py's, tensor by tensor).
 
     GPT, per token and layer (c bytes): the inputs of both layer norms h each and their
     stats 4, the layer norms' outputs as the column layers keep them h each, qkv 3h/N,
@@ -104,4 +118,4 @@ def _times(c: Collective, calls: int, every: int = 1, prefix: str = "") -> Colle
                       every, c.calls * calls, c.algorithm, c.unit)
 
 
-__all__ = ["tensor_activation_bytes", "tensor_collectives"]
+__all__ = ["estimate_tensor", "tensor_activation_bytes", "tensor_collectives"]

@@ -8,13 +8,10 @@ docs/dry-run.md shows them.
 
 from __future__ import annotations
 
-from loomtrain.parallel.zero.estimate import (
-    Collective,
-    compute_bytes,
-    wire_bytes_per_step,
-)
+from loomtrain.estimate import Collective, MemoryEstimate, wire_bytes_per_step
 from loomtrain.parallel.pipeline.estimate import PipelineEstimate
-from loomtrain.train.dryrun import DryRun, ZeroLayout, estimate, optimizer_states
+from loomtrain.parallel.zero.estimate import ZeroLayout, compute_bytes
+from loomtrain.train.dryrun import DryRun, estimate, optimizer_states
 from loomtrain.train.metrics import _fmt_bytes as fmt_bytes
 
 
@@ -37,7 +34,7 @@ def dry_run(cfg) -> str:
         *(_memory_lines(est, cfg) if est.zero is None else _zero_memory_lines(est, cfg)),
         *_busiest_lines(est),
         "",
-        *(_collective_lines(est, cfg) if est.zero is None and p.tp == p.pp == 1
+        *(_collective_lines(est, cfg) if est.bucket_bytes and est.engine == est.reductions
           else _grouped_collective_lines(est, cfg)),
     ]
     return "\n".join(lines)
@@ -112,14 +109,22 @@ def _memory_lines(run: DryRun, cfg) -> list[str]:
     mine = " (pp rank 0's stages)" if run.pipeline is not None else ""
     rows = [
         ("parameters", est.parameter_bytes, f"{run.parameters:,} x 4 B (fp32){mine}"),
-        ("gradients", est.gradient_bytes, "one fp32 gradient per parameter (bucket buffers)"),
+        ("gradients", est.gradient_bytes, "one fp32 gradient per parameter "
+         + ("(bucket buffers)" if run.bucket_bytes else "(.grad)")),
         ("optimizer state", est.optimizer_bytes,
          f"{t.optimizer}: {states} fp32 state(s) per parameter"),
         ("activations", est.activation_bytes, _activation_why(run, cfg)),
-        ("total", est.total_bytes, "(ZeRO stage 0: nothing is sharded)"),
+        *_rows(est),
+        ("total", est.total_bytes, "(ZeRO stage 0: nothing is sharded)" if run.bucket_bytes
+         else "(nothing is sharded)"),
     ]
     return ["memory per rank (estimate):"] + [
         f"  {name:<16} {fmt_bytes(n):>10}  {why}" for name, n, why in rows]
+
+
+def _rows(est: MemoryEstimate) -> list[tuple[str, int, str]]:
+    """The rows components add (an outer optimizer's state)."""
+    return [(r.name, r.nbytes, r.why) for r in est.rows]
 
 
 def _dropout(m) -> str:
@@ -211,6 +216,7 @@ def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
         ("grads in flight", est.in_flight_bytes,
          "during backward: buffers being filled and reduced (docs/dry-run.md)"
          if est.in_flight_bytes else "none: .grad are views of the fp32 accumulator"),
+        *_rows(est),
         ("total", est.total_bytes,
          f"device {fmt_bytes(est.device_bytes)}, host {fmt_bytes(est.host_bytes)}" if plan.offload
          else f"(ZeRO stage {stage})"),

@@ -70,6 +70,17 @@ class Compression(Component):
                                             cfg.run.seed, scheme=cfg.comm.sparse_allreduce)
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        """DiLoCo's compressed outer all-reduce is not modelled yet (on gradients the dry run
+        reports the dense buckets)."""
+        from loomtrain.errors import ConfigError
+
+        if plan.cfg.compression.applies_to == "pseudo_gradients":
+            raise ConfigError("loom train --dry-run does not model compressed pseudo-gradients "
+                              'yet (compression.applies_to="pseudo_gradients"): run without '
+                              "--dry-run, or with compression.method=\"none\"")
+
+    @classmethod
     def before_step(cls, built: Built, step: int) -> None:
         """Every error_every steps: this step's compressed sum measured against the dense."""
         every = built.cfg.compression.error_every

@@ -60,6 +60,12 @@ class Pipeline(Component):
         built.layout = GroupedStateLayout()  # unless ZeRO-1 takes it: its layout names groups
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.parallel.pipeline.estimate import estimate_pipeline
+
+        estimate_pipeline(plan)
+
+    @classmethod
     def forward_backward(cls, built: Built, batches, global_tokens: float, loss_fn):
         return built.parts[cls.name].train_step(built.model, batches, global_tokens, loss_fn)
 

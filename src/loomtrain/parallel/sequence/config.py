@@ -43,6 +43,17 @@ class Context(Component):
         built.parts[cls.name] = sequence_of(built.model)
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        """Not modelled yet at cp > 1 (packing alone changes no estimate)."""
+        from loomtrain.errors import ConfigError
+
+        cp = plan.cfg.parallel.cp
+        if cp > 1:
+            raise ConfigError(f"loom train --dry-run does not model context parallelism yet "
+                              f"(parallel.cp={cp}): run without --dry-run, or with parallel.cp=1 "
+                              "to see the other axes")
+
+    @classmethod
     def local_batch(cls, built: Built, batch: tuple) -> tuple:
         """This rank's tokens of the full rows (and their documents, noted for the kernel)."""
         return built.parts[cls.name].shard(*batch)

@@ -58,6 +58,13 @@ class Zero(EngineTimeline, Component):
         built.replicated, built.layout = True, ZERO
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.parallel.zero.estimate import estimate_zero
+
+        if not plan.replicated:
+            estimate_zero(plan)
+
+    @classmethod
     def validate(cls, cfg) -> None:
         p = cfg.parallel
         engine = p.zero_stage > 0 or cfg.train.precision == "bf16"  # the sharded engine runs these
@@ -80,3 +87,7 @@ class BF16(Component):
     name = "bf16"
     switches = (Switch("train.precision", "fp32"),)
     summary = "bf16 compute, fp32 master weights and reductions (the sharded engine)"
+
+    @classmethod
+    def estimate(cls, plan) -> None:
+        plan.compute_bytes = 2  # activations, gathered units and buffers in bfloat16

@@ -1,7 +1,8 @@
 """What the ZeRO engine keeps and sends per rank, from its plan and unit lengths alone.
 
-Pure functions of numbers, reported by `loom train --dry-run`; the formulas, their sources and
-their checks against the meter: docs/dry-run.md, "ZeRO", and docs/zero.md.
+Pure functions of numbers, reported by `loom train --dry-run` (`estimate_zero`, which lays the
+units out on the meta model); the formulas, their sources and their checks against the meter:
+docs/dry-run.md, "ZeRO", and docs/zero.md.
 """
 
 from __future__ import annotations
@@ -10,74 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from loomtrain.comm.collectives import choose_impl
-from loomtrain.comm.meter import wire_bytes
-from loomtrain.parallel.zero import ROOT
+from loomtrain.errors import ConfigError
+from loomtrain.estimate import (  # wire_bytes_per_step: importable from here too
+    FP32_BYTES,
+    Collective,
+    DryRunPlan,
+    MemoryEstimate,
+    metered,
+    wire_bytes_per_step,
+)
+from loomtrain.parallel.data import broadcast_state
+from loomtrain.parallel.zero import ROOT, assign_parameters, find_units, make_plan
 from loomtrain.parallel.zero.flat import ShardPlan
-from loomtrain.parallel.zero.layout import zero_memory
-
-FP32_BYTES = 4
-
-
-# The two records the dry run reports, for the sharded engine here and for plain data parallel
-# (train/dryrun.py builds them too): kept here so that parallel/zero/ imports nothing of train/.
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank holds, by what they are for."""
-
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    gathered_bytes: int = 0  # ZeRO-3: units gathered at once during a step
-    in_flight_bytes: int = 0  # ZeRO: gradient buffers filled and reduced during backward
-    host_bytes: int = 0  # the part of all the above kept in host memory (offload)
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes + self.gathered_bytes + self.in_flight_bytes)
-
-    @property
-    def device_bytes(self) -> int:
-        return self.total_bytes - self.host_bytes
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective of a step as the meter counts it: `calls` calls every `every_steps` steps."""
-
-    purpose: str
-    op: str
-    axis: str
-    ranks: int  # group size
-    payload_bytes: int  # of one call
-    wire_bytes: int  # what one rank sends in one call (comm/meter.py)
-    every_steps: int = 1
-    calls: int = 1  # per step it runs in
-    algorithm: str = "ring_all_reduce"  # the formula the meter counts it with
-    unit: str = ""  # the ZeRO unit it moves
-
-
-def wire_bytes_per_step(collectives: list[Collective]) -> float:
-    """Average wire bytes one rank sends per optimizer step."""
-    return sum(c.wire_bytes * c.calls / c.every_steps for c in collectives)
-
-
-# The formula the meter counts an op with, for the implementation comm/collectives.py runs:
-# gloo's native reduce_scatter is a clone plus a full all-reduce and is counted as one.
-_ALGORITHM = {("reduce_scatter", "ring"): "ring_reduce_scatter",
-              ("reduce_scatter", "native"): "ring_all_reduce",
-              ("all_gather", "ring"): "ring_all_gather", ("all_gather", "native"): "ring_all_gather",
-              ("all_reduce", "native"): "ring_all_reduce"}
-
-
-def metered(purpose: str, op: str, axis: str, ranks: int, payload: int, calls: int = 1,
-            unit: str = "", every: int = 1) -> Collective:
-    """An op as comm/collectives.py runs it (`choose_impl`: native or ring) and meters it."""
-    algorithm = _ALGORITHM[(op, choose_impl(op, payload, ranks))]
-    return Collective(purpose, op, axis, ranks, payload, wire_bytes(algorithm, payload, ranks),
-                      every, calls, algorithm, unit)
+from loomtrain.parallel.zero.layout import unit_layout, zero_memory
 
 
 def compute_bytes(plan: ShardPlan) -> int:
@@ -212,3 +158,47 @@ def zero_memory_per_rank(plan: ShardPlan, units: list[tuple[str, int]], root: in
                           gathered_bytes(plan, units, root, prefetch),
                           in_flight_bytes(plan, units, root), host)
 
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    plan: ShardPlan
+    units: list[tuple[str, int]]  # (name, padded length), forward order, root excluded
+    root: int  # padded length of the root unit, 0 if empty
+
+
+def zero_layout(model, mesh, cfg) -> ZeroLayout:
+    """The plan and unit lengths `shard()` would build, from shapes only (a meta model)."""
+    p = cfg.parallel
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    plan = make_plan(mesh, p.zero_stage, p.hierarchical, p.optimizer_shard, dtype,
+                     p.offload_optimizer)
+    try:
+        named = find_units(model, list(p.shard_units) or None)
+    except ValueError as err:
+        raise ConfigError(f"parallel.shard_units={list(p.shard_units)!r}: {err}") from None
+    multiple = plan.shard_ranks * plan.replica_ranks  # as shard() pads: every rank of dp
+    units, root = [], 0
+    for name, params in assign_parameters(model, named).items():
+        if params:
+            padded = unit_layout(name, [(n, tuple(x.shape)) for n, x in params], multiple).padded
+            if name == ROOT:
+                root = padded
+            else:
+                units.append((name, padded))
+    return ZeroLayout(plan, units, root)
+
+
+def estimate_zero(plan: DryRunPlan) -> None:
+    """The sharded engine's part of the dry run (the `Zero` component's hook): its layout of
+    the meta model, its memory per rank and its collectives (docs/dry-run.md, "ZeRO")."""
+    cfg = plan.cfg
+    z = zero_layout(plan.model, plan.mesh, cfg)
+    broadcast_state(plan.model, plan.mesh, "dp")  # what shard() sends first
+    plan.memory = zero_memory_per_rank(z.plan, z.units, z.root, plan.optimizer_states,
+                                       plan.activations(), cfg.parallel.prefetch)
+    plan.reductions = zero_collectives(z.plan, z.units, z.root, cfg.accumulation_steps)
+    plan.eval_collectives += zero_eval_gathers(z.plan, z.units, z.root, plan.eval_forwards,
+                                               cfg.run.eval_every)
+    plan.parts["zero"] = z
+    plan.replicated = True
