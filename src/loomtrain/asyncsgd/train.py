@@ -33,7 +33,7 @@ from loomtrain.asyncsgd.shard import (
     server_slice,
     shard_bounds,
 )
-from loomtrain.asyncsgd.worker import run_worker
+from loomtrain.asyncsgd.worker import worker_pushes
 from loomtrain.data import WindowSampler, load_corpus, part_sampler, rank_samples
 from loomtrain.errors import ConfigError, UserError
 from loomtrain.mesh import AXES, Mesh
@@ -80,10 +80,43 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
         if resume is not None and not _restored(mesh, True):
             return 0  # the server could not load its checkpoint: it reports why
         train_data = worker_data(cfg, corpus, mesh.rank - servers, mesh.world - servers)
-        run_worker(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(), axis=AXIS,
-                   accumulation=worker_accumulation(cfg),
-                   shards=[hi - lo for lo, hi in bounds])
+        pushes = worker_pushes(mesh, WorkerStep(cfg, model, flat, train_data, mesh), flat.numel(),
+                               axis=AXIS, accumulation=worker_accumulation(cfg),
+                               shards=[hi - lo for lo, hi in bounds])
+        log = RunLog(run_dir, cfg.train.steps, 0, False, False)
+        run_loop(WorkerMode(cfg, mesh, log, pushes), run_dir, 0, stop)
     return 0
+
+
+def tokens_per_gradient(cfg, mesh) -> int:
+    """Every gradient is computed on global_batch / workers rows (an arrival averages k)."""
+    return (cfg.train.global_batch // (mesh.world - cfg.asgd.servers)) * cfg.model.seq_len
+
+
+class WorkerMode(Mode):
+    """A worker in the run loop: a step is one push (of k gradients) to its server(s), which
+    decide when it ends: the server's stop reaches it in its next reply, so a worker does not
+    act on its own stop flag (the launcher forwards a signal to the servers too). It records
+    and saves nothing: the server does."""
+
+    last = sys.maxsize  # until the server says stop
+
+    def __init__(self, cfg, mesh, log: RunLog, pushes):
+        self.cfg, self.mesh, self.log, self.pushes = cfg, mesh, log, pushes
+        self.tokens_per_gradient = tokens_per_gradient(cfg, mesh)
+
+    def begin(self, step, stop):
+        return None, False
+
+    def run(self, step, work) -> Stepped | None:
+        k = next(self.pushes, None)
+        return None if k is None else Stepped(True, k * self.tokens_per_gradient)
+
+    def record(self, done, result, evaluate, tokens_per_s, elapsed_s):
+        return None
+
+    def save(self, done, extra=None):
+        pass
 
 
 def worker_accumulation(cfg) -> int | AdaptiveAccumulation:
@@ -204,9 +237,7 @@ class ServerMode(Mode):
         self.bounds, self.metrics = bounds, metrics
         self.updates = server.updates()
         self.sharded = len(bounds) > 1
-        workers = mesh.world - len(bounds)
-        # every gradient was computed on global_batch / workers rows (an arrival averages k)
-        self.tokens_per_gradient = (cfg.train.global_batch // workers) * cfg.model.seq_len
+        self.tokens_per_gradient = tokens_per_gradient(cfg, mesh)
         self.ended = self.exhausted = self.stopped = False
         if metrics is not None:
             metrics.server = server
@@ -383,7 +414,7 @@ class ServerMetrics:
         workers = mesh.world - cfg.asgd.servers
         self.applied_before = [0] * workers
         self.window_t0 = self.t0 = time.perf_counter()
-        self.tokens_per_gradient = (cfg.train.global_batch // workers) * cfg.model.seq_len
+        self.tokens_per_gradient = tokens_per_gradient(cfg, mesh)
 
     def finish(self, extra: dict | None = None) -> None:
         """A last record if the run ended after its latest record (every worker lost), or,

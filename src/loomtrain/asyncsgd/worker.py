@@ -8,7 +8,7 @@ parameter server and its workers" and "Sharded servers".
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -41,11 +41,22 @@ class WorkerResult:
 GradFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, float]"]
 
 
-def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world",
-               channel=None, accumulation: int | AdaptiveAccumulation = 1,
-               shards: list[int] | None = None) -> WorkerResult:
+def run_worker(mesh, grad_fn: GradFn, numel: int, **options) -> WorkerResult:
     """Work for the server on member 0 of `axis` until it sends stop (for sharded servers,
-    members 0..S-1, until each has).
+    members 0..S-1, until each has): `worker_pushes` to its end."""
+    pushes = worker_pushes(mesh, grad_fn, numel, **options)
+    while True:
+        try:
+            next(pushes)
+        except StopIteration as end:
+            return end.value
+
+
+def worker_pushes(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world",
+                  channel=None, accumulation: int | AdaptiveAccumulation = 1,
+                  shards: list[int] | None = None) -> Iterator[int]:
+    """The worker's pushes, one at a time: it yields the gradients each averaged (k) once it is
+    sent, and returns (StopIteration.value) its WorkerResult when the server(s) sent stop.
 
     `grad_fn(params, step)`: the gradient (numel values, any float dtype, sent as fp32) of this
     worker's loss at the flat fp32 `params` on its batch number `step`, or (gradient, loss):
@@ -120,6 +131,7 @@ def run_worker(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world",
         if adaptive is not None:
             measured = ((computed - started) / k, time.perf_counter() - computed, computed)
         step += k
+        yield k
 
 
 def _accumulate(grad_fn: GradFn, params: torch.Tensor, step: int, k: int,
