@@ -113,7 +113,7 @@ class RingleaderTable:
             self.joining.clear()
 
     def remove(self, worker: int) -> None:
-        """The worker is lost: it leaves the table (failure semantics in the module docstring).
+        """The worker is lost: it leaves the table (failure semantics in docs/async.md).
         No update is made here; the next arrival from a remaining worker makes the next one."""
         self.members.discard(worker)
         self.joining.discard(worker)
@@ -124,7 +124,7 @@ class RingleaderTable:
             self._close_if_served()
 
     def readmit(self, worker: int) -> None:
-        """The removed `worker` is back (rejoining, module docstring): a member again now in
+        """The removed `worker` is back (rejoining, docs/async.md): a member again now in
         Phase 1, at the next round in Phase 2."""
         assert worker not in self.members and worker not in self.joining, worker
         (self.members if self.unserved is None else self.joining).add(worker)

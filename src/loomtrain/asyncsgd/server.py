@@ -312,7 +312,7 @@ class ParameterServer:
                     peer.channel.name, event, self.version)
 
     def _on_rejoin_request(self, w: int, generation: int) -> None:
-        """A new process asks to be worker w (module docstring): refuse, or build its channel,
+        """A new process asks to be worker w (docs/async.md): refuse, or build its channel,
         readmit w and post its PULL."""
         refusal = self._rejoin_refusal(w)
         if refusal is not None:
@@ -362,7 +362,7 @@ def build_server(mesh, params: torch.Tensor, policy, *, lr: float, total_updates
     server s, member s < S, `params` is its slice, and its workers are members S..; the
     others run `serve` on their slices. `policy`: has `may_start(worker, version, pulled)` and
     `on_gradient(worker, grad, pulled_version, version)` (policies.py). Protocol, stopping and
-    failure semantics: the module docstring.
+    failure semantics: docs/async.md.
 
     `optimizer`: a torch optimizer whose parameters are views into `params` (a flat fp32
     tensor, then used in place, not copied) and whose gradients are views into `params.grad`;
@@ -374,7 +374,7 @@ def build_server(mesh, params: torch.Tensor, policy, *, lr: float, total_updates
     the caller); `total_updates` then counts from version 0 as before, not from the state's.
     `max_nonfinite`: end the run after this many non-finite gradients in a row (None: never).
     `rejoin`: a comm.PairHost whose address the caller has published: restarted workers ask it
-    for a lost worker's place (module docstring); serve watches it and closes it at the end."""
+    for a lost worker's place (docs/async.md); serve watches it and closes it at the end."""
     if optimizer is not None and (params.dim() != 1 or params.dtype != torch.float32
                                   or params.grad is None or params.grad.shape != params.shape):
         raise ValueError("with an optimizer, params must be a flat fp32 tensor whose .grad is a "

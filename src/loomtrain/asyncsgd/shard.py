@@ -17,7 +17,7 @@ from loomtrain.asyncsgd.protocol import STOP, TAG_SLICE, VERSION, message, write
 
 def shard_bounds(sizes: Sequence[int], servers: int) -> list[tuple[int, int]]:
     """[(start, stop)] of each server's slice of the flat vector whose parameters have the
-    numels `sizes`, in order (the module docstring's rule). ValueError if there are fewer
+    numels `sizes`, in order (docs/async.md). ValueError if there are fewer
     parameters than servers."""
     if servers < 1 or any(n < 1 for n in sizes):
         raise ValueError(f"servers={servers} must be >= 1 and every parameter non-empty")

@@ -70,7 +70,7 @@ def worker_pushes(mesh, grad_fn: GradFn, numel: int, *, axis: str = "world",
     `accumulation`: gradients per push, a fixed k >= 1 or a controller that is told each
     push's measurements and picks the next k. `shards`: the numel of each server's slice
     (shard.shard_bounds), summing to numel: the servers are members 0..len(shards) - 1 of
-    `axis` (module docstring); None: one server holding all."""
+    `axis` (docs/async.md); None: one server holding all."""
     shards = [numel] if shards is None else list(shards)
     if sum(shards) != numel:
         raise ValueError(f"shards={shards} must sum to numel={numel}")

@@ -107,7 +107,7 @@ class PairPending:
 
 
 class PairHost:
-    """The long-running side of the rendezvous (module docstring): a TCPStore master on a free
+    """The long-running side of the rendezvous (docs/comm.md): a TCPStore master on a free
     port of this machine, published as `address` (`host`: the name in it, default this
     machine's). Construct, `watch` and answer on one thread; `close` ends the watcher (a request
     then gets no answer: the newcomer's PairError) and drops the store."""

@@ -78,7 +78,7 @@ def sparse_all_reduce(indices: torch.Tensor, values: torch.Tensor, out: torch.Te
     then returns a `PendingSparse` with the big transfer in flight, overlapping the caller's
     work: allgather's pairs, or balanced's all-to-all to the owners. `wait()` runs the rest
     (balanced: the owner's sums, the reduced counts, the all-gather of the sums) and writes
-    `out`, which is not touched before. Costs: the module docstring; what was sent: the
+    `out`, which is not touched before. Costs: docs/sparse-allreduce.md; what was sent: the
     `SparseResult`."""
     _check(indices, values, out, scheme)
     flat, n = out.view(-1), mesh.size(axis)

@@ -56,7 +56,7 @@ def _heads(x: torch.Tensor, b: int, t: int, n_heads: int) -> torch.Tensor:
 
 class ShiftServer:
     """Serves a full `GPT` on every rank of `mesh`'s `axis`, in "tp" when a batch brings
-    fewer than `threshold_tokens` new tokens, else in "sp" (module docstring)."""
+    fewer than `threshold_tokens` new tokens, else in "sp" (docs/generate.md)."""
 
     def __init__(self, model: GPT, mesh, threshold_tokens: int, axis: str = "tp"):
         self.model, self.mesh, self.axis = model.eval(), mesh, axis

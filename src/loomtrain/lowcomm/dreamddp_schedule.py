@@ -50,7 +50,7 @@ def naive(units: int, iterations: int) -> tuple[int, ...]:
 
 def plan(backward_s, comm_s, iterations: int, latency_s: float = 0.0,
          budget: int = DEFAULT_BUDGET) -> Plan:
-    """The schedule of least exposed time found (module docstring): exact within `budget`."""
+    """The schedule of least exposed time found (lowcomm-dreamddp.md): exact within `budget`."""
     if iterations < 1:
         raise ValueError(f"need at least one iteration per period, got {iterations}")
     n = len(backward_s)

@@ -62,7 +62,7 @@ def bubble_fraction(sim: SimulatedStep) -> float:
 
 def simulate_step(costs: StepCosts, buckets: int = BUCKETS,
                   p2p_stream: bool = True) -> SimulatedStep:
-    """Times one step of `costs` event by event (the module docstring states the model).
+    """Times one step of `costs` event by event (docs/planner.md states the model).
     `p2p_stream`: the pipeline's sends get a stream of their own instead of queueing on the
     comm stream with the gathers and gradient buckets."""
     _check(costs, buckets)

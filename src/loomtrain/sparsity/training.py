@@ -81,7 +81,7 @@ class SparseTraining:
 
     # --- reporting ---
     def metrics(self, per_layer: bool) -> dict:
-        """The figures since the previous call (see the module docstring)."""
+        """The figures since the previous call (docs/sparsity.md)."""
         steps = max(1, self._steps)
         rec = {"forward_per_step": round(self._forwards / steps, 4),
                "backward_per_step": round(self._backwards / steps, 4)}

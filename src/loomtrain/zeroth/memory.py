@@ -103,7 +103,7 @@ def measure(model_cfg: dict, batch: int, phases=PHASES, device: str = "cpu",
 
 def measure_in_subprocess(model_cfg: dict, batch: int, phases=PHASES, device: str = "cpu",
                           threads: int = 1, timeout_s: float = 600.0) -> dict:
-    """`measure` in a fresh Python process (module docstring), with `threads` torch threads."""
+    """`measure` in a fresh Python process (docs/zeroth.md), with `threads` torch threads."""
     args = json.dumps({"model_cfg": model_cfg, "batch": batch, "phases": list(phases),
                        "device": device, "threads": threads})
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))

@@ -215,7 +215,7 @@ class ZOAdam(ZOOptimizer):
 
 
 class SparseMeZO(ZOOptimizer):
-    """MeZO with z masked to the small-magnitude entries (module docstring)."""
+    """MeZO with z masked to the small-magnitude entries (docs/zeroth.md)."""
 
     name = "sparse-mezo"
 

@@ -100,7 +100,7 @@ class Exchange:
 
 
 class Compressor:
-    """Per-bucket compression with optional error feedback; see the module docstring.
+    """Per-bucket compression with optional error feedback; docs/compression.md.
 
     State lives in `self._state[slot][str(key)]`, one slot per kind ("residual", and what a
     subclass adds to `slots`), and travels through `state_dict()` as "slot/key" entries.

@@ -155,7 +155,7 @@ ATTENTION, POSITIONS = "auto_sequence_attention", "auto_sequence_positions"
 
 def auto_sequence(model: nn.Module, mesh, sample_len: int, budget_bytes: int | None = None,
                   micro_batch: int = 1) -> fx.GraphModule:
-    """`model` rewritten for the mesh's cp axis (see the module docstring). The result shares
+    """`model` rewritten for the mesh's cp axis (docs/sequence-auto.md). The result shares
     the model's parameters (same state_dict keys) and takes this rank's tokens: call
     `result.sequence.shard(x, y, docs)` on the full rows first, as the trainer does; the
     decision is `result.plan`. `budget_bytes`: per-rank activation memory for one micro-batch

@@ -99,7 +99,7 @@ def _trace(root: nn.Module, leaves: set[int], concrete: dict) -> fx.GraphModule:
 
 
 def find_attention(model: nn.Module) -> AttentionReport:
-    """Trace `model` (see the module docstring) and find its attention calls and positions."""
+    """Trace `model` (docs/sequence-auto.md) and find its attention calls and positions."""
     blocks = repeated_blocks(model)
     top = _trace(model, {id(b) for b in blocks.values()}, _defaults(model.forward, 1, ()))
     report = AttentionReport([], [], top)
