@@ -81,3 +81,19 @@ def run_world(fn, world: int, *args, timeout_s: float = 120.0, collective_timeou
     if errors and not expect_errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [pickle.loads(v) if s == "ok" else v for s, v in (results[r] for r in range(world))]
+
+
+class StopBefore:
+    """A StopFlag whose "signal" (SIGTERM) arrives before step `step` (counted from 0): the
+    run loop reads `signum` once per step boundary (a parameter-server worker never reads it:
+    its server stops it)."""
+
+    def __init__(self, step: int):
+        self.step, self.reads = step, 0
+
+    @property
+    def signum(self) -> int:
+        import signal
+
+        self.reads += 1
+        return signal.SIGTERM if self.reads > self.step else 0

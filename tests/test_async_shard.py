@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_tree
-from harness import run_world
+from harness import StopBefore, run_world
 from test_async_runtime import D, HEADER_BYTES, LR, LeastSquares, _loss, _sends
 
 from loomtrain.asyncsgd import build_policy, run_worker, serve
@@ -208,26 +207,13 @@ def test_bounded_staleness_can_deadlock_sharded_servers():
     assert deadlocked > 20, deadlocked  # measured: 117 of 200 with this seed
 
 
-class _StopAfterFirst:
-    """A StopFlag whose "signal" arrives once the first step is done: the run loop reads
-    `signum` once per step boundary."""
-
-    def __init__(self):
-        self.reads = 0
-
-    @property
-    def signum(self) -> int:
-        self.reads += 1
-        return signal.SIGTERM if self.reads > 1 else 0
-
-
 def _train_then_stop(rank, world, tree, root):
     """The run to its end, then the same run stopped as SIGINT/SIGTERM stops it (the flag set
     after the first update, on every rank as the local launcher forwards it)."""
     out = []
     for name in ("full", "stopped"):
         cfg = config_from_dict(tree)
-        stop = _StopAfterFirst() if name == "stopped" else trainer.StopFlag()
+        stop = StopBefore(1) if name == "stopped" else trainer.StopFlag()
         train_loop(cfg, Path(root) / name, None, init_distributed(cfg), stop)
         out.append(read_metrics(Path(root) / name) if rank == 0 else None)
     return out

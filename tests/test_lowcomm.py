@@ -6,13 +6,12 @@ and bytes case."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_tree
-from harness import run_world
+from harness import StopBefore, run_world
 from loomtrain import comm
 from loomtrain.errors import ConfigError
 from loomtrain.lowcomm.state import LOWCOMM
@@ -22,19 +21,6 @@ from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
 from loomtrain.train.run import train_loop
-
-
-class _StopBefore:
-    """A StopFlag whose "signal" arrives before step `step` (counted from 0): `_control`
-    reads `signum` once per step."""
-
-    def __init__(self, step: int):
-        self.step, self.reads = step, 0
-
-    @property
-    def signum(self) -> int:
-        self.reads += 1
-        return signal.SIGTERM if self.reads > self.step else 0
 
 
 def _runs(rank, world, jobs, root):
@@ -48,7 +34,7 @@ def _runs(rank, world, jobs, root):
         mesh = init_distributed(cfg)
         comm.barrier(mesh)  # rank 0 publishes the previous run's last checkpoint
         latest = checkpoint.list_checkpoints(run_dir)[-1] if resume else None
-        stop = _StopBefore(stop_before) if stop_before is not None else trainer.StopFlag()
+        stop = StopBefore(stop_before) if stop_before is not None else trainer.StopFlag()
         train_loop(cfg, run_dir, latest, mesh, stop)
         out[name] = (read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(run_dir)])
     return out if rank == 0 else None

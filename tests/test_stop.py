@@ -5,12 +5,11 @@ checkpoint to the end with each step logged once."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 from conftest import tiny_tree
-from harness import run_world
+from harness import StopBefore, run_world
 
 from loomtrain import comm
 from loomtrain.train import checkpoint
@@ -26,26 +25,13 @@ MODES = {"backprop": {}, "zeroth": {"optim": {"name": "mezo"}},
          "server": {"async": {"mode": "ps", "worker_timeout_s": 30}}}
 
 
-class _StopBefore:
-    """A StopFlag whose "signal" arrives before step `step` (counted from 0): the loop reads
-    `signum` once per step boundary (a worker never reads it: its server stops it)."""
-
-    def __init__(self, step: int):
-        self.step, self.reads = step, 0
-
-    @property
-    def signum(self) -> int:
-        self.reads += 1
-        return signal.SIGTERM if self.reads > self.step else 0
-
-
 def _stop_then_resume(rank, world, trees, root):
     out = {}
     for name, tree in trees.items():
         cfg = config_from_dict(tree)
         run_dir = Path(root) / name
         mesh = init_distributed(cfg)
-        stopped = train_loop(cfg, run_dir, None, mesh, _StopBefore(STOP_BEFORE))
+        stopped = train_loop(cfg, run_dir, None, mesh, StopBefore(STOP_BEFORE))
         comm.barrier(mesh)  # the stop's checkpoint is published
         saved = checkpoint.list_checkpoints(run_dir)
         before = read_metrics(run_dir)
