@@ -24,12 +24,11 @@ from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.parallel.state import PLAIN
 from loomtrain.timeline import Timeline
 from loomtrain.train import checkpoint
-from loomtrain.train.apply import build
+from loomtrain.train.apply import build_run
 from loomtrain.train.batches import batches_of_step, load_rows, target_tokens
 from loomtrain.train.config import Config, config_to_toml
-from loomtrain.train.init_from import load_init_weights
 from loomtrain.train.metrics import RunLog, peak_mem_bytes, truncate_metrics
-from loomtrain.train.task import build_task_model, is_classification, load_task_data
+from loomtrain.train.task import is_classification, load_task_data
 
 
 class NonFiniteError(RuntimeError):
@@ -223,15 +222,12 @@ def train_backprop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: 
     torch.manual_seed(cfg.run.seed)
     data = load_task_data(cfg, mesh.size("dp"))  # text windows or labelled examples
     train_data, val_data = data.train, data.val
-    model = build_task_model(cfg).to(device)
-    parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    init = None  # a fresh run from a checkpoint's weights: before any layout splits them
-    if resume is None and cfg.train.init_from is not None:
-        init = load_init_weights(model, cfg)
-    # the components take the model in the apply order and leave it wrapped, with its
-    # optimizer (built after the split, rebuilt by ZeRO over this rank's shard) and the loss
-    # its outputs need; the checkpoint then loads into the wrapped pair
-    built = build(model, mesh, cfg, lambda m: build_optimizer(m, cfg.train))
+    # the components take the model, built on the meta device, in the apply order: split, then
+    # this rank's pieces made real, then wrapped, with its optimizer (built after the split,
+    # rebuilt by ZeRO over this rank's shard) and the loss its outputs need; a fresh run from
+    # train.init_from loads the whole model before the split. A checkpoint loads into the pair
+    built, setup = build_run(cfg, mesh, lambda m: build_optimizer(m, cfg.train), resume is None)
+    parameters, init = setup.parameters, setup.init
     start = 0
     if resume is not None:
         start = restore(built, resume)["step"]
