@@ -177,7 +177,7 @@ def test_graph_sees_known_edges(graph):
     (train/run.py imports the zeroth-order loop only when chosen)."""
     edges, imports = graph
     assert "loomtrain.comm" in edges["loomtrain.train.trainer"]
-    assert ("loomtrain.train.backprop", "loomtrain.train.apply", "build") in imports
+    assert ("loomtrain.train.backprop", "loomtrain.train.apply", "build_run") in imports
     assert "loomtrain.zeroth.train" in edges["loomtrain.train.run"]
     assert len(edges) > 100 and sum(map(len, edges.values())) > 300
 

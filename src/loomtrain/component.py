@@ -55,6 +55,14 @@ class Built:
     parts: dict = field(default_factory=dict)  # each component's runtime objects, by its name
     applied: list = field(default_factory=list)  # the components that applied, in stage order
     meta: dict = field(default_factory=dict)  # plain values every checkpoint's loom.json holds
+    materializer: Callable | None = None  # makes a meta-device model real (train/apply.py)
+
+    def materialize(self, model=None) -> None:
+        """Before reading values: `model` (or `self.model`), split on the meta device, becomes
+        this rank's real tensors. Once; a no-op for a model built real."""
+        materializer, self.materializer = self.materializer, None
+        if materializer is not None:
+            materializer(self.model if model is None else model)
 
 
 @dataclass(frozen=True)

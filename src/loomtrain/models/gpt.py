@@ -62,6 +62,12 @@ class CausalSelfAttention(nn.Module):
         # attention hands it phi(q), phi(k), v, and the kernel reads `decay` from this module
         self.core = None
 
+    def init_buffers(self) -> None:
+        """Computes `decay` in place, on the CPU as the eager build does, for a model built on
+        the meta device (train/materialize.py)."""
+        if self.decay is not None:
+            self.decay.copy_(default_decay(self.decay.numel()))
+
     def mix(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """The heads' attention output before the output projection, (b, t, local width)."""
         qkv = self.qkv(x)

@@ -8,23 +8,21 @@ from pathlib import Path
 
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.train import trainer
-from loomtrain.train.apply import build
+from loomtrain.train.apply import build_run
 from loomtrain.train.batches import target_tokens
-from loomtrain.train.init_from import load_init_weights
 from loomtrain.train.loop import Stepped, SyncMode, SyncStep, train_sync
-from loomtrain.train.task import build_task_model
 
 
 class BackpropMode(SyncMode):
     def __init__(self, cfg, mesh, data, fresh: bool):
-        model = build_task_model(cfg).to(mesh.device)
-        parameters = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-        if fresh and cfg.train.init_from is not None:  # before any layout splits the model
-            self.init = load_init_weights(model, cfg)
-        # the components take the model in the apply order and leave it wrapped, with its
-        # optimizer (built after the split, rebuilt by ZeRO over this rank's shard) and the
-        # loss its outputs need; a checkpoint then loads into the wrapped pair
-        super().__init__(build(model, mesh, cfg, lambda m: build_optimizer(m, cfg.train)), data)
+        # the components take the model, built on the meta device, in the apply order: split,
+        # then this rank's pieces made real, then wrapped, with its optimizer (built after the
+        # split, rebuilt by ZeRO over this rank's shard) and the loss its outputs need; a fresh
+        # run from train.init_from loads the whole model before the split. A checkpoint then
+        # loads into the wrapped pair
+        built, setup = build_run(cfg, mesh, lambda m: build_optimizer(m, cfg.train), fresh)
+        super().__init__(built, data)
+        self.init, parameters = setup.init, setup.parameters
         self.description = f"{data.description}; {parameters:,} parameters"
         self.tokens_per_step = cfg.train.global_batch * data.targets_per_row
 

@@ -24,6 +24,7 @@ def dry_run(cfg) -> str:
         f"data:  {est.data}",
         f"model: {m.name}, {est.model_parameters:,} parameters (d_model {m.d_model}, {m.n_layers} "
         f"layers, seq_len {m.seq_len}, vocab {m.vocab_size})",
+        _setup_line(cfg),
         f"batch: global {t.global_batch} = dp {p.dp_size} x micro {t.micro_batch} x "
         f"{'pipelined micro-batches' if p.pp > 1 else 'accumulation'} {cfg.accumulation_steps}",
         *([] if est.zero is None else _zero_lines(est.zero, cfg)),
@@ -38,6 +39,20 @@ def dry_run(cfg) -> str:
           else _grouped_collective_lines(est, cfg)),
     ]
     return "\n".join(lines)
+
+
+def _setup_line(cfg) -> str:
+    """Rank 0's set-up peak: the most model bytes it holds at once while the model is built
+    (train/materialize.py)."""
+    from loomtrain.train.materialize import setup_peak
+
+    s = setup_peak(cfg)
+    if cfg.train.init_from is not None:
+        return (f"set-up: train.init_from loads the whole model ({fmt_bytes(s.model_bytes)}) on "
+                "every rank before the split")
+    return (f"set-up: rank 0 holds at most {fmt_bytes(s.peak_bytes)} while building (its pieces "
+            f"{fmt_bytes(s.rank_bytes)}, then one full tensor at a time, the largest "
+            f"{fmt_bytes(s.largest_bytes)}; the whole model {fmt_bytes(s.model_bytes)})")
 
 
 # the closed forms of schedules.bubble_theory: p = pp, m = micro-batches, V = virtual stages

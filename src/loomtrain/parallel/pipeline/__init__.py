@@ -24,6 +24,10 @@ from loomtrain.parallel.pipeline.split import (
 )
 
 
+def _real(model) -> None:
+    """The default `materialize`: the model was built with its values."""
+
+
 def split(model, mesh, stages: int, sample: torch.Tensor, balance="params") -> tuple[PipelineModule, list, list]:
     """This rank's PipelineModule of `model` cut into `stages` stages (stage s on pp rank
     s % pp), the stage output shapes for an input like `sample` (one micro-batch) and the
@@ -52,11 +56,20 @@ def split(model, mesh, stages: int, sample: torch.Tensor, balance="params") -> t
     return module, shapes, shared
 
 
-def split_model(model, mesh, cfg) -> tuple[PipelineModule, list, list]:
-    """`split` as the config says (cfg: the whole Config)."""
+def split_model(model, mesh, cfg, materialize=_real) -> tuple[PipelineModule, list, list]:
+    """`split` as the config says (cfg: the whole Config), materialized as in `pipeline`."""
     p = cfg.parallel
-    return split(model, mesh, p.pp * p.virtual_stages, _sample(cfg, mesh),
-                 list(p.split_points) or p.pipeline_balance)
+    return _split_real(model, mesh, p.pp * p.virtual_stages, _sample(cfg, mesh),
+                       list(p.split_points) or p.pipeline_balance, materialize)
+
+
+def _split_real(model, mesh, stages: int, sample, balance, materialize):
+    """`split`, with this rank's stages real afterwards (`pipeline`)."""
+    if balance == "time":  # timing runs every layer
+        materialize(model)
+    module, shapes, shared = split(model, mesh, stages, sample, balance)
+    materialize(module)
+    return module, shapes, shared
 
 
 def _sample(cfg, mesh) -> torch.Tensor:
@@ -72,37 +85,42 @@ def build_schedule(cfg) -> schedules.Schedule:
 
 
 def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
-             balance="params", recompute: str = "none") -> PipelineModule:
+             balance="params", recompute: str = "none", materialize=_real) -> PipelineModule:
     """The pp-axis strategy: this rank's stages of `model` (any model `layers_of` can read:
     the GPT, the MLP, an `nn.Sequential`, one with `pipeline_layers()`), with the runtime that
     executes `schedule` as `.runtime`. `sample`: one micro-batch's input; `balance` as in
     `split`; `recompute`: "none", "full" or "selective" (the GPT's attention core). Wrap the
-    result with the dp engine, then call `result.runtime.train_step(wrapped, batches, ...)`."""
+    result with the dp engine, then call `result.runtime.train_step(wrapped, batches, ...)`.
+
+    A model on the meta device is cut there; `materialize(module)` then makes the stages
+    this rank keeps real, before the runtime reads them. Balanced by time, the layers are
+    timed first: `materialize(model)` makes the whole model real before the cut, and the call
+    after it must do nothing (as `Built.materialize`, called once, does)."""
     if recompute == "selective":
         for m in model.modules():
             if hasattr(m, "recompute_core"):
                 m.recompute_core = True
-    module, shapes, shared = split(model, mesh, schedule.stages, sample, balance)
+    module, shapes, shared = _split_real(model, mesh, schedule.stages, sample, balance, materialize)
     module.runtime = PipelineRuntime(module, mesh, schedule, shapes, shared, recompute)
     return module
 
 
-def apply_pipeline(model, mesh, cfg) -> PipelineModule:
+def apply_pipeline(model, mesh, cfg, materialize=_real) -> PipelineModule:
     """`pipeline` as the config says."""
     p = cfg.parallel
     if p.schedule == "async":  # its runtime steps its own optimizer after every micro-batch
         from loomtrain.parallel.pipeline.asynchronous import build_async_runtime
 
-        module, shapes, shared = split_model(model, mesh, cfg)
+        module, shapes, shared = split_model(model, mesh, cfg, materialize)
         module.runtime = build_async_runtime(module, mesh, cfg, shapes, shared)
         return module
     if p.schedule == "optimal":
-        return _optimal_pipeline(model, mesh, cfg)
+        return _optimal_pipeline(model, mesh, cfg, materialize)
     return pipeline(model, mesh, build_schedule(cfg), _sample(cfg, mesh),
-                    list(p.split_points) or p.pipeline_balance, p.recompute)
+                    list(p.split_points) or p.pipeline_balance, p.recompute, materialize)
 
 
-def _optimal_pipeline(model, mesh, cfg) -> PipelineModule:
+def _optimal_pipeline(model, mesh, cfg, materialize=_real) -> PipelineModule:
     """schedule="optimal": the stages' costs measured on one micro-batch (profile.py), the
     plan solved on global rank 0 (a time-limited MILP's answer depends on timing: ranks
     solving apart could disagree) and sent to every rank. The runtime is built with ZB-H1,
@@ -112,7 +130,7 @@ def _optimal_pipeline(model, mesh, cfg) -> PipelineModule:
     from loomtrain.parallel.pipeline.profile import profile_stages
 
     p, microbatches = cfg.parallel, cfg.accumulation_steps
-    module, shapes, shared = split_model(model, mesh, cfg)
+    module, shapes, shared = split_model(model, mesh, cfg, materialize)
     module.runtime = PipelineRuntime(module, mesh, schedules.build("zb-h1", p.pp, microbatches),
                                      shapes, shared)
     targets = torch.randint(0, cfg.model.vocab_size, _sample(cfg, mesh).shape, device=mesh.device)

@@ -55,7 +55,8 @@ class Pipeline(Component):
         from loomtrain.parallel.pipeline import apply_pipeline, runtime_of
         from loomtrain.parallel.state import GroupedStateLayout
 
-        built.model = apply_pipeline(built.model, built.mesh, built.cfg)
+        # cut on the meta device (a model build_run built there); real before the runtime
+        built.model = apply_pipeline(built.model, built.mesh, built.cfg, built.materialize)
         built.parts[cls.name] = runtime_of(built.model)
         built.layout = GroupedStateLayout()  # unless ZeRO-1 takes it: its layout names groups
 
