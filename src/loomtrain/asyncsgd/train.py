@@ -409,6 +409,7 @@ class ServerMetrics:
         self.seen = 0  # arrivals already in a record
         self.recorded = start  # the version of the latest record
         self.recorded_lost = 0  # the workers lost by then
+        self.summarized = False  # the latest record holds the run's summary
         # the run-wide counts up to the checkpoint resumed from: {staleness: applied}, per worker
         self.histogram_before: dict[int, int] = {}
         workers = mesh.world - cfg.asgd.servers
@@ -417,16 +418,22 @@ class ServerMetrics:
         self.tokens_per_gradient = tokens_per_gradient(cfg, mesh)
 
     def finish(self, extra: dict | None = None) -> None:
-        """A last record if the run ended after its latest record (every worker lost), or,
-        sharded, the last record, with `extra` fields. When the workers were lost right after
-        a record, the last record repeats its update with the losses counted."""
+        """The run's summary (validation, the run-wide counts, `extra` fields) in its last
+        record, however it ended: a record of its own if the run ended after its latest record
+        (a stop, every worker lost; sharded: always), or added to the latest record when that
+        one is of the last update (a stop right after a logged update), so that each update
+        keeps one record. When the workers were lost right after a record, the last record
+        repeats its update with the losses counted."""
         server = self.server
-        if server is not None and (self.recorded < server.version
-                                   or self.recorded_lost != len(server.lost)):
+        if server is None or self.summarized:
+            return
+        if self.recorded < server.version or self.recorded_lost != len(server.lost):
             now = time.perf_counter()
             counts = sum(server.accumulation[self.seen:])
             self.log.record(self.record(server, True, True, counts * self.tokens_per_gradient
                                         / max(now - self.window_t0, 1e-9), now - self.t0, extra))
+        else:
+            self.log.amend({**self._summary(True), **(extra or {})})
 
     def record(self, server: ParameterServer, is_eval: bool, last: bool, tokens_per_s: float,
                elapsed_s: float, extra: dict | None = None) -> dict:
@@ -458,17 +465,25 @@ class ServerMetrics:
             rec["link_gbps"] = self.mesh.link.gbps_at(now)
             rec["link_utilization"] = round(rec["comm_bytes"].get("total", 0) / max(
                 self.mesh.link.capacity_bytes(self.window_t0, now), 1e-9), 4)
-        if is_eval:
-            rec["val_loss"] = evaluate(self.model, self.val_data, self.cfg, alone(self.mesh),
-                                       self.mesh.device)
-        if last:  # over every applied gradient of the run
-            counts = self.state_dict()
-            rec["staleness_histogram"] = {str(k): v for k, v in
-                                          counts["staleness_histogram"].items()}
-            rec["applied_by_worker"] = counts["applied_by_worker"]
+        if last:
+            rec.update(self._summary(is_eval))
+        elif is_eval:
+            rec["val_loss"] = self._val_loss()
         self.recorded, self.window_t0 = server.version, time.perf_counter()
-        self.recorded_lost = rec["workers_lost"]
+        self.recorded_lost, self.summarized = rec["workers_lost"], last
         return {**rec, **(extra or {})}
+
+    def _val_loss(self) -> float:
+        return evaluate(self.model, self.val_data, self.cfg, alone(self.mesh), self.mesh.device)
+
+    def _summary(self, is_eval: bool) -> dict:
+        """The last record's fields: validation, and the counts over every applied gradient
+        of the run."""
+        counts = self.state_dict()
+        out = {"val_loss": self._val_loss()} if is_eval else {}
+        return {**out, "staleness_histogram": {str(k): v for k, v in
+                                               counts["staleness_histogram"].items()},
+                "applied_by_worker": counts["applied_by_worker"]}
 
     def state_dict(self) -> dict:
         """The run-wide counts so far, resumed ones included: {staleness: applied gradients}

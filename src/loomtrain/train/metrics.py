@@ -33,9 +33,13 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
-    kept = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+    _rewrite(path, [r for r in read_metrics(run_dir) if r["step"] <= last_step])
+
+
+def _rewrite(path: Path, records: list[dict]) -> None:
+    """`path` holding `records`, replaced by one rename."""
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     os.replace(tmp, path)
 
 
@@ -76,6 +80,19 @@ class RunLog:
             print(line, file=sys.stderr, flush=True)
         else:
             self.bar.write(line, file=sys.stderr)
+
+    def amend(self, fields: dict) -> None:
+        """Add `fields` to the latest record (a run's summary that comes after it), rewriting
+        the file atomically: a crash here loses nothing."""
+        if not self.enabled:
+            return
+        self.file.close()
+        path = Path(self.file.name)
+        records = read_metrics(path.parent)
+        if records:
+            records[-1].update(fields)
+        _rewrite(path, records)
+        self.file = open(path, "a")
 
     def advance(self, loss: float | None, tokens_per_s: float) -> None:
         if self.enabled and not self.bar.disable:
