@@ -145,8 +145,8 @@ class OurPipeline:
             self.runtime = module.runtime
         else:
             module, shapes, shared = split_model(GPT(**setup.model_cfg), mesh, cfg)
-            self.runtime = PipelineRuntime(module, mesh, build_schedule(cfg), shapes, shared,
-                                           cfg.parallel.recompute)
+            self.runtime = PipelineRuntime(module.stage_modules(), mesh, build_schedule(cfg),
+                                           shapes, shared, cfg.parallel.recompute)
         self.bounds = module.bounds
         self.planned = None
         if cfg.parallel.schedule == "optimal" and mesh.rank == 0:  # the plan's own model

@@ -88,9 +88,10 @@ def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
              balance="params", recompute: str = "none", materialize=_real) -> PipelineModule:
     """The pp-axis strategy: this rank's stages of `model` (any model `layers_of` can read:
     the GPT, the MLP, an `nn.Sequential`, one with `pipeline_layers()`), with the runtime that
-    executes `schedule` as `.runtime`. `sample`: one micro-batch's input; `balance` as in
-    `split`; `recompute`: "none", "full" or "selective" (the GPT's attention core). Wrap the
-    result with the dp engine, then call `result.runtime.train_step(wrapped, batches, ...)`.
+    executes `schedule` over its stage modules as `.runtime`. `sample`: one micro-batch's
+    input; `balance` as in `split`; `recompute`: "none", "full" or "selective" (the GPT's
+    attention core). Wrap the result with the dp engine, then call
+    `result.runtime.train_step(wrapped, batches, ...)` (the engine: `wrapped`).
 
     A model on the meta device is cut there; `materialize(module)` then makes the stages
     this rank keeps real, before the runtime reads them. Balanced by time, the layers are
@@ -101,7 +102,8 @@ def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
             if hasattr(m, "recompute_core"):
                 m.recompute_core = True
     module, shapes, shared = _split_real(model, mesh, schedule.stages, sample, balance, materialize)
-    module.runtime = PipelineRuntime(module, mesh, schedule, shapes, shared, recompute)
+    module.runtime = PipelineRuntime(module.stage_modules(), mesh, schedule, shapes, shared,
+                                     recompute)
     return module
 
 
@@ -131,8 +133,8 @@ def _optimal_pipeline(model, mesh, cfg, materialize=_real) -> PipelineModule:
 
     p, microbatches = cfg.parallel, cfg.accumulation_steps
     module, shapes, shared = split_model(model, mesh, cfg, materialize)
-    module.runtime = PipelineRuntime(module, mesh, schedules.build("zb-h1", p.pp, microbatches),
-                                     shapes, shared)
+    module.runtime = PipelineRuntime(module.stage_modules(), mesh,
+                                     schedules.build("zb-h1", p.pp, microbatches), shapes, shared)
     targets = torch.randint(0, cfg.model.vocab_size, _sample(cfg, mesh).shape, device=mesh.device)
     table = profile_stages(module.runtime, _sample(cfg, mesh),
                            lambda logits: token_loss_sum(logits, targets))

@@ -17,7 +17,7 @@ from loomtrain import comm
 from loomtrain.errors import ConfigError
 from loomtrain.parallel.pipeline import schedules as S
 from loomtrain.parallel.pipeline.nesterov import build_async_optimizer
-from loomtrain.parallel.pipeline.runtime import PipelineRuntime, _StepState
+from loomtrain.parallel.pipeline.runtime import LocalGradients, PipelineRuntime, _StepState
 
 _TIED = 3  # a tied parameter's gradient contribution, in its tag (runtime.py's kinds are 0-2)
 _TAG_SPAN = 1 << 20  # micro-batches a tag tells apart: far more than are ever in flight
@@ -67,12 +67,12 @@ class AsyncPipelineRuntime(PipelineRuntime):
 
     owns_optimizer = True
 
-    def __init__(self, module, mesh, microbatches: int, shapes, shared, optimizer, grad_clip: float):
+    def __init__(self, stages, mesh, microbatches: int, shapes, shared, optimizer, grad_clip: float):
         pp = mesh.size("pp")
         # actions are made step by step (step_actions), not fixed: the schedule holds none
-        super().__init__(module, mesh, S.Schedule("async", pp, microbatches, 1, ((),) * pp), shapes, shared)
+        super().__init__(stages, mesh, S.Schedule("async", pp, microbatches, 1, ((),) * pp), shapes, shared)
         self.optimizer, self.grad_clip = optimizer, grad_clip
-        self.named = list(module.named_parameters())
+        self.named = list(self.module.named_parameters())  # this rank's one stage's
         self.tied_ids = {id(p) for p, _ in shared if p is not None}
         self.holders = self._holders()
         self.lag = pp  # updates between a tied contribution and its use (module docstring)
@@ -100,18 +100,20 @@ class AsyncPipelineRuntime(PipelineRuntime):
 
     # --- the trainer's interface --------------------------------------------------------
 
-    def train_step(self, model, batches, global_tokens: float, loss_fn) -> torch.Tensor:
+    def train_step(self, engine, batches, global_tokens: float, loss_fn) -> torch.Tensor:
         """Feeds `batches` (one (x, y) per micro-batch) into the stream and runs this rank's
-        actions of the step; returns the token-summed loss of the step's micro-batches on the
-        last stage (zero elsewhere). Collective over pp (the step's gradient norm)."""
+        actions of the step (`engine`: the dp engine, None for none, as the synchronous
+        runtime's); returns the token-summed loss of the step's micro-batches on the last
+        stage (zero elsewhere). Collective over pp (the step's gradient norm)."""
         microbatches = self.schedule.microbatches
         if len(batches) != microbatches:
             raise ValueError(f"the async pipeline runs {microbatches} micro-batches a step, "
                              f"got {len(batches)}")
+        engine = LocalGradients() if engine is None else engine
         if self._step is None:
-            self._step = _StepState(model, None, 0.0, loss_fn, self.mesh.device)
+            self._step = _StepState(engine, None, 0.0, loss_fn, self.mesh.device)
         st = self._step
-        st.model, st.loss_fn, st.global_tokens = model, loss_fn, global_tokens / microbatches
+        st.engine, st.loss_fn, st.global_tokens = engine, loss_fn, global_tokens / microbatches
         st.loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         first = self.next
         self.next += microbatches
@@ -188,7 +190,7 @@ class AsyncPipelineRuntime(PipelineRuntime):
     def _update(self, g: int, stash: dict) -> None:
         for n, p in self.named:
             p.grad = stash[n].grad
-        self._step.model.sync_gradients()  # summed over dp
+        self._step.engine.sync_gradients()  # summed over dp
         tied_square = self._tied_gradients(g)
         rest = [p for _, p in self.named if id(p) not in self.tied_ids and p.grad is not None]
         norm = _clip(rest, self.grad_clip)
@@ -280,9 +282,10 @@ def _flat(tensors) -> torch.Tensor:
 
 
 def build_async_runtime(module, mesh, cfg, shapes, shared) -> AsyncPipelineRuntime:
-    """The runtime of `schedule = "async"` for this rank's PipelineModule, with its optimizer."""
+    """The runtime of `schedule = "async"` for this rank's PipelineModule (its stage modules),
+    with its optimizer over the PipelineModule's parameters."""
     if mesh.device.type != "cpu":  # known only once the device is picked ("auto")
         raise ConfigError('parallel.schedule="async" runs on CPU ranks for now: its messages '
                           "are matched by tag (gloo), NCCL matches in order; set run.device=\"cpu\"")
-    return AsyncPipelineRuntime(module, mesh, cfg.accumulation_steps, shapes, shared,
-                                build_async_optimizer(module, cfg), cfg.train.grad_clip)
+    return AsyncPipelineRuntime(module.stage_modules(), mesh, cfg.accumulation_steps, shapes,
+                                shared, build_async_optimizer(module, cfg), cfg.train.grad_clip)

@@ -68,11 +68,13 @@ class Pipeline(Component):
 
     @classmethod
     def forward_backward(cls, built: Built, batches, global_tokens: float, loss_fn):
+        # the runtime runs the stage modules apply_pipeline gave it; built.model, the dp
+        # engine over them, is the step's gradient engine
         return built.parts[cls.name].train_step(built.model, batches, global_tokens, loss_fn)
 
     @classmethod
     def forward_only(cls, built: Built, x):
-        return (built.parts[cls.name].forward_only(built.model, x),)
+        return (built.parts[cls.name].forward_only(x),)
 
     @classmethod
     def start_timeline(cls, built: Built, timeline) -> bool:

@@ -24,7 +24,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _measure_stage(module, stage: int, x: torch.Tensor, repeats: int, store: DeferredWeightGrads,
+def _measure_stage(module, x: torch.Tensor, repeats: int, store: DeferredWeightGrads,
                    device: torch.device, loss=None) -> list[float]:
     stash = ActivationStash(module.parameters(), device)
     times: dict[str, list[float]] = {k: [] for k in FIELDS[:6]}
@@ -35,7 +35,7 @@ def _measure_stage(module, stage: int, x: torch.Tensor, repeats: int, store: Def
             key = (r, kind)
             t0 = time.perf_counter()
             with stash.saving(key):
-                out = module(x_in, stage)
+                out = module(x_in)
                 if loss is not None:  # the last stage: the loss is part of its forward
                     out = loss(out)
             times["f"].append(time.perf_counter() - t0)
@@ -61,18 +61,18 @@ def _measure_stage(module, stage: int, x: torch.Tensor, repeats: int, store: Def
 
 def profile_stages(runtime, sample: torch.Tensor, loss=None, repeats: int = 3) -> list[dict[str, float]]:
     """[{field: value}] for every stage (all pp ranks' stages, in stage order); `loss(output)`
-    ends the last stage's forward, as in training. Collective over pp; needs the runtime's module to defer linear weight gradients (zero-bubble's
-    split), which `PipelineRuntime` sets up for every schedule that profiling serves."""
-    module, mesh = runtime.module, runtime.mesh
-    stages = runtime.schedule.stages
+    ends the last stage's forward, as in training. Collective over pp; needs the runtime's
+    stage modules to defer their linear weight gradients (zero-bubble's split), which
+    `PipelineRuntime` sets up for every schedule that profiling serves."""
+    mesh, stages = runtime.mesh, runtime.schedule.stages
     table = torch.zeros((stages, len(FIELDS)), dtype=torch.float64)
-    for s in module.stages:
+    for s, module in runtime.stages.items():
         if s == 0:
             x = sample
         else:
             shape, dtype = runtime.shapes[s - 1]
             x = torch.randn(shape, dtype=dtype, device=mesh.device)
         last = loss if s == stages - 1 else None
-        table[s] = torch.tensor(_measure_stage(module, s, x, repeats, runtime.deferred, mesh.device, last))
+        table[s] = torch.tensor(_measure_stage(module, x, repeats, runtime.deferred, mesh.device, last))
     comm.all_reduce(table, mesh, "pp")  # each stage's row is filled on its own rank only
     return [dict(zip(FIELDS, row)) for row in table.tolist()]

@@ -1,6 +1,7 @@
 """Executes a pipeline schedule on this rank: the actions of `schedule.actions[rank]` in order
 (forwards, backwards or zero-bubble's split I and W, sends and receives, offloads and
-reloads), with recomputation and the gradient sync over pp, then dp. What each action does:
+reloads), with recomputation and the gradient sync over pp, then dp. What it is given (stage
+modules, shapes, shared parameters, a gradient engine) and what each action does:
 docs/pipeline.md, "The runtime".
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -113,19 +115,57 @@ def posted_early(actions, lookahead: int) -> tuple:
     return tuple(a for _, _, a in sorted(keyed, key=lambda k: (k[0], k[1])))
 
 
-class PipelineRuntime:
-    """One rank's executor of `schedule` for the stages of `module` (a PipelineModule)."""
+class LocalGradients:
+    """The gradient engine of a rank whose gradients nothing reduces (no data parallelism):
+    they stay where backward put them."""
 
-    def __init__(self, module, mesh, schedule: S.Schedule, shapes, shared, recompute: str = "none"):
-        self.module, self.mesh, self.schedule = module, mesh, schedule
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+    def sync_gradients(self) -> None:
+        pass
+
+
+class RankStages(nn.ModuleDict):
+    """This rank's stage modules in one module, under str(stage): `forward(x, stage)` runs
+    one. What works on all of them at once uses it: their parameters (deduplicated), the
+    weight-gradient deferral, the asynchronous runtime's `functional_call`."""
+
+    def __init__(self, stages: Mapping[int, nn.Module]):
+        super().__init__({str(s): m for s, m in sorted(stages.items())})
+
+    def forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
+        return self[str(stage)](x)
+
+
+class PipelineRuntime:
+    """One rank's executor of `schedule` over the stage modules it is given.
+
+    `stages`: {stage: module} for exactly the stages the schedule places on this rank (stage
+    s on pp rank s % pp); `module(x)` runs stage s on its input (stage 0: the micro-batch's
+    tokens), any module: a slice of a model's layers (`PipelineModule.stage_modules()`), a
+    tensor-parallel block, a hand-built one. `shapes[s]`: stage s's output (shape, dtype) for
+    one micro-batch, for every stage that sends (s < stages - 1). `shared`: the parameters
+    several pp ranks hold (a tied embedding and head), as [(this rank's copy or None, shape)]
+    in one order on every pp rank; their gradients are summed over pp. The loss is the
+    runtime's: `loss_fn(last stage's output, targets)`. The gradient engine (dp's) is given
+    to each `train_step`."""
+
+    def __init__(self, stages: Mapping[int, nn.Module], mesh, schedule: S.Schedule, shapes,
+                 shared, recompute: str = "none"):
+        self.mesh, self.schedule = mesh, schedule
         self.rank, self.pp = mesh.local_rank("pp"), mesh.size("pp")
         self.last = schedule.stages - 1
+        _check_stages(stages, shapes, schedule, self.rank, self.pp)
+        self.stages = dict(stages)
+        self.module = RankStages(stages)
         self.shapes = shapes  # stage s's output (shape, dtype), for a micro-batch
         self.recompute = recompute
         self.deferred = DeferredWeightGrads()
         if any(a.kind == S.I for a in schedule.actions[self.rank]):
-            defer_linear_weights(module, self.deferred)
-        self.stash = ActivationStash(module.parameters(), mesh.device)
+            defer_linear_weights(self.module, self.deferred)
+        self.stash = ActivationStash(self.module.parameters(), mesh.device)
         # the stash's hooks cost a Python call per saved tensor: they run for the pairs the
         # schedule offloads, and for all while `measure_activations` is set (peak_bytes)
         self.measure_activations = False
@@ -154,21 +194,24 @@ class PipelineRuntime:
 
     # --- one training step ------------------------------------------------------------------
 
-    def train_step(self, model, batches, global_tokens: float, loss_fn) -> torch.Tensor:
-        """Runs the schedule over `batches` (one (x, y) per micro-batch) through `model` (the
-        dp-wrapped PipelineModule, its engine built with `gradient_reduce="sum"` as the
-        trainer builds it: the loss is divided by `global_tokens`); gradients end summed over
-        dp and over the pp copies of shared parameters. Returns this rank's token-summed loss
-        (zero off the last stage)."""
+    def train_step(self, engine, batches, global_tokens: float, loss_fn) -> torch.Tensor:
+        """Runs the schedule over `batches` (one (x, y) per micro-batch) through the stage
+        modules. `engine`: the gradient engine of the stages' parameters, anything with
+        `no_sync()` and `sync_gradients()` (the dp engine, DataParallel or ZeRO-1, built with
+        `gradient_reduce="sum"` as the trainer builds it: the loss is divided by
+        `global_tokens`); None: `LocalGradients()`. Gradients end summed over the pp copies of
+        shared parameters, then over dp. Returns this rank's token-summed loss (zero off the
+        last stage)."""
         if len(batches) != self.schedule.microbatches:
             raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                              f"the step {len(batches)}")
-        self._step = _StepState(model, batches, global_tokens, loss_fn, self.mesh.device)
+        engine = LocalGradients() if engine is None else engine
+        self._step = _StepState(engine, batches, global_tokens, loss_fn, self.mesh.device)
         self.stash.reset_peak()
         run = {S.F: self._forward, S.B: self._backward, S.I: self._backward, S.W: self._weights,
                S.SEND_F: self._send, S.SEND_B: self._send, S.RECV_F: self._recv,
                S.RECV_B: self._recv, S.OFFLOAD: self._offload, S.RELOAD: self._reload}
-        with model.no_sync():
+        with engine.no_sync():
             for action in self.actions:
                 run[action.kind](action)
         state, self._step = self._step, None
@@ -179,7 +222,7 @@ class PipelineRuntime:
         # dp reduction a ZeRO-1 rank holds reduced values only in its own shard, and the
         # shards of a tied embedding and head fall differently on the two stages
         self._sum_shared()
-        model.sync_gradients()
+        engine.sync_gradients()
         self._span("compute", "SYNC", "sync", t0)
         return state.loss_sum
 
@@ -217,7 +260,7 @@ class PipelineRuntime:
         """Stage `a.stage`'s output for micro-batch `a.microbatch`; on the last stage the loss
         divided by the step's token count (added to the step's loss sum once, if `count`)."""
         st = self._step
-        out = st.model(x, a.stage)
+        out = self.stages[a.stage](x)
         if a.stage == self.last:
             loss = st.loss_fn(out, st.batches[a.microbatch][1])
             if count:
@@ -339,7 +382,7 @@ class PipelineRuntime:
     # --- forward only (evaluation) ----------------------------------------------------------
 
     @torch.no_grad()
-    def forward_only(self, model, x: torch.Tensor) -> torch.Tensor | None:
+    def forward_only(self, x: torch.Tensor) -> torch.Tensor | None:
         """The model's output for `x` on the rank of the last stage (None elsewhere): stage
         after stage, each rank's stages in turn, blocking sends and receives."""
         out = None
@@ -351,7 +394,7 @@ class PipelineRuntime:
                 x = torch.empty((x.shape[0], *shape[1:]), dtype=dtype, device=self.mesh.device)
                 comm.recv(x, self.mesh, "pp", S.stage_rank(stage - 1, self.pp),
                           tag=self._tag(_EVAL, 0, stage))
-            out = model(x, stage)
+            out = self.stages[stage](x)
             if stage < self.last:
                 comm.send(out.contiguous(), self.mesh, "pp", S.stage_rank(stage + 1, self.pp),
                           tag=self._tag(_EVAL, 0, stage + 1))
@@ -393,9 +436,23 @@ def _span_of(row: list[float], origin: float) -> dict:
             "end_s": row[5] - origin}
 
 
+def _check_stages(stages, shapes, schedule: S.Schedule, rank: int, pp: int) -> None:
+    if not isinstance(stages, Mapping):
+        raise TypeError(f"stages: a {{stage: module}} mapping (a split model's: "
+                        f"PipelineModule.stage_modules()), got a {type(stages).__name__}")
+    mine = [s for s in range(schedule.stages) if S.stage_rank(s, pp) == rank]
+    if sorted(stages) != mine:
+        raise ValueError(f"pp rank {rank} runs stages {mine} of the {schedule.stages} of "
+                         f"schedule {schedule.name!r}; the stage modules given are for "
+                         f"stages {sorted(stages)}")
+    if len(shapes) < schedule.stages - 1:
+        raise ValueError(f"shapes: one (shape, dtype) per stage that sends its output "
+                         f"({schedule.stages - 1}), got {len(shapes)}")
+
+
 class _StepState:
-    def __init__(self, model, batches, global_tokens, loss_fn, device):
-        self.model, self.batches, self.global_tokens, self.loss_fn = model, batches, global_tokens, loss_fn
+    def __init__(self, engine, batches, global_tokens, loss_fn, device):
+        self.engine, self.batches, self.global_tokens, self.loss_fn = engine, batches, global_tokens, loss_fn
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.inputs: dict = {}  # (m, s) -> the received input, whose .grad goes back
         self.outputs: dict = {}  # (m, s) -> what backward starts from (output or loss)

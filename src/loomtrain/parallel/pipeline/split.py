@@ -137,7 +137,8 @@ def shared_parameters(model: nn.Module, layers: list[Layer], bounds: list[int],
 class PipelineModule(nn.Module):
     """This rank's stages of `model`: `forward(x, stage)` runs stage `stage` (one of
     `self.stages`). The model's children are registered here under their own names, less the
-    modules of layers on other ranks, so parameter names are the single-process ones."""
+    modules of layers on other ranks, so parameter names are the single-process ones.
+    `stage_modules()` gives the runtime its stage modules."""
 
     def __init__(self, model: nn.Module, layers: list[Layer], bounds: list[int], stages: list[int]):
         super().__init__()
@@ -158,3 +159,35 @@ class PipelineModule(nn.Module):
         for layer in self.layers[self.bounds[stage]:self.bounds[stage + 1]]:
             x = layer.run(self.model, x)
         return x
+
+    def stage_modules(self) -> dict[int, "PipelineStage"]:
+        """{stage: a module whose forward(x) runs it} for this rank's stages: the pipeline
+        runtime's input (runtime.py)."""
+        return {s: PipelineStage(self, s) for s in self.stages}
+
+
+class PipelineStage(nn.Module):
+    """One stage of a PipelineModule as a module of its own. Its forward runs the stage
+    through the PipelineModule, so hooks a dp engine put on that one (ZeRO's) fire as they do
+    for the PipelineModule's own calls; its parameters are the stage's layers', under their
+    single-process names (`blocks.3.attn.qkv.weight`): the modules themselves, shared with
+    the PipelineModule (mounted on empty containers, so another stage's blocks stay out)."""
+
+    def __init__(self, owner: PipelineModule, stage: int):
+        super().__init__()
+        self.__dict__["owner"] = owner  # not registered: its other stages are not this one's
+        self.stage = stage
+        layers = owner.layers[owner.bounds[stage]:owner.bounds[stage + 1]]
+        mounted: set[str] = set()
+        for path in sorted({p for layer in layers for p in layer.owns}, key=lambda p: p.count(".")):
+            *parents, leaf = path.split(".")
+            if any(".".join(parents[:i]) in mounted for i in range(1, len(parents) + 1)):
+                continue  # an enclosing module is mounted already and holds this one
+            container = self
+            for name in parents:
+                container = container._modules.setdefault(name, nn.Module())
+            container._modules[leaf] = owner.get_submodule(path)
+            mounted.add(path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.owner(x, self.stage)
