@@ -59,7 +59,7 @@ def delays(actions: list[S.Action]) -> dict[int, int]:
 # --- the runtime ----------------------------------------------------------------------------
 
 class AsyncPipelineRuntime(PipelineRuntime):
-    """One rank's executor of the asynchronous stream (module docstring). It owns `optimizer`:
+    """One rank's executor of the asynchronous stream (docs/pipeline.md). It owns `optimizer`:
     the trainer neither clips nor steps; after `train_step`, `grad_norm` (the root mean square
     over the step's updates of the model's gradient norm, stage norms summed in squares) and
     `stepped` (no update of the step was skipped) describe the step. Set `trace` to a list to
@@ -75,7 +75,7 @@ class AsyncPipelineRuntime(PipelineRuntime):
         self.named = list(self.module.named_parameters())  # this rank's one stage's
         self.tied_ids = {id(p) for p, _ in shared if p is not None}
         self.holders = self._holders()
-        self.lag = pp  # updates between a tied contribution and its use (module docstring)
+        self.lag = pp  # updates between a tied contribution and its use (docs/pipeline.md)
         self.wait_steps = math.ceil((pp - 1) / microbatches)
         self.next = self.cold = 0  # the next micro-batch; the first since the pipeline was empty
         self.version = 0  # updates this stage has made
@@ -255,7 +255,7 @@ class AsyncPipelineRuntime(PipelineRuntime):
 
     def _wait_sends(self, keep_steps: int) -> None:
         """Files this step's sends and waits for those sent more than `keep_steps` steps ago
-        (their receives are posted by now: module docstring)."""
+        (their receives are posted by now: docs/pipeline.md)."""
         self.sent.append(self._step.sends)
         self._step.sends = []
         while len(self.sent) > keep_steps:

@@ -25,7 +25,7 @@ class Layer:
 
 
 def layers_of(model: nn.Module) -> list[Layer]:
-    """The model as a sequence of layers (see the module docstring)."""
+    """The model as a sequence of layers (docs/pipeline.md)."""
     if isinstance(model, (GPT, MLP)):
         embed = (Layer("embed", ("tok_emb", "pos_emb", "drop"), lambda m, x: m.embed(x))
                  if isinstance(model, GPT) else Layer("embed", ("tok_emb",), lambda m, x: m.tok_emb(x)))
