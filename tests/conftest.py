@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from loomtrain.cli import main
 from loomtrain.train.config import config_from_dict
 
 _CORPUS_MODULES = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "colorsys.py", "fnmatch.py"]
@@ -27,6 +28,17 @@ def tiny_tree(tmp_path: Path, corpus: Path, **sections) -> dict:
     for section, values in sections.items():
         tree.setdefault(section, {}).update(values)
     return tree
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """Run `loom argv` in-process; assert the user-error contract (exit 2, one paragraph on
+    stderr starting with "error:", no traceback, nothing on stdout); return the message."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: "), err
+    assert len(err.strip().splitlines()) == 1, err  # one paragraph, on one line
+    assert "Traceback" not in out + err and out == ""
+    return err
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from conftest import refused as _refused
 from conftest import tiny_tree
 from loomtrain.cli import main
 from loomtrain.train.config import Config, config_to_toml, load_config, parse_override
@@ -20,16 +21,6 @@ def _tiny_file(tmp_path: Path, corpus: Path, **sections) -> str:
     path = tmp_path / "tiny.toml"
     path.write_text(tomli_w.dumps(tiny_tree(tmp_path, corpus, **sections)))
     return str(path)
-
-
-def _refused(capsys, argv: list[str]) -> str:
-    """Run `loom argv`; assert the user-error contract; return the message."""
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    assert err.startswith("error: "), err
-    assert len(err.strip().splitlines()) == 1, err  # one paragraph, on one line
-    assert "Traceback" not in out + err and out == ""
-    return err
 
 
 def test_unknown_section(tmp_path, capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from loomtrain.errors import CheckpointError, ConfigError, UserError
@@ -91,6 +92,28 @@ def _unique_run_dir(cfg) -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    """Create the run folder (or find it, on --resume) and check that a file can be written
+    there, before any process starts: a run folder that is a file or under one, read-only,
+    immutable or on a filesystem without folders of ours (/proc) is refused by name."""
+    def refuse(why: str):
+        return ConfigError(f"run folder {str(run_dir)!r} cannot be used: {why}; choose a folder "
+                           "this user can write (run.dir)")
+    try:
+        above = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+        if not above.is_dir():
+            raise refuse(f"{str(above)!r} is a file, not a folder")
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        where = f" at {str(err.filename)!r}" if err.filename and str(err.filename) != str(run_dir) else ""
+        raise refuse(f"it cannot be created ({err.strerror or err}{where})") from None
+    try:
+        with tempfile.TemporaryFile(dir=run_dir):  # deleted on close: nothing is left there
+            pass
+    except OSError as err:
+        raise refuse(f"no file can be written in it ({err.strerror or err})") from None
 
 
 def _resolve_train(args):
@@ -202,7 +225,7 @@ def cmd_train(args) -> int:
                 f"{os.environ['WORLD_SIZE']} processes; set --nproc {os.environ['WORLD_SIZE']}")
     else:
         run_dir = run_dir or _unique_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _make_run_dir(run_dir)
     if int(os.environ.get("RANK", 0)) == 0:
         if resume is None:  # a resumed run rewrites it only once its checkpoint has loaded
             write_config(run_dir, cfg)

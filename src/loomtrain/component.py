@@ -6,9 +6,30 @@ checkpoint state; `Built`, what the components transform; the apply stages. The 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+
+def _leaf_types(annotation) -> set:
+    """The plain types a key's annotation is made of: `int | None` -> {int, NoneType},
+    `list[tuple[float, float]]` -> {list, tuple, float}, `Literal["a"]` -> {str}."""
+    if get_origin(annotation) is Literal:
+        return {type(v) for v in get_args(annotation)}
+    leaves = {get_origin(annotation) or annotation}
+    for arg in get_args(annotation):
+        if arg is not Ellipsis:
+            leaves |= _leaf_types(arg)
+    return leaves
+
+
+def _bool_for_number(value, leaves: set) -> bool:
+    """Whether `value` (or an item of it) is a bool where `leaves` want a number, not a bool."""
+    if isinstance(value, bool):
+        return bool(leaves & {int, float}) and bool not in leaves
+    if isinstance(value, (list, tuple)):
+        return any(_bool_for_number(v, leaves) for v in value)
+    return False
 
 
 class Section(BaseModel):
@@ -18,6 +39,18 @@ class Section(BaseModel):
     # inf/nan are refused: no key means "unbounded" by them, and inf breaks timedelta(timeout_s)
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True,
                               allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """A bool is not a number: pydantic's lax mode reads `true` as 1, so `--set
+        train.steps=true` would train one step. Strict mode would refuse it, but also a TOML
+        array for a tuple key, so every section refuses it here, for every number key."""
+        leaves = _leaf_types(cls.model_fields[info.field_name].annotation)
+        if _bool_for_number(value, leaves):
+            kind = "a number" if float in leaves else "an integer"
+            raise ValueError(f"{kind} is expected, not a boolean (got {value!r})")
+        return value
 
 
 def value_of(cfg, key: str) -> Any:

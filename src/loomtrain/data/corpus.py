@@ -100,6 +100,15 @@ def _token_file(path: Path, vocab_size: int) -> np.ndarray:
 
 
 def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
+    """The train and validation tokens of `source`; DataError names what cannot be used."""
+    try:
+        return _load_corpus(source, val_fraction, vocab_size)
+    except OSError as err:  # a file without read permission, a device that fails to read
+        raise DataError(f"data.source={source!r}: cannot read {str(err.filename or source)!r} "
+                        f"({err.strerror or err})") from None
+
+
+def _load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
     starts = [None, None]
     if source in STDLIB_DOMAINS:
         root, files = stdlib_files(source)
@@ -128,11 +137,12 @@ def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
         else:
             train, val = _tail_split(np.frombuffer(path.read_bytes(), dtype=np.uint8), val_fraction)
             desc = f"{source}: bytes"
-        if train.dtype == np.uint8 and vocab_size < 256:
-            raise DataError(
-                f"data.source={source!r} is read as bytes (ids 0-255), but model.vocab_size="
-                f"{vocab_size}; set model.vocab_size = 256"
-            )
+    if train.dtype == np.uint8 and vocab_size < 256:  # the stdlib too: its bytes reach 255
+        top = max(int(split.max()) for split in (train, val) if len(split))
+        raise DataError(
+            f"data.source={source!r} is read as bytes (ids 0-255; its largest is {top}), but "
+            f"model.vocab_size={vocab_size}; set model.vocab_size = 256"
+        )
     return Corpus(train=train, val=val, description=f"{desc} ({len(train)} train / {len(val)} val tokens)",
                   train_doc_starts=starts[0], val_doc_starts=starts[1])
 

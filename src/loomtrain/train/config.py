@@ -212,10 +212,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     tree: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist (give a TOML file path)")
         try:
-            tree = tomllib.loads(path.read_text())
+            if path.is_dir():
+                raise ConfigError(f"config file {str(path)!r} is a directory (give a TOML file path)")
+            if not path.is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist (give a TOML file path)")
+            raw = path.read_bytes()
+        except OSError as err:  # no read permission (here or on a folder above), a failing device
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({err.strerror or err})") from None
+        try:
+            tree = tomllib.loads(raw.decode())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     for text in overrides:
