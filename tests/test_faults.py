@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from harness import run_world
-from loomtrain.train import run, trainer
+from loomtrain.train import checkpoint, run, trainer
 from loomtrain.train.metrics import read_metrics
 
 
@@ -121,3 +123,42 @@ def test_nonfinite_abort_exits_3(tmp_path, corpus):
     assert "error: 3 consecutive steps had a non-finite loss" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((tmp_path / "runs" / "t").glob("checkpoints/step_*"))  # nothing to save
+
+
+def _streak_then_resume(rank, world, cfg, root):
+    run.shutdown = lambda mesh: None
+    aborted = _poisoned_run(rank, cfg, f"{root}/nf", {4, 5, 6}, nan_rank=0)
+    saved = [p.name for p in checkpoint.list_checkpoints(Path(root) / "nf")]
+    return aborted, saved
+
+
+def test_no_checkpoint_is_written_during_a_nonfinite_streak(tiny, tmp_path):
+    # checkpoints every 2 steps; steps 4, 5, 6 non-finite with limit 3: step 4's checkpoint
+    # falls in the streak and is skipped, the abort at step 6 writes none: the newest is step
+    # 2's, taken before the streak, which a resume then starts from
+    cfg = tiny(train={"steps": 8}, checkpoint={"every": 2, "keep": 5},
+               run={"max_nonfinite_steps": 3})
+    [(aborted, saved)] = run_world(_streak_then_resume, 1, cfg, str(tmp_path), timeout_s=120)
+    assert [s["stepped"] for s in aborted["steps"]] == [True] * 3 + [False] * 3
+    assert "run.max_nonfinite_steps=3" in aborted["error"]
+    assert saved == ["step_00000002"]
+    assert ("warning: no checkpoint at step 4: a non-finite streak is in progress (checkpoint "
+            "step 2 stays the newest)") in aborted["stderr"]
+
+
+def test_a_torn_last_metrics_line_is_repaired_by_the_resume(tiny, tmp_path):
+    """A crash while a record was written leaves half a line: a resume drops it and goes on;
+    a damaged line before the last is refused, naming it."""
+    from loomtrain.train.metrics import MetricsError, truncate_metrics
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    whole = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    path = run_dir / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in whole) + '{"step": 4, "lo')
+    assert read_metrics(run_dir) == whole
+    truncate_metrics(run_dir, 2)
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in whole[:2])
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+    with pytest.raises(MetricsError, match=r"metrics.jsonl: line 2 is not a metrics record"):
+        read_metrics(run_dir)

@@ -75,7 +75,8 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop) -> int:
     """Steps start .. (mode.last or train.steps) - 1 of `mode`. A stop signal is acted on at
     a step boundary, before the next step, the same in every mode: the state after the last
     step is checkpointed (unless it already is) and the run returns 0, to be resumed with
-    `loom train --resume`."""
+    `loom train --resume`. No checkpoint is written while a non-finite streak is in progress
+    (the periodic one is skipped, with a warning): the newest predates the streak."""
     cfg, log = mode.cfg, mode.log
     last = cfg.train.steps if mode.last is None else mode.last
     meter = mode.mesh.meter
@@ -90,7 +91,7 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop) -> int:
         step_t0 = time.perf_counter()
         work, stopping = mode.begin(step, stop)
         if stopping:
-            return _stop(mode, run_dir, step, saved_at, stop)
+            return _stop(mode, run_dir, step, saved_at, stop, nonfinite)
         result = mode.run(step, work)
         if result is None:
             break
@@ -111,10 +112,17 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop) -> int:
         log.advance(loss if loss is not None else result.loss,
                     result.tokens / (time.perf_counter() - step_t0))
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < last:
-            mode.save(done)
-            saved_at = done
+            if nonfinite:  # the weights may be what made the streak: keep the older one
+                log.message(f"warning: no checkpoint at step {done}: a non-finite streak is in "
+                            f"progress ({_newest(saved_at)} stays the newest)")
+            else:
+                mode.save(done)
+                saved_at = done
     mode.end()
-    if done > saved_at:  # the last step's checkpoint
+    if done > saved_at and nonfinite:
+        log.message(f"warning: the run ended in a non-finite streak: no checkpoint of step "
+                    f"{done} ({_newest(saved_at)} stays the newest)")
+    elif done > saved_at:  # the last step's checkpoint
         mode.save(done)
     elif start >= last:
         log.message(f"nothing to do: the checkpoint is at step {start}, train.steps="
@@ -123,16 +131,26 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop) -> int:
     return 0
 
 
-def _stop(mode: Mode, run_dir: Path, step: int, saved_at: int, stop) -> int:
+def _stop(mode: Mode, run_dir: Path, step: int, saved_at: int, stop, nonfinite: int) -> int:
     name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
     mode.end()
-    if step > saved_at:
-        mode.save(step, {"stopped_by": name})
-    mode.log.message(f"stopped by {name} before step {step + 1}; " + (
-        f"checkpoint step {step} is saved; continue with: loom train --resume {run_dir}"
-        if step else "no step was done, so there is no checkpoint"))
+    if nonfinite:  # no checkpoint during a non-finite streak
+        saved = f"a non-finite streak is in progress: {_newest(saved_at)} stays the newest"
+    else:
+        if step > saved_at:
+            mode.save(step, {"stopped_by": name})
+            saved_at = step
+        saved = (f"{_newest(saved_at)} is saved" if saved_at
+                 else "no step was done, so there is no checkpoint")
+    if saved_at:
+        saved += f"; continue with: loom train --resume {run_dir}"
+    mode.log.message(f"stopped by {name} before step {step + 1}; {saved}")
     mode.close()
     return 0
+
+
+def _newest(saved_at: int) -> str:
+    return f"checkpoint step {saved_at}" if saved_at else "no checkpoint"
 
 
 def resume_run(built, run_dir: Path, resume: Path | None) -> int:

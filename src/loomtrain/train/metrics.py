@@ -12,6 +12,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from loomtrain.errors import UserError
+
+
+class MetricsError(UserError):
+    """A metrics.jsonl that cannot be read (exit code 2)."""
+
 
 def peak_mem_bytes(device: torch.device) -> int:
     """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
@@ -21,15 +27,28 @@ def peak_mem_bytes(device: torch.device) -> int:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl. A last line that is not whole JSON (a crash
+    while it was written) is left out; any other bad line is a MetricsError naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                break  # torn: the record being written when the run died
+            raise MetricsError(f"{path}: line {n} is not a metrics record ({err}); the file is "
+                               "damaged: move it aside to resume (the checkpoints do not "
+                               "depend on it)") from None
+    return records
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> None:
     """Keep the records up to `last_step` (the checkpoint a resumed run restarts from),
-    rewriting the file atomically so a crash here loses nothing."""
+    rewriting the file atomically so a crash here loses nothing (a torn last line goes)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
