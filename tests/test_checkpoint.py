@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from loomtrain.errors import CheckpointError
 from loomtrain.models import build_model
 from loomtrain.optim import build_optimizer
-from loomtrain.train import checkpoint, run
+from loomtrain.train import checkpoint, checksums, run
 from loomtrain.train.config import config_to_toml
 
 LOOM = [sys.executable, "-m", "loomtrain"]
@@ -75,8 +75,8 @@ def test_only_published_folders_are_checkpoints(tmp_path):
         (root / name).mkdir(parents=True)
         (root / name / "loom.json").write_text('{"step": 1, "world": 1}')
         (root / name / ".metadata").write_bytes(b"")
-    (root / "step_00000010").mkdir()  # no loom.json: rank 0 died before publishing
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000004"]
+    (root / "step_00000010").mkdir()  # no loom.json: damaged after its rename, still listed
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000004", "step_00000010"]
 
 
 def test_crash_mid_save_leaves_only_a_partial_that_resume_ignores_and_next_save_removes(tiny, monkeypatch):
@@ -118,21 +118,34 @@ def test_damaged_checkpoint_exits_2_and_the_run_folder_is_kept(two_checkpoints):
     proc = _resume(run_dir)
     assert proc.returncode == 2, proc.stderr
     assert f"__0_0.distcp has {len(original) // 2} of its" in proc.stderr
-    assert "previous checkpoint step_00000002 may be intact" in proc.stderr
+    assert "newest intact checkpoint is step_00000002" in proc.stderr
     assert "Traceback" not in proc.stderr and _snapshot(run_dir) == before
 
-    # same length, first record's zip header overwritten: caught while loading
+    # same length, first record's zip header overwritten: its checksum differs; with loom.json
+    # rewritten to match (no checksums to go by), caught while loading
     data.write_bytes(b"\0" * 64 + original[64:])
-    before = _snapshot(run_dir)
-    proc = _resume(run_dir)
-    assert proc.returncode == 2, proc.stderr
-    assert "could not be loaded" in proc.stderr and "Traceback" not in proc.stderr
-    assert _snapshot(run_dir) == before  # metrics.jsonl not truncated, nothing removed
+    latest = run_dir / "checkpoints" / "step_00000004"
+    for expected in ("__0_0.distcp has other bytes than were saved", "could not be loaded"):
+        before = _snapshot(run_dir)
+        proc = _resume(run_dir)
+        assert proc.returncode == 2, proc.stderr
+        assert expected in proc.stderr and "Traceback" not in proc.stderr
+        assert _snapshot(run_dir) == before  # metrics.jsonl not truncated, nothing removed
+        _reseal(latest)
 
     data.write_bytes(original)
     (run_dir / "checkpoints" / "step_00000004" / ".metadata").write_bytes(os.urandom(300))
     with pytest.raises(CheckpointError, match=r"\.metadata"):
         checkpoint.verify(run_dir / "checkpoints" / "step_00000004")
+
+
+def _reseal(path: Path) -> None:
+    """loom.json's checksums recomputed over `path`'s files as they are now, as someone who
+    meant to change them would: the checks behind the checksums must still hold."""
+    meta = json.loads((path / "loom.json").read_text())
+    meta = {k: v for k, v in meta.items() if k not in (checksums.FILES, checksums.SEAL)}
+    files = checksums.manifest(path, skip="loom.json")
+    (path / "loom.json").write_text(json.dumps(checksums.sealed(meta, files)))
 
 
 def test_resume_that_does_not_fit_exits_2_and_keeps_the_config(two_checkpoints):
@@ -170,6 +183,7 @@ def test_metadata_that_runs_code_is_refused(two_checkpoints, tmp_path):
                     # a module DCP owns, reaching os.system through an attribute path
                     _global_pickle("torch.distributed.checkpoint.filesystem", "os.system", f"touch {marker}")):
         (latest / ".metadata").write_bytes(payload)
+        _reseal(latest)  # else refused for its checksum before anything unpickles it
         with pytest.raises(CheckpointError, match="refused to load .metadata"):
             checkpoint.read_metadata(latest)
         proc = _resume(genuine)

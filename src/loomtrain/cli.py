@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
     train.add_argument("--nproc", type=int, help="processes on this machine (parallel.nproc)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    train.add_argument("--skip-damaged", action="store_true",
+                       help="with --resume: if the latest checkpoint is damaged, resume from the newest "
+                       "intact one (a line names each one skipped and why)")
     train.add_argument("--plan", choices=["none", "auto"],
                        help='parallel.plan: "auto" plans the layout for nproc and runs the best (docs/planner.md)')
     train.add_argument("--dry-run", action="store_true",
@@ -125,6 +128,9 @@ def _resolve_train(args):
         overrides.append(f"parallel.nproc={args.nproc}")
     if getattr(args, "plan", None) is not None:
         overrides.append(f'parallel.plan="{args.plan}"')
+    if args.skip_damaged and not args.resume:
+        raise ConfigError("--skip-damaged goes with --resume RUN_DIR: it picks which of RUN_DIR's "
+                          "checkpoints to resume from")
     if args.resume:
         run_dir = Path(args.resume)
         if args.config:
@@ -132,17 +138,15 @@ def _resolve_train(args):
         if not (run_dir / "config.toml").is_file():
             raise CheckpointError(f"--resume {str(run_dir)!r}: no config.toml there; is it a loom run folder?")
         cfg = load_config(run_dir / "config.toml", overrides)
-        done = checkpoint.list_checkpoints(run_dir)
-        if not done:
+        if not checkpoint.list_checkpoints(run_dir):
             raise CheckpointError(f"--resume {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
-        latest = done[-1]
-        try:  # a damaged or unsafe checkpoint stops here, before anything is written
-            checkpoint.verify(latest)
-        except CheckpointError as err:
-            if len(done) > 1:
-                raise CheckpointError(f"{err}. The previous checkpoint {done[-2].name} may be intact: "
-                                      f"move {latest} out of {latest.parent} to resume from it") from None
-            raise
+        rank0 = int(os.environ.get("RANK", 0)) == 0
+        # a damaged or unsafe checkpoint stops here, before anything is written
+        latest, skipped = checkpoint.newest(
+            run_dir, args.skip_damaged, warn=rank0,
+            advice=f"resume from it with `loom train --resume {run_dir} --skip-damaged`")
+        for line in skipped if rank0 else ():
+            print(f"warning: --skip-damaged: {line}", file=sys.stderr)
         # any rank count and ZeRO stage may resume any checkpoint: every layout saves the
         # unsharded names and shapes (train/checkpoint.py), and the data order is a function
         # of the step and the global batch only; not so between synchronous training and the
@@ -176,9 +180,10 @@ def _rejoin(args) -> int:
     if args.rejoin is None or args.worker is None:
         raise ConfigError("--rejoin RUN_DIR and --worker W go together: they restart worker W "
                           'of the async.mode="ps" run in RUN_DIR')
-    if args.config or args.resume or args.overrides or args.nproc is not None or args.dry_run:
+    if (args.config or args.resume or args.overrides or args.nproc is not None or args.dry_run
+            or args.skip_damaged):
         raise ConfigError("--rejoin uses RUN_DIR/config.toml as it is: give no CONFIG, --set, "
-                          "--nproc, --resume or --dry-run with it")
+                          "--nproc, --resume, --skip-damaged or --dry-run with it")
     run_dir = Path(args.rejoin)
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"--rejoin {str(run_dir)!r}: no config.toml there; is it a loom run folder?")

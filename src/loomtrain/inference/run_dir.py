@@ -50,11 +50,11 @@ def check_request(req: GenerateRequest):
         raise CheckpointError(f"generate {str(run_dir)!r}: no config.toml there; is it a loom run "
                               "folder (made by `loom train`)?")
     model = load_config(run_dir / "config.toml").model
-    done = checkpoint.list_checkpoints(run_dir)
-    if not done:
+    if not checkpoint.list_checkpoints(run_dir):
         raise CheckpointError(f"generate {str(run_dir)!r}: no complete checkpoint in "
                               f"{run_dir / 'checkpoints'}; train the run first")
-    checkpoint.verify(done[-1])
+    latest, _ = checkpoint.newest(run_dir, advice=f"decode with it by moving the damaged folder "
+                                  f"out of {run_dir / 'checkpoints'}")
     if model.name != "gpt":
         raise ConfigError(f"generate decodes GPT models; {str(run_dir)!r} trained "
                           f"model.name={model.name!r}")
@@ -85,7 +85,7 @@ def check_request(req: GenerateRequest):
     if req.overlap and req.samples < 2:
         raise UserError("--overlap splits the batch into two nano-batches, so it needs at "
                         f"least 2 sequences: give --samples 2 or more (got {req.samples})")
-    return model, done[-1]
+    return model, latest
 
 
 def load_model(model_cfg, path: Path, mesh=None) -> torch.nn.Module:

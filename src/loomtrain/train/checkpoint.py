@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from loomtrain import comm
 from loomtrain.errors import CheckpointError
 from loomtrain.parallel.placement import Boxes
 from loomtrain.parallel.state import PLAIN, StateLayout
+from loomtrain.train import checksums
 
 PARTIAL, TRASH = ".partial", ".trash"
 _META = "loom.json"
@@ -77,29 +79,68 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Published checkpoints, oldest first (never a `.partial` or `.trash` folder)."""
+    """Published checkpoints, oldest first: every folder named `step_<8 digits>`, intact or
+    damaged (only `publish`'s rename makes one, so each was complete once); never a
+    `.partial` or `.trash` folder."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.fullmatch(p.name)
-                  and (p / _META).is_file() and (p / ".metadata").is_file())
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.fullmatch(p.name))
+
+
+def newest(run_dir: Path, skip_damaged: bool = False, advice: str = "", warn: bool = True
+           ) -> tuple[Path, list[str]]:
+    """(the newest checkpoint of `run_dir`, verified; []). CheckpointError if there is none,
+    or if it is damaged: naming it, why, and the newest intact one followed by `advice` (which
+    may name that one's folder as {intact}). `skip_damaged`: (the newest intact one, one line
+    per damaged newer one skipped, saying why), for the caller to print: never silent."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"{str(run_dir)!r}: no checkpoint in {Path(run_dir) / 'checkpoints'}")
+    damaged: list[str] = []
+    for path in reversed(found):
+        try:
+            verify(path, warn=warn and (skip_damaged or not damaged))
+        except CheckpointError as err:
+            damaged.append(str(err))
+            continue
+        if damaged and not skip_damaged:
+            raise CheckpointError(f"{damaged[0]}. The newest intact checkpoint is {path.name}"
+                                  + (f": {advice.format(intact=path)}" if advice else ""))
+        return path, [f"skipped: {why}; using {path.name}" for why in damaged]
+    raise CheckpointError(f"{str(run_dir)!r}: no intact checkpoint: " + "; ".join(damaged))
 
 
 def read_meta(path: Path) -> dict:
+    """loom.json of checkpoint `path`, checked against its own checksum (checksums.py)."""
+    file = Path(path) / _META
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {_META} is missing")
     try:
-        meta = json.loads((Path(path) / _META).read_text())
+        meta = json.loads(file.read_text())
         int(meta["step"]), int(meta["world"])
-        return meta
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {_META}: {err!r}") from None
+    checksums.check_seal(path, _META, meta)
+    return meta
 
 
-def verify(path: Path) -> tuple[dict, Metadata]:
-    """Checks checkpoint `path` without reading its tensors: loom.json, safe metadata, and
-    every data file present and at least as long as the metadata says (a truncated copy or a
-    file lost from a shard). Returns (loom.json, DCP metadata). Bytes flipped inside a file
-    keep its length: DCP has no checksums, so those surface only when loading."""
-    meta, metadata = read_meta(path), read_metadata(path)
+_warned: set[str] = set()
+
+
+def verify(path: Path, warn: bool = True) -> tuple[dict, Metadata]:
+    """Checks checkpoint `path` before anything reads its tensors: loom.json, every file
+    against its size and SHA-256 in loom.json, safe metadata, and every data file present and
+    as long as the metadata says. Returns (loom.json, DCP metadata). A checkpoint written
+    before checksums has no manifest: accepted, with a one-line warning (`warn`, once per
+    process) that its bytes are unverified."""
+    meta = read_meta(path)
+    if not checksums.check(path, meta) and warn and str(path) not in _warned:
+        _warned.add(str(path))
+        print(f"warning: checkpoint {str(path)!r} has no checksums (written before loomtrain "
+              "recorded them): its files are checked for presence and length only, changed "
+              "bytes inside them would go unnoticed", file=sys.stderr)
+    metadata = read_metadata(path)
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         name = info.relative_path
@@ -183,11 +224,12 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
 
 
 def publish(run_dir: Path, final: Path, meta: dict, keep: int) -> None:
-    """Once every part of `final`'s `.partial` folder is written (one process): loom.json, one
-    rename to `final`, then all but the newest `keep` checkpoints and any leftover `.partial`
-    or `.trash` folder deleted."""
+    """Once every part of `final`'s `.partial` folder is written (one process): loom.json with
+    each file's size and SHA-256 (checksums.py), one rename to `final`, then all but the
+    newest `keep` checkpoints and any leftover `.partial` or `.trash` folder deleted."""
     partial = final.with_name(final.name + PARTIAL)
     meta_file = partial / _META
+    meta = checksums.sealed(meta, checksums.manifest(partial, skip=_META))
     meta_file.write_text(json.dumps(meta, indent=1))
     _fsync(meta_file)
     _discard(final)  # a fresh run under torchrun may reuse a folder
@@ -303,7 +345,7 @@ def load(path: Path, model, optimizer, mesh, extra: dict | None = None,
     On a one-rank `mesh`, DCP runs without a process group (the asynchronous parameter server
     loads alone while its workers wait). `extra`: more entries to read, {key: placeholder},
     replaced in place by the checkpoint's values. `layout`: as `save`'s."""
-    meta, metadata = verify(path)
+    meta, metadata = verify(path, warn=mesh.rank == 0)
     mismatch = layout.check(metadata.state_dict_metadata, model)
     if mismatch:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {mismatch}")

@@ -38,12 +38,12 @@ def export_safetensors(run_dir: Path, out: Path | None = None) -> str:
     """Writes RUN_DIR's newest checkpoint as one safetensors file (default
     RUN_DIR/model.safetensors); returns its path."""
     run_dir = Path(run_dir)
-    done = checkpoint.list_checkpoints(run_dir)
-    if not done:
+    if not checkpoint.list_checkpoints(run_dir):
         raise CheckpointError(f"export {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
     if not (run_dir / "config.toml").is_file():
         raise CheckpointError(f"export {str(run_dir)!r}: no config.toml there; is it a loom run folder?")
-    latest = done[-1]
+    latest, _ = checkpoint.newest(run_dir, advice=f"export it by moving the damaged folder out of "
+                                  f"{run_dir / 'checkpoints'}")
     cfg = load_config(run_dir / "config.toml")
     with torch.device("meta"):  # names and ties only: no memory, no initialization cost
         ties = tied_names(build_model(cfg.model))

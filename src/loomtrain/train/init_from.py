@@ -19,7 +19,8 @@ _KEY = "train.init_from"
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint folder `path` names: itself if it is one, else the newest complete
-    checkpoint of the run folder `path`; verified (files present and whole)."""
+    checkpoint of the run folder `path`; verified (files present, whole and matching their
+    checksums; a damaged newest one is refused, naming the intact one to give instead)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(
@@ -28,13 +29,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / "loom.json").is_file() and (path / ".metadata").is_file():
         found = path
     else:
-        done = checkpoint.list_checkpoints(path)
-        if not done:
+        if not checkpoint.list_checkpoints(path):
             raise CheckpointError(
                 f"{_KEY}={str(path)!r} is neither a checkpoint folder (no loom.json and .metadata "
                 "in it) nor a run folder with a complete checkpoint (nothing under "
                 f"{str(path / 'checkpoints')!r}); give a run folder or RUN_DIR/checkpoints/step_N")
-        found = done[-1]
+        found, _ = checkpoint.newest(path, advice=f"give {_KEY}=\"{{intact}}\" to start from it")
+        return found
     checkpoint.verify(found)
     return found
 
