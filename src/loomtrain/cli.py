@@ -84,16 +84,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _unique_run_dir(cfg) -> Path:
-    """runs/<name>, or runs/<name>-2, -3, ... if taken: a new run never writes into an old one."""
+    """runs/<name>, or runs/<name>-2, -3, ... if taken, created here: a new run never writes
+    into an old one, nor two new runs started together into one (mkdir is atomic)."""
     base = Path(cfg.run.dir) / cfg.run.name
+    base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
 
 
-def _resolve_train(args):
+def _resolve_train(args, lock=None):
+    """(config, run folder of a resume, its checkpoint). A resume takes `lock` (a
+    runlock.RunFolderLock) on the folder, if given, before it picks the checkpoint."""
     from loomtrain.train import checkpoint
     from loomtrain.train.config import load_config
 
@@ -109,6 +116,9 @@ def _resolve_train(args):
         if not (run_dir / "config.toml").is_file():
             raise CheckpointError(f"--resume {str(run_dir)!r}: no config.toml there; is it a loom run folder?")
         cfg = load_config(run_dir / "config.toml", overrides)
+        if lock is not None:  # ranks of a killed launcher may still be saving: wait for them
+            from loomtrain.train.orphan import grace_s
+            lock.take(run_dir, grace_s(cfg.parallel.timeout_s) + 10.0)
         done = checkpoint.list_checkpoints(run_dir)
         if not done:
             raise CheckpointError(f"--resume {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
@@ -164,13 +174,27 @@ def _rejoin(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """`loom train`. Not under torchrun, the run folder is locked (train/runlock.py) from
+    before anything is written there until the command ends; `--rejoin` joins a running run
+    on purpose and takes no lock, nor does `--dry-run`, which writes nothing."""
+    from loomtrain.train.launch import in_torchrun
+    from loomtrain.train.runlock import RunFolderLock
+
+    if args.rejoin is not None or args.worker is not None:
+        return _rejoin(args)
+    lock = RunFolderLock()
+    try:
+        return _train(args, None if in_torchrun() or args.dry_run else lock)
+    finally:
+        lock.release()
+
+
+def _train(args, lock) -> int:
     from loomtrain.train.launch import in_torchrun, launch_forwarding_signals, launch_tolerant
     from loomtrain.train.run import train_worker
     from loomtrain.train.trainer import write_config
 
-    if args.rejoin is not None or args.worker is not None:
-        return _rejoin(args)
-    cfg, run_dir, resume = _resolve_train(args)
+    cfg, run_dir, resume = _resolve_train(args, lock)
     if args.dry_run:
         if cfg.data.source == "digits":
             raise ConfigError('--dry-run estimates the memory and communication of the language '
@@ -200,8 +224,9 @@ def cmd_train(args) -> int:
             raise ConfigError(
                 f"parallel.nproc={cfg.parallel.nproc} but torchrun started WORLD_SIZE="
                 f"{os.environ['WORLD_SIZE']} processes; set --nproc {os.environ['WORLD_SIZE']}")
-    else:
-        run_dir = run_dir or _unique_run_dir(cfg)
+    elif run_dir is None:
+        run_dir = _unique_run_dir(cfg)
+        lock.take(run_dir, 0.0)  # a folder just made: the lock file is the first thing in it
     run_dir.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("RANK", 0)) == 0:
         if resume is None:  # a resumed run rewrites it only once its checkpoint has loaded
@@ -210,6 +235,7 @@ def cmd_train(args) -> int:
     payload = (cfg.model_dump(), str(run_dir), str(resume) if resume else None)
     if in_torchrun() or cfg.parallel.nproc == 1:
         return train_worker(*payload)
+    payload += (os.getpid(), lock.for_ranks())  # ranks end with this process, and hold its lock
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     received: list[int] = []
     try:
