@@ -88,38 +88,48 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _unique_run_dir(cfg) -> Path:
-    """runs/<name>, or runs/<name>-2, -3, ... if taken: a new run never writes into an old one."""
+    """runs/<name>, or runs/<name>-2, -3, ... if taken, created here: a new run never writes
+    into an old one, nor two new runs started together into one (mkdir is atomic)."""
     base = Path(cfg.run.dir) / cfg.run.name
+    base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
 
 
-def _make_run_dir(run_dir: Path) -> None:
-    """Create the run folder (or find it, on --resume) and check that a file can be written
-    there, before any process starts: a run folder that is a file or under one, read-only,
-    immutable or on a filesystem without folders of ours (/proc) is refused by name."""
+def _make_run_dir(run_dir: Path, leaf: bool = True) -> None:
+    """Create the run folder (or find it, on --resume; `leaf` False: only the folder above
+    it, where a new run's folder is then made) and check that a file can be written there,
+    before any process starts: a run folder that is a file or under one, read-only, immutable
+    or on a filesystem without folders of ours (/proc) is refused by name."""
     def refuse(why: str):
         return ConfigError(f"run folder {str(run_dir)!r} cannot be used: {why}; choose a folder "
                            "this user can write (run.dir)")
+    folder = run_dir if leaf else run_dir.parent
     try:
         above = next(p for p in (run_dir, *run_dir.parents) if p.exists())
         if not above.is_dir():
             raise refuse(f"{str(above)!r} is a file, not a folder")
-        run_dir.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         where = f" at {str(err.filename)!r}" if err.filename and str(err.filename) != str(run_dir) else ""
         raise refuse(f"it cannot be created ({err.strerror or err}{where})") from None
     try:
-        with tempfile.TemporaryFile(dir=run_dir):  # deleted on close: nothing is left there
+        with tempfile.TemporaryFile(dir=folder):  # deleted on close: nothing is left there
             pass
     except OSError as err:
-        raise refuse(f"no file can be written in it ({err.strerror or err})") from None
+        what = "no file can be written in it" if leaf else "it cannot be created"
+        raise refuse(f"{what} ({err.strerror or err})") from None
 
 
-def _resolve_train(args):
+def _resolve_train(args, lock=None):
+    """(config, run folder of a resume, its checkpoint). A resume takes `lock` (a
+    runlock.RunFolderLock) on the folder, if given, before it picks the checkpoint."""
     from loomtrain.train import checkpoint
     from loomtrain.train.config import load_config
 
@@ -138,6 +148,9 @@ def _resolve_train(args):
         if not (run_dir / "config.toml").is_file():
             raise CheckpointError(f"--resume {str(run_dir)!r}: no config.toml there; is it a loom run folder?")
         cfg = load_config(run_dir / "config.toml", overrides)
+        if lock is not None:  # ranks of a killed launcher may still be saving: wait for them
+            from loomtrain.train.orphan import grace_s
+            lock.take(run_dir, grace_s(cfg.parallel.timeout_s) + 10.0)
         if not checkpoint.list_checkpoints(run_dir):
             raise CheckpointError(f"--resume {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
         rank0 = int(os.environ.get("RANK", 0)) == 0
@@ -192,13 +205,27 @@ def _rejoin(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """`loom train`. Not under torchrun, the run folder is locked (train/runlock.py) from
+    before anything is written there until the command ends; `--rejoin` joins a running run
+    on purpose and takes no lock, nor does `--dry-run`, which writes nothing."""
+    from loomtrain.train.launch import in_torchrun
+    from loomtrain.train.runlock import RunFolderLock
+
+    if args.rejoin is not None or args.worker is not None:
+        return _rejoin(args)
+    lock = RunFolderLock()
+    try:
+        return _train(args, None if in_torchrun() or args.dry_run else lock)
+    finally:
+        lock.release()
+
+
+def _train(args, lock) -> int:
     from loomtrain.train.launch import in_torchrun, launch_forwarding_signals, launch_tolerant
     from loomtrain.train.run import train_worker
     from loomtrain.train.trainer import write_config
 
-    if args.rejoin is not None or args.worker is not None:
-        return _rejoin(args)
-    cfg, run_dir, resume = _resolve_train(args)
+    cfg, run_dir, resume = _resolve_train(args, lock)
     if args.dry_run:
         if cfg.data.source == "digits":
             raise ConfigError('--dry-run estimates the memory and communication of the language '
@@ -228,8 +255,10 @@ def cmd_train(args) -> int:
             raise ConfigError(
                 f"parallel.nproc={cfg.parallel.nproc} but torchrun started WORLD_SIZE="
                 f"{os.environ['WORLD_SIZE']} processes; set --nproc {os.environ['WORLD_SIZE']}")
-    else:
-        run_dir = run_dir or _unique_run_dir(cfg)
+    elif run_dir is None:
+        _make_run_dir(Path(cfg.run.dir) / cfg.run.name, leaf=False)  # before it is made
+        run_dir = _unique_run_dir(cfg)
+        lock.take(run_dir, 0.0)  # a folder just made: the lock file is the first thing in it
     _make_run_dir(run_dir)
     if int(os.environ.get("RANK", 0)) == 0:
         if resume is None:  # a resumed run rewrites it only once its checkpoint has loaded
@@ -238,6 +267,7 @@ def cmd_train(args) -> int:
     payload = (cfg.model_dump(), str(run_dir), str(resume) if resume else None)
     if in_torchrun() or cfg.parallel.nproc == 1:
         return train_worker(*payload)
+    payload += (os.getpid(), lock.for_ranks())  # ranks end with this process, and hold its lock
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     received: list[int] = []
     try:

@@ -19,3 +19,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete or does not match the run."""
+
+
+class RunFolderBusy(UserError):
+    """A run folder another `loom train` (or its ranks) is writing."""

@@ -41,8 +41,21 @@ def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: Stop
     return train_backprop(cfg, run_dir, resume, mesh, stop)
 
 
-def train_worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:
-    """Entry point of every launched process (picklable: module level, plain arguments)."""
+def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
+                 launcher_pid: int | None = None, folder_lock=None) -> int:
+    """Entry point of every launched process (picklable: module level, plain arguments).
+    `launcher_pid`: the `loom train` that started this rank, which it must not outlive
+    (train/orphan.py); `folder_lock`: that launcher's run-folder lock (train/runlock.py),
+    held by this process as an inherited descriptor until it exits."""
+    if launcher_pid is None:
+        return _worker(cfg_dict, run_dir, resume)
+    from loomtrain.train.orphan import ending_with_launcher
+
+    with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
+        return _worker(cfg_dict, run_dir, resume)
+
+
+def _worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:
     import sys
 
     try:
