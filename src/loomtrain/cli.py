@@ -267,21 +267,37 @@ def _train(args, lock) -> int:
     payload = (cfg.model_dump(), str(run_dir), str(resume) if resume else None)
     if in_torchrun() or cfg.parallel.nproc == 1:
         return train_worker(*payload)
-    payload += (os.getpid(), lock.for_ranks())  # ranks end with this process, and hold its lock
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from loomtrain.train.run import report_errors
     received: list[int] = []
-    try:
-        if cfg.asgd.mode == "ps":  # a dead worker does not end a parameter-server run
-            launch_tolerant(cfg.parallel.nproc, train_worker, payload, received,
-                            cfg.parallel.timeout_s, run_dir, cfg.asgd.servers)
-        else:
-            launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
-    except ChildFailedError as err:
-        codes = {f.exitcode for f in err.failures.values()}
-        why = ("killed after a second stop signal" if len(received) > 1 else
-               "the parameter server (rank 0) failed" if cfg.asgd.mode == "ps" else "a worker failed")
-        print(f"error: {why} (exit codes {sorted(codes)}); see the messages above", file=sys.stderr)
-        return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
+    # the resource tracker (started with the first rank, in this environment) warns of
+    # "leaked semaphore objects" whenever a rank is stopped before its teardown: the rank
+    # ended on a message of its own, or was stopped because another did
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), quiet)))
+    with tempfile.TemporaryDirectory(prefix="loom-errors-") as errors:
+        # ranks end with this process and hold its lock; their error messages come back here
+        # (a parameter-server run's ranks print theirs: a lost worker's does not end the run)
+        payload += (os.getpid(), lock.for_ranks(), None if cfg.asgd.mode == "ps" else errors)
+        try:
+            if cfg.asgd.mode == "ps":  # a dead worker does not end a parameter-server run
+                launch_tolerant(cfg.parallel.nproc, train_worker, payload, received,
+                                cfg.parallel.timeout_s, run_dir, cfg.asgd.servers)
+            else:
+                launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
+        except ChildFailedError as err:
+            codes = {f.exitcode for f in err.failures.values()}
+            # a rank that ended on a message of its own (2, 3, 4) said why, once; one that
+            # crashed or was killed did not, and the others' messages are its consequences
+            said = codes <= {2, 3, 4} and len(received) < 2 and report_errors(Path(errors))
+            if not said:
+                why = ("killed after a second stop signal" if len(received) > 1 else
+                       "the parameter server (rank 0) failed" if cfg.asgd.mode == "ps"
+                       else "a worker failed")
+                print(f"error: {why} (exit codes {sorted(codes)}); see the messages above",
+                      file=sys.stderr)
+            return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
     return 0
 
 

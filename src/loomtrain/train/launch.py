@@ -112,7 +112,9 @@ def _worker_pids() -> list[int]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == os.getpid() and b"resource_tracker" not in (stat.parent / "cmdline").read_bytes():
+            # the tracker by its code: a rank's -W options may name the tracker's module too
+            tracker = b"resource_tracker import main" in (stat.parent / "cmdline").read_bytes()
+            if ppid == os.getpid() and not tracker:
                 pids.append(int(stat.parent.name))
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile
@@ -120,8 +122,15 @@ def _worker_pids() -> list[int]:
 
 
 class _QuietChildThread(logging.Filter):
+    """torch's notes that say nothing to a user of `loom train`: the agent on a thread, and,
+    when a rank fails, the agent's traceback of its own join and the ranks it then stops
+    (the failing rank's message is printed once by the CLI: run.report_errors)."""
+
+    NOISE = ("running on a child thread", "failed (exitcode", "Terminating process")
+    LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "running on a child thread" not in record.getMessage()
+        return not any(noise in record.getMessage() for noise in self.NOISE)
 
 
 class _SignalForwarding:
@@ -187,7 +196,8 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
             outcome["error"] = err
 
     quiet = _QuietChildThread()
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
+    for name in quiet.LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     thread = threading.Thread(target=agent, name="loom-elastic-agent", daemon=True)
     try:
         with _SignalForwarding(received) as signals:
@@ -196,7 +206,8 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
                 thread.join(0.1)
                 signals.forward(_worker_pids)
     finally:
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
+        for name in quiet.LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
     if "error" in outcome:
         raise outcome["error"]
 

@@ -42,25 +42,51 @@ def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: Stop
 
 
 def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
-                 launcher_pid: int | None = None, folder_lock=None) -> int:
+                 launcher_pid: int | None = None, folder_lock=None, errors: str | None = None
+                 ) -> int:
     """Entry point of every launched process (picklable: module level, plain arguments).
     `launcher_pid`: the `loom train` that started this rank, which it must not outlive
     (train/orphan.py); `folder_lock`: that launcher's run-folder lock (train/runlock.py),
-    held by this process as an inherited descriptor until it exits."""
+    held by this process as an inherited descriptor until it exits; `errors`: a folder where
+    this rank leaves its error message for the launcher to print once (`report_errors`),
+    instead of printing it itself."""
     if launcher_pid is None:
-        return _worker(cfg_dict, run_dir, resume)
+        return _worker(cfg_dict, run_dir, resume, errors)
     from loomtrain.train.orphan import ending_with_launcher
 
     with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
-        return _worker(cfg_dict, run_dir, resume)
+        return _worker(cfg_dict, run_dir, resume, errors)
 
 
-def _worker(cfg_dict: dict, run_dir: str, resume: str | None) -> int:
+def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None) -> int:
     import sys
 
     try:
         return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None)
     except (UserError, NonFiniteError, comm.CollectiveError) as err:
         # a message for people, not a traceback; the launcher then stops the other ranks
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4)
+        code = 2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4
+        if errors is None:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(code)
+        import os
+
+        partial = Path(errors) / f"{os.getpid()}.partial"
+        partial.write_text(str(err))
+        os.replace(partial, partial.with_suffix(".txt"))  # whole, or not there
+        # without the interpreter's teardown, where gloo may abort a rank whose peers are gone
+        # ("terminate called without an active exception": exit -6 instead of this code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def report_errors(errors: Path) -> bool:
+    """Print each distinct message the ranks left in `errors` once, first come first; whether
+    there was any."""
+    import sys
+
+    texts = [p.read_text() for p in sorted(errors.glob("*.txt"), key=lambda p: p.stat().st_mtime)]
+    for text in dict.fromkeys(texts):
+        print(f"error: {text}", file=sys.stderr, flush=True)
+    return bool(texts)
