@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--skip-damaged", action="store_true",
                        help="with --resume: if the latest checkpoint is damaged, resume from the newest "
                        "intact one (a line names each one skipped and why)")
+    train.add_argument("--max-restarts", type=int, metavar="N",
+                       help="restart the ranks up to N times after one dies, resuming from the newest "
+                       "checkpoint (run.max_restarts; docs/checkpoints.md)")
     train.add_argument("--plan", choices=["none", "auto"],
                        help='parallel.plan: "auto" plans the layout for nproc and runs the best (docs/planner.md)')
     train.add_argument("--dry-run", action="store_true",
@@ -136,6 +139,8 @@ def _resolve_train(args, lock=None):
     overrides = list(args.overrides)
     if args.nproc is not None:
         overrides.append(f"parallel.nproc={args.nproc}")
+    if getattr(args, "max_restarts", None) is not None:
+        overrides.append(f"run.max_restarts={args.max_restarts}")
     if getattr(args, "plan", None) is not None:
         overrides.append(f'parallel.plan="{args.plan}"')
     if args.skip_damaged and not args.resume:

@@ -34,6 +34,9 @@ class RunConfig(Section):
     max_nonfinite_steps: int = Field(5, ge=1)
     # record this step's compute/communication timeline into RUN_DIR/timeline.json (0: none)
     timeline_step: int = Field(0, ge=0)
+    # times the launcher restarts the ranks after one dies (each restart resumes from the
+    # newest checkpoint); under [lowcomm] a lost replica is restarted alone (docs/checkpoints.md)
+    max_restarts: int = Field(0, ge=0)
 
 
 class TrainConfig(Section):
