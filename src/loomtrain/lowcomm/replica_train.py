@@ -115,10 +115,14 @@ class ReplicaMode(BackpropMode):
         return group.guard(RECORD, attempt)
 
     def save(self, done, extra=None):
-        self.group.done = done
+        group = self.group
+        group.done = done
         self.built.model.end_period()  # its sync is guarded by itself
-        self.group.guard(SAVE, lambda: super(ReplicaMode, self).save(done, extra),
-                         errors=_SAVE_ERRORS)
+
+        def attempt() -> None:  # loom.json names the replicas away, if any
+            away = {"replicas_away": group.away} if group.away else {}
+            super(ReplicaMode, self).save(done, {**(extra or {}), **away})
+        group.guard(SAVE, attempt, errors=_SAVE_ERRORS)
 
     def _reformed(self, before: list[int], agreed: int, source: int, seconds: float) -> None:
         """The writer's role moves to the lowest member; it says what changed."""

@@ -116,12 +116,16 @@ class ReplicaGroup:
         while True:
             try:
                 return attempt()
-            except errors:
-                if failed_among == self.members:
-                    raise
-                failed_among = list(self.members)
-                if self.admit(pos) > pos:
-                    return caught_up()
+            except errors as err:
+                # re-formed outside this block: its traceback holds the old group, whose
+                # connections close (failing the peers' pending collectives) once it is freed
+                error = err.with_traceback(None)
+                error.__context__ = None
+            if failed_among == self.members:
+                raise error
+            failed_among = list(self.members)
+            if self.admit(pos) > pos:
+                return caught_up()
 
     def admit(self, pos: int) -> int:
         """Leave this group and form the next with whoever the launcher publishes: after a
@@ -151,8 +155,13 @@ class ReplicaGroup:
         return agreed
 
     def _leave(self) -> None:
+        """Destroy the group and drop every reference to it: gloo closes its connections only
+        when the group is freed (measured: a peer blocked receiving from this replica fails
+        at once then, and only at parallel.timeout_s while the group lives)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.mesh is not None:
+            self.mesh._groups, self.mesh.device_mesh = {}, None
 
     def _form(self, epoch: int, members: list[int], prefix: str | None = None) -> None:
         self._leave()

@@ -1,0 +1,235 @@
+"""Lost replicas under local SGD and DiLoCo (run.max_restarts > 0; lowcomm/replicas.py,
+quorum.py, replica_train.py, train/replica_launch.py): without a fault the run is the run
+without restarts, loss for loss; a replica SIGKILLed from outside leaves the others training,
+its restart rejoins them with their model; past run.max_restarts a lost replica stays lost and
+the others finish; the lighthouse's rules, and the configurations it refuses.
+
+The fault runs are `loom train` processes killed from outside once metrics.jsonl shows a step;
+their length is fixed (train.steps), long enough that a restarted replica (a new process:
+seconds to import torch and build) is let in well before the end on this machine; a run whose
+rejoin never came fails on its assertions, not on a hang (every wait is bounded)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import refused, tiny_tree
+from loomtrain.lowcomm.quorum import BEGIN, JOIN, SYNC, Lighthouse, position, register
+from loomtrain.train import checkpoint
+from loomtrain.train.metrics import read_metrics
+
+STARTED = re.compile(r"replicas started as pids \[([\d, ]+)\]")
+RESTARTED = re.compile(r"replica (\d) \(pid \d+\) was killed by signal SIGKILL; restarted as "
+                       r"pid (\d+) \(restart 1 of run.max_restarts=1\)")
+
+
+class Run:
+    """`loom train CONFIG` in a subprocess, its stderr collected line by line."""
+
+    def __init__(self, tmp_path: Path, tree: dict):
+        import tomli_w
+
+        self.config = tmp_path / f"{tree['run']['name']}.toml"
+        self.config.write_text(tomli_w.dumps(tree))
+        self.run_dir = Path(tree["run"]["dir"]) / tree["run"]["name"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "loomtrain", "train",
+                                      str(self.config)], stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.lines)
+
+    def pids(self) -> dict[int, int]:
+        """Replica index -> its current process, from the launcher's lines."""
+        out: dict[int, int] = {}
+        for line in list(self.lines):
+            if (m := STARTED.search(line)):
+                out.update(enumerate(int(p) for p in m.group(1).split(",")))
+            if (m := re.search(r"replica (\d) \(pid \d+\).*restarted as pid (\d+)", line)):
+                out[int(m.group(1))] = int(m.group(2))
+        return out
+
+    def records(self) -> list[dict]:
+        return read_metrics(self.run_dir)
+
+    def wait_for(self, what: str, done, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.stderr}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout_s} s:\n{self.stderr}"
+            time.sleep(0.05)
+
+    def kill_at(self, replica: int, step: int) -> int:
+        """SIGKILL replica `replica` once a record of step `step` is written; its pid."""
+        self.wait_for(f"step {step}", lambda: self.records() and self.records()[-1]["step"] >= step)
+        pid = self.pids()[replica]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def finish(self, timeout_s: float = 180.0) -> int:
+        try:
+            self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self.reader.join(10)
+        return self.proc.returncode
+
+
+def _tree(tmp_path, corpus, name: str, algorithm: str, restarts: int, **sections) -> dict:
+    tree = tiny_tree(tmp_path, corpus, run={"name": name, "log_every": 10},
+                     train={"steps": 20, "global_batch": 12},
+                     parallel={"nproc": 3, "timeout_s": 30},
+                     lowcomm={"algorithm": algorithm, "inner_steps": 2})
+    tree["run"]["max_restarts"] = restarts
+    for section, values in sections.items():
+        tree[section].update(values)
+    return tree
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
+def test_without_a_fault_the_run_is_the_run_without_restarts(tmp_path, corpus, algorithm):
+    runs = {}
+    for restarts in (0, 2):  # one after the other: 6 processes starting at once crawl here
+        run = runs[restarts] = Run(tmp_path, _tree(tmp_path, corpus, f"r{restarts}", algorithm,
+                                                   restarts, run={"log_every": 1}))
+        assert run.finish() == 0, run.stderr
+    plain, replicas = runs[0].records(), runs[2].records()
+    assert [r["step"] for r in replicas] == list(range(1, 21))
+    # the same collectives over the same group: bitwise the same losses
+    assert [r["loss"] for r in replicas] == [r["loss"] for r in plain]
+    assert {r["replicas"] for r in replicas} == {3}
+    assert "replicas started as pids" in runs[2].stderr
+    synced = [r["replica_fingerprints"] for r in replicas if r["step"] % 2 == 0]
+    assert len(synced) == 10 and all(len(set(f)) == 1 and None not in f for f in synced)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_replica_is_restarted_and_rejoins_with_the_others_model(tmp_path, corpus):
+    run = Run(tmp_path, _tree(tmp_path, corpus, "fault", "diloco", 1,
+                              train={"steps": 600, "global_batch": 12}))
+    try:
+        killed = run.kill_at(1, 20)
+        run.wait_for("the rejoin", lambda: "replica 1 rejoined" in run.stderr, 150)
+    finally:
+        code = run.finish()
+    assert code == 0, run.stderr
+    restarted = [line for line in run.lines if RESTARTED.search(line)]
+    assert len(restarted) == 1 and f"pid {killed}" in restarted[0], run.stderr
+    records = run.records()
+    assert [r["step"] for r in records] == list(range(10, 601, 10))  # each step once
+    counts = [r["replicas"] for r in records]
+    first_two, back = counts.index(2), len(counts) - counts[::-1].index(2)
+    assert counts[:first_two] == [3] * first_two and set(counts[first_two:back]) == {2}
+    assert back < len(counts) and set(counts[back:]) == {3}, counts  # it came back, to stay
+    # away: its slot is empty; back: after each sync (every logged step, H=2) the three
+    # replicas hold one model: the rejoined one took theta and the outer momentum
+    assert all(r["replica_fingerprints"][1] is None for r in records[first_two:back])
+    assert all(len(set(r["replica_fingerprints"])) == 1 for r in records[back:])
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5, losses
+    assert re.search(r"replica 1 lost (before|at) step \d+: 2 of 3 replicas train on", run.stderr)
+
+
+@pytest.mark.timeout(300)
+def test_past_max_restarts_a_lost_replica_stays_lost_and_the_others_finish(tmp_path, corpus):
+    # local SGD; replica 0, the one writing metrics, is lost first (restarted), then replica
+    # 2 (the one restart is used): replicas 1 and 0 finish, replica 1 writing until 0 is back
+    run = Run(tmp_path, _tree(tmp_path, corpus, "spent", "local_sgd", 1,
+                              train={"steps": 600, "global_batch": 12},
+                              checkpoint={"every": 100}))
+    try:
+        run.kill_at(0, 20)
+        run.wait_for("the rejoin", lambda: "replica 0 rejoined" in run.stderr, 150)
+        last = run.kill_at(2, run.records()[-1]["step"] + 20)
+    finally:
+        code = run.finish()
+    assert code == 0, run.stderr
+    assert re.search(rf"replica 2 \(pid {last}\) was killed by signal SIGKILL; not restarted "
+                     r"\(the run.max_restarts=1 restarts are used\)", run.stderr), run.stderr
+    records = run.records()
+    assert [r["step"] for r in records] == list(range(10, 601, 10))
+    assert records[-1]["replicas"] == 2 and records[-1]["replica_fingerprints"][2] is None
+    assert len({f for f in records[-1]["replica_fingerprints"] if f is not None}) == 1
+    assert all(math.isfinite(r["loss"]) for r in records)
+    # the checkpoints hold every replica's inner optimizer state, so they resume at nproc 3
+    final = checkpoint.list_checkpoints(run.run_dir)[-1]
+    assert final.name == "step_00000600"
+    assert json.loads((final / "loom.json").read_text())["replicas_away"] == [2]
+    saved = checkpoint.saved_tensors(final, "optim.replica")
+    assert {k.split(".")[1] for k in saved} == {"replica0", "replica1", "replica2"}
+
+
+def test_the_lighthouse_lets_joiners_in_only_where_the_members_hold_one_model():
+    store = dist.HashStore()
+    house = Lighthouse(store, 3, bound_s=5.0)
+    assert store.get("e0/members") == b"0,1,2"
+    house.lost(1)  # replica 1's process ended: a new one is a joiner
+    register(store, 1, 1, JOIN)
+    register(store, 1, 0, position(7, SYNC))
+    assert not house.tick(0.0, {0, 1, 2})  # replica 2 is awaited
+    register(store, 1, 2, position(7, SYNC))
+    assert house.tick(0.1, {0, 1, 2})  # in a sync: the joiner waits for the next epoch
+    assert store.get("e1/members") == b"0,2" and house.holders == [0, 2]
+    register(store, 2, 1, JOIN)
+    assert not house.tick(0.2, {0, 1, 2})  # joiners alone make no epoch
+    register(store, 2, 0, position(8, BEGIN), synchronized=True)
+    register(store, 2, 2, position(8, BEGIN), synchronized=True)
+    assert house.tick(0.3, {0, 1, 2})
+    assert store.get("e2/members") == b"0,1,2" and store.get("epoch") == b"2"
+    register(store, 3, 0, position(9, BEGIN))  # replica 2 hangs: published without it
+    assert not house.tick(1.0, {0, 1, 2}) and house.tick(6.1, {0, 1, 2})
+    assert store.get("e3/members") == b"0"
+
+
+@pytest.mark.parametrize("sections, why", [
+    ({"lowcomm": {"algorithm": "streaming_diloco", "inner_steps": 2}},
+     "its fragment syncs stay in flight across steps"),
+    ({"lowcomm": {"algorithm": "noloco"}}, "not one synchronous all-reduce"),
+    ({"lowcomm": {"algorithm": "diloco"},
+      "compression": {"method": "int8", "applies_to": "pseudo_gradients"}}, "error feedback"),
+])
+def test_restarts_refuse_what_a_re_formed_group_cannot_retry(tmp_path, corpus, capsys,
+                                                             sections, why):
+    import tomli_w
+
+    tree = tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, **sections)
+    tree["run"]["max_restarts"] = 1
+    path = tmp_path / "c.toml"
+    path.write_text(tomli_w.dumps(tree))
+    assert why in refused(capsys, ["train", str(path)])
+
+
+def test_restarts_of_replicas_are_refused_under_torchrun(tmp_path, corpus, capsys, monkeypatch):
+    import tomli_w
+
+    tree = tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, lowcomm={"algorithm": "local_sgd"})
+    tree["run"]["max_restarts"] = 1
+    path = tmp_path / "c.toml"
+    path.write_text(tomli_w.dumps(tree))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "torchrun's --max-restarts" in refused(capsys, ["train", str(path)])
+    assert not (tmp_path / "runs" / "t" / "config.toml").exists()  # refused before writing
