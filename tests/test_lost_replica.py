@@ -26,7 +26,8 @@ import pytest
 import torch.distributed as dist
 
 from conftest import refused, tiny_tree
-from loomtrain.lowcomm.quorum import BEGIN, JOIN, SYNC, Lighthouse, position, register
+from harness import free_port, run_world
+from loomtrain.lowcomm.quorum import BEGIN, JOIN, RECORD, SYNC, Lighthouse, position, register
 from loomtrain.train import checkpoint
 from loomtrain.train.metrics import read_metrics
 
@@ -179,6 +180,83 @@ def test_past_max_restarts_a_lost_replica_stays_lost_and_the_others_finish(tmp_p
     assert json.loads((final / "loom.json").read_text())["replicas_away"] == [2]
     saved = checkpoint.saved_tensors(final, "optim.replica")
     assert {k.split(".")[1] for k in saved} == {"replica0", "replica1", "replica2"}
+    resumed = subprocess.run([sys.executable, "-m", "loomtrain", "train", "--resume",
+                              str(run.run_dir), "--set", "train.steps=620"],
+                             capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [(r["step"], r["replicas"]) for r in run.records()[-2:]] == [(610, 3), (620, 3)]
+
+
+def _hand_overs(rank, world, port):
+    """Three DiLoCo replicas of a small linear model, apart after an outer step and one more
+    inner step, re-form three times with positions set by hand; each returns its state after
+    each re-form."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from loomtrain.lowcomm.diloco import DiLoCo
+    from loomtrain.lowcomm.replicas import ReplicaGroup, Seat
+
+    group = ReplicaGroup(Seat(port, rank, world), 20.0, torch.device("cpu"))
+    group.start(joining=False)
+    torch.manual_seed(rank)  # replicas apart; DiLoCo's broadcast makes them start equal
+    model = DiLoCo(torch.nn.Linear(4, 4), group.mesh, inner_steps=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    group.built = SimpleNamespace(model=model, optimizer=optimizer)
+    for step in range(1, 4):
+        model(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.after_step(step)
+
+    def snapshot():
+        return {"params": [p.detach().clone() for p in model.params],
+                "theta": model.global_params.clone(), "since": model.steps_since_sync,
+                "momentum": model.outer_state()["momentum_buffer.weight"].clone(),
+                "adam": [v.clone() for p in model.params for v in optimizer.state[p].values()],
+                "control": group.control}
+    out = [snapshot()]
+    # a sync completed on replicas 1 and 2, not on 0: it takes their model (replica 1's)
+    positions = {0: position(3, SYNC), 1: position(3, RECORD), 2: position(3, RECORD)}
+    group._form(1, [0, 1, 2])
+    out.append((group._reconcile(positions[rank]), snapshot()))
+    # replica 2 restarted: no optimizer state, other parameters; 0 and 1 before step 4
+    if rank == 2:
+        optimizer.state.clear()
+        torch.nn.init.zeros_(model.module.weight)
+    group._form(2, [0, 1, 2])
+    out.append((group._reconcile(JOIN if rank == 2 else position(3, BEGIN)), snapshot()))
+    # replica 1 failed in the control all-reduce before step 4 that 0 and 2 completed
+    group.control = None if rank == 1 else (96.0, False, True)
+    group._form(3, [0, 1, 2])
+    out.append((group._reconcile(position(3, BEGIN) if rank == 1 else position(4, SYNC)),
+                snapshot()))
+    group.close()
+    return out
+
+
+def test_members_behind_take_what_they_missed_from_the_most_advanced_one():
+    store_port = free_port()
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    Lighthouse(store, 3, bound_s=5.0)  # publishes epoch 0: every replica
+    before, taken, joined, told = zip(*run_world(_hand_overs, 3, store_port, timeout_s=120))
+    import torch
+
+    def same(a, b, keys=("params", "theta", "momentum", "adam")):
+        return all(all(torch.equal(x, y) for x, y in zip(a[k], b[k])) if isinstance(a[k], list)
+                   else torch.equal(a[k], b[k]) for k in keys)
+    assert not same(before[0], before[1], ("params",))  # one inner step apart
+    # after a sync replica 0 missed: replica 1's model, outer state and inner optimizer
+    assert [t[0] for t in taken] == [(position(3, RECORD), 1)] * 3  # (agreed, source)
+    assert same(taken[0][1], before[1]) and taken[0][1]["since"] == before[1]["since"]
+    assert same(taken[2][1], before[2])  # the others keep their own
+    # a joiner: everything from replica 0, the lowest of the most advanced
+    assert [j[0] for j in joined] == [(position(3, BEGIN), 0)] * 3
+    assert same(joined[2][1], taken[0][1]) and same(joined[1][1], taken[1][1])
+    # before a step: only the control answer; its own model stays (it trains that step)
+    assert [t[0] for t in told] == [(position(4, SYNC), 0)] * 3
+    assert told[1][1]["control"] == (96.0, False, True) and same(told[1][1], joined[1][1])
 
 
 def test_the_lighthouse_lets_joiners_in_only_where_the_members_hold_one_model():

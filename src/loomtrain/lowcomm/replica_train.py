@@ -90,8 +90,11 @@ class ReplicaMode(BackpropMode):
     def _control(self, tokens: int, stop) -> tuple[float, bool, bool]:
         """(global target tokens, whether a replica got SIGINT/SIGTERM, whether a replica
         asked to join), agreed in one all-reduce."""
-        control = torch.tensor([tokens, bool(stop.signum), self.group.join_requested()],
-                               dtype=torch.float64, device=self.mesh.device)
+        # a replica that is stopping lets no one in; nor asks the store, whose launcher may
+        # be the one that died (train/orphan.py)
+        joining = not stop.signum and self.group.join_requested()
+        control = torch.tensor([tokens, bool(stop.signum), joining], dtype=torch.float64,
+                               device=self.mesh.device)
         comm.all_reduce(control, self.mesh, "world")
         return float(control[0]), bool(control[1]), bool(control[2])
 

@@ -105,7 +105,13 @@ class ReplicaGroup:
         return done_of(agreed)
 
     def join_requested(self) -> bool:
-        return quorum.wanted(self.store, self.epoch + 1)
+        """Whether a replica asked for the next epoch. False without the store: the launcher
+        that hosts it is dead, and this replica stops at this step boundary and saves
+        (train/orphan.py), which needs only the group's connections."""
+        try:
+            return quorum.wanted(self.store, self.epoch + 1)
+        except RuntimeError:
+            return False
 
     def guard(self, phase: int, attempt, caught_up=lambda: None, errors=(comm.CollectiveError,)):
         """`attempt()`, re-run in a re-formed group while it fails with `errors`; a member
@@ -205,8 +211,9 @@ class ReplicaGroup:
         model, optimizer = self.built.model, self.built.optimizer
         header = torch.zeros(5, dtype=torch.float64)
         if self.mesh.rank == src:
-            header[:2] = torch.tensor([model.steps_since_sync, bool(optimizer.state)])
-            header[2:] = torch.tensor(self.control if self.control else (0.0, 0.0, 0.0))
+            header[:] = torch.tensor([model.steps_since_sync, bool(optimizer.state),
+                                      *(self.control or (0.0, False, False))],
+                                     dtype=torch.float64)
         comm.broadcast(header, self.mesh, "world", src)
         if behind is not None and phase_of(behind) == BEGIN:  # a step the others have begun
             self.control = (float(header[2]), bool(header[3]), bool(header[4]))

@@ -103,8 +103,9 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
                                                    if p.exitcode is None})
                 if not lighthouse.holders and not finished and failed is None:
                     failed = last_lost
-                    _say(f"every replica that held the model is lost; continue from the newest "
-                         f"checkpoint with: loom train --resume {run_dir}")
+                    if not signals.killed:
+                        _say(f"every replica that held the model is lost; continue from the "
+                             f"newest checkpoint with: loom train --resume {run_dir}")
         finally:  # the replicas never outlive the launcher
             for p in live():
                 p.kill()
