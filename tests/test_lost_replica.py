@@ -187,6 +187,26 @@ def test_past_max_restarts_a_lost_replica_stays_lost_and_the_others_finish(tmp_p
     assert [(r["step"], r["replicas"]) for r in run.records()[-2:]] == [(610, 3), (620, 3)]
 
 
+@pytest.mark.timeout(240)
+def test_sigterm_stops_the_replicas_left_with_a_checkpoint(tmp_path, corpus):
+    run = Run(tmp_path, _tree(tmp_path, corpus, "stop", "diloco", 1,
+                              train={"steps": 10**5, "global_batch": 12}))
+    try:
+        run.kill_at(1, 10)
+        run.wait_for("the loss", lambda: "replica 1 lost" in run.stderr)
+        step = run.records()[-1]["step"] + 10
+        run.wait_for(f"step {step}", lambda: run.records()[-1]["step"] >= step)
+        os.kill(run.proc.pid, signal.SIGTERM)  # the restarted replica may still be starting
+    finally:
+        code = run.finish()
+    assert code == 0, run.stderr
+    assert re.search(r"stopped by SIGTERM before step \d+; checkpoint step \d+ is saved",
+                     run.stderr), run.stderr
+    meta = json.loads((checkpoint.list_checkpoints(run.run_dir)[-1] / "loom.json").read_text())
+    assert meta["stopped_by"] == "SIGTERM"
+    assert meta.get("replicas_away", []) in ([], [1])  # [1]: it had not rejoined yet
+
+
 def _hand_overs(rank, world, port):
     """Three DiLoCo replicas of a small linear model, apart after an outer step and one more
     inner step, re-form three times with positions set by hand; each returns its state after

@@ -188,10 +188,10 @@ def _check_restarts(cfg) -> None:
                if lc.algorithm == "streaming_diloco" else
                "its synchronization is not one synchronous all-reduce of the whole model, which "
                "is what a re-formed group retries")
-        raise ValueError(f"run.max_restarts={cfg.run.max_restarts} under [lowcomm] restarts a lost "
-                         "replica alone, which works with lowcomm.algorithm=\"local_sgd\" and "
-                         f"\"diloco\"; lowcomm.algorithm={lc.algorithm!r} is not supported yet: "
-                         f"{why}. Set run.max_restarts=0 or one of those algorithms")
+        raise ValueError(f"run.max_restarts={cfg.run.max_restarts} under [lowcomm] restarts a "
+                         "lost replica alone, which works with lowcomm.algorithm=\"local_sgd\" "
+                         f"and \"diloco\"; lowcomm.algorithm={lc.algorithm!r} is not supported "
+                         f"yet: {why}. Set run.max_restarts=0 or one of those algorithms")
     if cfg.compression.method != "none":
         raise ValueError("run.max_restarts > 0 with [compression] on DiLoCo's pseudo-gradients: "
                          "the compressor keeps what it dropped (error feedback) before the "
