@@ -248,6 +248,13 @@ def _train(args, lock) -> int:
     check_units(cfg)
     from loomtrain.zeroth.train import check_trainable
     check_trainable(cfg)  # optim.trainable selects something of the model
+    from loomtrain.lowcomm.config import restarts_replicas
+    replicas = restarts_replicas(cfg)  # a lost replica is restarted alone and rejoins
+    if replicas and in_torchrun():
+        raise ConfigError("run.max_restarts with lowcomm.algorithm=\"local_sgd\" or \"diloco\" "
+                          "restarts a lost replica alone, which needs loom train's own launcher "
+                          "(it hosts the store the replicas meet through); under torchrun use "
+                          "torchrun's --max-restarts and set run.max_restarts=0")
     if in_torchrun():
         if run_dir is None:
             run_dir = Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder
@@ -289,6 +296,9 @@ def _train(args, lock) -> int:
             if cfg.asgd.mode == "ps":  # a dead worker does not end a parameter-server run
                 launch_tolerant(cfg.parallel.nproc, train_worker, payload, received,
                                 cfg.parallel.timeout_s, run_dir, cfg.asgd.servers)
+            elif replicas:
+                from loomtrain.train.replica_launch import launch_replicas
+                launch_replicas(cfg, train_worker, payload, received, run_dir)
             else:
                 launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
         except ChildFailedError as err:

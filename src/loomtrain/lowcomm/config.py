@@ -25,6 +25,15 @@ LOWCOMM_KEYS = {
     "lordo": ("inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "rank"),
 }
 
+# the algorithms whose lost replica is restarted alone and rejoins (run.max_restarts > 0;
+# lowcomm/replicas.py): one synchronous all-reduce per sync, which a re-formed group retries
+REPLICA_ALGORITHMS = ("local_sgd", "diloco")
+
+
+def restarts_replicas(cfg) -> bool:
+    """Whether a lost replica of this run is restarted alone (train/replica_launch.py)."""
+    return (cfg.run.max_restarts > 0 and cfg.lowcomm.algorithm in REPLICA_ALGORITHMS
+            and cfg.parallel.nproc > 1)
 
 
 class LowcommConfig(Section):
@@ -158,6 +167,8 @@ class Lowcomm(EngineTimeline, Component):
                              f"subspace), built from train.lr, beta1, beta2 and weight_decay; "
                              f'train.optimizer={t.optimizer!r} has no moments to project: set '
                              f'train.optimizer="adamw"')
+        if cfg.run.max_restarts:
+            _check_restarts(cfg)
         every = cfg.checkpoint.every
         if every % lc.inner_steps:
             fit = -(-every // lc.inner_steps) * lc.inner_steps
@@ -165,6 +176,27 @@ class Lowcomm(EngineTimeline, Component):
                              f"{lc.inner_steps}: a checkpoint holds one model, so it is written where "
                              f"the replicas synchronize; set checkpoint.every={fit} (or 0: only at "
                              "the end and on a signal)")
+
+
+def _check_restarts(cfg) -> None:
+    """run.max_restarts > 0 restarts a lost replica alone (lowcomm/replicas.py): for the
+    algorithms whose sync is one synchronous all-reduce that a re-formed group can retry."""
+    lc = cfg.lowcomm
+    if lc.algorithm not in REPLICA_ALGORITHMS:
+        why = ("its fragment syncs stay in flight across steps, so a lost replica fails an "
+               "all-reduce several steps after it began, which a re-formed group cannot retry"
+               if lc.algorithm == "streaming_diloco" else
+               "its synchronization is not one synchronous all-reduce of the whole model, which "
+               "is what a re-formed group retries")
+        raise ValueError(f"run.max_restarts={cfg.run.max_restarts} under [lowcomm] restarts a "
+                         "lost replica alone, which works with lowcomm.algorithm=\"local_sgd\" "
+                         f"and \"diloco\"; lowcomm.algorithm={lc.algorithm!r} is not supported "
+                         f"yet: {why}. Set run.max_restarts=0 or one of those algorithms")
+    if cfg.compression.method != "none":
+        raise ValueError("run.max_restarts > 0 with [compression] on DiLoCo's pseudo-gradients: "
+                         "the compressor keeps what it dropped (error feedback) before the "
+                         "all-reduce completes, so a sync retried after a lost replica would add "
+                         "it twice; set compression.method=\"none\" or run.max_restarts=0")
 
 
 def _check_streaming(lc: LowcommConfig, m) -> None:

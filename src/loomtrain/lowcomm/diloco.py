@@ -92,3 +92,13 @@ class DiLoCo(LocalSGD):
         if state:
             buffer = _flatten_dense_tensors([state[f"momentum_buffer.{n}"] for n in self.names])
             self.outer.state[self.global_params]["momentum_buffer"] = buffer
+
+    def replica_state(self) -> dict[str, torch.Tensor]:
+        """The outer momentum and theta: a replica may join between two outer steps, where
+        theta is not its parameters."""
+        return {**self.outer_state(), "global": self.global_params.clone()}
+
+    @torch.no_grad()
+    def load_replica_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_outer_state({k: v for k, v in state.items() if k != "global"})
+        self.global_params.copy_(state["global"])

@@ -34,6 +34,11 @@ class LocalSGD(nn.Module):
         self.module, self.mesh, self.axis = module, mesh, axis
         self.inner_steps = inner_steps
         self.steps_since_sync = 0
+        # a run that outlives lost replicas (lowcomm/replicas.py) sets these: the replica's own
+        # index, kept when the group shrinks, and the guard that re-runs a sync that failed
+        # in a re-formed group
+        self.replica_index: int | None = None
+        self.sync_guard = None
         broadcast_state(module, mesh, axis)  # replicas start identical, whatever their seeds
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied: once
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
@@ -43,7 +48,7 @@ class LocalSGD(nn.Module):
     @property
     def replica(self) -> int:
         """This replica's index on the dp axis (checkpoint keys of its own state use it)."""
-        return self.mesh.local_rank(self.axis)
+        return self.mesh.local_rank(self.axis) if self.replica_index is None else self.replica_index
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -87,14 +92,20 @@ class LocalSGD(nn.Module):
         self.steps_since_sync += 1
         if step % self.inner_steps and not last:
             return False
-        self.synchronize()
+        self._sync()
         return True
 
     def end_period(self) -> None:
         """Synchronize now unless the replicas have not stepped since the last sync: what a
         checkpoint needs, since it holds one model for all replicas."""
         if self.steps_since_sync:
+            self._sync()
+
+    def _sync(self) -> None:
+        if self.sync_guard is None:
             self.synchronize()
+        else:
+            self.sync_guard(self.synchronize)
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -116,3 +127,12 @@ class LocalSGD(nn.Module):
 
     def load_outer_state(self, state: dict[str, torch.Tensor]) -> None:
         self.steps_since_sync = 0
+
+    def replica_state(self) -> dict[str, torch.Tensor]:
+        """What a replica that joins the others takes from a peer besides the parameters and
+        its inner optimizer (lowcomm/replicas.py), as fresh tensors: the outer state."""
+        return self.outer_state()
+
+    def load_replica_state(self, state: dict[str, torch.Tensor]) -> None:
+        """After the parameters were copied: `replica_state`'s tensors from a peer."""
+        self.load_outer_state(state)

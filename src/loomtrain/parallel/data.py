@@ -81,10 +81,17 @@ def _greedy_groups(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
 
 def broadcast_state(module: nn.Module, mesh, axis: str, chunk_mb: float = 32.0) -> None:
     """Parameters and buffers from the axis member 0 to all, so replicas start identical
-    whatever their seeds: one flat broadcast per dtype and chunk of at most `chunk_mb` (a
-    larger tensor goes alone, without a copy), so set-up needs the model plus one chunk, not
-    two models."""
+    whatever their seeds (`broadcast_tensors`)."""
     tensors = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+    broadcast_tensors(tensors, mesh, axis, chunk_mb=chunk_mb)
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], mesh, axis: str, src_local: int = 0,
+                      chunk_mb: float = 32.0) -> None:
+    """`tensors` from the axis member `src_local` into every member's own (same shapes and
+    dtypes, in the same order): one flat broadcast per dtype and chunk of at most `chunk_mb`
+    (a larger tensor goes alone, without a copy), so it needs the tensors plus one chunk, not
+    two copies of them."""
     limit = int(chunk_mb * 2**20)
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         same = list({id(t): t for t in tensors if t.dtype == dtype}.values())
@@ -92,19 +99,19 @@ def broadcast_state(module: nn.Module, mesh, axis: str, chunk_mb: float = 32.0) 
         for t in same + [None]:
             nbytes = 0 if t is None else t.numel() * t.element_size()
             if chunk and (t is None or size + nbytes > limit):
-                _broadcast_chunk(chunk, mesh, axis)
+                _broadcast_chunk(chunk, mesh, axis, src_local)
                 chunk, size = [], 0
             if t is not None:
                 chunk.append(t)
                 size += nbytes
 
 
-def _broadcast_chunk(same: list[torch.Tensor], mesh, axis: str) -> None:
+def _broadcast_chunk(same: list[torch.Tensor], mesh, axis: str, src_local: int) -> None:
     if len(same) == 1 and same[0].is_contiguous():
-        comm.broadcast(same[0].detach(), mesh, axis)
+        comm.broadcast(same[0].detach(), mesh, axis, src_local)
         return
     flat = _flatten_dense_tensors([t.detach() for t in same])
-    comm.broadcast(flat, mesh, axis)
+    comm.broadcast(flat, mesh, axis, src_local)
     with torch.no_grad():
         for t, src in zip(same, _unflatten_dense_tensors(flat, same)):
             t.copy_(src)

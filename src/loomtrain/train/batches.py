@@ -10,10 +10,13 @@ from loomtrain.models import IGNORE_INDEX
 from loomtrain.train.config import Config
 
 
-def batches_of_step(sampler, cfg: Config, mesh, step: int, device, ranks=None):
+def batches_of_step(sampler, cfg: Config, mesh, step: int, device, ranks=None,
+                    dp: int | None = None):
     """This rank's micro-batches: the rows of dp ranks `ranks` (None: its own; a component's
-    `loaded_ranks`, e.g. the whole pool that data.balance deals out by work)."""
-    dp = mesh.size("dp")
+    `loaded_ranks`, e.g. the whole pool that data.balance deals out by work) of the global
+    batch cut in `dp` shares (None: the mesh's dp size; a replica of a run that outlives
+    lost ones keeps its share of all of them, lowcomm/replica_train.py)."""
+    dp = mesh.size("dp") if dp is None else dp
     ranks = [mesh.local_rank("dp")] if ranks is None else ranks
     out = []
     for micro in range(cfg.accumulation_steps):

@@ -273,8 +273,6 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
     import multiprocessing
     from multiprocessing.connection import wait
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     ranks = [ctx.Process(target=_tolerant_rank, args=(rank, nproc, port, entrypoint, payload),
@@ -320,7 +318,14 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
                 p.kill()
                 p.join()
     if server.exitcode != 0:
-        rank = ranks.index(server)
-        failure = ProcessFailure(local_rank=rank, pid=server.pid, exitcode=server.exitcode,
-                                 error_file="")
-        raise ChildFailedError(getattr(entrypoint, "__name__", "loom"), {rank: failure})
+        raise child_failed(entrypoint, ranks.index(server), server)
+
+
+def child_failed(entrypoint, rank: int, process):
+    """The ChildFailedError the elastic path raises for `process` (rank `rank`) that exited
+    abnormally: the CLI reads its exit code from it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failure = ProcessFailure(local_rank=rank, pid=process.pid, exitcode=process.exitcode,
+                             error_file="")
+    return ChildFailedError(getattr(entrypoint, "__name__", "loom"), {rank: failure})

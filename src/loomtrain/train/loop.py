@@ -234,12 +234,19 @@ def train_sync(make_mode, cfg, run_dir: Path, resume: Path | None, mesh, stop) -
     start = resume_run(built, run_dir, resume)
     mode.log = log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
     try:
-        trainer.log_start(log, mode.description, mesh, start, resume, mode.init,
-                          lambda: trainer.validate(built, data.val, mesh.device))
-        for component in built.applied:
-            line = component.describe(built)
-            if line is not None:
-                log.message(line)
+        log_first_lines(mode, data, start, resume)
         return run_loop(mode, run_dir, start, stop)
     finally:
         log.close()
+
+
+def log_first_lines(mode: SyncMode, data, start: int, resume: Path | None) -> None:
+    """What the run trains (or where it resumed) and each component's line (collective: a
+    fine-tune validates its initial weights)."""
+    built, mesh, log = mode.built, mode.mesh, mode.log
+    trainer.log_start(log, mode.description, mesh, start, resume, mode.init,
+                      lambda: trainer.validate(built, data.val, mesh.device))
+    for component in built.applied:
+        line = component.describe(built)
+        if line is not None:
+            log.message(line)

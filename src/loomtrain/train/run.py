@@ -18,7 +18,11 @@ from loomtrain.train.backprop import train_backprop
 from loomtrain.train.trainer import NonFiniteError, StopFlag
 
 
-def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
+def run(cfg: Config, run_dir: Path, resume: Path | None, seat=None) -> int:
+    if seat is not None:  # a replica of a run that outlives lost ones (lowcomm/replica_train.py)
+        from loomtrain.lowcomm.replica_train import run_replica
+
+        return run_replica(cfg, run_dir, resume, seat)
     stop = StopFlag()
     mesh = init_distributed(cfg)
     try:
@@ -42,27 +46,30 @@ def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: Stop
 
 
 def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
-                 launcher_pid: int | None = None, folder_lock=None, errors: str | None = None
-                 ) -> int:
+                 launcher_pid: int | None = None, folder_lock=None, errors: str | None = None,
+                 seat=None) -> int:
     """Entry point of every launched process (picklable: module level, plain arguments).
     `launcher_pid`: the `loom train` that started this rank, which it must not outlive
     (train/orphan.py); `folder_lock`: that launcher's run-folder lock (train/runlock.py),
     held by this process as an inherited descriptor until it exits; `errors`: a folder where
     this rank leaves its error message for the launcher to print once (`report_errors`),
-    instead of printing it itself."""
+    instead of printing it itself; `seat`: this process's place among the replicas of a run
+    that outlives lost ones (train/replica_launch.py)."""
     if launcher_pid is None:
-        return _worker(cfg_dict, run_dir, resume, errors)
+        return _worker(cfg_dict, run_dir, resume, errors, seat)
     from loomtrain.train.orphan import ending_with_launcher
 
     with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
-        return _worker(cfg_dict, run_dir, resume, errors)
+        return _worker(cfg_dict, run_dir, resume, errors, seat)
 
 
-def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None) -> int:
+def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None,
+            seat=None) -> int:
     import sys
 
     try:
-        return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None)
+        return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None,
+                   seat)
     except (UserError, NonFiniteError, comm.CollectiveError) as err:
         # a message for people, not a traceback; the launcher then stops the other ranks
         code = 2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4
