@@ -4,11 +4,13 @@ folder resumable or without checkpoints (issue 26, point 7b; train/stop.py).
 
 A few moments are swept, each in its own `loom train` (the tiny GPT, many steps, a checkpoint
 every 3 steps and an evaluation every 5), timed from what the run has done so that a loaded
-machine shifts them less: 0.2-0.6 s after the start (the launcher importing or resolving the
-config), 0-3 s after the run folder appears (the ranks starting: importing torch, joining the
-process group, building the model; or the first steps, evaluations and saves), and once the
-first checkpoint exists (a stop with something to save). Which phase a moment hits still
-depends on the load, so each outcome is checked against what the run folder then holds.
+machine shifts them less: 0.2-0.6 s after `loom train` has run its first line (the launcher
+importing or resolving the config), 0-2 s after the run folder appears (the ranks starting:
+importing torch, joining the process group, building the model; or the first steps,
+evaluations and saves), and once the first checkpoint exists (a stop with something to
+save). Which phase a moment hits still depends on the load, so each outcome is checked
+against what the run folder then holds. Measured: 35-60 s in all on 2 cores at load average
+5-8 (other jobs), 90 s at 12.
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ from loomtrain.train.metrics import read_metrics
 pytestmark = pytest.mark.timeout(300)
 LOOM = [sys.executable, "-m", "loomtrain", "train"]
 QUIET_OMP = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}  # see test_checkpoint.py
-# when: (what happened first, then seconds); the run folder is made once the config is
-# resolved (torch imported), just before the ranks start
+# when: (what happened first, then seconds): the start (`loom train` has installed its stop
+# flag, its first line), the run folder made (the config resolved, torch imported; the ranks
+# start next), the first checkpoint published
 START, FOLDER, CHECKPOINT = "start", "run folder", "first checkpoint"
 SWEEP = [  # (nproc, signal, when, to the process group as a terminal's Ctrl-C or the launcher)
     (1, signal.SIGTERM, (START, 0.2), False),  # importing
     (1, signal.SIGINT, (CHECKPOINT, 0.0), False),  # training: something to save
     (2, signal.SIGINT, (START, 0.6), False),  # importing or resolving the config
     (2, signal.SIGTERM, (FOLDER, 0.0), False),  # the ranks being started
-    (2, signal.SIGTERM, (FOLDER, 1.5), False),  # the ranks importing torch, joining the group
-    (2, signal.SIGINT, (FOLDER, 3.0), True),  # the model being built, or the first steps
-]
+    (2, signal.SIGINT, (FOLDER, 2.0), True),  # the ranks importing torch, joining the group,
+]                                            # building the model, or the first steps
 
 
 def _config(tmp_path: Path, corpus: Path, nproc: int) -> Path:
@@ -53,13 +55,21 @@ def _config(tmp_path: Path, corpus: Path, nproc: int) -> Path:
     return config
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (/proc, Linux): `loom train` has run
+    its first line. Before that (Python's own start, ~30 ms idle, over 0.1 s loaded) a signal
+    acts as Python's default does, which is not what this test is about."""
+    caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return bool(int(caught.group(1), 16) >> (signum - 1) & 1)
+
+
 def _stop(config: Path, run_dir: Path, signum: int, when: tuple[str, float],
           to_group: bool) -> str:
     """Start `loom train`, send `signum` at `when`, check the clean stop; returns its line."""
     proc = subprocess.Popen([*LOOM, str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=QUIET_OMP, start_new_session=True)
     event, delay_s = when
-    happened = {START: lambda: True, FOLDER: (run_dir / "config.toml").exists,
+    happened = {START: lambda: _catches(proc.pid, signum), FOLDER: (run_dir / "config.toml").exists,
                 CHECKPOINT: lambda: bool(checkpoint.list_checkpoints(run_dir))}[event]
     try:
         deadline = time.monotonic() + 120

@@ -226,27 +226,9 @@ def cmd_train(args, stop=None) -> int:
         lock.release()
 
 
-def _stopped_before(stop, run_dir: Path | None, resuming: bool) -> bool:
-    """Whether SIGINT/SIGTERM came before any rank started (nothing is trained, nothing is
-    saved): then one line says so, and `loom train` exits 0. Not under torchrun, whose ranks
-    agree on a stop at their first step boundary instead: one of them alone must not leave."""
-    from loomtrain.train.stop import in_torchrun
-
-    if stop is None or not stop.signum or in_torchrun():
-        return False
-    import signal
-
-    if resuming:
-        kept = f"{run_dir} is as it was; continue with: loom train --resume {run_dir}"
-    else:
-        kept = f"run folder {run_dir} holds no checkpoint" if run_dir else "no run folder was made"
-    print(f"stopped by {signal.Signals(stop.signum).name} before training started: nothing was "
-          f"trained or saved; {kept}", file=sys.stderr, flush=True)
-    return True
-
-
 def _train(args, lock, stop=None) -> int:
-    if _stopped_before(stop, args.resume, bool(args.resume)):  # before torch is even imported
+    from loomtrain.train.stop import stopped_before_start as stopped
+    if stopped(stop, args.resume, bool(args.resume)):  # before torch is even imported
         return 0
     from loomtrain.train import messages
     from loomtrain.train.launch import launch_forwarding_signals, launch_tolerant
@@ -284,7 +266,7 @@ def _train(args, lock, stop=None) -> int:
             raise ConfigError(
                 f"parallel.nproc={cfg.parallel.nproc} but torchrun started WORLD_SIZE="
                 f"{os.environ['WORLD_SIZE']} processes; set --nproc {os.environ['WORLD_SIZE']}")
-    elif _stopped_before(stop, run_dir, resume is not None):  # before anything is written
+    elif stopped(stop, run_dir, resume is not None):  # before anything is written
         return 0
     elif run_dir is None:
         _make_run_dir(Path(cfg.run.dir) / cfg.run.name, leaf=False)  # before it is made
@@ -295,7 +277,7 @@ def _train(args, lock, stop=None) -> int:
         if resume is None:  # a resumed run rewrites it only once its checkpoint has loaded
             write_config(run_dir, cfg)
         print(f"run folder: {run_dir}", file=sys.stderr)
-    if _stopped_before(stop, run_dir, resume is not None):  # the ranks would start to stop
+    if stopped(stop, run_dir, resume is not None):  # the ranks would only start to stop
         return 0
     payload = (cfg.model_dump(), str(run_dir), str(resume) if resume else None)
     if in_torchrun() or cfg.parallel.nproc == 1:

@@ -3,7 +3,8 @@ on where it can be and never ends in a traceback or a death by signal.
 
 - `StopFlag` records the signal; the run loop acts on it at the next step boundary, on every
   rank together (train/loop.py). `loom train` installs one first thing (cli.entry), so a
-  signal during its imports, config resolution or run-folder creation is a stop too.
+  signal during its imports, config resolution or run-folder creation is a stop too, which
+  `stopped_before_start` reports before any rank starts.
 - `SignalForwarding`: the launcher's signals sent on to its ranks, a second one as SIGKILL.
 - `held_signals`: ranks are started with the two signals blocked, a mask they inherit through
   fork and exec, until their StopFlag unblocks them: a signal that reaches a rank still
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -46,6 +48,22 @@ class StopFlag:
         self.received.append(signum)
 
 
+def stopped_before_start(stop: StopFlag | None, run_dir, resuming: bool) -> bool:
+    """Whether `loom train`'s `stop` flag was set before any rank started (nothing trained,
+    nothing saved): then one line says so, and the command exits 0. `run_dir`: the run
+    folder (None: not made yet). Never under torchrun, whose ranks agree on a stop at their
+    first step boundary instead: one of them alone must not leave."""
+    if stop is None or not stop.signum or in_torchrun():
+        return False
+    if resuming:
+        kept = f"{run_dir} is as it was; continue with: loom train --resume {run_dir}"
+    else:
+        kept = f"run folder {run_dir} holds no checkpoint" if run_dir else "no run folder was made"
+    print(f"stopped by {signal.Signals(stop.signum).name} before training started: nothing was "
+          f"trained or saved; {kept}", file=sys.stderr, flush=True)
+    return True
+
+
 @contextlib.contextmanager
 def held_signals():
     """SIGINT and SIGTERM blocked on this thread for the block. Processes it starts inherit the
@@ -72,7 +90,7 @@ class SignalForwarding:
     """`loom train`'s SIGINT/SIGTERM, caught while its ranks run and sent on to them: the first
     as it is (they save a checkpoint at the next step boundary and end normally), any later one
     as SIGKILL. `received` collects the signals; any already in it (they came after the CLI's
-    last look, cli._stopped_before) are pending. `forward` is called from the launcher's loop,
+    last look, `stopped_before_start`) are pending. `forward` is called from the launcher's loop,
     not from the handler: signals that arrive before the ranks exist wait for them (two of them
     by then: SIGKILL); the ranks, started under `held_signals`, act on them once they can."""
 
