@@ -191,6 +191,7 @@ def test_losing_every_worker_saves_the_server_and_fails_the_run(launched):
     # the server's own message, printed once by the launcher (through the errors folder,
     # train/messages.py), not by the server and then summed up by the launcher
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: async SGD: every worker was lost"), err[-3000:]
+    assert len(errors) == 1, err[-3000:]
+    assert errors[0].startswith("error: async SGD: every worker was lost"), err[-3000:]
     assert "Traceback" not in err
     assert checkpoint.list_checkpoints(run.run_dir)[-1].name == f"step_{version:08d}"

@@ -42,7 +42,8 @@ def write_state(state: dict, partial: Path, planner=None, no_dist: bool = False,
             writer.fs = _NamingFileSystem()
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=no_dist)
     except CheckpointException as err:
-        failed = [exc for _, (exc, _) in sorted(err.failures.items()) if isinstance(exc, WriteError)]
+        failed = [exc for _, (exc, _) in sorted(err.failures.items())
+                  if isinstance(exc, WriteError)]
         if not failed:
             raise CheckpointError(f"could not write checkpoint {str(partial)!r}: "
                                   f"{root_causes(err)}") from None
