@@ -209,25 +209,31 @@ def _rejoin(args) -> int:
     return rejoin_async(load_config(run_dir / "config.toml"), run_dir, args.worker)
 
 
-def cmd_train(args) -> int:
+def cmd_train(args, stop=None) -> int:
     """`loom train`. Not under torchrun, the run folder is locked (train/runlock.py) from
     before anything is written there until the command ends; `--rejoin` joins a running run
-    on purpose and takes no lock, nor does `--dry-run`, which writes nothing."""
-    from loomtrain.train.launch import in_torchrun
+    on purpose and takes no lock, nor does `--dry-run`, which writes nothing. `stop`: the
+    StopFlag `entry` installed (None in-process: the run installs its own)."""
     from loomtrain.train.runlock import RunFolderLock
+    from loomtrain.train.stop import in_torchrun
 
     if args.rejoin is not None or args.worker is not None:
         return _rejoin(args)
     lock = RunFolderLock()
     try:
-        return _train(args, None if in_torchrun() or args.dry_run else lock)
+        return _train(args, None if in_torchrun() or args.dry_run else lock, stop)
     finally:
         lock.release()
 
 
-def _train(args, lock) -> int:
-    from loomtrain.train.launch import in_torchrun, launch_forwarding_signals, launch_tolerant
+def _train(args, lock, stop=None) -> int:
+    from loomtrain.train.stop import stopped_before_start as stopped
+    if stopped(stop, args.resume, bool(args.resume)):  # before torch is even imported
+        return 0
+    from loomtrain.train import messages
+    from loomtrain.train.launch import launch_forwarding_signals, launch_tolerant
     from loomtrain.train.run import train_worker
+    from loomtrain.train.stop import in_torchrun
     from loomtrain.train.trainer import write_config
 
     cfg, run_dir, resume = _resolve_train(args, lock)
@@ -267,6 +273,8 @@ def _train(args, lock) -> int:
             raise ConfigError(
                 f"parallel.nproc={cfg.parallel.nproc} but torchrun started WORLD_SIZE="
                 f"{os.environ['WORLD_SIZE']} processes; set --nproc {os.environ['WORLD_SIZE']}")
+    elif stopped(stop, run_dir, resume is not None):  # before anything is written
+        return 0
     elif run_dir is None:
         _make_run_dir(Path(cfg.run.dir) / cfg.run.name, leaf=False)  # before it is made
         run_dir = _unique_run_dir(cfg)
@@ -276,13 +284,14 @@ def _train(args, lock) -> int:
         if resume is None:  # a resumed run rewrites it only once its checkpoint has loaded
             write_config(run_dir, cfg)
         print(f"run folder: {run_dir}", file=sys.stderr)
+    if stopped(stop, run_dir, resume is not None):  # the ranks would only start to stop
+        return 0
     payload = (cfg.model_dump(), str(run_dir), str(resume) if resume else None)
     if in_torchrun() or cfg.parallel.nproc == 1:
-        return train_worker(*payload)
+        return train_worker(*payload, stop=stop)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from loomtrain.train.run import report_errors
-    received: list[int] = []
+    received: list[int] = stop.received if stop is not None else []  # a signal since: pending
     # the resource tracker (started with the first rank, in this environment) warns of
     # "leaked semaphore objects" whenever a rank is stopped before its teardown: the rank
     # ended on a message of its own, or was stopped because another did
@@ -290,29 +299,30 @@ def _train(args, lock) -> int:
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), quiet)))
     with tempfile.TemporaryDirectory(prefix="loom-errors-") as errors:
         # ranks end with this process and hold its lock; their error messages come back here
-        # (a parameter-server run's ranks print theirs: a lost worker's does not end the run)
-        payload += (os.getpid(), lock.for_ranks(), None if cfg.asgd.mode == "ps" else errors)
+        # (a lost parameter-server worker's in the line that reports the loss)
+        payload += (os.getpid(), lock.for_ranks(), errors)
         try:
             if cfg.asgd.mode == "ps":  # a dead worker does not end a parameter-server run
                 launch_tolerant(cfg.parallel.nproc, train_worker, payload, received,
-                                cfg.parallel.timeout_s, run_dir, cfg.asgd.servers)
+                                cfg.parallel.timeout_s, run_dir, cfg.asgd.servers, Path(errors))
             elif replicas:
                 from loomtrain.train.replica_launch import launch_replicas
-                launch_replicas(cfg, train_worker, payload, received, run_dir)
+                launch_replicas(cfg, train_worker, payload, received, run_dir, Path(errors))
             else:
                 launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
         except ChildFailedError as err:
             codes = {f.exitcode for f in err.failures.values()}
             # a rank that ended on a message of its own (2, 3, 4) said why, once; one that
             # crashed or was killed did not, and the others' messages are its consequences
-            said = codes <= {2, 3, 4} and len(received) < 2 and report_errors(Path(errors))
+            said = messages.report(Path(errors)) if codes <= {2, 3, 4} and len(received) < 2 else 0
             if not said:
                 why = ("killed after a second stop signal" if len(received) > 1 else
                        "the parameter server (rank 0) failed" if cfg.asgd.mode == "ps"
                        else "a worker failed")
                 print(f"error: {why} (exit codes {sorted(codes)}); see the messages above",
                       file=sys.stderr)
-            return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
+            # 2: bad input or a write that failed (whichever rank said it), 3: non-finite abort
+            return next((c for c in (2, 3) if c in codes | {said}), 1)
     return 0
 
 
@@ -380,10 +390,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop=None) -> int:
+    """`loom` with `argv`; `stop`: `loom train`'s StopFlag, if `entry` installed one."""
     args = _parser().parse_args(argv)
-    commands = {"train": cmd_train, "plan": cmd_plan, "report": cmd_report, "export": cmd_export,
-                "generate": cmd_generate, "bench": cmd_bench}
+    commands = {"train": lambda a: cmd_train(a, stop), "plan": cmd_plan, "report": cmd_report,
+                "export": cmd_export, "generate": cmd_generate, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except UserError as err:
@@ -396,8 +407,16 @@ def entry() -> None:
     failure's code leaves through os._exit once the message is flushed: at interpreter
     teardown after a failed run, a torch/gloo background thread has been seen to abort the
     process ("terminate called without an active exception", SIGABRT) now and then, which
-    would replace exit code 2 (bad input) with -6; nothing is left to write at that point."""
-    code = main()
+    would replace exit code 2 (bad input) with -6; nothing is left to write at that point.
+
+    `loom train` installs its stop flag first thing, before any import of weight: a SIGINT or
+    SIGTERM from then on is a stop (train/stop.py), never a KeyboardInterrupt traceback or a
+    death by signal; one that arrives in the ~30 ms before (Python's own start) is not."""
+    stop = None
+    if sys.argv[1:2] == ["train"]:
+        from loomtrain.train.stop import StopFlag
+        stop = StopFlag()
+    code = main(stop=stop)
     if code:
         sys.stdout.flush()
         sys.stderr.flush()

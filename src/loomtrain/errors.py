@@ -23,3 +23,9 @@ class CheckpointError(UserError):
 
 class RunFolderBusy(UserError):
     """A run folder another `loom train` (or its ranks) is writing."""
+
+
+class WriteError(UserError):
+    """A file of the run that could not be written: a full disk (ENOSPC), a quota (EDQUOT), a
+    file-size limit (EFBIG), a read-only (EROFS) or failing (EIO) filesystem, a permission
+    (EACCES). The message names the file and the OS error."""

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
 from pathlib import Path
 
 from loomtrain.errors import UserError
+from loomtrain.writes import write_atomic
 
 
 class Timeline:
@@ -61,7 +61,7 @@ class Timeline:
     PIPELINE_JSON = "pipeline_timeline.json"  # = PIPELINE_TIMELINE_JSON, for the engines
 
     def write(self, path: Path, **meta) -> None:
-        Path(path).write_text(json.dumps({**meta, "spans": self.sorted_spans()}, indent=1))
+        write_atomic(path, json.dumps({**meta, "spans": self.sorted_spans()}, indent=1))
 
 
 def overlap_s(spans: list[dict], lane: str, other: str) -> float:
@@ -121,10 +121,7 @@ def write_pipeline_timeline(path: str | Path, ranks: list[dict], **meta) -> None
     microbatches, bubble_measured, bubble_theory), through a temporary file and a rename so a
     reader never sees half a file. `ranks`: [{"rank", "spans": [{"lane", "kind", "name",
     "start_s", "end_s"}]}], times in seconds from one origin common to all ranks."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**meta, "ranks": ranks}, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({**meta, "ranks": ranks}, indent=1))
 
 
 def _number(value) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from loomtrain import comm
 from loomtrain.asyncsgd.worker import GradFn, WorkerResult, run_worker
+from loomtrain.writes import write_atomic
 
 ADDRESS_FILE = "async_rejoin.json"  # in a `loom train` run folder, while its server runs
 
@@ -31,10 +32,8 @@ def rejoin_worker(address: str, worker: int, grad_fn: GradFn, numel: int, *, tim
 def publish_address(run_dir: Path, address: str, workers: int, numel: int) -> None:
     """Write the run's rejoin address (and what a rejoining worker must match) into run_dir,
     by one rename: a reader never sees half a file."""
-    partial = run_dir / (ADDRESS_FILE + ".partial")
-    partial.write_text(json.dumps({"address": address, "workers": workers, "numel": numel,
-                                   "pid": os.getpid()}))
-    os.replace(partial, run_dir / ADDRESS_FILE)
+    write_atomic(run_dir / ADDRESS_FILE, json.dumps({"address": address, "workers": workers,
+                                                     "numel": numel, "pid": os.getpid()}))
 
 
 def withdraw_address(run_dir: Path) -> None:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import io
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from loomtrain.errors import CheckpointError
 from loomtrain.mesh import AXES
 from loomtrain.train import checkpoint
+from loomtrain.train.dcp_write import write_state
+from loomtrain.writes import writing
 
 SERVER_STATE = "server_state"  # the DCP key of the server's state blob
 _TENSOR = "server_tensor."  # the DCP keys of its tensors; (_TENSOR, key) marks one in the blob
@@ -30,7 +30,8 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict | None, keep: i
     None: the model alone (sharded servers' final model)."""
     final = checkpoint.step_dir(run_dir, step)
     partial = final.with_name(final.name + checkpoint.PARTIAL)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    with writing(final.parent):
+        final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(partial, ignore_errors=True)  # what a crash during an earlier save left
     tensors: dict[str, torch.Tensor] = {}
     if optimizer is None:
@@ -41,10 +42,7 @@ def save(run_dir: Path, step: int, model, optimizer, state: dict | None, keep: i
         blob = io.BytesIO()
         torch.save(_pack(state, tensors), blob)
         values.update({SERVER_STATE: blob.getvalue(), **tensors})
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(values, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                 no_dist=True)
+    write_state(values, partial, no_dist=True)  # one process; a failed write: WriteError
     checkpoint.publish(run_dir, final, {"step": step, "world": 1, "sizes": dict.fromkeys(AXES, 1),
                                         "server_only": True, **extra}, keep)
     return final

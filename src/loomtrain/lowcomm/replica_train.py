@@ -29,7 +29,7 @@ from loomtrain.train.launch import pick_device
 from loomtrain.train.loop import log_first_lines, resume_run, run_loop
 from loomtrain.train.metrics import RunLog, truncate_metrics
 from loomtrain.train.task import load_task_data
-from loomtrain.train.trainer import StopFlag
+from loomtrain.train.stop import StopFlag
 
 # a checkpoint that fails while a replica is lost fails on every member (DCP gathers each
 # rank's outcome), as a CheckpointError or the process group's own RuntimeError
@@ -164,10 +164,9 @@ def _hand_over_writing(log: RunLog, run_dir: Path, writer: bool, done: int) -> N
     log.enabled = writer
 
 
-def run_replica(cfg, run_dir: Path, resume: Path | None, seat: Seat) -> int:
-    """One replica process: joins epoch 0 (or, restarted, a group of its own until it is let
-    in), trains, leaves its group."""
-    stop = StopFlag()
+def run_replica(cfg, run_dir: Path, resume: Path | None, seat: Seat, stop: StopFlag) -> int:
+    """One replica process (`stop`: its stop flag): joins epoch 0 (or, restarted, a group of
+    its own until it is let in), trains, leaves its group."""
     device = pick_device(cfg.run, 0)
     if device.type == "cpu":  # the replicas share this host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // seat.nproc))

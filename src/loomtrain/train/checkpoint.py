@@ -24,10 +24,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from loomtrain import comm
-from loomtrain.errors import CheckpointError
+from loomtrain.errors import CheckpointError, WriteError
 from loomtrain.parallel.placement import Boxes
 from loomtrain.parallel.state import PLAIN, StateLayout
 from loomtrain.train import checksums
+from loomtrain.train.dcp_write import not_saved, root_causes, write_state
+from loomtrain.writes import writing
 
 PARTIAL, TRASH = ".partial", ".trash"
 _META = "loom.json"
@@ -171,15 +173,6 @@ def _rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def _root_causes(err: CheckpointException) -> str:
-    """One line per failed rank instead of DCP's concatenated tracebacks."""
-    parts = []
-    for rank, (exc, _) in sorted(err.failures.items()):
-        lines = str(exc).strip().splitlines()
-        parts.append(f"rank {rank}: {type(exc).__name__}" + (f": {lines[0]}" if lines else ""))
-    return "; ".join(parts)
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -203,20 +196,18 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
     """Collective: every rank calls it. Returns the published checkpoint folder. `tensors`:
     more entries under their own keys (the components' state: sparsity masks, a rank's
     compression residuals); `load`'s `extra` reads them back. `extra` (plain values) goes into
-    loom.json."""
+    loom.json. A write that fails (a full disk...) is a WriteError on every rank, and the
+    checkpoint is not published: the older ones stay as they were."""
     final = step_dir(run_dir, step)
     partial = final.with_name(final.name + PARTIAL)
     if mesh.rank == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        _discard(partial)  # what a crash during an earlier save of this step left
+        with writing(final.parent):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _discard(partial)  # what a crash during an earlier save of this step left
     comm.barrier(mesh)  # nobody writes into `partial` before it is clean
     state = {**training_state(model, optimizer, layout=layout),
              **_rng_state(mesh.rank, mesh.device), **(tensors or {})}
-    try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                 planner=_SavePlanner())
-    except CheckpointException as err:
-        raise CheckpointError(f"could not write checkpoint {str(partial)!r}: {_root_causes(err)}") from None
+    write_state(state, partial, _SavePlanner(), remove=mesh.rank == 0)
     if mesh.rank == 0:
         meta = {"step": step, "world": mesh.world, "sizes": mesh.sizes, **extra}
         publish(run_dir, final, meta, keep)
@@ -226,17 +217,24 @@ def save(run_dir: Path, step: int, model, optimizer, mesh, keep: int, extra: dic
 def publish(run_dir: Path, final: Path, meta: dict, keep: int) -> None:
     """Once every part of `final`'s `.partial` folder is written (one process): loom.json with
     each file's size and SHA-256 (checksums.py), one rename to `final`, then all but the
-    newest `keep` checkpoints and any leftover `.partial` or `.trash` folder deleted."""
+    newest `keep` checkpoints and any leftover `.partial` or `.trash` folder deleted. A write
+    that fails before the rename: WriteError, and the `.partial` folder is removed."""
     partial = final.with_name(final.name + PARTIAL)
     meta_file = partial / _META
     meta = checksums.sealed(meta, checksums.manifest(partial, skip=_META))
-    meta_file.write_text(json.dumps(meta, indent=1))
-    _fsync(meta_file)
-    _discard(final)  # a fresh run under torchrun may reuse a folder
-    os.replace(partial, final)
-    _fsync(final.parent)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        _discard(old)
+    try:
+        with writing(meta_file):
+            meta_file.write_text(json.dumps(meta, indent=1))
+            _fsync(meta_file)
+        with writing(final):
+            _discard(final)  # a fresh run under torchrun may reuse a folder
+            os.replace(partial, final)
+    except WriteError as err:
+        raise not_saved(partial, str(err), remove=True) from None
+    with writing(final.parent):
+        _fsync(final.parent)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            _discard(old)
     for stale in [*final.parent.glob(f"*{PARTIAL}"), *final.parent.glob(f"*{TRASH}")]:
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -311,7 +309,7 @@ def _dcp_load(path: Path, state: dict, metadata: Metadata, no_dist: bool = False
             dcp.load(state, storage_reader=_SafeReader(path, metadata),
                      planner=_WeightsOnlyPlanner(), no_dist=no_dist)
     except CheckpointException as err:
-        raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded ({_root_causes(err)}); "
+        raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded ({root_causes(err)}); "
                               "it is damaged or does not match this run's model and optimizer") from None
 
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loomtrain.errors import CheckpointError
+from loomtrain.errors import CheckpointError, WriteError
 from loomtrain.models import build_model
 from loomtrain.sparsity.masks import unpack_mask
 from loomtrain.sparsity.sparsifier import KEY
 from loomtrain.train import checkpoint
 from loomtrain.train.config import load_config
+from loomtrain.writes import writing
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:
@@ -66,13 +67,18 @@ def export_safetensors(run_dir: Path, out: Path | None = None) -> str:
             {name: round(int(unpack_mask(bits, tensors[name].shape).sum()) / tensors[name].numel(), 6)
              for name, bits in masks.items()})
     out = Path(out) if out is not None else run_dir / "model.safetensors"
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, out)
+        with writing(out):  # a full disk: WriteError, exit 2; an older export stays whole
+            out.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, out)
+    except WriteError:
+        tmp.unlink(missing_ok=True)
+        raise
     return str(out)

@@ -25,10 +25,8 @@ import torch.distributed as dist
 
 from loomtrain.comm.link import SlowLink
 from loomtrain.mesh import Mesh, build_mesh
-
-
-def in_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+from loomtrain.train import messages
+from loomtrain.train.stop import SignalForwarding, held_signals
 
 
 def free_port() -> int:
@@ -124,52 +122,13 @@ def _worker_pids() -> list[int]:
 class _QuietChildThread(logging.Filter):
     """torch's notes that say nothing to a user of `loom train`: the agent on a thread, and,
     when a rank fails, the agent's traceback of its own join and the ranks it then stops
-    (the failing rank's message is printed once by the CLI: run.report_errors)."""
+    (the failing rank's message is printed once by the CLI: train/messages.py)."""
 
     NOISE = ("running on a child thread", "failed (exitcode", "Terminating process")
     LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(noise in record.getMessage() for noise in self.NOISE)
-
-
-class _SignalForwarding:
-    """`loom train`'s SIGINT/SIGTERM, caught while its ranks run and sent on to them: the first
-    as it is (they save a checkpoint at the next step boundary and end normally), any later one
-    as SIGKILL. `received` collects the signals. `forward` is called from the launcher's loop,
-    not from the handler: signals that arrive before the ranks exist wait for them (two of
-    them by then: SIGKILL)."""
-
-    def __init__(self, received: list[int]):
-        self.received, self.pending = received, []
-        self.forwarded = 0
-        self.killed = False  # the ranks were sent SIGKILL
-
-    def __enter__(self) -> _SignalForwarding:
-        self.handlers = {sig: signal.signal(sig, self._on_signal)
-                         for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
-
-    def _on_signal(self, signum, _frame) -> None:
-        self.received.append(signum)
-        self.pending.append(signum)
-
-    def forward(self, ranks_pids) -> None:
-        """Send what is pending to the pids `ranks_pids()` returns (called only then)."""
-        pids = ranks_pids() if self.pending else []
-        if not pids:
-            return
-        signum = signal.SIGKILL if self.forwarded or len(self.pending) > 1 else self.pending[0]
-        self.pending.clear()
-        self.forwarded += 1
-        self.killed = signum == signal.SIGKILL
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
 
 
 def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: list[int]) -> None:
@@ -182,8 +141,10 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
     agent to read its return value, which an agent shutting down never does, so every stop
     ended in SIGKILL after 30 s (measured, torch 2.13; the agent's `signals_to_handle` is not
     reachable through `launch_local`). On a thread the agent installs no handlers. Signals
-    that arrive before the workers exist are forwarded once they do. Without /proc (not
-    Linux) the agent keeps the main thread and its own handling."""
+    that arrive before the workers exist are forwarded once they do; the agent's thread holds
+    them blocked (`held_signals`), so the workers it starts keep a signal pending until they
+    can act on it. Without /proc (not Linux) the agent keeps the main thread and its own
+    handling."""
     if not Path("/proc/self/stat").exists():
         launch_local(nproc, entrypoint, *payload)
         return
@@ -191,7 +152,8 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
 
     def agent() -> None:
         try:
-            launch_local(nproc, entrypoint, *payload)
+            with held_signals():
+                launch_local(nproc, entrypoint, *payload)
         except BaseException as err:  # re-raised on the main thread
             outcome["error"] = err
 
@@ -200,7 +162,7 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
         logging.getLogger(name).addFilter(quiet)
     thread = threading.Thread(target=agent, name="loom-elastic-agent", daemon=True)
     try:
-        with _SignalForwarding(received) as signals:
+        with SignalForwarding(received) as signals:
             thread.start()
             while thread.is_alive():
                 thread.join(0.1)
@@ -222,12 +184,12 @@ def _tolerant_rank(rank: int, world: int, port: int, entrypoint, payload: tuple)
     aborted by gloo ("terminate called without an active exception", SIGABRT) after the run
     had finished and saved, in 3 of 8 runs (measured, torch 2.13), turning its exit 0 into -6;
     cli.entry does the same for failure codes. Everything the run writes is closed by then.
-    An exception other than SystemExit leaves as usual (traceback, exit code 1)."""
+    An exception other than SystemExit leaves as usual (traceback, exit code 1). The rank
+    starts with the stop signals blocked (launch_tolerant's `held_signals`)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        entrypoint(*payload)
-        code = 0
+        code = int(entrypoint(*payload) or 0)
     except SystemExit as stop:  # train_worker's exit codes for people: 2, 3, 4
         code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     sys.stdout.flush()
@@ -247,7 +209,8 @@ def _exit_text(code: int) -> str:
 
 
 def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
-                    grace_s: float, run_dir: Path, servers: int = 1) -> None:
+                    grace_s: float, run_dir: Path, servers: int = 1,
+                    errors: Path | None = None) -> None:
     """`entrypoint(*payload)` on `nproc` local processes of a parameter-server run (`[async]
     mode = "ps"`: ranks 0..servers-1 the servers, the others its workers), in which a worker's
     death does not end the run. The elastic launcher stops every process when one fails; here the ranks are
@@ -256,11 +219,12 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
     - Each rank gets what the elastic launcher would give it (RANK, WORLD_SIZE, LOCAL_RANK,
       LOCAL_WORLD_SIZE, MASTER_ADDR = 127.0.0.1, a free MASTER_PORT; rank 0 hosts the store),
       so `init_distributed`'s env:// path is the same. Start method spawn.
-    - SIGINT/SIGTERM are forwarded as by `launch_forwarding_signals` (`_SignalForwarding`):
+    - SIGINT/SIGTERM are forwarded as by `launch_forwarding_signals` (`stop.SignalForwarding`):
       the first to every live rank (the server saves and stops the workers), a second SIGKILLs.
     - The ranks' pids are printed once on stderr. A worker that exits abnormally is reported in
-      one line there (its index, rank, pid, exit code or signal, and how to restart it in
-      `run_dir`); the others go on. The server drops it (gloo reports the closed
+      one line there (its index, rank, pid, exit code or signal, the message it left in
+      `errors` if it left one (train/messages.py), and how to restart it in `run_dir`); the
+      others go on. The server drops it (gloo reports the closed
       connection at once: asyncsgd/server.py) and `loom train --rejoin` may take its place.
     - The outcome is rank 0's. When it has ended normally, the surviving workers (already
       stopping: the server returns only once every live worker has read its stop, and one it
@@ -284,10 +248,11 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
     def live() -> list:
         return [p for p in ranks if p.exitcode is None]
 
-    with _SignalForwarding(received) as signals:
+    with SignalForwarding(received) as signals:
         try:
-            for p in ranks:
-                p.start()
+            with held_signals():  # the ranks act on a stop once they can: stop.py
+                for p in ranks:
+                    p.start()
             _say(f"ranks started as pids {[p.pid for p in ranks]} (ranks 0..{servers - 1}: the "
                  f"parameter server{'s' if servers > 1 else ''}; rank r: worker r - {servers})")
             while live():
@@ -301,8 +266,10 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
                     if (p.exitcode not in (None, 0) and rank not in reported  # it is the news
                             and server.exitcode is None and not signals.killed):
                         reported.add(rank)
+                        said = messages.take(errors, p.pid) if errors is not None else None
                         _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
-                             f"{_exit_text(p.exitcode)}; the parameter server and the other "
+                             f"{_exit_text(p.exitcode)}{f' ({said})' if said else ''}; "
+                             f"the parameter server and the other "
                              f"workers go on (`loom train --rejoin {run_dir} --worker "
                              f"{rank - servers}` restarts it)")
                 if server.exitcode is not None and deadline is None:

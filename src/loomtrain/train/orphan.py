@@ -66,9 +66,8 @@ def ending_with_launcher(launcher_pid: int, timeout_s: float):
 
 def end_with_launcher(launcher_pid: int, grace_s: float):
     """Arrange that this process gets SIGTERM when `launcher_pid` dies, and SIGKILL `grace_s`
-    after that; returns a function that tells whether the launcher lives. Before the run
-    installs its stop handlers (trainer.StopFlag) the SIGTERM ends the process at once:
-    nothing is trained yet, so nothing is lost."""
+    after that; returns a function that tells whether the launcher lives. The rank's stop
+    flag is installed before this (run.train_worker), so the SIGTERM is a stop from the start."""
     direct = os.getppid() == launcher_pid
     if direct and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)

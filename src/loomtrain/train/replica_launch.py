@@ -19,13 +19,15 @@ import torch.distributed as dist
 
 from loomtrain.lowcomm.quorum import Lighthouse
 from loomtrain.lowcomm.replicas import Seat
-from loomtrain.train.launch import (_exit_text, _say, _SignalForwarding, _tolerant_rank,
-                                    child_failed, free_port)
+from loomtrain.train import messages
+from loomtrain.train.launch import _exit_text, _say, _tolerant_rank, child_failed, free_port
+from loomtrain.train.stop import SignalForwarding, held_signals
 
 _FATAL = (2, 3)  # bad input, a non-finite streak: every replica would meet it again
 
 
-def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_dir: Path) -> None:
+def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_dir: Path,
+                    errors: Path | None = None) -> None:
     """`entrypoint(*payload, seat)` on parallel.nproc local processes, replica i's `seat`
     (lowcomm/replicas.py `Seat`) telling it the store's port and its index.
 
@@ -35,7 +37,7 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
       every replica together), no signal has come and no replica has ended the run. A joiner
       is let in by the others at their next step boundary after a sync; until then, and if
       it never is, they train without it.
-    - SIGINT/SIGTERM are forwarded as by `launch_forwarding_signals` (`_SignalForwarding`):
+    - SIGINT/SIGTERM are forwarded as by `launch_forwarding_signals` (`SignalForwarding`):
       the first to every live replica (they stop at the same step boundary and save), a
       second SIGKILLs them.
     - The run fails (torch's ChildFailedError, for the CLI's exit code) when a replica exits
@@ -55,7 +57,8 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
         seat = Seat(port, replica, nproc, joining)
         p = ctx.Process(target=_tolerant_rank, name=f"loom-replica-{replica}",
                         args=(replica, nproc, port, entrypoint, (*payload, seat)))
-        p.start()
+        with held_signals():  # the replica acts on a stop once it can: stop.py
+            p.start()
         procs[replica] = p
         return p
 
@@ -63,6 +66,9 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
         """Report lost replica `replica`, and restart it if restarts are left; returns 1 if
         it did."""
         what = f"replica {replica} (pid {p.pid}) {_exit_text(p.exitcode)}"
+        said = messages.take(errors, p.pid) if errors is not None else None
+        if said:  # its message, here once, not again at the end (messages.report)
+            what += f" ({said})"
         if used >= limit:
             _say(f"{what}; not restarted (the run.max_restarts={limit} restarts are used): the "
                  "other replicas go on without it")
@@ -75,7 +81,7 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
     def live() -> list[multiprocessing.Process]:
         return [p for p in procs.values() if p.exitcode is None]
 
-    with _SignalForwarding(received) as signals:
+    with SignalForwarding(received) as signals:
         try:
             for replica in range(nproc):
                 start(replica, False)

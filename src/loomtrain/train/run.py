@@ -8,27 +8,41 @@ above them, so none of them imports another's mode.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from loomtrain import comm
-from loomtrain.errors import UserError
+from loomtrain.errors import UserError, WriteError
+from loomtrain.train import checkpoint, messages
 from loomtrain.train.config import Config, config_from_dict
 from loomtrain.train.launch import init_distributed, shutdown
 from loomtrain.train.backprop import train_backprop
-from loomtrain.train.trainer import NonFiniteError, StopFlag
+from loomtrain.train.stop import StopFlag
+from loomtrain.train.trainer import NonFiniteError
+from loomtrain.writes import STORAGE_ERRNOS, write_error
 
 
-def run(cfg: Config, run_dir: Path, resume: Path | None, seat=None) -> int:
-    if seat is not None:  # a replica of a run that outlives lost ones (lowcomm/replica_train.py)
+def run(cfg: Config, run_dir: Path, resume: Path | None, stop: StopFlag | None = None,
+        seat=None) -> int:
+    """This rank's run: join the mesh, train (`stop`: the flag it acts on; one is installed
+    here if not given), leave the mesh. `seat`: a replica of a run that outlives lost ones
+    (lowcomm/replica_train.py), which joins and leaves its groups itself."""
+    stop = stop if stop is not None else StopFlag()
+    if seat is not None:
         from loomtrain.lowcomm.replica_train import run_replica
 
-        return run_replica(cfg, run_dir, resume, seat)
-    stop = StopFlag()
+        return run_replica(cfg, run_dir, resume, seat, stop)
     mesh = init_distributed(cfg)
     try:
-        return train_loop(cfg, run_dir, resume, mesh, stop)
-    finally:
-        shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+        code = train_loop(cfg, run_dir, resume, mesh, stop)
+    except BaseException:
+        # no exit barrier: an error of this rank alone (a write that failed) leaves its peers
+        # in another collective, which the barrier would wait on until the timeout and then
+        # report as the error, instead of the real one
+        shutdown(None)
+        raise
+    shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+    return code
 
 
 def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
@@ -47,53 +61,52 @@ def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: Stop
 
 def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
                  launcher_pid: int | None = None, folder_lock=None, errors: str | None = None,
-                 seat=None) -> int:
+                 seat=None, stop: StopFlag | None = None) -> int:
     """Entry point of every launched process (picklable: module level, plain arguments).
     `launcher_pid`: the `loom train` that started this rank, which it must not outlive
     (train/orphan.py); `folder_lock`: that launcher's run-folder lock (train/runlock.py),
     held by this process as an inherited descriptor until it exits; `errors`: a folder where
-    this rank leaves its error message for the launcher to print once (`report_errors`),
+    this rank leaves its error message for the launcher to print once (train/messages.py),
     instead of printing it itself; `seat`: this process's place among the replicas of a run
-    that outlives lost ones (train/replica_launch.py)."""
+    that outlives lost ones (train/replica_launch.py); `stop`: the flag `loom train` installed
+    at its start, when the rank runs in that process (nproc 1, torchrun). A launched rank
+    installs its own first thing: it was started with the stop signals blocked
+    (stop.held_signals), and one that came meanwhile is acted on from here."""
+    stop = stop if stop is not None else StopFlag()
     if launcher_pid is None:
-        return _worker(cfg_dict, run_dir, resume, errors, seat)
+        return _worker(cfg_dict, run_dir, resume, errors, stop, seat)
     from loomtrain.train.orphan import ending_with_launcher
 
     with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
-        return _worker(cfg_dict, run_dir, resume, errors, seat)
+        return _worker(cfg_dict, run_dir, resume, errors, stop, seat)
 
 
 def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None,
-            seat=None) -> int:
-    import sys
-
+            stop: StopFlag, seat=None) -> int:
     try:
         return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None,
-                   seat)
-    except (UserError, NonFiniteError, comm.CollectiveError) as err:
+                   stop, seat)
+    except (UserError, NonFiniteError, comm.CollectiveError, OSError) as err:
+        if isinstance(err, OSError) and err.errno not in STORAGE_ERRNOS:
+            raise  # not the disk's: a bug, with its traceback
         # a message for people, not a traceback; the launcher then stops the other ranks
-        code = 2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4
+        code = (3 if isinstance(err, NonFiniteError) else
+                messages.COLLECTIVE if isinstance(err, comm.CollectiveError) else 2)
+        text = _for_people(err, Path(run_dir))
         if errors is None:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(code)
-        import os
-
-        partial = Path(errors) / f"{os.getpid()}.partial"
-        partial.write_text(str(err))
-        os.replace(partial, partial.with_suffix(".txt"))  # whole, or not there
-        # without the interpreter's teardown, where gloo may abort a rank whose peers are gone
-        # ("terminate called without an active exception": exit -6 instead of this code)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+            print(f"error: {text}", file=sys.stderr, flush=True)
+            return code
+        messages.leave(Path(errors), code, text)
 
 
-def report_errors(errors: Path) -> bool:
-    """Print each distinct message the ranks left in `errors` once, first come first; whether
-    there was any."""
-    import sys
-
-    texts = [p.read_text() for p in sorted(errors.glob("*.txt"), key=lambda p: p.stat().st_mtime)]
-    for text in dict.fromkeys(texts):
-        print(f"error: {text}", file=sys.stderr, flush=True)
-    return bool(texts)
+def _for_people(err: Exception, run_dir: Path) -> str:
+    """The error's paragraph; a write error's says what the run folder still holds."""
+    if isinstance(err, OSError):  # one no write site named (they raise WriteError)
+        err = write_error(err.filename or "a file of the run", err)
+    if not isinstance(err, WriteError):
+        return str(err)
+    saved = checkpoint.list_checkpoints(run_dir)
+    if not saved:
+        return f"{err}. No checkpoint had been saved"
+    return (f"{err}. The newest checkpoint, {saved[-1].name}, is complete and untouched: make "
+            f"room (or fix the folder), then continue with: loom train --resume {run_dir}")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from loomtrain.errors import RunFolderBusy
+from loomtrain.writes import writing
 
 LOCK_NAME = "loom.lock"
 
@@ -93,7 +94,12 @@ class RunFolderLock:
         self.fd: int | None = None
 
     def take(self, run_dir: Path, wait_s: float) -> None:
-        """Raises RunFolderBusy (exit 2) if another run holds `run_dir`."""
+        """Raises RunFolderBusy (exit 2) if another run holds `run_dir`, WriteError (exit 2)
+        if the lock file cannot be written there (a read-only or full filesystem)."""
+        with writing(run_dir / LOCK_NAME):
+            self._take(run_dir, wait_s)
+
+    def _take(self, run_dir: Path, wait_s: float) -> None:
         path = run_dir / LOCK_NAME
         deadline, said = time.monotonic() + wait_s, False
         while (fd := _try_lock(path)) is None:

@@ -9,8 +9,6 @@ docs/training.md, "One step"; the loop: docs/architecture.md, "The run loop".
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 from pathlib import Path
 
 import torch
@@ -26,23 +24,13 @@ from loomtrain.train import checkpoint
 from loomtrain.train.config import Config, config_to_toml
 from loomtrain.train.batches import load_rows, target_tokens
 from loomtrain.train.metrics import RunLog, peak_mem_bytes
+from loomtrain.train.stop import StopFlag
 from loomtrain.train.task import is_classification
+from loomtrain.writes import write_atomic
 
 
 class NonFiniteError(RuntimeError):
     pass
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM; acted on at the next step boundary, on every rank together."""
-
-    def __init__(self):
-        self.signum = 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._set)
-
-    def _set(self, signum, _frame):
-        self.signum = signum
 
 
 def first(hooks):
@@ -242,10 +230,9 @@ def start_timeline(built: Built, step_index: int):
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:
-    """The resolved config as RUN_DIR/config.toml, replaced atomically."""
-    tmp = run_dir / "config.toml.tmp"
-    tmp.write_text(config_to_toml(cfg))
-    os.replace(tmp, run_dir / "config.toml")
+    """The resolved config as RUN_DIR/config.toml, replaced atomically (WriteError: the old
+    one stays)."""
+    write_atomic(run_dir / "config.toml", config_to_toml(cfg))
 
 
 def save(built: Built, run_dir: Path, step_done: int, extra: dict | None = None) -> None:
