@@ -27,7 +27,7 @@ from loomtrain.train.backprop import BackpropMode
 from loomtrain.train.batches import batches_of_step, target_tokens
 from loomtrain.train.launch import pick_device
 from loomtrain.train.loop import log_first_lines, resume_run, run_loop
-from loomtrain.train.metrics import RunLog, truncate_metrics
+from loomtrain.train.metrics import RunLog, open_log, truncate_metrics
 from loomtrain.train.task import load_task_data
 from loomtrain.train.stop import StopFlag
 
@@ -157,7 +157,7 @@ def _hand_over_writing(log: RunLog, run_dir: Path, writer: bool, done: int) -> N
         return
     if writer:
         truncate_metrics(run_dir, done)
-        log.file = open(run_dir / "metrics.jsonl", "a")
+        log.file = open_log(run_dir / "metrics.jsonl")
     else:
         log.file.close()
         log.file = None

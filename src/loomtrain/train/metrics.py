@@ -62,7 +62,7 @@ def _rewrite(path: Path, records: list[dict]) -> None:
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
-def _open_log(path: Path):
+def open_log(path: Path):
     """metrics.jsonl for appending, unbuffered: every record reaches the file in `_append`,
     where a failure can be undone, not in a later flush or close."""
     with writing(path):
@@ -70,7 +70,7 @@ def _open_log(path: Path):
 
 
 def _append(file, line: str) -> None:
-    """`line` at the end of `file` (opened by `_open_log`), whole or not at all: a write that
+    """`line` at the end of `file` (opened by `open_log`), whole or not at all: a write that
     fails part way (a full disk, a file-size limit) is cut off again, so the run leaves no torn
     last line (measured without this: a 2,500-byte RLIMIT_FSIZE left 2,500 bytes, the last
     record cut mid-line), and the WriteError names the file."""
@@ -98,7 +98,7 @@ class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool,
                  progress: bool):
         self.enabled = enabled
-        self.file = _open_log(run_dir / "metrics.jsonl") if enabled else None
+        self.file = open_log(run_dir / "metrics.jsonl") if enabled else None
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not (enabled and progress),
                         unit="step", dynamic_ncols=True, file=sys.stderr)
 
@@ -133,7 +133,7 @@ class RunLog:
         if records:
             records[-1].update(fields)
         _rewrite(path, records)
-        self.file = _open_log(path)
+        self.file = open_log(path)
 
     def advance(self, loss: float | None, tokens_per_s: float) -> None:
         if self.enabled and not self.bar.disable:
