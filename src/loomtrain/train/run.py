@@ -22,9 +22,15 @@ def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
     stop = StopFlag()
     mesh = init_distributed(cfg)
     try:
-        return train_loop(cfg, run_dir, resume, mesh, stop)
-    finally:
-        shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+        code = train_loop(cfg, run_dir, resume, mesh, stop)
+    except BaseException:
+        # no exit barrier: a failed collective means a peer may be gone, and the barrier
+        # would wait for it until parallel.timeout_s (measured: a rank 0 SIGKILLed mid-run
+        # held the survivors there until the launcher's SIGKILL 30 s later)
+        shutdown(None)
+        raise
+    shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+    return code
 
 
 def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
