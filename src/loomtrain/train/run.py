@@ -18,19 +18,48 @@ from loomtrain.train.backprop import train_backprop
 from loomtrain.train.trainer import NonFiniteError, StopFlag
 
 
-def run(cfg: Config, run_dir: Path, resume: Path | None) -> int:
+def run(cfg: Config, run_dir: Path, resume: Path | None, on_cause=None) -> int:
+    """This rank's run, from joining the mesh to leaving it. `on_cause(text, code)`: what the
+    heartbeat calls, on its own thread, once it has named the rank holding up this one (a
+    stalled, dead or mismatched peer: comm/heartbeat.py); it must end the process. None: the
+    finding becomes the message of the collective's own failure (parallel.timeout_s)."""
     stop = StopFlag()
     mesh = init_distributed(cfg)
+    beat = None
+    if mesh.world > 1 and cfg.parallel.heartbeat_timeout_s > 0 and cfg.asgd.mode != "ps":
+        # not in a parameter-server run: its server drops a lost worker and goes on
+        from loomtrain.comm.heartbeat import start_heartbeat
+        beat = start_heartbeat(mesh, cfg.parallel.heartbeat_timeout_s, on_cause)
     try:
         code = train_loop(cfg, run_dir, resume, mesh, stop)
-    except BaseException:
+        shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+    except BaseException as err:
+        ended = ending(err)
+        if beat is not None and ended is not None and ended[2]:
+            beat.leave(ended[1], ended[0])  # the peers whose ops fail now end on this text
         # no exit barrier: a failed collective means a peer may be gone, and the barrier
         # would wait for it until parallel.timeout_s (measured: a rank 0 SIGKILLed mid-run
         # held the survivors there until the launcher's SIGKILL 30 s later)
         shutdown(None)
         raise
-    shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+    finally:
+        if beat is not None:
+            beat.stop()
     return code
+
+
+def ending(err: BaseException) -> tuple[int, str, bool] | None:
+    """How a rank ends on `err`: (exit code, message, whether the message names the cause),
+    for the errors meant for people; None for any other (a crash: its traceback). A failed
+    collective names its cause when the heartbeat found one; otherwise it is a consequence of
+    something another rank says better."""
+    if isinstance(err, UserError):
+        return 2, str(err), True
+    if isinstance(err, NonFiniteError):
+        return 3, str(err), True
+    if isinstance(err, comm.CollectiveError):
+        return err.code, str(err), err.named
+    return None
 
 
 def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
@@ -67,32 +96,59 @@ def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
 def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None) -> int:
     import sys
 
+    def on_cause(text: str, code: int) -> None:  # the heartbeat's thread
+        leave(errors, text, code, cause=True)
+
     try:
-        return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None)
+        return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None,
+                   on_cause)
     except (UserError, NonFiniteError, comm.CollectiveError) as err:
         # a message for people, not a traceback; the launcher then stops the other ranks
-        code = 2 if isinstance(err, UserError) else 3 if isinstance(err, NonFiniteError) else 4
+        code, text, cause = ending(err)
         if errors is None:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(code)
-        import os
-
-        partial = Path(errors) / f"{os.getpid()}.partial"
-        partial.write_text(str(err))
-        os.replace(partial, partial.with_suffix(".txt"))  # whole, or not there
-        # without the interpreter's teardown, where gloo may abort a rank whose peers are gone
-        # ("terminate called without an active exception": exit -6 instead of this code)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+            print(f"error: {text}", file=sys.stderr, flush=True)
+            sys.exit(_process_code(code))
+        leave(errors, text, code, cause)
 
 
-def report_errors(errors: Path) -> bool:
-    """Print each distinct message the ranks left in `errors` once, first come first; whether
-    there was any."""
+def _process_code(code: int) -> int:
+    """A rank that ends on a message exits 2, 3 or 4; a message about a peer that died
+    without one calls for the job's exit code 1 (a crash), which this rank's own exit code
+    must not claim: the launcher would take this rank for the crashed one."""
+    return code if code in (2, 3, 4) else 4
+
+
+def leave(errors: str | None, text: str, code: int, cause: bool):
+    """End this process (from any thread) on `text`, which calls for exit code `code`: left in
+    `errors` for the launcher (`report_errors`; `cause`: it names the cause, not a
+    consequence), or printed when there is no such folder. Never returns."""
+    import os
     import sys
 
-    texts = [p.read_text() for p in sorted(errors.glob("*.txt"), key=lambda p: p.stat().st_mtime)]
-    for text in dict.fromkeys(texts):
+    if errors is None:
         print(f"error: {text}", file=sys.stderr, flush=True)
-    return bool(texts)
+    else:
+        partial = Path(errors) / f"{os.getpid()}.{code}.{'cause' if cause else 'after'}.partial"
+        partial.write_text(text)
+        os.replace(partial, partial.with_suffix(".txt"))  # whole, or not there
+    # without the interpreter's teardown, where gloo may abort a rank whose peers are gone
+    # ("terminate called without an active exception": exit -6 instead of this code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_process_code(code))
+
+
+def report_errors(errors: Path) -> int | None:
+    """Print the messages the ranks left in `errors`, each distinct one once, first come
+    first: those that name a cause, or, when none does, the others (a failed collective's
+    consequences). Returns the exit code the first printed calls for; None if there was none."""
+    import sys
+
+    found = []
+    for path in sorted(errors.glob("*.txt"), key=lambda p: p.stat().st_mtime):
+        _pid, code, kind = path.stem.split(".")
+        found.append((kind == "cause", int(code), path.read_text()))
+    shown = [f for f in found if f[0]] or found
+    for text in dict.fromkeys(text for _, _, text in shown):
+        print(f"error: {text}", file=sys.stderr, flush=True)
+    return shown[0][1] if shown else None
