@@ -42,6 +42,7 @@ from loomtrain.comm import stall
 from loomtrain.comm.activity import Waiting
 
 PREFIX = "loom/heartbeat/"
+PROBE_RECORDS = 64
 
 
 def start_heartbeat(mesh, timeout_s: float,
@@ -58,6 +59,10 @@ class Heartbeat:
         self.interval_s = min(1.0, timeout_s / 4)
         self.probe_after_s = min(2.0, timeout_s / 2)
         self.host, self.pid, self.beat = socket.gethostname(), os.getpid(), 0
+        # containers may share a host name but not their pids: a pid is looked up only in
+        # the same pid namespace
+        ns = Path("/proc/self/ns/pid")
+        self.pid_ns = os.readlink(ns) if ns.exists() else ""
         self.left: dict | None = None  # the cause this rank ends on, once it knows it
         self._seen: dict[int, tuple] = {}  # rank -> (its beat, first seen (monotonic), age then)
         self._lock = threading.Lock()  # `_seen` and the store, between the thread and `explain`
@@ -87,13 +92,13 @@ class Heartbeat:
         """Why this rank's op on `axis` failed, from the group's records read now: a cause
         (`stall.judge`, one reading enough), or a note on the live peers that had not reached
         the op (`cause` False), or None."""
+        if self.left is not None:  # found by this rank's own watchdog
+            return stall.Finding(self.left["text"], self.left["code"])
         activity = self.mesh.activity
         waiting = activity.waiting
         if waiting is None or waiting.axis != axis:  # failed as it was issued
             seq, op = activity.entered.get(axis, (0, ""))
             waiting = Waiting(axis, op, seq, self.mesh.group_ranks(axis), time.monotonic())
-        if self.left is not None:
-            return stall.Finding(self.left["text"], self.left["code"])
         try:
             peers = self._read(waiting.peers)
         except RuntimeError:
@@ -105,18 +110,26 @@ class Heartbeat:
         return found
 
     def _run(self) -> None:
+        probed = 0.0
         while not self._stop.wait(self.interval_s):
             waiting = self.mesh.activity.waiting
             try:
                 self._publish()
-                if (waiting is None or self.left is not None
-                        or time.monotonic() - waiting.since < self.probe_after_s):
+                now = time.monotonic()
+                # a large group's records are read less often: each blocked rank reads about
+                # PROBE_RECORDS of them per beat, bounding the store's load (not measured
+                # beyond 8 ranks; a stall is then named up to len / PROBE_RECORDS beats later)
+                every_s = self.interval_s * len(waiting.peers) / PROBE_RECORDS if waiting else 0.0
+                if (waiting is None or self.left is not None or now - probed < every_s
+                        or now - waiting.since < self.probe_after_s):
                     continue
+                probed = now
                 found = stall.judge(self.mesh.rank, waiting, self._read(waiting.peers),
                                     self.timeout_s, min_watch_s=2 * self.interval_s)
             except RuntimeError:
                 continue  # the store did not answer: the op's own timeout ends the wait
-            if found is not None and self.mesh.activity.waiting is waiting and not self._stop.is_set():
+            still = self.mesh.activity.waiting is waiting and not self._stop.is_set()
+            if found is not None and still:
                 self.leave(found.text, found.code)
                 if self.on_cause is not None:
                     self.on_cause(found.text, found.code)  # ends the process
@@ -124,7 +137,8 @@ class Heartbeat:
     def _record(self) -> dict:
         activity = self.mesh.activity
         waiting = activity.waiting
-        return {"rank": self.mesh.rank, "host": self.host, "pid": self.pid, "beat": self.beat,
+        return {"rank": self.mesh.rank, "host": self.host, "pid": self.pid,
+                "pid_ns": self.pid_ns, "beat": self.beat,
                 "wall": time.time(), "last": activity.last, "entered": dict(activity.entered),
                 "left": self.left, "waiting": waiting and {
                     "axis": waiting.axis, "op": waiting.op, "seq": waiting.seq,
@@ -152,9 +166,11 @@ class Heartbeat:
                 beat = record and record["beat"]
                 if rank not in self._seen or self._seen[rank][0] != beat:
                     # its age when first seen, by its clock; from then on, by this rank's
-                    self._seen[rank] = (beat, now, max(0.0, wall - record["wall"]) if record else 0.0)
+                    age = max(0.0, wall - record["wall"]) if record else 0.0
+                    self._seen[rank] = (beat, now, age)
                 _, first, age = self._seen[rank]
-                gone = bool(record) and record["host"] == self.host and not _running(record["pid"])
+                here = record and (record["host"], record["pid_ns"]) == (self.host, self.pid_ns)
+                gone = bool(here) and not _running(record["pid"])
                 peers[rank] = stall.Peer(record, age + now - first, now - first, gone)
         return peers
 

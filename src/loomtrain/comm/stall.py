@@ -15,9 +15,9 @@ that rank's own record only: every rank that finds the same culprit writes the s
 A peer that is alive but has not reached the op (a slow save, a long computation) is not a
 fault; `behind` describes such peers, for the message of the collective's own timeout.
 
-A record is a dict (JSON in the store): rank, host, pid, beat (a counter), wall (time.time()
+A record is a dict (JSON in the store): rank, host, pid, pid_ns, beat (a counter), wall (time.time()
 of the beat), last ([axis, op, seq] or None), entered ({axis: [seq, op]}), waiting ({axis, op,
-seq, ranks, s} or None) and left ({text, code} or None).
+seq, ranks} or None) and left ({text, code} or None).
 """
 
 from __future__ import annotations
@@ -60,15 +60,16 @@ def who(record: dict) -> str:
 
 
 def doing(record: dict) -> str:
-    """Where a rank was, by its own record."""
+    """Where a rank was at its last heartbeat, by its own record."""
     waiting = record.get("waiting")
     if waiting:
-        return (f"it was waiting in {waiting['op']} #{waiting['seq']} on mesh axis "
-                f"{waiting['axis']!r} (ranks {waiting['ranks']})")
+        return (f"at its last heartbeat it was waiting in {waiting['op']} #{waiting['seq']} on "
+                f"mesh axis {waiting['axis']!r} (ranks {waiting['ranks']})")
     if record.get("last"):
         axis, op, seq = record["last"]
-        return f"it was outside any collective; the last it entered was {op} #{seq} on mesh axis {axis!r}"
-    return "it had entered no collective yet"
+        return (f"at its last heartbeat it was outside any collective; the last it had entered "
+                f"was {op} #{seq} on mesh axis {axis!r}")
+    return "at its last heartbeat it had entered no collective yet"
 
 
 def judge(me: int, waiting: Waiting, peers: dict[int, Peer], timeout_s: float,
@@ -121,14 +122,15 @@ def _mismatch(me: int, waiting: Waiting, peers: dict[int, Peer]) -> Finding | No
 
 def behind(waiting: Waiting, peers: dict[int, Peer]) -> str:
     """The live peers that have not entered the op this rank waits in, by their records (a
-    send or receive: where its other end is; the two ends count different ops)."""
+    send or receive: where its other end is)."""
     notes = []
     for _, peer in sorted(peers.items()):
         record = peer.record
         if record is None or record.get("left"):
             continue
         seq = record.get("entered", {}).get(waiting.axis, (0, ""))[0]
-        if waiting.op in P2P or seq < waiting.seq:
-            notes.append(f"{who(record)} is alive (heartbeat {peer.age_s:.1f} s old) but has not "
-                         f"reached it: {doing(record)}")
+        if waiting.op in P2P or seq < waiting.seq:  # a send's two ends count different ops
+            reached = "" if waiting.op in P2P else " but has not reached it"
+            notes.append(f"{who(record)} is alive (heartbeat {peer.age_s:.1f} s old){reached}: "
+                         f"{doing(record)}")
     return "; ".join(notes)
