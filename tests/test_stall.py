@@ -89,10 +89,10 @@ def test_a_different_collective_as_the_same_op_is_a_mismatch_named_alike():
     assert judge(0, _waiting(5, "recv"), {2: _fresh(_record(2, 5, "send"))}, 30.0, 2.0) is None
 
 
-def test_behind_notes_the_live_peers_that_have_not_reached_the_op():
+def test_behind_notes_the_peers_that_have_not_reached_the_op():
     note = behind(_waiting(6), {1: _fresh(_record(1, 6)), 2: _fresh(_record(2, 5, waiting=False))})
-    assert note.startswith("rank 2 (host h1, pid 102) is alive (heartbeat 0.4 s old) but has not "
-                           "reached it: at its last heartbeat it was outside any collective")
+    assert note.startswith("rank 2 (host h1, pid 102), heartbeat 0.4 s old, had not reached it: "
+                           "at its last heartbeat it was outside any collective")
     assert "rank 1" not in note
 
 

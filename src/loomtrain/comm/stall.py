@@ -121,8 +121,9 @@ def _mismatch(me: int, waiting: Waiting, peers: dict[int, Peer]) -> Finding | No
 
 
 def behind(waiting: Waiting, peers: dict[int, Peer]) -> str:
-    """The live peers that have not entered the op this rank waits in, by their records (a
-    send or receive: where its other end is)."""
+    """The peers that have not entered the op this rank waits in, with the age of their
+    heartbeat and where they were, by their records (a send or receive: where its other end
+    is). Appended to the op's own timeout message."""
     notes = []
     for _, peer in sorted(peers.items()):
         record = peer.record
@@ -130,7 +131,7 @@ def behind(waiting: Waiting, peers: dict[int, Peer]) -> str:
             continue
         seq = record.get("entered", {}).get(waiting.axis, (0, ""))[0]
         if waiting.op in P2P or seq < waiting.seq:  # a send's two ends count different ops
-            reached = "" if waiting.op in P2P else " but has not reached it"
-            notes.append(f"{who(record)} is alive (heartbeat {peer.age_s:.1f} s old){reached}: "
+            reached = "" if waiting.op in P2P else " had not reached it"
+            notes.append(f"{who(record)}, heartbeat {peer.age_s:.1f} s old,{reached}: "
                          f"{doing(record)}")
     return "; ".join(notes)
