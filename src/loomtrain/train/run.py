@@ -34,9 +34,9 @@ def run(cfg: Config, run_dir: Path, resume: Path | None, on_cause=None) -> int:
         code = train_loop(cfg, run_dir, resume, mesh, stop)
         shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
     except BaseException as err:
-        ended = ending(err)
-        if beat is not None and ended is not None and ended[2]:
-            beat.leave(ended[1], ended[0])  # the peers whose ops fail now end on this text
+        code, text, cause = ending(err) or (1, "", False)
+        if beat is not None and cause:
+            beat.leave(text, code)  # the peers whose ops fail now end on this text
         # no exit barrier: a failed collective means a peer may be gone, and the barrier
         # would wait for it until parallel.timeout_s (measured: a rank 0 SIGKILLed mid-run
         # held the survivors there until the launcher's SIGKILL 30 s later)
