@@ -14,6 +14,7 @@ import os
 import pickle
 import socket
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -97,3 +98,17 @@ class StopBefore:
 
         self.reads += 1
         return signal.SIGTERM if self.reads > self.step else 0
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The pids of a `loom train` launcher's ranks, sorted: its children less multiprocessing's
+    resource tracker, from /proc (Linux)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher and \
+                    b"resource_tracker" not in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(pids)

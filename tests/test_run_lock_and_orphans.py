@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_tree
+from harness import ranks_of
 from loomtrain.train import checkpoint
 from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.train.metrics import read_metrics
@@ -38,19 +39,6 @@ STEPS = 80  # ~25-100 ms a step: seconds of margin after the step the test waits
 def _snapshot(run_dir: Path) -> dict[str, str]:
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(run_dir.rglob("*")) if p.is_file()}
-
-
-def _ranks_of(launcher: int) -> list[int]:
-    """The launcher's children less multiprocessing's resource tracker, from /proc."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher and \
-                    b"resource_tracker" not in (stat.parent / "cmdline").read_bytes():
-                pids.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(pids)
 
 
 def _alive(pid: int) -> bool:
@@ -82,7 +70,7 @@ def test_one_writer_per_folder_and_no_rank_outlives_its_launcher(tmp_path, corpu
     try:
         _wait("step 3", lambda: (run_dir / "metrics.jsonl").exists()
               and len(read_metrics(run_dir)) >= 3, 120)
-        ranks = _ranks_of(first.pid)
+        ranks = ranks_of(first.pid)
         assert len(ranks) == 2, ranks
         assert (run_dir / LOCK_NAME).read_text() == f"{first.pid}\n"
 

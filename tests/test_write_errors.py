@@ -224,7 +224,7 @@ def test_a_failed_collective_does_not_hide_the_error_that_caused_it(tmp_path, ca
     """Rank 0 left on a write error; rank 1's collective failed because of it. The launcher
     prints the cause only; a message a launcher already said (`take`) is not repeated."""
     (tmp_path / "11-2.txt").write_text("cannot write 'metrics.jsonl': No space left on device")
-    (tmp_path / "12-4.txt").write_text("all_reduce failed: Connection closed by peer")
+    (tmp_path / "12-4-after.txt").write_text("all_reduce failed: Connection closed by peer")
     (tmp_path / "13-2.said").write_text("the data of worker 1 is bad")
     (tmp_path / "14-2.txt").write_text("the data of worker 1 is bad")
     assert messages.take(tmp_path, 99) is None

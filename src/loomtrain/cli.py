@@ -309,21 +309,35 @@ def _train(args, lock, stop=None) -> int:
                 from loomtrain.train.replica_launch import launch_replicas
                 launch_replicas(cfg, train_worker, payload, received, run_dir, Path(errors))
             else:
-                launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
+                launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received,
+                                          Path(errors))
         except ChildFailedError as err:
             codes = {f.exitcode for f in err.failures.values()}
             # a rank that ended on a message of its own (2, 3, 4) said why, once; one that
             # crashed or was killed did not, and the others' messages are its consequences
             said = messages.report(Path(errors)) if codes <= {2, 3, 4} and len(received) < 2 else 0
-            if not said:
+            if said:  # the exit code the first cause calls for (4: a collective failed)
+                return said
+            if len(received) > 1 or cfg.asgd.mode == "ps":
                 why = ("killed after a second stop signal" if len(received) > 1 else
-                       "the parameter server (rank 0) failed" if cfg.asgd.mode == "ps"
-                       else "a worker failed")
+                       "the parameter server (rank 0) failed")
                 print(f"error: {why} (exit codes {sorted(codes)}); see the messages above",
                       file=sys.stderr)
-            # 2: bad input or a write that failed (whichever rank said it), 3: non-finite abort
-            return next((c for c in (2, 3) if c in codes | {said}), 1)
+            else:
+                print(f"error: {_first_failure(err)}", file=sys.stderr)
+            return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
     return 0
+
+
+def _first_failure(err) -> str:
+    """The rank the elastic launcher saw end first, by rank, pid and how it ended (one node:
+    its local rank is its rank)."""
+    from loomtrain.train.launch import exit_text
+
+    rank, failure = err.get_first_failure()
+    said = "" if failure.exitcode < 0 else "; see its messages above"
+    return (f"rank {rank} (pid {failure.pid}) {exit_text(failure.exitcode)}; the other ranks "
+            f"were stopped{said}")
 
 
 def cmd_plan(args) -> int:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from loomtrain.comm.activity import Activity
 from loomtrain.comm.meter import CommMeter
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class Mesh:
     ring_sequence: dict[tuple[str, str], int] = field(default_factory=dict)
     # the simulated slow wire between nodes that comm/ delays cross-node ops by (None: none)
     link: SlowLink | None = None
+    # the collectives this rank entered and the one it is blocked in, for the heartbeat
+    activity: Activity = field(default_factory=Activity)
 
     @property
     def world(self) -> int:

@@ -21,14 +21,28 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 
 
 class CollectiveError(RuntimeError):
-    """A collective that failed or did not complete within the process-group timeout."""
+    """A collective that failed or did not complete within the process-group timeout.
+
+    `named`: the message names the rank that caused it (the heartbeat's finding, the same text
+    on every rank that found it), not only this rank's failed op; `code`: the exit code it
+    calls for (4; 1 when the named rank died without a message; a cause a peer left with
+    keeps its own)."""
+
+    def __init__(self, message: str, code: int = 4, named: bool = False):
+        super().__init__(message)
+        self.code, self.named = code, named
 
 
 def _fail(mesh, op: str, axis: str, err: Exception) -> CollectiveError:
+    explain = mesh.activity.explain  # the heartbeat's, while it runs (comm/heartbeat.py)
+    found = explain(axis) if explain is not None else None
+    if found is not None and found.cause:
+        return CollectiveError(found.text, found.code, named=True)
+    heartbeats = f" Heartbeats: {found.text}." if found is not None else ""
     return CollectiveError(
         f"rank {mesh.rank}: collective {op} on mesh axis {axis!r} (ranks "
         f"{mesh.group_ranks(axis)}) failed or did not complete within the timeout: a peer "
-        f"crashed, hung, or issued a different collective. Cause: {err}"
+        f"crashed, hung, or issued a different collective. Cause: {err}{heartbeats}"
     )
 
 
@@ -38,9 +52,11 @@ class Pending:
     `due`: the perf_counter time before which the op is not complete on the simulated slow
     link (None: no link, or a node-local op)."""
 
-    def __init__(self, work, mesh, op: str, axis: str, on_done=None, due: float | None = None):
+    def __init__(self, work, mesh, op: str, axis: str, on_done=None, due: float | None = None,
+                 seq: int = 0, peers: list[int] | None = None):
         self._work, self._mesh, self._op, self._axis = work, mesh, op, axis
         self._on_done, self._due = on_done, due
+        self._seq, self._peers = seq, peers  # for comm/activity.py: which op, waiting for whom
 
     def when_done(self, fn) -> None:
         """Call `fn(t)` with `time.perf_counter()` at the moment the op completes (on the thread
@@ -61,10 +77,14 @@ class Pending:
 
     def wait(self) -> None:
         if self._work is not None:
+            activity = self._mesh.activity
+            activity.block(self._axis, self._op, self._seq, self._peers)
             try:
                 self._work.wait()
             except RuntimeError as err:
                 raise _fail(self._mesh, self._op, self._axis, err) from None
+            finally:
+                activity.unblock()
             self._work = None
         if self._due is not None:
             left = self._due - time.perf_counter()
@@ -109,11 +129,13 @@ def _start(mesh, op: str, axis: str, payload: int, algorithm: str, call, async_o
             mesh.meter.inter_node_bytes += wire
     mesh.meter.record(axis, op, payload, wire, simulated_s=simulated_s)
     mesh.meter.last_op = f"{op} on {axis} ({payload} bytes)"
+    seq = mesh.activity.enter(axis, op)
     try:
         work = call(mesh.group(axis))
     except RuntimeError as err:
         raise _fail(mesh, op, axis, err) from None
-    pending = Pending(work, mesh, op, axis, on_done, due)
+    peers = mesh.group_ranks(axis) if link_ranks is None else list(link_ranks)
+    pending = Pending(work, mesh, op, axis, on_done, due, seq, peers)
     if async_op:
         return pending
     pending.wait()
@@ -176,6 +198,7 @@ def recv(tensor: torch.Tensor, mesh, axis: str, src_local: int, async_op: bool =
     started = time.perf_counter()
     src = mesh.group_ranks(axis)[src_local]
     mesh.meter.last_op = f"recv on {axis} ({_nbytes(tensor)} bytes)"
+    seq = mesh.activity.enter(axis, "recv")
     due = None
     if mesh.link is not None:
         simulated_s = mesh.link.delay_s((src, mesh.rank), _nbytes(tensor))
@@ -186,7 +209,7 @@ def recv(tensor: torch.Tensor, mesh, axis: str, src_local: int, async_op: bool =
         work = dist.irecv(tensor, src=src, group=mesh.group(axis), tag=tag)
     except RuntimeError as err:
         raise _fail(mesh, "recv", axis, err) from None
-    pending = Pending(work, mesh, "recv", axis, due=due)
+    pending = Pending(work, mesh, "recv", axis, due=due, seq=seq, peers=[src])
     if async_op:
         return pending
     pending.wait()

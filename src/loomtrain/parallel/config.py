@@ -15,6 +15,8 @@ class MeshKeys(Section):
     ranks_per_node: int | None = Field(None, ge=1)  # None: all ranks on one node
     bucket_mb: float = Field(4.0, gt=0.0)
     timeout_s: float = Field(300.0, gt=0.0)
+    # a rank whose heartbeat is this old is named as stalled, and the job ends (0: no heartbeat)
+    heartbeat_timeout_s: float = Field(30.0, ge=0.0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     @property
@@ -70,6 +72,10 @@ class DataParallelComponent(Component):
             raise ValueError(
                 f"the mesh dp*tp*pp*cp = {p.dp_size}*{p.tp}*{p.pp}*{p.cp} = {mesh_size} must equal "
                 f"parallel.nproc={p.nproc}")
+        if 0 < p.heartbeat_timeout_s < 1:
+            raise ValueError(
+                f"parallel.heartbeat_timeout_s={p.heartbeat_timeout_s:g} is too short to tell a "
+                f"stall from a busy rank: give 0 (no heartbeat) or at least 1 (seconds)")
         if p.ranks_per_node is not None and p.nproc % p.ranks_per_node:
             raise ValueError(
                 f"parallel.ranks_per_node={p.ranks_per_node} must divide parallel.nproc={p.nproc}")

@@ -131,10 +131,20 @@ class _QuietChildThread(logging.Filter):
         return not any(noise in record.getMessage() for noise in self.NOISE)
 
 
-def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: list[int]) -> None:
+END_GRACE_S = 1.0  # after a rank has left its error message, for the others to leave theirs
+
+
+def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: list[int],
+                              errors: Path | None = None) -> None:
     """The elastic launcher on a thread, with SIGINT/SIGTERM forwarded to the workers: they
     save a checkpoint at the next step boundary and return normally; a second signal SIGKILLs
     them. `received` collects the signals.
+
+    `errors`: the folder where ranks leave their error messages (run.leave). Once one is
+    there the run has failed, and the ranks still running `END_GRACE_S` later are SIGKILLed:
+    the agent would send them SIGTERM, which a rank takes as a stop for the next step boundary
+    and a stopped (SIGSTOP) or stuck one never acts on, and SIGKILL them only 30 s later
+    (measured: a SIGSTOPped rank held the job's end 30 s after its survivors had named it).
 
     Left on the main thread, torch's elastic agent catches these signals itself, forwards them
     and SIGKILLs the workers 30 s later; a function worker that has returned waits for the
@@ -164,9 +174,17 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
     try:
         with SignalForwarding(received) as signals:
             thread.start()
+            failed_at = None
             while thread.is_alive():
                 thread.join(0.1)
                 signals.forward(_worker_pids)
+                if errors is not None and failed_at is None and any(errors.glob("*.txt")):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at >= END_GRACE_S:
+                    for pid in _worker_pids():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    failed_at = float("inf")  # once: no rank starts after a failure
     finally:
         for name in quiet.LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
@@ -201,7 +219,8 @@ def _say(line: str) -> None:
     print(f"loom: {line}", file=sys.stderr, flush=True)
 
 
-def _exit_text(code: int) -> str:
+def exit_text(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by signal {signal.Signals(-code).name}"
@@ -268,7 +287,7 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
                         reported.add(rank)
                         said = messages.take(errors, p.pid) if errors is not None else None
                         _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
-                             f"{_exit_text(p.exitcode)}{f' ({said})' if said else ''}; "
+                             f"{exit_text(p.exitcode)}{f' ({said})' if said else ''}; "
                              f"the parameter server and the other "
                              f"workers go on (`loom train --rejoin {run_dir} --worker "
                              f"{rank - servers}` restarts it)")

@@ -16,26 +16,43 @@ from typing import NoReturn
 COLLECTIVE = 4  # a failed collective: the exit code of a rank whose peer went away
 
 
-def leave(errors: Path, code: int, text: str) -> NoReturn:
-    """Leave `text` in `errors` for the launcher (the file whole, or not there) and exit with
-    `code`, without the interpreter's teardown, where gloo may abort a rank whose peers are
-    gone ("terminate called without an active exception": exit -6 instead of `code`). If the
-    folder cannot take it (its disk is full too), the message is printed here instead."""
+def process_code(code: int) -> int:
+    """A rank that ends on a message exits 2, 3 or 4; a message about a peer that died without
+    one calls for the job's exit code 1 (a crash), which this rank's own exit code must not
+    claim: the launcher would take this rank for the crashed one."""
+    return code if code in (2, 3, 4) else COLLECTIVE
+
+
+def leave(errors: Path | str | None, code: int, text: str, cause: bool = True) -> NoReturn:
+    """End this process (from any thread) on `text`, which calls for the job's exit code
+    `code`: left in `errors` for the launcher (the file whole, or not there; `cause`: the text
+    names the cause, not a consequence of another rank's failure), or printed here when there
+    is no such folder or it cannot take it (its disk is full too). The exit skips the
+    interpreter's teardown, where gloo may abort a rank whose peers are gone ("terminate
+    called without an active exception": exit -6 instead of the code)."""
     try:
+        if errors is None:
+            raise OSError("no folder for messages")
         partial = Path(errors) / f"{os.getpid()}.partial"
         partial.write_text(text)
-        os.replace(partial, partial.with_name(f"{os.getpid()}-{code}.txt"))
+        kind = "" if cause else "-after"
+        os.replace(partial, partial.with_name(f"{os.getpid()}-{code}{kind}.txt"))
     except OSError:
         print(f"error: {text}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(process_code(code))
 
 
-def _left(errors: Path, pattern: str) -> list[tuple[int, str]]:
-    """(exit code, message) of the files matching `pattern`, first written first."""
+def _left(errors: Path, pattern: str) -> list[tuple[int, bool, str]]:
+    """(exit code, whether it names the cause, message) of the files matching `pattern`,
+    first written first."""
     files = sorted(Path(errors).glob(pattern), key=lambda p: p.stat().st_mtime)
-    return [(int(p.stem.rsplit("-", 1)[1]), p.read_text()) for p in files]
+    found = []
+    for p in files:
+        parts = p.stem.split("-")
+        found.append((int(parts[1]), parts[2:] != ["after"], p.read_text()))
+    return found
 
 
 def take(errors: Path, pid: int) -> str | None:
@@ -50,12 +67,12 @@ def take(errors: Path, pid: int) -> str | None:
 def report(errors: Path) -> int:
     """Print each distinct message the ranks left in `errors` once, first come first, and
     return the exit code of the first (0: none was left). A rank whose collective failed
-    (code 4) because a peer left on an error of its own only echoes that error: such
-    messages are printed only when no rank left another. Messages already said (`take`) are
-    not printed again."""
-    said = {text for _, text in _left(errors, "*.said")}
+    because a peer left (on an error of its own, or dead) only echoes that: such messages
+    are printed only when no rank left one that names a cause. Messages already said
+    (`take`) are not printed again."""
+    said = {text for _, _, text in _left(errors, "*.said")}
     found = _left(errors, "*.txt")
-    causes = [m for m in found if m[0] != COLLECTIVE] or found
-    for text in dict.fromkeys(text for _, text in causes if text not in said):
+    causes = [m for m in found if m[1]] or found
+    for text in dict.fromkeys(text for _, _, text in causes if text not in said):
         print(f"error: {text}", file=sys.stderr, flush=True)
     return causes[0][0] if causes else 0

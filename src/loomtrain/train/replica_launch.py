@@ -20,7 +20,7 @@ import torch.distributed as dist
 from loomtrain.lowcomm.quorum import Lighthouse
 from loomtrain.lowcomm.replicas import Seat
 from loomtrain.train import messages
-from loomtrain.train.launch import _exit_text, _say, _tolerant_rank, child_failed, free_port
+from loomtrain.train.launch import _say, _tolerant_rank, child_failed, exit_text, free_port
 from loomtrain.train.stop import SignalForwarding, held_signals
 
 _FATAL = (2, 3)  # bad input, a non-finite streak: every replica would meet it again
@@ -65,7 +65,7 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
     def restart(replica: int, p, used: int) -> int:
         """Report lost replica `replica`, and restart it if restarts are left; returns 1 if
         it did."""
-        what = f"replica {replica} (pid {p.pid}) {_exit_text(p.exitcode)}"
+        what = f"replica {replica} (pid {p.pid}) {exit_text(p.exitcode)}"
         said = messages.take(errors, p.pid) if errors is not None else None
         if said:  # its message, here once, not again at the end (messages.report)
             what += f" ({said})"

@@ -23,26 +23,59 @@ from loomtrain.writes import STORAGE_ERRNOS, write_error
 
 
 def run(cfg: Config, run_dir: Path, resume: Path | None, stop: StopFlag | None = None,
-        seat=None) -> int:
-    """This rank's run: join the mesh, train (`stop`: the flag it acts on; one is installed
-    here if not given), leave the mesh. `seat`: a replica of a run that outlives lost ones
-    (lowcomm/replica_train.py), which joins and leaves its groups itself."""
+        seat=None, on_cause=None) -> int:
+    """This rank's run, from joining the mesh to leaving it (`stop`: the flag it acts on; one
+    is installed here if not given). `seat`: a replica of a run that outlives lost ones
+    (lowcomm/replica_train.py), which joins and leaves its groups itself. `on_cause(text,
+    code)`: what the heartbeat calls, on its own thread, once it has named the rank holding up
+    this one (a stalled, dead or mismatched peer: comm/heartbeat.py); it must end the process.
+    None: the finding becomes the message of the collective's own failure (parallel.timeout_s)."""
     stop = stop if stop is not None else StopFlag()
     if seat is not None:
         from loomtrain.lowcomm.replica_train import run_replica
 
         return run_replica(cfg, run_dir, resume, seat, stop)
     mesh = init_distributed(cfg)
+    beat = None
+    if mesh.world > 1 and cfg.parallel.heartbeat_timeout_s > 0 and cfg.asgd.mode != "ps":
+        # not in a parameter-server run: its server drops a lost worker and goes on
+        from loomtrain.comm.heartbeat import start_heartbeat
+        beat = start_heartbeat(mesh, cfg.parallel.heartbeat_timeout_s, on_cause)
     try:
         code = train_loop(cfg, run_dir, resume, mesh, stop)
-    except BaseException:
-        # no exit barrier: an error of this rank alone (a write that failed) leaves its peers
-        # in another collective, which the barrier would wait on until the timeout and then
-        # report as the error, instead of the real one
+        shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+    except BaseException as err:
+        code, text, cause = ending(err, run_dir) or (1, "", False)
+        if beat is not None and cause:
+            beat.leave(text, code)  # the peers whose ops fail now end on this text
+        # no exit barrier: a failed collective means a peer may be gone, and the barrier
+        # would wait for it until parallel.timeout_s (measured: a rank 0 SIGKILLed mid-run
+        # held the survivors there until the launcher's SIGKILL 30 s later); an error of this
+        # rank alone (a write that failed) leaves its peers in another collective, which the
+        # barrier would report as the error instead of the real one
         shutdown(None)
         raise
-    shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
+    finally:
+        if beat is not None:
+            beat.stop()
     return code
+
+
+def ending(err: BaseException, run_dir: Path) -> tuple[int, str, bool] | None:
+    """How a rank ends on `err`: (exit code, message, whether the message names the cause),
+    for the errors meant for people; None for any other (a crash: its traceback). A failed
+    collective names its cause when the heartbeat found one; otherwise it is a consequence of
+    something another rank says better. A write error (or an OSError of the disk's that no
+    write site named) says what the run folder still holds."""
+    if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+        return 2, _for_people(err, run_dir), True
+    if isinstance(err, UserError):
+        return 2, _for_people(err, run_dir), True
+    if isinstance(err, NonFiniteError):
+        return 3, str(err), True
+    if isinstance(err, comm.CollectiveError):
+        return err.code, str(err), err.named
+    return None
 
 
 def train_loop(cfg: Config, run_dir: Path, resume: Path | None, mesh, stop: StopFlag) -> int:
@@ -83,20 +116,22 @@ def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
 
 def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None,
             stop: StopFlag, seat=None) -> int:
+    def on_cause(text: str, code: int) -> None:  # the heartbeat's thread
+        messages.leave(errors, code, text, cause=True)
+
     try:
         return run(config_from_dict(cfg_dict), Path(run_dir), Path(resume) if resume else None,
-                   stop, seat)
+                   stop, seat, on_cause)
     except (UserError, NonFiniteError, comm.CollectiveError, OSError) as err:
-        if isinstance(err, OSError) and err.errno not in STORAGE_ERRNOS:
+        found = ending(err, Path(run_dir))
+        if found is None:
             raise  # not the disk's: a bug, with its traceback
         # a message for people, not a traceback; the launcher then stops the other ranks
-        code = (3 if isinstance(err, NonFiniteError) else
-                messages.COLLECTIVE if isinstance(err, comm.CollectiveError) else 2)
-        text = _for_people(err, Path(run_dir))
-        if errors is None:
+        code, text, cause = found
+        if errors is None:  # one process (nproc 1) or torchrun: its own message, its code
             print(f"error: {text}", file=sys.stderr, flush=True)
-            return code
-        messages.leave(Path(errors), code, text)
+            return messages.process_code(code)
+        messages.leave(errors, code, text, cause)
 
 
 def _for_people(err: Exception, run_dir: Path) -> str:
