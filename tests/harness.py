@@ -5,6 +5,9 @@ process group on a free port with a short collective timeout, runs `fn(rank, wor
 and sends back its return value (or its traceback). The harness fails the test if any rank
 raises, or if the whole world has not finished within `timeout_s` (the processes are then
 killed), so a hang fails instead of blocking CI. `fn` must be importable (module level).
+
+For tests of whole `loom train` processes: `rank_pids` (a launcher's ranks, from /proc),
+`alive` and `wait_until`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import datetime
 import os
 import pickle
 import socket
+import time
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -97,3 +102,37 @@ class StopBefore:
 
         self.reads += 1
         return signal.SIGTERM if self.reads > self.step else 0
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the ranks `loom train` (pid `launcher`) started, found in /proc by the
+    name each gives itself (train/restart.py `name_rank`); multiprocessing's resource tracker,
+    also a child, has no such name."""
+    from loomtrain.train.restart import RANK_NAME
+
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher:
+                name = (stat.parent / "comm").read_text().strip()
+                if name.startswith(RANK_NAME) and alive(int(stat.parent.name)):
+                    ranks[int(name[len(RANK_NAME):])] = int(stat.parent.name)
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    return ranks
+
+
+def alive(pid: int) -> bool:
+    try:  # a zombie has ended: only its exit status is left
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_until(what: str, done, timeout_s: float):
+    """`done()`'s first true value, polled every 20 ms; fails the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := done()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.02)
+    return value

@@ -159,20 +159,13 @@ def _resolve_train(args, lock=None):
         if not checkpoint.list_checkpoints(run_dir):
             raise CheckpointError(f"--resume {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
         rank0 = int(os.environ.get("RANK", 0)) == 0
-        # a damaged or unsafe checkpoint stops here, before anything is written
-        latest, skipped = checkpoint.newest(
-            run_dir, args.skip_damaged, warn=rank0,
+        # a damaged, unsafe or unfitting checkpoint stops here, before anything is written
+        from loomtrain.train.restart import resume_checkpoint
+        latest, skipped = resume_checkpoint(
+            cfg, run_dir, args.skip_damaged, warn=rank0,
             advice=f"resume from it with `loom train --resume {run_dir} --skip-damaged`")
         for line in skipped if rank0 else ():
             print(f"warning: --skip-damaged: {line}", file=sys.stderr)
-        # any rank count and ZeRO stage may resume any checkpoint: every layout saves the
-        # unsharded names and shapes (train/checkpoint.py), and the data order is a function
-        # of the step and the global batch only; not so between synchronous training and the
-        # parameter server, nor for the server's own state (its workers, policy and model)
-        from loomtrain.asyncsgd.state import check_resume
-        check_resume(cfg, latest)
-        from loomtrain.zeroth.train import check_resume as check_optimizer
-        check_optimizer(cfg, latest)  # backprop and each zeroth-order method keep their own state
         return cfg, run_dir, latest
     cfg = load_config(args.config, overrides)
     if cfg.parallel.plan == "auto":  # planned before anything is written: config.toml holds the plan
@@ -251,7 +244,9 @@ def _train(args, lock) -> int:
     if in_torchrun():
         if run_dir is None:
             run_dir = Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder
-            if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
+            if _restarted_by_torchrun():  # its own folder, as it was left
+                resume = _torchrun_restart(cfg, run_dir)
+            elif (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
                 raise ConfigError(
                     f"run folder {str(run_dir)!r} already holds a run (under torchrun the folder is "
                     f"exactly run.dir/run.name on every node); continue it with --resume "
@@ -270,10 +265,11 @@ def _train(args, lock) -> int:
             write_config(run_dir, cfg)
         print(f"run folder: {run_dir}", file=sys.stderr)
     payload = (cfg.model_dump(), str(run_dir), str(resume) if resume else None)
-    if in_torchrun() or cfg.parallel.nproc == 1:
-        return train_worker(*payload)
+    if in_torchrun() or (cfg.parallel.nproc == 1 and not cfg.run.max_restarts):
+        return train_worker(*payload)  # in this process; restarts need a launcher
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from loomtrain.train.restart import Restarts, left_codes
     from loomtrain.train.run import report_errors
     received: list[int] = []
     # the resource tracker (started with the first rank, in this environment) warns of
@@ -281,18 +277,23 @@ def _train(args, lock) -> int:
     # ended on a message of its own, or was stopped because another did
     quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), quiet)))
-    with tempfile.TemporaryDirectory(prefix="loom-errors-") as errors:
+    with (tempfile.TemporaryDirectory(prefix="loom-errors-") as errors,
+          Restarts(cfg, run_dir, received, Path(errors)) as restarts):
         # ranks end with this process and hold its lock; their error messages come back here
         # (a parameter-server run's ranks print theirs: a lost worker's does not end the run)
         payload += (os.getpid(), lock.for_ranks(), None if cfg.asgd.mode == "ps" else errors)
         try:
+            # how the run's processes are launched, and what a dead one means, by mode:
             if cfg.asgd.mode == "ps":  # a dead worker does not end a parameter-server run
                 launch_tolerant(cfg.parallel.nproc, train_worker, payload, received,
                                 cfg.parallel.timeout_s, run_dir, cfg.asgd.servers)
-            else:
-                launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received)
+            else:  # a dead rank ends the attempt; run.max_restarts restart every rank
+                launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received,
+                                          restarts)
         except ChildFailedError as err:
-            codes = {f.exitcode for f in err.failures.values()}
+            codes = {f.exitcode for f in err.failures.values()} | left_codes(Path(errors))
+            if restarts.ended is not None:  # torch reports one rank, not always the first
+                codes.add(restarts.ended[2])
             # a rank that ended on a message of its own (2, 3, 4) said why, once; one that
             # crashed or was killed did not, and the others' messages are its consequences
             said = codes <= {2, 3, 4} and len(received) < 2 and report_errors(Path(errors))
@@ -304,6 +305,26 @@ def _train(args, lock) -> int:
                       file=sys.stderr)
             return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
     return 0
+
+
+def _restarted_by_torchrun() -> bool:
+    """Whether torchrun's agent started this process again after a failure (`torchrun
+    --max-restarts N`; it counts its restarts in the environment of the ranks it starts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _torchrun_restart(cfg, run_dir: Path) -> Path | None:
+    """The checkpoint a rank restarted by torchrun continues from (train/restart.py), said in
+    one line by rank 0; torchrun itself reported the failure."""
+    from loomtrain.train.restart import restart_checkpoint, starting_from
+
+    rank0 = int(os.environ["RANK"]) == 0
+    resume = restart_checkpoint(cfg, run_dir, rank0)
+    if rank0:
+        print(f"loom: restarted by torchrun (restart {os.environ['TORCHELASTIC_RESTART_COUNT']} "
+              f"of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): {starting_from(resume)}",
+              file=sys.stderr, flush=True)
+    return resume
 
 
 def cmd_plan(args) -> int:

@@ -105,6 +105,28 @@ def launch_local(nproc: int, entrypoint, *args) -> dict[int, object]:
     return elastic_launch(config, entrypoint)(*args)
 
 
+def launch_restarting(nproc: int, entrypoint, payload: tuple, restarts=None) -> None:
+    """`launch_local(nproc, entrypoint, *payload)`, launched again with the payload
+    `restarts.after(failures, payload)` gives (train/restart.py) after each failure, until it
+    gives None: then the failure (ChildFailedError) is raised.
+
+    Restarts are ours, not torch's agent's (LaunchConfig.max_restarts): the agent restarts the
+    group after any failure, with the same arguments, while a restart here must not follow a
+    deterministic error (exit 2 or 3) nor a stop signal, and must tell the ranks which
+    checkpoint to continue from. Each launch is a fresh agent, rendezvous and processes, as the
+    agent's own restart would be; the launcher's pid, run-folder lock and error folder stay."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    while True:
+        try:
+            launch_local(nproc, entrypoint, *payload)
+            return
+        except ChildFailedError as err:
+            payload = None if restarts is None else restarts.after(err.failures, payload)
+            if payload is None:
+                raise
+
+
 def _worker_pids() -> list[int]:
     """This process's children (the launcher's workers), less multiprocessing's resource
     tracker, from /proc (Linux)."""
@@ -172,10 +194,12 @@ class _SignalForwarding:
                 os.kill(pid, signum)
 
 
-def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: list[int]) -> None:
+def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: list[int],
+                              restarts=None) -> None:
     """The elastic launcher on a thread, with SIGINT/SIGTERM forwarded to the workers: they
     save a checkpoint at the next step boundary and return normally; a second signal SIGKILLs
-    them. `received` collects the signals.
+    them. `received` collects the signals. `restarts`: the restart rule of run.max_restarts
+    (train/restart.Restarts; `launch_restarting`), which sees `received`.
 
     Left on the main thread, torch's elastic agent catches these signals itself, forwards them
     and SIGKILLs the workers 30 s later; a function worker that has returned waits for the
@@ -185,13 +209,13 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
     that arrive before the workers exist are forwarded once they do. Without /proc (not
     Linux) the agent keeps the main thread and its own handling."""
     if not Path("/proc/self/stat").exists():
-        launch_local(nproc, entrypoint, *payload)
+        launch_restarting(nproc, entrypoint, payload, restarts)
         return
     outcome: dict[str, BaseException] = {}
 
-    def agent() -> None:
+    def agent() -> None:  # the ranks of every restart are started from this one thread
         try:
-            launch_local(nproc, entrypoint, *payload)
+            launch_restarting(nproc, entrypoint, payload, restarts)
         except BaseException as err:  # re-raised on the main thread
             outcome["error"] = err
 
@@ -235,11 +259,13 @@ def _tolerant_rank(rank: int, world: int, port: int, entrypoint, payload: tuple)
     os._exit(code)
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
+    """One line from the launcher to the user, on stderr."""
     print(f"loom: {line}", file=sys.stderr, flush=True)
 
 
-def _exit_text(code: int) -> str:
+def exit_text(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by signal {signal.Signals(-code).name}"
@@ -290,7 +316,7 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
         try:
             for p in ranks:
                 p.start()
-            _say(f"ranks started as pids {[p.pid for p in ranks]} (ranks 0..{servers - 1}: the "
+            say(f"ranks started as pids {[p.pid for p in ranks]} (ranks 0..{servers - 1}: the "
                  f"parameter server{'s' if servers > 1 else ''}; rank r: worker r - {servers})")
             while live():
                 wait([p.sentinel for p in live()], timeout=0.1)
@@ -303,8 +329,8 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
                     if (p.exitcode not in (None, 0) and rank not in reported  # it is the news
                             and server.exitcode is None and not signals.killed):
                         reported.add(rank)
-                        _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
-                             f"{_exit_text(p.exitcode)}; the parameter server and the other "
+                        say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
+                             f"{exit_text(p.exitcode)}; the parameter server and the other "
                              f"workers go on (`loom train --rejoin {run_dir} --worker "
                              f"{rank - servers}` restarts it)")
                 if server.exitcode is not None and deadline is None:
@@ -312,7 +338,7 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
                 if deadline is not None and time.monotonic() >= deadline:
                     for rank, p in enumerate(ranks[servers:], servers):
                         if p.exitcode is None and server.exitcode == 0:
-                            _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) had not ended "
+                            say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) had not ended "
                                  f"{grace_s:g} s after the server (parallel.timeout_s): killed")
                     break
         finally:  # the ranks never outlive the launcher

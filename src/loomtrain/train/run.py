@@ -52,7 +52,12 @@ def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
     instead of printing it itself."""
     if launcher_pid is None:
         return _worker(cfg_dict, run_dir, resume, errors)
+    import os
+
     from loomtrain.train.orphan import ending_with_launcher
+    from loomtrain.train.restart import name_rank
+
+    name_rank(int(os.environ["RANK"]))  # its launcher tells which rank ended by this name
 
     with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
         return _worker(cfg_dict, run_dir, resume, errors)
@@ -71,7 +76,7 @@ def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None
             sys.exit(code)
         import os
 
-        partial = Path(errors) / f"{os.getpid()}.partial"
+        partial = Path(errors) / f"{os.getpid()}-{code}.partial"  # restart.left_codes
         partial.write_text(str(err))
         os.replace(partial, partial.with_suffix(".txt"))  # whole, or not there
         # without the interpreter's teardown, where gloo may abort a rank whose peers are gone
