@@ -6,8 +6,8 @@ and sends back its return value (or its traceback). The harness fails the test i
 raises, or if the whole world has not finished within `timeout_s` (the processes are then
 killed), so a hang fails instead of blocking CI. `fn` must be importable (module level).
 
-For tests of whole `loom train` processes: `rank_pids` (a launcher's ranks, from /proc),
-`alive` and `wait_until`.
+For tests of whole `loom train` processes: `alive` and `wait_until` (a launcher's ranks:
+train/restart.py `rank_pids`).
 """
 
 from __future__ import annotations
@@ -102,24 +102,6 @@ class StopBefore:
 
         self.reads += 1
         return signal.SIGTERM if self.reads > self.step else 0
-
-
-def rank_pids(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the ranks `loom train` (pid `launcher`) started, found in /proc by the
-    name each gives itself (train/restart.py `name_rank`); multiprocessing's resource tracker,
-    also a child, has no such name."""
-    from loomtrain.train.restart import RANK_NAME
-
-    ranks = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher:
-                name = (stat.parent / "comm").read_text().strip()
-                if name.startswith(RANK_NAME) and alive(int(stat.parent.name)):
-                    ranks[int(name[len(RANK_NAME):])] = int(stat.parent.name)
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-    return ranks
 
 
 def alive(pid: int) -> bool:

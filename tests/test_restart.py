@@ -24,12 +24,12 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import tiny_tree
-from harness import alive, free_port, rank_pids, wait_until
+from harness import alive, free_port, wait_until
 
 from loomtrain.train import checkpoint
 from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.train.metrics import read_metrics
-from loomtrain.train.restart import Restarts
+from loomtrain.train.restart import Restarts, rank_pids
 from loomtrain.train.runlock import LOCK_NAME
 
 pytestmark = [pytest.mark.timeout(300),

@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_tree
-from harness import alive, rank_pids, wait_until
+from harness import alive, wait_until
 from loomtrain.train import checkpoint
 from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.train.metrics import read_metrics
+from loomtrain.train.restart import rank_pids
 from loomtrain.train.runlock import LOCK_NAME
 
 pytestmark = pytest.mark.timeout(300)

@@ -86,6 +86,19 @@ def name_rank(rank: int) -> None:
             ctypes.CDLL(None).prctl(_PR_SET_NAME, f"{RANK_NAME}{rank}".encode(), 0, 0, 0)
 
 
+def rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the live ranks the `loom train` with pid `launcher` started (Linux, from
+    /proc, by the names `name_rank` gives): for tests and benchmarks that kill one."""
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # exited meanwhile
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            name = (stat.parent / "comm").read_text().strip()
+            if int(parent) == launcher and name.startswith(RANK_NAME) and state != "Z":
+                ranks[int(name[len(RANK_NAME):])] = int(stat.parent.name)
+    return ranks
+
+
 def left_codes(errors: Path) -> set[int]:
     """The exit codes of the ranks that left a message in `errors` (train/run.py `_worker`)."""
     return {int(p.stem.rsplit("-", 1)[1]) for p in errors.glob("*-*.txt")}
