@@ -317,7 +317,7 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
             for p in ranks:
                 p.start()
             say(f"ranks started as pids {[p.pid for p in ranks]} (ranks 0..{servers - 1}: the "
-                 f"parameter server{'s' if servers > 1 else ''}; rank r: worker r - {servers})")
+                f"parameter server{'s' if servers > 1 else ''}; rank r: worker r - {servers})")
             while live():
                 wait([p.sentinel for p in live()], timeout=0.1)
                 signals.forward(lambda: [p.pid for p in live()])
@@ -330,16 +330,16 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
                             and server.exitcode is None and not signals.killed):
                         reported.add(rank)
                         say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
-                             f"{exit_text(p.exitcode)}; the parameter server and the other "
-                             f"workers go on (`loom train --rejoin {run_dir} --worker "
-                             f"{rank - servers}` restarts it)")
+                            f"{exit_text(p.exitcode)}; the parameter server and the other "
+                            f"workers go on (`loom train --rejoin {run_dir} --worker "
+                            f"{rank - servers}` restarts it)")
                 if server.exitcode is not None and deadline is None:
                     deadline = time.monotonic() + (grace_s if server.exitcode == 0 else 0.0)
                 if deadline is not None and time.monotonic() >= deadline:
                     for rank, p in enumerate(ranks[servers:], servers):
                         if p.exitcode is None and server.exitcode == 0:
                             say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) had not ended "
-                                 f"{grace_s:g} s after the server (parallel.timeout_s): killed")
+                                f"{grace_s:g} s after the server (parallel.timeout_s): killed")
                     break
         finally:  # the ranks never outlive the launcher
             for p in live():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from loomtrain.train.launch import exit_text, say
 
-DETERMINISTIC = {2: "bad input", 3: "the non-finite abort"}  # exit codes: a restart repeats them
+DETERMINISTIC = frozenset({2, 3})  # exit codes of bad input and the non-finite abort
 
 
 def resume_checkpoint(cfg, run_dir: Path, skip_damaged: bool, advice: str, warn: bool
@@ -191,7 +191,7 @@ class Restarts:
         if not self.cfg.run.max_restarts or self.received:
             return None
         codes = {f.exitcode for f in failures.values()} | left_codes(self.errors)
-        if codes & DETERMINISTIC.keys():
+        if codes & DETERMINISTIC:
             return None  # the launcher prints the ranks' messages
         rank, pid, code = self.ended
         died = f"rank {rank} (pid {pid}) {exit_text(code)}"
