@@ -5,6 +5,9 @@ process group on a free port with a short collective timeout, runs `fn(rank, wor
 and sends back its return value (or its traceback). The harness fails the test if any rank
 raises, or if the whole world has not finished within `timeout_s` (the processes are then
 killed), so a hang fails instead of blocking CI. `fn` must be importable (module level).
+
+For tests of whole `loom train` processes: `alive` and `wait_until` (a launcher's ranks:
+train/restart.py `rank_pids`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import datetime
 import os
 import pickle
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -101,14 +105,23 @@ class StopBefore:
 
 
 def ranks_of(launcher: int) -> list[int]:
-    """The pids of a `loom train` launcher's ranks, sorted: its children less multiprocessing's
-    resource tracker, from /proc (Linux)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == launcher and \
-                    b"resource_tracker" not in (stat.parent / "cmdline").read_bytes():
-                pids.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(pids)
+    """The pids of a `loom train` launcher's live ranks, by rank."""
+    from loomtrain.train.restart import rank_pids
+
+    return [pid for _, pid in sorted(rank_pids(launcher).items())]
+
+
+def alive(pid: int) -> bool:
+    try:  # a zombie has ended: only its exit status is left
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_until(what: str, done, timeout_s: float):
+    """`done()`'s first true value, polled every 20 ms; fails the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := done()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.02)
+    return value

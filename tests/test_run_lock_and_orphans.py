@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_tree
-from harness import ranks_of
+from harness import alive, ranks_of, wait_until
 from loomtrain.train import checkpoint
 from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.train.metrics import read_metrics
@@ -41,21 +41,6 @@ def _snapshot(run_dir: Path) -> dict[str, str]:
             for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
-def _alive(pid: int) -> bool:
-    try:  # a zombie has ended: only its exit status is left
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _wait(what: str, done, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while not (value := done()):
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.05)
-    return value
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks in /proc")
 def test_one_writer_per_folder_and_no_rank_outlives_its_launcher(tmp_path, corpus):
     tree = tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, train={"steps": STEPS},
@@ -68,7 +53,7 @@ def test_one_writer_per_folder_and_no_rank_outlives_its_launcher(tmp_path, corpu
         first = subprocess.Popen([*LOOM, str(config)], stdout=err, stderr=err, start_new_session=True)
     resumed, ranks = None, []
     try:
-        _wait("step 3", lambda: (run_dir / "metrics.jsonl").exists()
+        wait_until("step 3", lambda: (run_dir / "metrics.jsonl").exists()
               and len(read_metrics(run_dir)) >= 3, 120)
         ranks = ranks_of(first.pid)
         assert len(ranks) == 2, ranks
@@ -90,11 +75,11 @@ def test_one_writer_per_folder_and_no_rank_outlives_its_launcher(tmp_path, corpu
         with err_resume.open("w") as err:
             resumed = subprocess.Popen([*LOOM, "--resume", str(run_dir)], stdout=err, stderr=err,
                                        start_new_session=True)
-        _wait("the resume waiting", lambda: "waiting for the ranks" in err_resume.read_text(), 60)
-        assert resumed.poll() is None and all(_alive(pid) for pid in ranks)
+        wait_until("the resume waiting", lambda: "waiting for the ranks" in err_resume.read_text(), 60)
+        assert resumed.poll() is None and all(alive(pid) for pid in ranks)
         os.killpg(first.pid, signal.SIGCONT)  # the ranks' group is the launcher's session
         thawed = time.monotonic()
-        _wait("the ranks' end", lambda: not any(_alive(pid) for pid in ranks), 20)
+        wait_until("the ranks' end", lambda: not any(alive(pid) for pid in ranks), 20)
         ended_s = time.monotonic() - thawed
         stop = checkpoint.list_checkpoints(run_dir)[-1]
         meta = checkpoint.read_meta(stop)
@@ -115,5 +100,5 @@ def test_one_writer_per_folder_and_no_rank_outlives_its_launcher(tmp_path, corpu
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         for pid in ranks:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -159,20 +159,13 @@ def _resolve_train(args, lock=None):
         if not checkpoint.list_checkpoints(run_dir):
             raise CheckpointError(f"--resume {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
         rank0 = int(os.environ.get("RANK", 0)) == 0
-        # a damaged or unsafe checkpoint stops here, before anything is written
-        latest, skipped = checkpoint.newest(
-            run_dir, args.skip_damaged, warn=rank0,
+        # a damaged, unsafe or unfitting checkpoint stops here, before anything is written
+        from loomtrain.train.restart import resume_checkpoint
+        latest, skipped = resume_checkpoint(
+            cfg, run_dir, args.skip_damaged, warn=rank0,
             advice=f"resume from it with `loom train --resume {run_dir} --skip-damaged`")
         for line in skipped if rank0 else ():
             print(f"warning: --skip-damaged: {line}", file=sys.stderr)
-        # any rank count and ZeRO stage may resume any checkpoint: every layout saves the
-        # unsharded names and shapes (train/checkpoint.py), and the data order is a function
-        # of the step and the global batch only; not so between synchronous training and the
-        # parameter server, nor for the server's own state (its workers, policy and model)
-        from loomtrain.asyncsgd.state import check_resume
-        check_resume(cfg, latest)
-        from loomtrain.zeroth.train import check_resume as check_optimizer
-        check_optimizer(cfg, latest)  # backprop and each zeroth-order method keep their own state
         return cfg, run_dir, latest
     cfg = load_config(args.config, overrides)
     if cfg.parallel.plan == "auto":  # planned before anything is written: config.toml holds the plan
@@ -264,7 +257,9 @@ def _train(args, lock, stop=None) -> int:
     if in_torchrun():
         if run_dir is None:
             run_dir = Path(cfg.run.dir) / cfg.run.name  # every node must name the same folder
-            if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
+            if _restarted_by_torchrun():  # its own folder, as it was left
+                resume = _torchrun_restart(cfg, run_dir)
+            elif (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
                 raise ConfigError(
                     f"run folder {str(run_dir)!r} already holds a run (under torchrun the folder is "
                     f"exactly run.dir/run.name on every node); continue it with --resume "
@@ -287,35 +282,42 @@ def _train(args, lock, stop=None) -> int:
     if stopped(stop, run_dir, resume is not None):  # the ranks would only start to stop
         return 0
     payload = (cfg.model_dump(), str(run_dir), str(resume) if resume else None)
-    if in_torchrun() or cfg.parallel.nproc == 1:
-        return train_worker(*payload, stop=stop)
+    if in_torchrun() or (cfg.parallel.nproc == 1 and not cfg.run.max_restarts):
+        return train_worker(*payload, stop=stop)  # in this process; restarts need a launcher
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from loomtrain.train.restart import Restarts
     received: list[int] = stop.received if stop is not None else []  # a signal since: pending
     # the resource tracker (started with the first rank, in this environment) warns of
     # "leaked semaphore objects" whenever a rank is stopped before its teardown: the rank
     # ended on a message of its own, or was stopped because another did
     quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), quiet)))
-    with tempfile.TemporaryDirectory(prefix="loom-errors-") as errors:
+    with (tempfile.TemporaryDirectory(prefix="loom-errors-") as errors,
+          Restarts(cfg, run_dir, received, Path(errors)) as restarts):
         # ranks end with this process and hold its lock; their error messages come back here
         # (a lost parameter-server worker's in the line that reports the loss)
         payload += (os.getpid(), lock.for_ranks(), errors)
         try:
+            # how the run's processes are launched, and what a dead one means, by mode:
             if cfg.asgd.mode == "ps":  # a dead worker does not end a parameter-server run
                 launch_tolerant(cfg.parallel.nproc, train_worker, payload, received,
                                 cfg.parallel.timeout_s, run_dir, cfg.asgd.servers, Path(errors))
-            elif replicas:
+            elif replicas:  # a lost replica does not stop the others (lowcomm/replicas.py)
                 from loomtrain.train.replica_launch import launch_replicas
                 launch_replicas(cfg, train_worker, payload, received, run_dir, Path(errors))
-            else:
+            else:  # a dead rank ends the attempt; run.max_restarts restart every rank
                 launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received,
-                                          Path(errors))
+                                          Path(errors), restarts)
         except ChildFailedError as err:
-            codes = {f.exitcode for f in err.failures.values()}
-            # a rank that ended on a message of its own (2, 3, 4) said why, once; one that
-            # crashed or was killed did not, and the others' messages are its consequences
-            said = messages.report(Path(errors)) if codes <= {2, 3, 4} and len(received) < 2 else 0
+            codes = {f.exitcode for f in err.failures.values()} | messages.codes(Path(errors))
+            if restarts.ended is not None:  # torch reports one rank, not always the first
+                codes.add(restarts.ended[2])
+            # a rank that ended on a message of its own (2, 3, 4) said why, once, and so did
+            # the heartbeat of one that named a stalled or dead peer; a rank that crashed or
+            # was killed did not, and the others' messages are its consequences
+            explained = codes <= {2, 3, 4} or messages.named(Path(errors))
+            said = messages.report(Path(errors)) if explained and len(received) < 2 else 0
             if said:  # the exit code the first cause calls for (4: a collective failed)
                 return said
             if len(received) > 1 or cfg.asgd.mode == "ps":
@@ -324,20 +326,49 @@ def _train(args, lock, stop=None) -> int:
                 print(f"error: {why} (exit codes {sorted(codes)}); see the messages above",
                       file=sys.stderr)
             else:
-                print(f"error: {_first_failure(err)}", file=sys.stderr)
+                print(f"error: {_first_failure(err, restarts.ended)}", file=sys.stderr)
             return next((c for c in (2, 3) if c in codes), 1)  # 2: user error, 3: non-finite abort
     return 0
 
 
-def _first_failure(err) -> str:
-    """The rank the elastic launcher saw end first, by rank, pid and how it ended (one node:
-    its local rank is its rank)."""
+def _first_failure(err, ended: tuple[int, int, int] | None) -> str:
+    """The rank that ended first, by rank, pid and how it ended: `ended` (train/restart.py
+    `Restarts.ended`), or else the one the elastic launcher reports (one node: its local rank
+    is its rank)."""
     from loomtrain.train.launch import exit_text
 
-    rank, failure = err.get_first_failure()
-    said = "" if failure.exitcode < 0 else "; see its messages above"
-    return (f"rank {rank} (pid {failure.pid}) {exit_text(failure.exitcode)}; the other ranks "
-            f"were stopped{said}")
+    if ended is None:
+        rank, failure = err.get_first_failure()
+        ended = (rank, failure.pid, failure.exitcode)
+    rank, pid, code = ended
+    said = "" if code < 0 else "; see its messages above"
+    return f"rank {rank} (pid {pid}) {exit_text(code)}; the other ranks were stopped{said}"
+
+
+def _restarted_by_torchrun() -> bool:
+    """Whether torchrun's agent started this process again after a failure (`torchrun
+    --max-restarts N`; it counts its restarts in the environment of the ranks it starts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _torchrun_restart(cfg, run_dir: Path) -> Path | None:
+    """The checkpoint a rank restarted by torchrun continues from (train/restart.py), said in
+    one line by rank 0; torchrun itself reported the failure."""
+    from loomtrain.train.restart import restart_checkpoint, starting_from
+
+    rank0 = int(os.environ["RANK"]) == 0
+    resume = restart_checkpoint(cfg, run_dir, rank0)
+    if rank0:
+        print(f"loom: restarted by torchrun (restart {os.environ['TORCHELASTIC_RESTART_COUNT']} "
+              f"of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): {starting_from(resume)}",
+              file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # measured: 1 of 5 such restarts failed to connect, 0 of 7 with the store not shared
+            print("loom: warning: torchrun shares its rendezvous store with the ranks, where a "
+                  "restarted rank may find the previous attempt's addresses and fail to connect "
+                  "(pytorch/pytorch#135712); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                  file=sys.stderr, flush=True)
+    return resume
 
 
 def cmd_plan(args) -> int:

@@ -74,6 +74,11 @@ class AsyncSGD(Component):
                                  "empty for all at full speed")
             _check_slowdown_factors(a.worker_slowdown)
             return
+        if cfg.run.max_restarts:
+            raise ValueError(f'run.max_restarts={cfg.run.max_restarts} does not apply to async.mode="ps": '
+                             "a lost worker does not end a parameter-server run (restart it with "
+                             "`loom train --rejoin RUN_DIR --worker W`), and a lost server ends it "
+                             "(continue with `loom train --resume RUN_DIR`); leave run.max_restarts at 0")
         if p.nproc < a.servers + 1:
             raise ValueError(f'async.mode="ps" runs the parameter server on ranks 0..{a.servers - 1} '
                              f"(async.servers={a.servers}) and workers on ranks {a.servers}..: it "

@@ -103,6 +103,28 @@ def launch_local(nproc: int, entrypoint, *args) -> dict[int, object]:
     return elastic_launch(config, entrypoint)(*args)
 
 
+def launch_restarting(nproc: int, entrypoint, payload: tuple, restarts=None) -> None:
+    """`launch_local(nproc, entrypoint, *payload)`, launched again with the payload
+    `restarts.after(failures, payload)` gives (train/restart.py) after each failure, until it
+    gives None: then the failure (ChildFailedError) is raised.
+
+    Restarts are ours, not torch's agent's (LaunchConfig.max_restarts): the agent restarts the
+    group after any failure, with the same arguments, while a restart here must not follow a
+    deterministic error (exit 2 or 3) nor a stop signal, and must tell the ranks which
+    checkpoint to continue from. Each launch is a fresh agent, rendezvous and processes, as the
+    agent's own restart would be; the launcher's pid, run-folder lock and error folder stay."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    while True:
+        try:
+            launch_local(nproc, entrypoint, *payload)
+            return
+        except ChildFailedError as err:
+            payload = None if restarts is None else restarts.after(err.failures, payload)
+            if payload is None:
+                raise
+
+
 def _worker_pids() -> list[int]:
     """This process's children (the launcher's workers), less multiprocessing's resource
     tracker, from /proc (Linux)."""
@@ -135,10 +157,11 @@ END_GRACE_S = 1.0  # after a rank has left its error message, for the others to 
 
 
 def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: list[int],
-                              errors: Path | None = None) -> None:
+                              errors: Path | None = None, restarts=None) -> None:
     """The elastic launcher on a thread, with SIGINT/SIGTERM forwarded to the workers: they
     save a checkpoint at the next step boundary and return normally; a second signal SIGKILLs
-    them. `received` collects the signals.
+    them. `received` collects the signals. `restarts`: the restart rule of run.max_restarts
+    (train/restart.Restarts; `launch_restarting`), which sees `received`.
 
     `errors`: the folder where ranks leave their error messages (run.leave). Once one is
     there the run has failed, and the ranks still running `END_GRACE_S` later are SIGKILLed:
@@ -156,14 +179,14 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
     can act on it. Without /proc (not Linux) the agent keeps the main thread and its own
     handling."""
     if not Path("/proc/self/stat").exists():
-        launch_local(nproc, entrypoint, *payload)
+        launch_restarting(nproc, entrypoint, payload, restarts)
         return
     outcome: dict[str, BaseException] = {}
 
-    def agent() -> None:
+    def agent() -> None:  # the ranks of every restart are started from this one thread
         try:
             with held_signals():
-                launch_local(nproc, entrypoint, *payload)
+                launch_restarting(nproc, entrypoint, payload, restarts)
         except BaseException as err:  # re-raised on the main thread
             outcome["error"] = err
 
@@ -178,13 +201,16 @@ def launch_forwarding_signals(nproc: int, entrypoint, payload: tuple, received: 
             while thread.is_alive():
                 thread.join(0.1)
                 signals.forward(_worker_pids)
-                if errors is not None and failed_at is None and any(errors.glob("*.txt")):
+                failed = errors is not None and any(errors.glob("*.txt"))
+                if failed and failed_at is None:
                     failed_at = time.monotonic()
+                elif not failed:  # a restart (train/restart.py) clears the messages first
+                    failed_at = None
                 if failed_at is not None and time.monotonic() - failed_at >= END_GRACE_S:
                     for pid in _worker_pids():
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, signal.SIGKILL)
-                    failed_at = float("inf")  # once: no rank starts after a failure
+                    failed_at = float("inf")  # once per attempt
     finally:
         for name in quiet.LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
@@ -215,7 +241,8 @@ def _tolerant_rank(rank: int, world: int, port: int, entrypoint, payload: tuple)
     os._exit(code)
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
+    """One line from the launcher to the user, on stderr."""
     print(f"loom: {line}", file=sys.stderr, flush=True)
 
 
@@ -272,8 +299,8 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
             with held_signals():  # the ranks act on a stop once they can: stop.py
                 for p in ranks:
                     p.start()
-            _say(f"ranks started as pids {[p.pid for p in ranks]} (ranks 0..{servers - 1}: the "
-                 f"parameter server{'s' if servers > 1 else ''}; rank r: worker r - {servers})")
+            say(f"ranks started as pids {[p.pid for p in ranks]} (ranks 0..{servers - 1}: the "
+                f"parameter server{'s' if servers > 1 else ''}; rank r: worker r - {servers})")
             while live():
                 wait([p.sentinel for p in live()], timeout=0.1)
                 signals.forward(lambda: [p.pid for p in live()])
@@ -286,18 +313,18 @@ def launch_tolerant(nproc: int, entrypoint, payload: tuple, received: list[int],
                             and server.exitcode is None and not signals.killed):
                         reported.add(rank)
                         said = messages.take(errors, p.pid) if errors is not None else None
-                        _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
-                             f"{exit_text(p.exitcode)}{f' ({said})' if said else ''}; "
-                             f"the parameter server and the other "
-                             f"workers go on (`loom train --rejoin {run_dir} --worker "
-                             f"{rank - servers}` restarts it)")
+                        say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) "
+                            f"{exit_text(p.exitcode)}{f' ({said})' if said else ''}; "
+                            f"the parameter server and the other "
+                            f"workers go on (`loom train --rejoin {run_dir} --worker "
+                            f"{rank - servers}` restarts it)")
                 if server.exitcode is not None and deadline is None:
                     deadline = time.monotonic() + (grace_s if server.exitcode == 0 else 0.0)
                 if deadline is not None and time.monotonic() >= deadline:
                     for rank, p in enumerate(ranks[servers:], servers):
                         if p.exitcode is None and server.exitcode == 0:
-                            _say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) had not ended "
-                                 f"{grace_s:g} s after the server (parallel.timeout_s): killed")
+                            say(f"worker {rank - servers} (rank {rank}, pid {p.pid}) had not ended "
+                                f"{grace_s:g} s after the server (parallel.timeout_s): killed")
                     break
         finally:  # the ranks never outlive the launcher
             for p in live():

@@ -55,6 +55,16 @@ def _left(errors: Path, pattern: str) -> list[tuple[int, bool, str]]:
     return found
 
 
+def codes(errors: Path) -> set[int]:
+    """The exit codes the messages left in `errors` call for (said ones included)."""
+    return {code for code, _, _ in _left(errors, "*.txt") + _left(errors, "*.said")}
+
+
+def named(errors: Path) -> bool:
+    """Whether a message left in `errors` names a cause (not only a failed collective)."""
+    return any(cause for _, cause, _ in _left(errors, "*.txt"))
+
+
 def take(errors: Path, pid: int) -> str | None:
     """The message rank `pid` left, if any, marked as said: `report` does not repeat it."""
     for file in Path(errors).glob(f"{pid}-*.txt"):

@@ -44,8 +44,13 @@ def ending_with_launcher(launcher_pid: int, timeout_s: float):
     leaves the process at once (os._exit, its output flushed), with code 0, its SystemExit's
     or 1 after a traceback: a function worker of the elastic launcher otherwise waits for its
     agent to read its return value, and a dead agent never does (measured: the rank hung
-    until the SIGKILL `grace_s` later)."""
-    alive = end_with_launcher(launcher_pid, grace_s(timeout_s))
+    until the SIGKILL `grace_s` later). A block that ends while the launcher is dying (its
+    thread that started the rank is gone, so PR_SET_PDEATHSIG has stopped the run, but the
+    process is still exiting: measured 60-200 ms for a SIGKILLed `loom train`, in which a stop
+    at a step boundary was saved) has returned to that agent: the watchdog then ends the
+    process once it sees the launcher gone."""
+    returned = threading.Event()
+    alive = end_with_launcher(launcher_pid, grace_s(timeout_s), returned)
     code = 0
     try:
         yield
@@ -58,21 +63,24 @@ def ending_with_launcher(launcher_pid: int, timeout_s: float):
             raise
         traceback.print_exc()
         code = 1
+    returned.set()  # before asking: the launcher may die between the two
     if not alive():  # asked now: the stop may have come from PR_SET_PDEATHSIG, before a poll
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
 
-def end_with_launcher(launcher_pid: int, grace_s: float):
+def end_with_launcher(launcher_pid: int, grace_s: float,
+                      returned: threading.Event | None = None):
     """Arrange that this process gets SIGTERM when `launcher_pid` dies, and SIGKILL `grace_s`
-    after that; returns a function that tells whether the launcher lives. The rank's stop
-    flag is installed before this (run.train_worker), so the SIGTERM is a stop from the start."""
+    after that (exit 0 at once instead once `returned` is set: the run has ended normally);
+    returns a function that tells whether the launcher lives. The rank's stop flag is
+    installed before this (run.train_worker), so the SIGTERM is a stop from the start."""
     direct = os.getppid() == launcher_pid
     if direct and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)  # failure: the watchdog acts
-    threading.Thread(target=_watch, args=(launcher_pid, direct, grace_s), daemon=True,
+    threading.Thread(target=_watch, args=(launcher_pid, direct, grace_s, returned), daemon=True,
                      name="loom-launcher-watch").start()  # also sees a parent dead before prctl
     return lambda: _alive(launcher_pid, direct)
 
@@ -89,9 +97,13 @@ def _alive(pid: int, direct: bool) -> bool:
     return True
 
 
-def _watch(launcher_pid: int, direct: bool, grace_s: float) -> None:
+def _watch(launcher_pid: int, direct: bool, grace_s: float, returned) -> None:
     while _alive(launcher_pid, direct):
         time.sleep(POLL_S)
+    if returned is not None and returned.is_set():  # nobody is left to take its return value
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os.kill(os.getpid(), signal.SIGKILL)

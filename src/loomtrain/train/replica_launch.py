@@ -20,7 +20,7 @@ import torch.distributed as dist
 from loomtrain.lowcomm.quorum import Lighthouse
 from loomtrain.lowcomm.replicas import Seat
 from loomtrain.train import messages
-from loomtrain.train.launch import _say, _tolerant_rank, child_failed, exit_text, free_port
+from loomtrain.train.launch import _tolerant_rank, child_failed, exit_text, free_port, say
 from loomtrain.train.stop import SignalForwarding, held_signals
 
 _FATAL = (2, 3)  # bad input, a non-finite streak: every replica would meet it again
@@ -70,11 +70,11 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
         if said:  # its message, here once, not again at the end (messages.report)
             what += f" ({said})"
         if used >= limit:
-            _say(f"{what}; not restarted (the run.max_restarts={limit} restarts are used): the "
+            say(f"{what}; not restarted (the run.max_restarts={limit} restarts are used): the "
                  "other replicas go on without it")
             return 0
         q = start(replica, True)
-        _say(f"{what}; restarted as pid {q.pid} (restart {used + 1} of run.max_restarts="
+        say(f"{what}; restarted as pid {q.pid} (restart {used + 1} of run.max_restarts="
              f"{limit}): it rejoins the others after their next sync")
         return 1
 
@@ -85,7 +85,7 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
         try:
             for replica in range(nproc):
                 start(replica, False)
-            _say(f"replicas started as pids {[p.pid for p in procs.values()]} (replica i: the "
+            say(f"replicas started as pids {[p.pid for p in procs.values()]} (replica i: the "
                  f"i-th); a lost replica is restarted, up to run.max_restarts={limit} times in "
                  "all, and rejoins the others with a peer's model")
             while live() and failed is None:
@@ -110,7 +110,7 @@ def launch_replicas(cfg, entrypoint, payload: tuple, received: list[int], run_di
                 if not lighthouse.holders and not finished and failed is None:
                     failed = last_lost
                     if not signals.killed:
-                        _say(f"every replica that held the model is lost; continue from the "
+                        say(f"every replica that held the model is lost; continue from the "
                              f"newest checkpoint with: loom train --resume {run_dir}")
         finally:  # the replicas never outlive the launcher
             for p in live():

@@ -108,7 +108,12 @@ def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
     stop = stop if stop is not None else StopFlag()
     if launcher_pid is None:
         return _worker(cfg_dict, run_dir, resume, errors, stop, seat)
+    import os
+
     from loomtrain.train.orphan import ending_with_launcher
+    from loomtrain.train.restart import name_rank
+
+    name_rank(int(os.environ["RANK"]))  # its launcher tells which rank ended by this name
 
     with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
         return _worker(cfg_dict, run_dir, resume, errors, stop, seat)
