@@ -235,7 +235,8 @@ def _hand_overs(rank, world, port):
                 "theta": model.global_params.clone(), "since": model.steps_since_sync,
                 "momentum": model.outer_state()["momentum_buffer.weight"].clone(),
                 "adam": [v.clone() for p in model.params for v in optimizer.state[p].values()],
-                "control": group.control}
+                "control": group.control, "saved_at": group.saved_at}
+    group.saved_at = 2  # the members' newest checkpoint (replica 2's own is overwritten)
     out = [snapshot()]
     # a sync completed on replicas 1 and 2, not on 0: it takes their model (replica 1's)
     positions = {0: position(3, SYNC), 1: position(3, RECORD), 2: position(3, RECORD)}
@@ -245,6 +246,7 @@ def _hand_overs(rank, world, port):
     if rank == 2:
         optimizer.state.clear()
         torch.nn.init.zeros_(model.module.weight)
+        group.saved_at = 0
     group._form(2, [0, 1, 2])
     out.append((group._reconcile(JOIN if rank == 2 else position(3, BEGIN)), snapshot()))
     # replica 1 failed in the control all-reduce before step 4 that 0 and 2 completed
@@ -274,9 +276,52 @@ def test_members_behind_take_what_they_missed_from_the_most_advanced_one():
     # a joiner: everything from replica 0, the lowest of the most advanced
     assert [j[0] for j in joined] == [(position(3, BEGIN), 0)] * 3
     assert same(joined[2][1], taken[0][1]) and same(joined[1][1], taken[1][1])
+    # and the members' newest checkpoint: at a stop right after the rejoin it saves as they do
+    assert [j[1]["saved_at"] for j in joined] == [2, 2, 2]
     # before a step: only the control answer; its own model stays (it trains that step)
     assert [t[0] for t in told] == [(position(4, SYNC), 0)] * 3
     assert told[1][1]["control"] == (96.0, False, True) and same(told[1][1], joined[1][1])
+
+
+def _error_beside_a_collective(rank, world, port):
+    """Replica 1 fails (a record it could not write, say) while replica 0 is already in the
+    next step's control all-reduce (3 float64); returns replica 1's error text, or the seconds
+    replica 0 took to see the failure (None: its all-reduce completed)."""
+    import torch
+
+    from loomtrain import comm
+    from loomtrain.lowcomm.replicas import ReplicaGroup, Seat
+
+    group = ReplicaGroup(Seat(port, rank, world), 20.0, torch.device("cpu"))
+    group.start(joining=False)
+    if rank == 1:
+        try:
+            with group.session():
+                raise ValueError("metrics.jsonl could not be written")
+        except ValueError as err:
+            return str(err)
+    started = time.perf_counter()
+    try:
+        comm.all_reduce(torch.zeros(3, dtype=torch.float64), group.mesh, "world")
+    except comm.CollectiveError:
+        return time.perf_counter() - started
+    finally:
+        group.close()
+    return None
+
+
+def test_a_replica_leaving_on_an_error_issues_no_collective():
+    # the failure seen in a run: the new writer's first record raised, and its leaving barrier
+    # (a 4-byte all-reduce) met replica 2's control all-reduce (8-byte chunks) under the same
+    # gloo tag: "op.preamble.length <= op.nbytes. 8 vs 4", SIGABRT, the error never printed
+    store_port = free_port()
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    Lighthouse(store, 2, bound_s=5.0)
+    seen, error = run_world(_error_beside_a_collective, 2, store_port, timeout_s=90)
+    assert error == "metrics.jsonl could not be written"  # its own error, not an abort
+    # the survivor's collective fails as soon as the group is freed, not at the 20 s timeout
+    # (generous bound: measured well under 1 s, on 2 loaded cores)
+    assert seen is not None and seen < 10.0, seen
 
 
 def test_the_lighthouse_lets_joiners_in_only_where_the_members_hold_one_model():

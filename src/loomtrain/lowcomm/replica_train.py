@@ -126,6 +126,7 @@ class ReplicaMode(BackpropMode):
             away = {"replicas_away": group.away} if group.away else {}
             super(ReplicaMode, self).save(done, {**(extra or {}), **away})
         group.guard(SAVE, attempt, errors=_SAVE_ERRORS)
+        group.saved_at = done  # a member caught up past the save: the source published it
 
     def _reformed(self, before: list[int], agreed: int, source: int, seconds: float) -> None:
         """The writer's role moves to the lowest member; it says what changed."""
@@ -172,10 +173,8 @@ def run_replica(cfg, run_dir: Path, resume: Path | None, seat: Seat, stop: StopF
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // seat.nproc))
     group = ReplicaGroup(seat, cfg.parallel.timeout_s, device)
     group.start(seat.joining)
-    try:
+    with group.session():
         return _train(cfg, run_dir, resume, group, seat.joining, stop)
-    finally:
-        group.close()
 
 
 def _train(cfg, run_dir: Path, resume: Path | None, group: ReplicaGroup, joining: bool,
@@ -190,7 +189,7 @@ def _train(cfg, run_dir: Path, resume: Path | None, group: ReplicaGroup, joining
         if start is None:  # nothing to do: the run ended, or was stopped, before it was let in
             return 0
     else:
-        start = resume_run(mode.built, run_dir, resume)
+        start = group.saved_at = resume_run(mode.built, run_dir, resume)
     if joining and group.writer:  # replica 0 back: it writes from here on
         truncate_metrics(run_dir, start)  # a record the lost writer left torn
     mode.log = log = RunLog(run_dir, cfg.train.steps, start, group.writer, cfg.run.progress)
@@ -199,6 +198,6 @@ def _train(cfg, run_dir: Path, resume: Path | None, group: ReplicaGroup, joining
             log_first_lines(mode, data, start, resume)
         else:
             log.message(mode.news)
-        return run_loop(mode, run_dir, start, stop)
+        return run_loop(mode, run_dir, start, stop, saved_at=group.saved_at)
     finally:
         log.close()

@@ -11,11 +11,17 @@ failed sync has changed nothing: it all-reduces a copy); a member whose peers go
 (the lost replica died inside a collective that some completed) takes what it missed from
 the most advanced one, the source: the synchronized model after a sync, the control answer
 before a step. A joiner takes the model, the wrapper's outer state, the inner optimizer's
-state and the step from the source. Guide: docs/lowcomm.md, "Lost replicas".
+state and the step from the source.
+
+Every member of an epoch issues the same collectives in the same order: each decision that
+chooses a collective is agreed (the control all-reduce, the reconcile's positions, the
+lighthouse's members, the newest checkpoint's step handed to a joiner), and a replica that
+leaves on an error issues none (`session`). Guide: docs/lowcomm.md, "Lost replicas".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import zlib
@@ -62,6 +68,7 @@ class ReplicaGroup:
         self.epoch, self.members, self.mesh = -1, [], None
         self.done = 0  # optimizer steps done: the position of the phase the mode runs
         self.control: tuple | None = None  # the last control answer (tokens, stop, join)
+        self.saved_at = 0  # the step the newest checkpoint holds: the same on every member
         self.built = None
         self.reformed = lambda before, agreed, source, seconds: None
 
@@ -209,12 +216,14 @@ class ReplicaGroup:
         the model, the wrapper's replica state and the inner optimizer's state. `behind`: this
         replica's position if it takes them (None: it only takes part)."""
         model, optimizer = self.built.model, self.built.optimizer
-        header = torch.zeros(5, dtype=torch.float64)
+        header = torch.zeros(6, dtype=torch.float64)
         if self.mesh.rank == src:
             header[:] = torch.tensor([model.steps_since_sync, bool(optimizer.state),
-                                      *(self.control or (0.0, False, False))],
+                                      *(self.control or (0.0, False, False)), self.saved_at],
                                      dtype=torch.float64)
         comm.broadcast(header, self.mesh, "world", src)
+        if behind == JOIN:  # whether a stop right after the rejoin saves: as the members decide
+            self.saved_at = int(header[5])
         if behind is not None and phase_of(behind) == BEGIN:  # a step the others have begun
             self.control = (float(header[2]), bool(header[3]), bool(header[4]))
         if not state:
@@ -243,9 +252,25 @@ class ReplicaGroup:
         comm.all_reduce(slots, self.mesh, "world")
         return [int(v) - 1 if v else None for v in slots.tolist()]
 
+    @contextlib.contextmanager
+    def session(self):
+        """Around the replica's run: at its end, `close`; on an exception (a write error, a
+        collective that failed again among the same members, a bug), leave the group at once
+        with no collective. The members are then elsewhere in their sequence, and a barrier
+        there would meet another collective under the same gloo tag: a size mismatch aborts
+        the process (SIGABRT: its error never printed, its exit code lost), a smaller message
+        lands silently in a peer's larger receive. Freeing the group fails the members'
+        pending collectives at once, and they re-form without this replica."""
+        try:
+            yield self
+        except BaseException:
+            self._leave()
+            raise
+        self.close()
+
     def close(self) -> None:
-        """Leave the group after a barrier of its members (a member lost by now is not
-        waited for)."""
+        """Leave the group after a barrier of its members, which reach it together: after the
+        last step's or a stop's checkpoint (a member lost by now is not waited for)."""
         if self.mesh is not None and self.mesh.world > 1:
             try:
                 comm.barrier(self.mesh)

@@ -71,19 +71,22 @@ class Mode:
         """After the final checkpoint: may still fail the run (the server: workers lost)."""
 
 
-def run_loop(mode: Mode, run_dir: Path, start: int, stop) -> int:
+def run_loop(mode: Mode, run_dir: Path, start: int, stop, saved_at: int | None = None) -> int:
     """Steps start .. (mode.last or train.steps) - 1 of `mode`. A stop signal is acted on at
     a step boundary, before the next step, the same in every mode: the state after the last
     step is checkpointed (unless it already is) and the run returns 0, to be resumed with
     `loom train --resume`. No checkpoint is written while a non-finite streak is in progress
-    (the periodic one is skipped, with a warning): the newest predates the streak."""
+    (the periodic one is skipped, with a warning): the newest predates the streak.
+    `saved_at`: the step the newest checkpoint holds, if not `start` (a rejoined replica's:
+    the others', so that it saves at a stop exactly when they do)."""
     cfg, log = mode.cfg, mode.log
     last = cfg.train.steps if mode.last is None else mode.last
     meter = mode.mesh.meter
     meter.take()
     meter.take_simulated()
     meter.take_link_wait()
-    nonfinite, saved_at = 0, start  # the newest checkpoint holds the state after `saved_at`
+    nonfinite = 0
+    saved_at = start if saved_at is None else saved_at  # the newest checkpoint's step
     loop_t0 = window_t0 = time.perf_counter()
     window_tokens = 0.0
     done = start
