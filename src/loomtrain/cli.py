@@ -310,7 +310,8 @@ def _train(args, lock, stop=None) -> int:
                 launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received,
                                           Path(errors), restarts)
         except ChildFailedError as err:
-            codes = {f.exitcode for f in err.failures.values()} | messages.codes(Path(errors))
+            failed = {f.exitcode for f in err.failures.values()}  # as torch's launcher saw them
+            codes = failed | messages.codes(Path(errors))
             if restarts.ended is not None:  # torch reports one rank, not always the first
                 codes.add(restarts.ended[2])
             # a rank that ended on a message of its own (2, 3, 4) said why, once, and so did
@@ -323,7 +324,7 @@ def _train(args, lock, stop=None) -> int:
             if len(received) > 1 or cfg.asgd.mode == "ps":
                 why = ("killed after a second stop signal" if len(received) > 1 else
                        "the parameter server (rank 0) failed")
-                print(f"error: {why} (exit codes {sorted(codes)}); see the messages above",
+                print(f"error: {why} (exit codes {sorted(failed)}); see the messages above",
                       file=sys.stderr)
             else:
                 print(f"error: {_first_failure(err, restarts.ended)}", file=sys.stderr)
