@@ -252,11 +252,12 @@ def test_a_signal_to_one_rank_stops_every_rank_before_the_next_step(tmp_path, co
 
 
 def _nonfinite(rank, world, tree):
+    """The rank's exit code: train_worker's return value in a process of its own (nproc 1),
+    whose entry (cli.entry) leaves with it; a SystemExit's code otherwise."""
     try:
-        train_worker(tree, str(Path(tree["run"]["dir"]) / "nan"), None)
+        return train_worker(tree, str(Path(tree["run"]["dir"]) / "nan"), None)
     except SystemExit as exit:
         return exit.code
-    return 0
 
 
 def test_non_finite_projected_gradients_end_the_run_with_exit_code_3(tmp_path, corpus):

@@ -36,7 +36,7 @@ from loomtrain.lowcomm import quorum
 from loomtrain.lowcomm.quorum import BEGIN, JOIN, SYNC, done_of, phase_of, position
 from loomtrain.mesh import build_mesh
 from loomtrain.parallel.data import broadcast_tensors
-from loomtrain.train.checkpoint import _init_optimizer_state
+from loomtrain.train.checkpoint import init_optimizer_state
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ class ReplicaGroup:
             return
         takes = behind is not None and (behind == JOIN or phase_of(behind) == SYNC)
         if header[1] and not optimizer.state:  # a joiner, or a member yet to step (step 1 only)
-            _init_optimizer_state(optimizer)  # tensors for the source's to land in
+            init_optimizer_state(optimizer)  # tensors for the source's to land in
         live = [t for t in model.module.state_dict(keep_vars=True).values()
                 if isinstance(t, torch.Tensor)]
         if header[1]:

@@ -313,7 +313,7 @@ def _dcp_load(path: Path, state: dict, metadata: Metadata, no_dist: bool = False
                               "it is damaged or does not match this run's model and optimizer") from None
 
 
-def _init_optimizer_state(optimizer) -> None:
+def init_optimizer_state(optimizer) -> None:
     """Create the optimizer's state tensors for DCP to load into: one step with zero
     gradients and learning rate 0 (torch's `_init_optim_state`, which skips optimizers whose
     parameters already have a `.grad`, as the engines' bucket views always are)."""
@@ -348,7 +348,7 @@ def load(path: Path, model, optimizer, mesh, extra: dict | None = None,
     if mismatch:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {mismatch}")
     if layout.init_optimizer:
-        _init_optimizer_state(optimizer)
+        init_optimizer_state(optimizer)
     state = training_state(model, optimizer, for_saving=False, layout=layout)
     # a checkpoint written on CPU has no CUDA RNG state: restore what it holds
     rng = {k: v for k, v in _rng_state(mesh.rank, mesh.device).items() if k in metadata.state_dict_metadata}
