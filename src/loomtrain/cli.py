@@ -463,6 +463,9 @@ def entry() -> None:
         from loomtrain.train.stop import StopFlag
         stop = StopFlag()
     code = main(stop=stop)
+    if stop is not None:
+        from loomtrain.train.stop import ignore_stops
+        ignore_stops()
     if code:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -17,7 +17,7 @@ from loomtrain.train import checkpoint, messages
 from loomtrain.train.config import Config, config_from_dict
 from loomtrain.train.launch import init_distributed, shutdown
 from loomtrain.train.backprop import train_backprop
-from loomtrain.train.stop import StopFlag
+from loomtrain.train.stop import StopFlag, ignore_stops
 from loomtrain.train.trainer import NonFiniteError
 from loomtrain.writes import STORAGE_ERRNOS, write_error
 
@@ -116,7 +116,9 @@ def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
     name_rank(int(os.environ["RANK"]))  # its launcher tells which rank ended by this name
 
     with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
-        return _worker(cfg_dict, run_dir, resume, errors, stop, seat)
+        code = _worker(cfg_dict, run_dir, resume, errors, stop, seat)
+    ignore_stops()
+    return code
 
 
 def _worker(cfg_dict: dict, run_dir: str, resume: str | None, errors: str | None,

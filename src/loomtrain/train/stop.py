@@ -48,6 +48,18 @@ class StopFlag:
         self.received.append(signum)
 
 
+def ignore_stops() -> None:
+    """The process's work is over: SIGINT and SIGTERM are ignored from now on, as there is
+    nothing left to stop. Called as a rank or `loom train` leaves. A handler written in Python
+    is reset to the default action by the interpreter's teardown, so a stop that came late (the
+    launcher forwards a group's Ctrl-C to ranks that got it themselves and have already saved)
+    killed a rank that was leaving with exit 0: the launcher reported "killed by signal SIGINT"
+    and exit 1 (seen once in CI, 2026-12-06). An ignored signal stays ignored through teardown;
+    a launcher's second signal is SIGKILL, which still ends a rank that hangs as it leaves."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def stopped_before_start(stop: StopFlag | None, run_dir, resuming: bool) -> bool:
     """Whether `loom train`'s `stop` flag was set before any rank started (nothing trained,
     nothing saved): then one line says so, and the command exits 0. `run_dir`: the run
