@@ -146,6 +146,27 @@ def test_no_checkpoint_is_written_during_a_nonfinite_streak(tiny, tmp_path):
             "step 2 stays the newest)") in aborted["stderr"]
 
 
+def _replica_streak(rank, world, cfg, root):
+    run.shutdown = lambda mesh: None
+    return _poisoned_run(rank, cfg, f"{root}/ls", {3, 4}, nan_rank=1)
+
+
+def test_under_local_sgd_one_replicas_streak_skips_the_checkpoint_on_every_replica(tiny, tmp_path):
+    # local SGD's replicas step on their own gradients: only replica 1 skips steps 3 and 4.
+    # The step-4 checkpoint (collective) is skipped by both, as the streak is agreed; before,
+    # replica 0 began a save that replica 1 never joined
+    cfg = tiny(train={"steps": 6}, parallel={"nproc": 2}, checkpoint={"every": 2, "keep": 5},
+               lowcomm={"algorithm": "local_sgd", "inner_steps": 2})
+    zero, one = run_world(_replica_streak, 2, cfg, str(tmp_path), timeout_s=180)
+    assert [s["stepped"] for s in zero["steps"]] == [True] * 6
+    assert [s["stepped"] for s in one["steps"]] == [True, True, False, False, True, True]
+    assert zero["error"] is one["error"] is None
+    saved = [p.name for p in checkpoint.list_checkpoints(tmp_path / "ls")]  # once both ended
+    assert saved == ["step_00000002", "step_00000006"]
+    assert ("warning: no checkpoint at step 4: a non-finite streak is in progress (checkpoint "
+            "step 2 stays the newest)") in zero["stderr"]
+
+
 def test_a_torn_last_metrics_line_is_repaired_by_the_resume(tiny, tmp_path):
     """A crash while a record was written leaves half a line: a resume drops it and goes on;
     a damaged line before the last is refused, naming it."""

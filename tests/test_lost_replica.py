@@ -23,11 +23,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from conftest import refused, tiny_tree
 from harness import free_port, run_world
-from loomtrain.lowcomm.quorum import BEGIN, JOIN, RECORD, SYNC, Lighthouse, position, register
+from loomtrain.lowcomm.quorum import (AGREE, BEGIN, JOIN, RECORD, SETTLE, SYNC, Lighthouse,
+                                      position, register)
 from loomtrain.train import checkpoint
 from loomtrain.train.metrics import read_metrics
 
@@ -108,22 +110,33 @@ def _tree(tmp_path, corpus, name: str, algorithm: str, restarts: int, **sections
     return tree
 
 
+# streaming DiLoCo: two fragments (the tiny GPT's two blocks), each synced every 4 steps and
+# landing a step later
+STREAMING = {"algorithm": "streaming_diloco", "inner_steps": 4, "fragments": 2}
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco"])
+@pytest.mark.parametrize("algorithm", ["local_sgd", "diloco", "streaming_diloco"])
 def test_without_a_fault_the_run_is_the_run_without_restarts(tmp_path, corpus, algorithm):
     runs = {}
+    extra = {"lowcomm": STREAMING} if algorithm == "streaming_diloco" else {}
     for restarts in (0, 2):  # one after the other: 6 processes starting at once crawl here
         run = runs[restarts] = Run(tmp_path, _tree(tmp_path, corpus, f"r{restarts}", algorithm,
-                                                   restarts, run={"log_every": 1}))
+                                                   restarts, run={"log_every": 1}, **extra))
         assert run.finish() == 0, run.stderr
     plain, replicas = runs[0].records(), runs[2].records()
     assert [r["step"] for r in replicas] == list(range(1, 21))
-    # the same collectives over the same group: bitwise the same losses
+    # the same sums over the same group (streaming's waited for at once, landing as late):
+    # bitwise the same losses
     assert [r["loss"] for r in replicas] == [r["loss"] for r in plain]
     assert {r["replicas"] for r in replicas} == {3}
     assert "replicas started as pids" in runs[2].stderr
-    synced = [r["replica_fingerprints"] for r in replicas if r["step"] % 2 == 0]
-    assert len(synced) == 10 and all(len(set(f)) == 1 and None not in f for f in synced)
+    # where the replicas hold one model: after each sync, or for streaming at the end only
+    synced = [(r["step"], r["replica_fingerprints"]) for r in replicas
+              if "replica_fingerprints" in r]
+    steps = [20] if algorithm == "streaming_diloco" else list(range(2, 21, 2))
+    assert [s for s, _ in synced] == steps
+    assert all(len(set(f)) == 1 and None not in f for _, f in synced)
 
 
 @pytest.mark.timeout(300)
@@ -207,6 +220,36 @@ def test_sigterm_stops_the_replicas_left_with_a_checkpoint(tmp_path, corpus):
     assert meta.get("replicas_away", []) in ([], [1])  # [1]: it had not rejoined yet
 
 
+@pytest.mark.timeout(300)
+def test_under_streaming_diloco_a_killed_replica_rejoins_then_a_stop_saves(tmp_path, corpus):
+    # streaming DiLoCo's fragment syncs (waited for at once here) and the state a joiner
+    # copies: theta and the momentum of each fragment, and a sync still to land
+    run = Run(tmp_path, _tree(tmp_path, corpus, "streaming", "streaming_diloco", 1,
+                              train={"steps": 10**5, "global_batch": 12}, lowcomm=STREAMING))
+    try:
+        run.kill_at(1, 10)
+        run.wait_for("the rejoin", lambda: "replica 1 rejoined" in run.stderr, 150)
+        step = run.records()[-1]["step"] + 20
+        run.wait_for(f"step {step}", lambda: run.records()[-1]["step"] >= step)
+        os.kill(run.proc.pid, signal.SIGTERM)
+    finally:
+        code = run.finish()
+    assert code == 0, run.stderr
+    assert re.search(r"replica 1 lost (before|at) step \d+: 2 of 3 replicas train on", run.stderr)
+    assert re.search(r"replica 1 rejoined before step \d+ with the model of replica 0",
+                     run.stderr), run.stderr
+    records = run.records()
+    counts = [r["replicas"] for r in records]
+    first_two = counts.index(2)
+    back = first_two + counts[first_two:].index(3)
+    assert set(counts[:first_two]) == {3} and set(counts[first_two:back]) == {2}
+    assert set(counts[back:]) == {3} and len(counts) - back >= 2, counts
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert all(r["fragment_launched"] is not None for r in records)  # every 10th step: one
+    meta = json.loads((checkpoint.list_checkpoints(run.run_dir)[-1] / "loom.json").read_text())
+    assert meta["stopped_by"] == "SIGTERM" and "replicas_away" not in meta
+
+
 def _hand_overs(rank, world, port):
     """Three DiLoCo replicas of a small linear model, apart after an outer step and one more
     inner step, re-form three times with positions set by hand; each returns its state after
@@ -235,7 +278,8 @@ def _hand_overs(rank, world, port):
                 "theta": model.global_params.clone(), "since": model.steps_since_sync,
                 "momentum": model.outer_state()["momentum_buffer.weight"].clone(),
                 "adam": [v.clone() for p in model.params for v in optimizer.state[p].values()],
-                "control": group.control, "saved_at": group.saved_at}
+                "control": group.control, "saved_at": group.saved_at,
+                "streaking": group.streaking}
     group.saved_at = 2  # the members' newest checkpoint (replica 2's own is overwritten)
     out = [snapshot()]
     # a sync completed on replicas 1 and 2, not on 0: it takes their model (replica 1's)
@@ -250,9 +294,15 @@ def _hand_overs(rank, world, port):
     group._form(2, [0, 1, 2])
     out.append((group._reconcile(JOIN if rank == 2 else position(3, BEGIN)), snapshot()))
     # replica 1 failed in the control all-reduce before step 4 that 0 and 2 completed
-    group.control = None if rank == 1 else (96.0, False, True)
+    group.control = None if rank == 1 else (96.0, False, True, False)
     group._form(3, [0, 1, 2])
     out.append((group._reconcile(position(3, BEGIN) if rank == 1 else position(4, SYNC)),
+                snapshot()))
+    # replica 1 failed in the agreement on a non-finite streak before step 4's checkpoint,
+    # which 0 and 2 completed (a replica is in a streak): it takes their answer, not a model
+    group.streaking = rank != 1
+    group._form(4, [0, 1, 2])
+    out.append((group._reconcile(position(4, AGREE) if rank == 1 else position(4, SETTLE)),
                 snapshot()))
     group.close()
     return out
@@ -262,7 +312,8 @@ def test_members_behind_take_what_they_missed_from_the_most_advanced_one():
     store_port = free_port()
     store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
     Lighthouse(store, 3, bound_s=5.0)  # publishes epoch 0: every replica
-    before, taken, joined, told = zip(*run_world(_hand_overs, 3, store_port, timeout_s=120))
+    before, taken, joined, told, agreed = zip(*run_world(_hand_overs, 3, store_port,
+                                                         timeout_s=120))
     import torch
 
     def same(a, b, keys=("params", "theta", "momentum", "adam")):
@@ -280,7 +331,87 @@ def test_members_behind_take_what_they_missed_from_the_most_advanced_one():
     assert [j[1]["saved_at"] for j in joined] == [2, 2, 2]
     # before a step: only the control answer; its own model stays (it trains that step)
     assert [t[0] for t in told] == [(position(4, SYNC), 0)] * 3
-    assert told[1][1]["control"] == (96.0, False, True) and same(told[1][1], joined[1][1])
+    assert told[1][1]["control"] == (96.0, False, True, False) and same(told[1][1], joined[1][1])
+    assert [a[0] for a in agreed] == [(position(4, SETTLE), 0)] * 3
+    assert [a[1]["streaking"] for a in agreed] == [True] * 3
+    assert same(agreed[1][1], told[1][1])  # its own model, as it was
+
+
+class _TwoBlocks(torch.nn.Module):
+    """Two blocks: streaming DiLoCo's two fragments."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
+
+
+def _streaming_steps(model, optimizer, steps, rank: int) -> None:
+    import torch
+
+    for step in steps:
+        torch.manual_seed(100 * step + rank)  # each replica its own data, the same every run
+        model(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.after_step(step)
+
+
+def _streaming_guarded(rank, world):
+    """Streaming DiLoCo on two replicas (F = 2, H = 4, overlap 1: fragment 1 syncs at steps 2
+    and 6, fragment 0 at 4 and 8, each landing a step later), with its all-reduces in flight
+    (plain) and waited for through a guard (as a run that outlives lost replicas runs them).
+    After step 6, fragment 1's sync is in flight; a fresh replica on rank 0 takes the guarded
+    one's parameters, inner optimizer and `replica_state`, and both train step 7, where it
+    lands. Returns the parameters after 8 steps of each run, and both after step 7."""
+    import copy
+
+    from loomtrain.lowcomm.streaming import StreamingDiLoCo
+    from loomtrain.mesh import build_mesh
+
+    mesh = build_mesh({"dp": world})
+
+    def replica(guard):
+        torch.manual_seed(0)
+        model = StreamingDiLoCo(_TwoBlocks(), mesh, inner_steps=4, fragments=2, overlap_steps=1)
+        model.sync_guard = guard
+        return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    def params(model):
+        return [p.detach().clone() for p in model.params]
+
+    plain, plain_opt = replica(None)
+    _streaming_steps(plain, plain_opt, range(1, 9), rank)
+    guarded, guarded_opt = replica(lambda attempt, settle=False: attempt())
+    _streaming_steps(guarded, guarded_opt, range(1, 7), rank)
+    in_flight = [(s.fragment, s.launched_step) for s in guarded.in_flight]
+    fresh, fresh_opt = replica(None)  # built on both: its start is a broadcast
+    if rank == 0:
+        with torch.no_grad():
+            for mine, theirs in zip(fresh.params, guarded.params):
+                mine.copy_(theirs)
+        # a deep copy: load_state_dict keeps the very tensors it is given
+        fresh_opt.load_state_dict(copy.deepcopy(guarded_opt.state_dict()))
+        fresh.load_replica_state(guarded.replica_state())
+        _streaming_steps(fresh, fresh_opt, [7], rank)  # a landing step: no collective
+    _streaming_steps(guarded, guarded_opt, [7], rank)
+    at_7 = params(guarded), params(fresh)
+    _streaming_steps(guarded, guarded_opt, [8], rank)
+    return params(plain), params(guarded), in_flight, at_7
+
+
+def test_streaming_syncs_waited_for_at_once_and_a_copied_replica_keep_the_maths():
+    import torch
+
+    results = run_world(_streaming_guarded, 2, timeout_s=90)
+    for plain, guarded, in_flight, _ in results:
+        assert in_flight == [(1, 6)]
+        # waited for at their launch, the syncs land as they would have: bitwise the same
+        assert all(torch.equal(a, b) for a, b in zip(plain, guarded))
+    ours, copied = results[0][3]
+    assert all(torch.equal(a, b) for a, b in zip(ours, copied))  # the sync in flight landed alike
 
 
 def _error_beside_a_collective(rank, world, port):
@@ -347,9 +478,7 @@ def test_the_lighthouse_lets_joiners_in_only_where_the_members_hold_one_model():
 
 
 @pytest.mark.parametrize("sections, why", [
-    ({"lowcomm": {"algorithm": "streaming_diloco", "inner_steps": 2}},
-     "its fragment syncs stay in flight across steps"),
-    ({"lowcomm": {"algorithm": "noloco"}}, "not one synchronous all-reduce"),
+    ({"lowcomm": {"algorithm": "noloco"}}, "not a synchronous all-reduce"),
     ({"lowcomm": {"algorithm": "diloco"},
       "compression": {"method": "int8", "applies_to": "pseudo_gradients"}}, "error feedback"),
 ])

@@ -250,7 +250,8 @@ def _train(args, lock, stop=None) -> int:
     from loomtrain.lowcomm.config import restarts_replicas
     replicas = restarts_replicas(cfg)  # a lost replica is restarted alone and rejoins
     if replicas and in_torchrun():
-        raise ConfigError("run.max_restarts with lowcomm.algorithm=\"local_sgd\" or \"diloco\" "
+        raise ConfigError("run.max_restarts with lowcomm.algorithm=\"local_sgd\", \"diloco\" or "
+                          "\"streaming_diloco\" "
                           "restarts a lost replica alone, which needs loom train's own launcher "
                           "(it hosts the store the replicas meet through); under torchrun use "
                           "torchrun's --max-restarts and set run.max_restarts=0")

@@ -27,7 +27,7 @@ LOWCOMM_KEYS = {
 
 # the algorithms whose lost replica is restarted alone and rejoins (run.max_restarts > 0;
 # lowcomm/replicas.py): one synchronous all-reduce per sync, which a re-formed group retries
-REPLICA_ALGORITHMS = ("local_sgd", "diloco")
+REPLICA_ALGORITHMS = ("local_sgd", "diloco", "streaming_diloco")
 
 
 def restarts_replicas(cfg) -> bool:
@@ -180,18 +180,16 @@ class Lowcomm(EngineTimeline, Component):
 
 def _check_restarts(cfg) -> None:
     """run.max_restarts > 0 restarts a lost replica alone (lowcomm/replicas.py): for the
-    algorithms whose sync is one synchronous all-reduce that a re-formed group can retry."""
+    algorithms whose syncs are synchronous all-reduces that a re-formed group can retry
+    (streaming DiLoCo's fragment syncs are waited for at once there: lowcomm/streaming.py)."""
     lc = cfg.lowcomm
     if lc.algorithm not in REPLICA_ALGORITHMS:
-        why = ("its fragment syncs stay in flight across steps, so a lost replica fails an "
-               "all-reduce several steps after it began, which a re-formed group cannot retry"
-               if lc.algorithm == "streaming_diloco" else
-               "its synchronization is not one synchronous all-reduce of the whole model, which "
-               "is what a re-formed group retries")
         raise ValueError(f"run.max_restarts={cfg.run.max_restarts} under [lowcomm] restarts a "
-                         "lost replica alone, which works with lowcomm.algorithm=\"local_sgd\" "
-                         f"and \"diloco\"; lowcomm.algorithm={lc.algorithm!r} is not supported "
-                         f"yet: {why}. Set run.max_restarts=0 or one of those algorithms")
+                         "lost replica alone, which works with lowcomm.algorithm=\"local_sgd\", "
+                         f"\"diloco\" and \"streaming_diloco\"; lowcomm.algorithm={lc.algorithm!r}"
+                         " is not supported yet: its synchronization is not a synchronous "
+                         "all-reduce of whole fragments, which is what a re-formed group retries. "
+                         "Set run.max_restarts=0 or one of those algorithms")
     if cfg.compression.method != "none":
         raise ValueError("run.max_restarts > 0 with [compression] on DiLoCo's pseudo-gradients: "
                          "the compressor keeps what it dropped (error feedback) before the "

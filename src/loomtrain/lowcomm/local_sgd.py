@@ -28,6 +28,8 @@ class LocalSGD(nn.Module):
 
     The wrapped module is `.module` (its state_dict keys are unchanged there)."""
 
+    replicas_apart = True  # each replica steps on its own gradient (train/loop.py in_streak)
+
     def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str = "dp"):
         super().__init__()
         assert inner_steps >= 1, inner_steps
@@ -36,7 +38,8 @@ class LocalSGD(nn.Module):
         self.steps_since_sync = 0
         # a run that outlives lost replicas (lowcomm/replicas.py) sets these: the replica's own
         # index, kept when the group shrinks, and the guard that re-runs a sync that failed
-        # in a re-formed group
+        # in a re-formed group: `sync_guard(attempt, settle)` returns attempt()'s value, or
+        # None where this replica took the outcome from a peer
         self.replica_index: int | None = None
         self.sync_guard = None
         broadcast_state(module, mesh, axis)  # replicas start identical, whatever their seeds
@@ -99,13 +102,15 @@ class LocalSGD(nn.Module):
         """Synchronize now unless the replicas have not stepped since the last sync: what a
         checkpoint needs, since it holds one model for all replicas."""
         if self.steps_since_sync:
-            self._sync()
+            self._sync(settle=True)
 
-    def _sync(self) -> None:
+    def _sync(self, settle: bool = False) -> None:
+        """`synchronize`, through the guard where there is one (`settle`: the sync that brings
+        the replicas to one model before a checkpoint, a phase of its own there)."""
         if self.sync_guard is None:
             self.synchronize()
         else:
-            self.sync_guard(self.synchronize)
+            self.sync_guard(self.synchronize, settle)
 
     @torch.no_grad()
     def synchronize(self) -> None:
@@ -120,6 +125,16 @@ class LocalSGD(nn.Module):
         for p, value in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
             p.copy_(value)
         self.steps_since_sync = 0
+
+    # a run that outlives lost replicas (lowcomm/replicas.py) asks these
+    def one_model(self) -> bool:
+        """Whether every replica holds the same parameters now: after a sync."""
+        return self.steps_since_sync == 0
+
+    def joinable(self) -> bool:
+        """Whether a replica may join here, taking its whole state from one peer
+        (`replica_state`) and the model the others hold: after a sync."""
+        return self.one_model()
 
     # checkpoint hooks (lowcomm/state.py): local SGD keeps no state of its own
     def outer_state(self) -> dict[str, torch.Tensor]:

@@ -23,23 +23,29 @@ from __future__ import annotations
 import time
 
 JOIN = -1  # the position of a replica that holds no state yet
-# where in a step a replica is, by the collective it was in: positions are done * 8 + phase,
-# totally ordered along a run
-SYNC, RECORD, SAVE, BEGIN = 1, 2, 3, 4
+# where in a step a replica is, by the collective it was in: positions are done * 16 + phase,
+# totally ordered along a run. After step `done`: its syncs (SYNC), its record (RECORD), at a
+# checkpoint step the agreement on a non-finite streak (AGREE), the sync that brings the
+# replicas to one model (SETTLE) and the save (SAVE); then the control all-reduce before step
+# done + 1 (BEGIN). A stop agreed there is saved after it, at the same `done` (STOP_SETTLE,
+# STOP_SAVE), so that positions keep the order the collectives are issued in.
+SYNC, RECORD, AGREE, SETTLE, SAVE, BEGIN, STOP_SETTLE, STOP_SAVE = range(1, 9)
+# the phases whose collective changes the model: a member behind one takes the model
+MODEL_PHASES = (SYNC, SETTLE, STOP_SETTLE)
 
 
 def position(done: int, phase: int) -> int:
     """The position of phase `phase` once `done` optimizer steps are done (BEGIN: the control
     all-reduce before step done + 1)."""
-    return done * 8 + phase
+    return done * 16 + phase
 
 
 def phase_of(pos: int) -> int:
-    return pos % 8
+    return pos % 16
 
 
 def done_of(pos: int) -> int:
-    return pos // 8
+    return pos // 16
 
 
 def members_key(epoch: int) -> str:

@@ -20,7 +20,8 @@ import torch
 
 from loomtrain import comm
 from loomtrain.errors import CheckpointError
-from loomtrain.lowcomm.quorum import BEGIN, RECORD, SAVE, SYNC, done_of, phase_of, position
+from loomtrain.lowcomm.quorum import (AGREE, BEGIN, RECORD, SAVE, SETTLE, STOP_SAVE, STOP_SETTLE,
+                                      SYNC, done_of, phase_of, position)
 from loomtrain.lowcomm.replicas import ReplicaGroup, Seat
 from loomtrain.lowcomm.state import LowcommStateLayout, lowcomm_state
 from loomtrain.train.backprop import BackpropMode
@@ -62,7 +63,9 @@ class ReplicaMode(BackpropMode):
         self.group = group
         model = self.built.model
         model.replica_index = group.replica
-        model.sync_guard = lambda sync: group.guard(SYNC, sync)
+        model.sync_guard = lambda sync, settle=False: group.guard(
+            (STOP_SETTLE if self.stopping else SETTLE) if settle else SYNC, sync)
+        self.stopping = False  # a stop was agreed: its checkpoint comes after the control
         self.built.layout = ReplicaStateLayout(group)
         group.built, group.reformed = self.built, self._reformed
         self.news: str | None = None  # the latest re-form, for a writer whose log is not open
@@ -81,22 +84,40 @@ class ReplicaMode(BackpropMode):
         while True:
             group.control = group.guard(BEGIN, lambda: self._control(tokens, stop),
                                         caught_up=lambda: group.control)
-            global_tokens, stopping, joining = group.control
-            if joining and not stopping and model.steps_since_sync == 0:
+            global_tokens, stopping, joining, _ = group.control
+            if joining and not stopping and model.joinable():
                 group.admit(position(group.done, BEGIN))  # then this step's control again
                 continue
+            self.stopping = stopping
             return (work, global_tokens), stopping
 
-    def _control(self, tokens: int, stop) -> tuple[float, bool, bool]:
+    def _control(self, tokens: int, stop) -> tuple[float, bool, bool, bool]:
         """(global target tokens, whether a replica got SIGINT/SIGTERM, whether a replica
-        asked to join), agreed in one all-reduce."""
+        asked to join, whether a replica is in a non-finite streak), agreed in one all-reduce:
+        the last is what a stop's checkpoint follows (`in_streak`)."""
         # a replica that is stopping lets no one in; nor asks the store, whose launcher may
         # be the one that died (train/orphan.py)
         joining = not stop.signum and self.group.join_requested()
-        control = torch.tensor([tokens, bool(stop.signum), joining], dtype=torch.float64,
-                               device=self.mesh.device)
+        control = torch.tensor([tokens, bool(stop.signum), joining, self.streak > 0],
+                               dtype=torch.float64, device=self.mesh.device)
         comm.all_reduce(control, self.mesh, "world")
-        return float(control[0]), bool(control[1]), bool(control[2])
+        return float(control[0]), bool(control[1]), bool(control[2]), bool(control[3])
+
+    def in_streak(self, done: int) -> bool:
+        """Whether a member is in a non-finite streak: at a stop, as the control all-reduce
+        agreed; before any other checkpoint, agreed in a phase of its own (AGREE)."""
+        group = self.group
+        if self.stopping:
+            return group.control[3]
+        group.done = done
+
+        def attempt() -> bool:
+            streaking = torch.tensor([float(self.streak > 0)], dtype=torch.float64,
+                                     device=self.mesh.device)
+            comm.all_reduce(streaking, self.mesh, "world")
+            return bool(streaking)
+        group.streaking = group.guard(AGREE, attempt, caught_up=lambda: group.streaking)
+        return group.streaking
 
     def run(self, step: int, work):
         self.group.done = step + 1  # the sync after the step is at its position
@@ -112,7 +133,7 @@ class ReplicaMode(BackpropMode):
             rec = super(ReplicaMode, self).record(done, fresh, evaluate, tokens_per_s,
                                                   elapsed_s)
             rec["replicas"] = len(group.members)
-            if self.built.model.steps_since_sync == 0:
+            if self.built.model.one_model():
                 rec["replica_fingerprints"] = group.fingerprints()
             return rec
         return group.guard(RECORD, attempt)
@@ -125,7 +146,7 @@ class ReplicaMode(BackpropMode):
         def attempt() -> None:  # loom.json names the replicas away, if any
             away = {"replicas_away": group.away} if group.away else {}
             super(ReplicaMode, self).save(done, {**(extra or {}), **away})
-        group.guard(SAVE, attempt, errors=_SAVE_ERRORS)
+        group.guard(STOP_SAVE if self.stopping else SAVE, attempt, errors=_SAVE_ERRORS)
         group.saved_at = done  # a member caught up past the save: the source published it
 
     def _reformed(self, before: list[int], agreed: int, source: int, seconds: float) -> None:

@@ -33,7 +33,8 @@ from torch._utils import _flatten_dense_tensors
 
 from loomtrain import comm
 from loomtrain.lowcomm import quorum
-from loomtrain.lowcomm.quorum import BEGIN, JOIN, SYNC, done_of, phase_of, position
+from loomtrain.lowcomm.quorum import (AGREE, BEGIN, JOIN, MODEL_PHASES, done_of, phase_of,
+                                      position)
 from loomtrain.mesh import build_mesh
 from loomtrain.parallel.data import broadcast_tensors
 from loomtrain.train.checkpoint import init_optimizer_state
@@ -67,7 +68,8 @@ class ReplicaGroup:
                                                                  timeout_s, device)
         self.epoch, self.members, self.mesh = -1, [], None
         self.done = 0  # optimizer steps done: the position of the phase the mode runs
-        self.control: tuple | None = None  # the last control answer (tokens, stop, join)
+        self.control: tuple | None = None  # the last control answer (tokens, stop, join, streak)
+        self.streaking = False  # the last agreement on a non-finite streak (AGREE)
         self.saved_at = 0  # the step the newest checkpoint holds: the same on every member
         self.built = None
         self.reformed = lambda before, agreed, source, seconds: None
@@ -145,7 +147,7 @@ class ReplicaGroup:
         failure, or to let joiners in (then `pos` is a step boundary). Returns the agreed
         position (the most advanced member's)."""
         started, before = time.perf_counter(), list(self.members)
-        synchronized = self.built.model.steps_since_sync == 0
+        synchronized = self.built.model.joinable()
         give_up_s = 2 * self.timeout_s + 10  # the lighthouse publishes within timeout_s
         while True:
             self._leave()
@@ -206,7 +208,7 @@ class ReplicaGroup:
         source = min(r for r, p in at.items() if p == agreed)
         behind = [p for p in at.values() if p < agreed]
         if behind:
-            state = any(p == JOIN or phase_of(p) == SYNC for p in behind)
+            state = any(p == JOIN or phase_of(p) in MODEL_PHASES for p in behind)
             self._hand_over(self.members.index(source), pos if pos < agreed else None, state)
         return agreed, source
 
@@ -216,19 +218,21 @@ class ReplicaGroup:
         the model, the wrapper's replica state and the inner optimizer's state. `behind`: this
         replica's position if it takes them (None: it only takes part)."""
         model, optimizer = self.built.model, self.built.optimizer
-        header = torch.zeros(6, dtype=torch.float64)
+        header = torch.zeros(8, dtype=torch.float64)
         if self.mesh.rank == src:
             header[:] = torch.tensor([model.steps_since_sync, bool(optimizer.state),
-                                      *(self.control or (0.0, False, False)), self.saved_at],
-                                     dtype=torch.float64)
+                                      *(self.control or (0.0, False, False, False)),
+                                      self.saved_at, self.streaking], dtype=torch.float64)
         comm.broadcast(header, self.mesh, "world", src)
         if behind == JOIN:  # whether a stop right after the rejoin saves: as the members decide
-            self.saved_at = int(header[5])
+            self.saved_at = int(header[6])
         if behind is not None and phase_of(behind) == BEGIN:  # a step the others have begun
-            self.control = (float(header[2]), bool(header[3]), bool(header[4]))
+            self.control = (float(header[2]), *(bool(x) for x in header[3:6].tolist()))
+        if behind is not None and phase_of(behind) == AGREE:  # what the others agreed on
+            self.streaking = bool(header[7])
         if not state:
             return
-        takes = behind is not None and (behind == JOIN or phase_of(behind) == SYNC)
+        takes = behind is not None and (behind == JOIN or phase_of(behind) in MODEL_PHASES)
         if header[1] and not optimizer.state:  # a joiner, or a member yet to step (step 1 only)
             init_optimizer_state(optimizer)  # tensors for the source's to land in
         live = [t for t in model.module.state_dict(keep_vars=True).values()

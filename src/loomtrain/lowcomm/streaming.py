@@ -55,6 +55,16 @@ def sync_offsets(inner_steps: int, fragments: int) -> list[int]:
     return [p * inner_steps // fragments for p in range(fragments)]
 
 
+class _Done:
+    """A sync already waited for (a run that outlives lost replicas: `_launch`)."""
+
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
+
 @dataclass
 class InFlight:
     """One fragment's pseudo-gradient all-reduce, started at `launched_step`."""
@@ -132,11 +142,26 @@ class StreamingDiLoCo(LocalSGD):
 
     @torch.no_grad()
     def _launch(self, p: int, step: int) -> None:
-        """Start the all-reduce (sum) of fragment p's pseudo-gradient theta_p - theta_{i,p}."""
+        """Start the all-reduce (sum) of fragment p's pseudo-gradient theta_p - theta_{i,p}.
+
+        In a run that outlives lost replicas (`sync_guard` set, lowcomm/replicas.py) it is
+        waited for here, through the guard, which retries it from the kept pseudo-gradient in
+        a re-formed group: an all-reduce in flight across steps could not be retried once its
+        group was gone. It still lands `overlap_steps` later: the same maths, without the
+        overlap of communication."""
         pseudo_gradient = torch.sub(self.global_params[p], self._flat(p))
         sent = self.mesh.meter.total("wire_bytes")
         reduce = comm.quantized_all_reduce if self.quantize == "int8" else comm.all_reduce
-        pending = reduce(pseudo_gradient, self.mesh, self.axis, async_op=True)
+        if self.sync_guard is None:
+            pending = reduce(pseudo_gradient, self.mesh, self.axis, async_op=True)
+        else:
+            def attempt() -> torch.Tensor:
+                total = pseudo_gradient.clone()
+                reduce(total, self.mesh, self.axis)
+                return total
+            pending, pseudo_gradient = _DONE, self.sync_guard(attempt)
+            if pseudo_gradient is None:  # caught up: this replica took a peer's state, this
+                return                   # sync included (replica_state)
         sent = self.mesh.meter.total("wire_bytes") - sent
         self.in_flight.append(InFlight(p, step, pseudo_gradient, pending, time.perf_counter(),
                                        sent))
@@ -171,11 +196,18 @@ class StreamingDiLoCo(LocalSGD):
     @torch.no_grad()
     def end_period(self) -> None:
         """Land every sync in flight now (in launch order), then average over the replicas the
-        local parameters of every fragment they may hold differently (one all-reduce): all
+        local parameters of every fragment they may hold differently (`synchronize`): all
         replicas hold one model and nothing is in flight. theta_p and the outer momenta are
         left as they are."""
         for sync in list(self.in_flight):
             self._land(sync)
+        if any(self.differs):
+            self._sync(settle=True)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Average over the replicas the local parameters of every fragment they may hold
+        differently (one all-reduce). A failed one changes nothing: it reduces a copy."""
         differing = [p for p in range(self.fragments) if self.differs[p]]
         if not differing:
             return
@@ -186,10 +218,6 @@ class StreamingDiLoCo(LocalSGD):
         for p, value in zip(differing, _unflatten_dense_tensors(flat, locals_)):
             self._set_fragment(p, value)
             self.differs[p] = False
-
-    def synchronize(self) -> None:
-        """One model on every replica (LocalSGD's name for it): `end_period`."""
-        self.end_period()
 
     def metrics(self) -> dict:
         """Since the previous call: the fragment launched and the one landed at the last step
@@ -236,3 +264,38 @@ class StreamingDiLoCo(LocalSGD):
             if self.outer[p].defaults["momentum"]:
                 buffer = _flatten_dense_tensors([state[f"momentum_buffer.{n}"] for n in names])
                 self.outer[p].state[self.global_params[p]]["momentum_buffer"] = buffer
+
+    def one_model(self) -> bool:
+        """Only after `end_period`: between, each fragment's local copy moves apart."""
+        return not self.in_flight and not any(self.differs)
+
+    def joinable(self) -> bool:
+        """At any step boundary: a joiner copies one peer's replica whole (`replica_state`),
+        syncs still to land included, as a restarted torchft replica copies a peer's."""
+        return True
+
+    # what a replica taking a peer's place copies (lowcomm/replicas.py): theta_p and the
+    # momenta, and the syncs still to land, in tensors of one layout on every replica
+    def replica_state(self) -> dict[str, torch.Tensor]:
+        """`outer_state`, each fragment's reduced pseudo-gradient still to land ("pending.<p>",
+        zeros if none), the step it was launched at ("launched", -1: none) and whether the
+        replicas may hold it differently ("differs"). Fresh tensors."""
+        state = self.outer_state()
+        launched = torch.full((self.fragments,), -1.0, dtype=torch.float64)
+        pending = [torch.zeros_like(theta) for theta in self.global_params]
+        for sync in self.in_flight:
+            launched[sync.fragment] = sync.launched_step
+            pending[sync.fragment] = sync.pseudo_gradient.clone()
+        state.update({f"pending.{p}": t for p, t in enumerate(pending)})
+        state["launched"] = launched
+        state["differs"] = torch.tensor(self.differs, dtype=torch.float64)
+        return state
+
+    @torch.no_grad()
+    def load_replica_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_outer_state(state)
+        self.differs = [bool(d) for d in state["differs"].tolist()]
+        launched = state["launched"].tolist()
+        order = sorted((int(s), p) for p, s in enumerate(launched) if s >= 0)
+        self.in_flight = [InFlight(p, s, state[f"pending.{p}"], _DONE, time.perf_counter(), 0)
+                          for s, p in order]

@@ -43,6 +43,7 @@ class Mode:
     log: RunLog
     nonfinite: str = "loss or gradient"  # what a skipped step had that was not finite
     last: int | None = None  # the step after which the loop ends (None: cfg.train.steps)
+    streak: int = 0  # this rank's non-finite streak after its last step (the loop keeps it)
 
     def begin(self, step: int, stop) -> tuple[Any, bool]:
         """Before step `step` (counted from 0): (what `run` needs, whether any rank was asked
@@ -62,6 +63,13 @@ class Mode:
     def save(self, done: int, extra: dict | None = None) -> None:
         """Checkpoint the state after step `done` (collective)."""
         raise NotImplementedError
+
+    def in_streak(self, done: int) -> bool:
+        """Whether a non-finite streak is in progress after step `done` on any rank that
+        saves with this one: then no checkpoint is written. Asked by every rank together
+        before a checkpoint (collective where the ranks' streaks may differ). Here: this
+        rank's own, which is every rank's where they step on one gradient."""
+        return self.streak > 0
 
     def end(self) -> None:
         """After the last step or at a stop, before the final checkpoint (the server: tells
@@ -85,7 +93,6 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop, saved_at: int | None =
     meter.take()
     meter.take_simulated()
     meter.take_link_wait()
-    nonfinite = 0
     saved_at = start if saved_at is None else saved_at  # the newest checkpoint's step
     loop_t0 = window_t0 = time.perf_counter()
     window_tokens = 0.0
@@ -94,13 +101,13 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop, saved_at: int | None =
         step_t0 = time.perf_counter()
         work, stopping = mode.begin(step, stop)
         if stopping:
-            return _stop(mode, run_dir, step, saved_at, stop, nonfinite)
+            return _stop(mode, run_dir, step, saved_at, stop)
         result = mode.run(step, work)
         if result is None:
             break
         done = step + 1
-        nonfinite = trainer.nonfinite_streak(nonfinite, result.stepped, done, cfg, log,
-                                             mode.nonfinite)
+        mode.streak = trainer.nonfinite_streak(mode.streak, result.stepped, done, cfg, log,
+                                               mode.nonfinite)
         window_tokens += result.tokens
         loss = None
         evaluate = done % cfg.run.eval_every == 0 or done == last
@@ -115,14 +122,14 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop, saved_at: int | None =
         log.advance(loss if loss is not None else result.loss,
                     result.tokens / (time.perf_counter() - step_t0))
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < last:
-            if nonfinite:  # the weights may be what made the streak: keep the older one
+            if mode.in_streak(done):  # the weights may be what made it: keep the older one
                 log.message(f"warning: no checkpoint at step {done}: a non-finite streak is in "
                             f"progress ({_newest(saved_at)} stays the newest)")
             else:
                 mode.save(done)
                 saved_at = done
     mode.end()
-    if done > saved_at and nonfinite:
+    if done > saved_at and mode.in_streak(done):
         log.message(f"warning: the run ended in a non-finite streak: no checkpoint of step "
                     f"{done} ({_newest(saved_at)} stays the newest)")
     elif done > saved_at:  # the last step's checkpoint
@@ -134,10 +141,10 @@ def run_loop(mode: Mode, run_dir: Path, start: int, stop, saved_at: int | None =
     return 0
 
 
-def _stop(mode: Mode, run_dir: Path, step: int, saved_at: int, stop, nonfinite: int) -> int:
+def _stop(mode: Mode, run_dir: Path, step: int, saved_at: int, stop) -> int:
     name = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
     mode.end()
-    if nonfinite:  # no checkpoint during a non-finite streak
+    if step > saved_at and mode.in_streak(step):  # no checkpoint during a non-finite streak
         saved = f"a non-finite streak is in progress: {_newest(saved_at)} stays the newest"
     else:
         if step > saved_at:
@@ -222,6 +229,17 @@ class SyncMode(Mode):
 
     def save(self, done, extra=None):
         trainer.save(self.built, self.run_dir, done, extra)
+
+    def in_streak(self, done: int) -> bool:
+        """Where replicas step apart (the low-communication wrappers, lowcomm/: each skips a
+        step on its own gradient), a streak is one replica's: agreed in a one-number
+        all-reduce, so that no replica skips a checkpoint the others write."""
+        if not getattr(self.built.model, "replicas_apart", False):
+            return self.streak > 0
+        streaking = torch.tensor([float(self.streak > 0)], dtype=torch.float64,
+                                 device=self.mesh.device)
+        comm.all_reduce(streaking, self.mesh, "world")
+        return bool(streaking)
 
 
 def train_sync(make_mode, cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
