@@ -57,7 +57,7 @@ def test_every_number_key_refuses_a_bool():
     ("parallel.nproc=true", "parallel.nproc: an integer is expected, not a boolean"),
     ("comm.link_changes=[[true, 0.5]]", "comm.link_changes: a number is expected, not a boolean"),
 ])
-def test_a_bool_for_a_number_isrefused(capsys, override, expected):
+def test_a_bool_for_a_number_is_refused(capsys, override, expected):
     assert expected in refused(capsys, ["train", "--dry-run", "--set", override])
 
 
