@@ -77,6 +77,20 @@ def test_a_gone_process_is_named_dead_and_a_left_message_is_adopted():
     assert judge(0, _waiting(6), {1: told, 2: dead}, 30.0, 0.0) == Finding("bad checkpoint", 2)
 
 
+def test_peers_gone_after_their_own_failed_collective_are_not_taken_for_the_dead_one():
+    # rank 3 of 4 SIGKILLed; ranks 0 and 2 saw their all-reduce fail and ended on that (no
+    # cause found yet): rank 1, judging last, finds three processes gone. It named rank 0,
+    # the lowest, in 7 of 32 rounds of benchmarks/faults.py (2026-12-06)
+    failed = {"text": "collective all_reduce ... failed", "code": 4, "cause": False}
+    peers = {r: Peer(_record(r, 6, left=failed), 0.1, 0.1, gone=True) for r in (0, 2)}
+    peers[3] = Peer(_record(3), age_s=0.3, watched_s=0.3, gone=True)
+    found = judge(1, _waiting(6), peers, 30.0, 0.0)
+    assert found.text.startswith("rank 3 (host h1, pid 103) ended without a message")
+    assert "So did" not in found.text and found.code == 1
+    # only a cause is adopted; a consequence alone names nothing
+    assert judge(1, _waiting(6), {0: peers[0], 2: peers[2]}, 30.0, 0.0) is None
+
+
 def test_a_different_collective_as_the_same_op_is_a_mismatch_named_alike():
     by_0 = judge(0, _waiting(5, "all_reduce"), {2: _fresh(_record(2, 5, "broadcast"))}, 30.0, 2.0)
     by_2 = judge(2, _waiting(5, "broadcast"), {0: _fresh(_record(0, 5, "all_reduce"))}, 30.0, 2.0)

@@ -87,9 +87,11 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(self.interval_s + 1.0)  # a store call blocked longer: left behind
 
-    def leave(self, text: str, code: int) -> None:
-        """Publish the cause this rank ends on, for its peers to adopt (stall.judge, rule 1)."""
-        self.left = {"text": text, "code": code}
+    def leave(self, text: str, code: int, cause: bool = True) -> None:
+        """Publish what this rank ends on: a cause, for its peers to adopt (stall.judge, rule
+        1), or (`cause` False) the failure of its collective, so that a peer that then finds
+        this process gone does not take it for one that died."""
+        self.left = {"text": text, "code": code, "cause": cause}
         try:
             self._publish()
         except RuntimeError:
@@ -99,7 +101,7 @@ class Heartbeat:
         """Why this rank's op on `axis` failed, from the group's records read now: a cause
         (`stall.judge`, one reading enough), or a note on the live peers that had not reached
         the op (`cause` False), or None."""
-        if self.left is not None:  # found by this rank's own watchdog
+        if self.left is not None and self.left["cause"]:  # found by this rank's own watchdog
             return stall.Finding(self.left["text"], self.left["code"])
         activity = self.mesh.activity
         waiting = activity.waiting

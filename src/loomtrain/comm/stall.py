@@ -5,8 +5,9 @@ publishes them, comm/activity.py fills them) and `judge`s, first finding first:
 
 1. a peer that left with a message naming a cause: that message, unchanged, so that every
    rank ends on the same text (the launcher prints it once) with the same exit code;
-2. a peer whose process is gone (seen only on this rank's host): it died without a message
-   (exit code 1, as any crash);
+2. a peer whose process is gone (seen only on this rank's host) and that left nothing (a
+   peer that left on the failure of its own collective did not die): it died without a
+   message (exit code 1, as any crash);
 3. a peer whose heartbeat is older than `heartbeat_timeout_s`: it stopped answering (4);
 4. a peer that issued a different collective as the same op of the axis (4).
 
@@ -17,7 +18,7 @@ fault; `behind` describes such peers, for the message of the collective's own ti
 
 A record is a dict (JSON in the store): rank, host, pid, pid_ns, beat (a counter), wall (time.time()
 of the beat), last ([axis, op, seq] or None), entered ({axis: [seq, op]}), waiting ({axis, op,
-seq, ranks} or None) and left ({text, code} or None).
+seq, ranks} or None) and left ({text, code, cause} or None).
 """
 
 from __future__ import annotations
@@ -81,14 +82,18 @@ def judge(me: int, waiting: Waiting, peers: dict[int, Peer], timeout_s: float,
     ordered = sorted(peers.items())
     for _, peer in ordered:
         left = peer.record and peer.record.get("left")
-        if left:
+        if left and left.get("cause", True):
             return Finding(left["text"], left["code"])
-    dead = [r for r, p in ordered if p.gone and p.record and p.watched_s >= min_watch_s]
+    # a peer that left on its own failed collective is gone too, but did not die: without
+    # that, a rank judging late named the lowest of them instead of the one SIGKILLed
+    dead = [r for r, p in ordered if p.gone and p.record and not p.record.get("left")
+            and p.watched_s >= min_watch_s]
     if dead:
         record = peers[dead[0]].record
         return Finding(f"{who(record)} ended without a message (its process is gone: killed or "
                        f"crashed); {doing(record)}.{_also(dead)}", EXIT_DIED)
-    stale = [r for r, p in ordered if p.age_s >= timeout_s and p.watched_s >= min_watch_s]
+    stale = [r for r, p in ordered if p.age_s >= timeout_s and p.watched_s >= min_watch_s
+             and not (p.record and p.record.get("left"))]
     if stale:
         record = peers[stale[0]].record
         name = who(record) if record else f"rank {stale[0]}"

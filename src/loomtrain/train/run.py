@@ -46,8 +46,10 @@ def run(cfg: Config, run_dir: Path, resume: Path | None, stop: StopFlag | None =
         shutdown(None if cfg.asgd.mode == "ps" else mesh)  # no exit barrier: launch.shutdown
     except BaseException as err:
         code, text, cause = ending(err, run_dir) or (1, "", False)
-        if beat is not None and cause:
-            beat.leave(text, code)  # the peers whose ops fail now end on this text
+        if beat is not None and text:
+            # the peers whose ops fail now end on a cause; a consequence tells them that this
+            # rank, gone in a moment, did not die
+            beat.leave(text, code, cause)
         # no exit barrier: a failed collective means a peer may be gone, and the barrier
         # would wait for it until parallel.timeout_s (measured: a rank 0 SIGKILLed mid-run
         # held the survivors there until the launcher's SIGKILL 30 s later); an error of this
