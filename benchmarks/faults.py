@@ -35,6 +35,7 @@ exit_s over loomtrain's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -153,13 +154,14 @@ def _note(seen: dict, text: str, tool: str, rank: int, at_s: float) -> None:
 def _stop_all(run: Run, ranks: dict[int, str]) -> None:
     """SIGCONT then SIGKILL to the launcher's process group and to each rank still running as
     started (`ranks`: {pid: start time}); then wait for them to be gone."""
-    if run.proc.poll() is None:
-        for signum in (signal.SIGCONT, signal.SIGKILL):
-            os.killpg(run.proc.pid, signum)
     for signum in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):  # all of it ended meanwhile
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signum)
         for pid, started in ranks.items():
-            if _started_at(pid) == started:
-                os.kill(pid, signum)
+            with contextlib.suppress(ProcessLookupError):
+                if _started_at(pid) == started:
+                    os.kill(pid, signum)
     run.proc.wait()
     until(lambda: all(_started_at(pid) != s for pid, s in ranks.items()), 30)
 
@@ -174,7 +176,7 @@ def one_round(tool: str, root: Path, world: int, fault: Fault, cap_s: float) -> 
             raise RuntimeError(f"{tool} ended before step 3:\n{run.log.read_text()[-3000:]}")
         start_s = time.monotonic() - began
         pids = until(lambda: p if len(p := run.ranks()) == world else None, 30)
-        ranks = {pid: _started_at(pid) for pid in pids.values()}
+        ranks = {pid: at for pid in pids.values() if (at := _started_at(pid)) is not None}
         offset = len(run.log.read_text())
         os.kill(pids[fault.rank], fault.signum)
         figures = _watch(run, tool, fault.rank, time.monotonic(), offset, cap_s)
