@@ -35,24 +35,30 @@ from loomtrain.train.restart import rank_pids
 CORPUS = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "colorsys.py", "fnmatch.py"]
 
 
-def _config(root: Path, nproc: int) -> Path:
+def tiny_tree(root: Path, nproc: int) -> dict:
+    """The config tree of the tiny run (its corpus written to `root`), with checkpoints every 3
+    steps; benchmarks/faults.py starts from it too."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     corpus = root / "corpus.txt"
     corpus.write_bytes(b"\n".join((stdlib / name).read_bytes() for name in CORPUS))
-    cfg = config_from_dict({
+    return {
         "run": {"dir": str(root / "runs"), "name": "t", "log_every": 1, "eval_every": 10**6,
                 "progress": False, "seed": 1},
         "model": {"name": "gpt", "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
         "data": {"source": str(corpus), "val_fraction": 0.1},
         "train": {"steps": 60, "global_batch": 8, "micro_batch": 2, "warmup_steps": 2},
         "parallel": {"nproc": nproc, "bucket_mb": 0.01, "timeout_s": 30},
-        "checkpoint": {"every": 3, "keep": 2}})
+        "checkpoint": {"every": 3, "keep": 2}}
+
+
+def write_config(root: Path, tree: dict) -> Path:
     path = root / "t.toml"
-    path.write_text(config_to_toml(cfg))
+    path.write_text(config_to_toml(config_from_dict(tree)))
     return path
 
 
-def _until(done, timeout_s: float = 120.0):
+def until(done, timeout_s: float = 120.0):
+    """`done()`'s first true value, polled every 10 ms; TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not (value := done()):
         if time.monotonic() > deadline:
@@ -65,21 +71,22 @@ def one_round(root: Path, nproc: int) -> dict[str, float]:
     run_dir, log = root / "runs" / "t", root / "loom.txt"
     with log.open("w") as out:
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "loomtrain", "train", str(_config(root, nproc)),
+        config = write_config(root, tiny_tree(root, nproc))
+        proc = subprocess.Popen([sys.executable, "-m", "loomtrain", "train", str(config),
                                  "--max-restarts", "1"], stdout=out, stderr=out,
                                 start_new_session=True)
     try:
-        _until(lambda: read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else None)
+        until(lambda: read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else None)
         start_s = time.monotonic() - started
-        _until(lambda: checkpoint.list_checkpoints(run_dir))
-        os.kill(_until(lambda: rank_pids(proc.pid).get(1)), signal.SIGKILL)
+        until(lambda: checkpoint.list_checkpoints(run_dir))
+        os.kill(until(lambda: rank_pids(proc.pid).get(1)), signal.SIGKILL)
         killed = time.monotonic()
-        _until(lambda: "restart 1 of 1" in log.read_text())
+        until(lambda: "restart 1 of 1" in log.read_text())
         line_s = time.monotonic() - killed
-        found = _until(lambda: re.search(r"resumed from \S+ at step (\d+)", log.read_text()))
+        found = until(lambda: re.search(r"resumed from \S+ at step (\d+)", log.read_text()))
         resumed_s = time.monotonic() - killed
         at = int(found[1])
-        _until(lambda: any(r["step"] > at for r in read_metrics(run_dir)))
+        until(lambda: any(r["step"] > at for r in read_metrics(run_dir)))
         step_s = time.monotonic() - killed
         if proc.wait(300) != 0:
             raise RuntimeError(log.read_text()[-3000:])
