@@ -93,6 +93,9 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _llama_keys(self) -> "ModelConfig":
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} is not a known shape; choose among "
+                             f"{', '.join(PRESETS)}")
         if self.name != "llama":
             given = [k for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) != v]
             if given:
@@ -100,9 +103,6 @@ class ModelConfig(Section):
                                  f"llama model; model.name={self.name!r} has none: set "
                                  "model.name=\"llama\" or leave it out")
             return self
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"model.preset={self.preset!r} is not a known shape; choose among "
-                             f"{', '.join(PRESETS)}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads="
                              f"{self.n_heads} (each kv head serves a group of query heads)")
