@@ -39,7 +39,7 @@ def test_unknown_key_lists_the_valid_keys(capsys):
 @pytest.mark.parametrize("override,expected", [
     ('train.steps="many"', "train.steps: Input should be a valid integer"),
     ("run.progress=3", "run.progress: Input should be a valid boolean"),
-    ("model.name=7", "model.name: Input should be 'gpt' or 'mlp' (got 7)"),
+    ("model.name=7", "model.name: Input should be 'gpt', 'mlp' or 'llama' (got 7)"),
     ("run.device=tpu", "run.device: Input should be 'auto', 'cpu' or 'cuda' (got 'tpu')"),
     ("train.optimizer=lion", "train.optimizer: Input should be 'adamw' or 'sgd'"),
     ("run.name=true", "run.name: Input should be a valid string (got True); quote"),
