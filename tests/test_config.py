@@ -39,7 +39,7 @@ def test_unknown_key_lists_the_valid_keys(capsys):
 @pytest.mark.parametrize("override,expected", [
     ('train.steps="many"', "train.steps: Input should be a valid integer"),
     ("run.progress=3", "run.progress: Input should be a valid boolean"),
-    ("model.name=7", "model.name: Input should be 'gpt' or 'mlp' (got 7)"),
+    ("model.name=7", "model.name: Input should be 'gpt', 'mlp' or 'llama' (got 7)"),
     ("run.device=tpu", "run.device: Input should be 'auto', 'cpu' or 'cuda' (got 'tpu')"),
     ("train.optimizer=lion", "train.optimizer: Input should be 'adamw' or 'sgd'"),
     ("run.name=true", "run.name: Input should be a valid string (got True); quote"),
@@ -160,7 +160,7 @@ PP2 = ["--nproc", "4", "--set", "parallel.pp=2"]
     ([*PP2, "--set", "parallel.virtual_stages=2"],
      "parallel.virtual_stages=2 is for parallel.schedule=\"interleaved\" (got '1f1b'); set it to 1"),
     ([*PP2, "--set", "model.name=mlp", "--set", 'parallel.recompute="selective"'],
-     "parallel.recompute=\"selective\" recomputes the GPT's attention; model.name='mlp' has none: use \"full\""),
+     "parallel.recompute=\"selective\" recomputes the attention core; model.name='mlp' has none: use \"full\""),
     ([*PP2, "--set", "parallel.split_points=[2, 4]"],
      "parallel.split_points=[2, 4] must be 1 increasing layer indices between 1 and 5 (the model has 6 "
      "layers: embed, 4 blocks, head; pp*virtual_stages = 2 stages)"),

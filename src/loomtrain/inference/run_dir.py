@@ -55,9 +55,14 @@ def check_request(req: GenerateRequest):
                               f"{run_dir / 'checkpoints'}; train the run first")
     latest, _ = checkpoint.newest(run_dir, advice=f"decode with it by moving the damaged folder "
                                   f"out of {run_dir / 'checkpoints'}")
-    if model.name != "gpt":
-        raise ConfigError(f"generate decodes GPT models; {str(run_dir)!r} trained "
+    if model.name not in ("gpt", "llama"):
+        raise ConfigError(f"generate decodes GPT and llama models; {str(run_dir)!r} trained "
                           f"model.name={model.name!r}")
+    if model.name == "llama" and (req.tp != 1 or req.compress != "none" or req.overlap):
+        # tensor-parallel and staged decoding (inference/nanobatch.py) walk the GPT's qkv/proj
+        raise ConfigError(f"generate decodes a llama model ({str(run_dir)!r}) on one process "
+                          "only: --tp 1, --compress none, no --overlap (the split and staged "
+                          "decoders know the GPT's layers)")
     if model.attention != "softmax":
         raise ConfigError(f"generate decodes with a KV cache, which model.attention="
                           f"{model.attention!r} ({str(run_dir)!r}) does not have yet")

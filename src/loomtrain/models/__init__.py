@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loomtrain.models.gpt import GPT
+from loomtrain.models.llama import Llama
 from loomtrain.models.mlp import MLP, MLPClassifier
 
 IGNORE_INDEX = -100
@@ -17,6 +18,8 @@ def build_model(cfg) -> nn.Module:
     if cfg.name == "gpt":
         return GPT(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads,
                    cfg.mlp_ratio, cfg.dropout, cfg.attention, cfg.linear_decay)
+    if cfg.name == "llama":
+        return Llama(cfg)
     if cfg.name == "mlp":
         return MLP(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.mlp_ratio)
     raise AssertionError(f"unvalidated model name {cfg.name!r}")
@@ -42,5 +45,5 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-__all__ = ["GPT", "MLP", "MLPClassifier", "IGNORE_INDEX", "build_classifier", "build_model",
+__all__ = ["GPT", "Llama", "MLP", "MLPClassifier", "IGNORE_INDEX", "build_classifier", "build_model",
            "token_loss_sum"]

@@ -2,15 +2,41 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from loomtrain.component import Section
+from loomtrain.models.presets import PRESETS, with_preset
+
+
+class RopeScaling(Section):
+    """Llama 3's rotary frequency scaling (models/llama.py `rope_frequencies`); the defaults
+    are Llama 3.1's published ones."""
+
+    factor: float = Field(8.0, ge=1.0)
+    low_freq_factor: float = Field(1.0, gt=0.0)
+    high_freq_factor: float = Field(4.0, gt=0.0)
+    original_max_position: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _factors_ordered(self) -> "RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must "
+                             f"exceed low_freq_factor={self.low_freq_factor} (the band between "
+                             "them is interpolated)")
+        return self
+
+
+# the llama keys and their defaults: any other value is refused for model.name "gpt"/"mlp"
+LLAMA_DEFAULTS = {"preset": None, "n_kv_heads": 0, "ffn_hidden": 0, "rope_theta": 10000.0,
+                  "rope_scaling": None, "norm_eps": 1e-5, "tie_embeddings": False,
+                  "qkv_bias": False, "qk_norm": False, "sliding_window": 0}
 
 
 class ModelConfig(Section):
-    name: Literal["gpt", "mlp"] = "gpt"
+    name: Literal["gpt", "mlp", "llama"] = "gpt"
     d_model: int = Field(256, ge=8)
     n_layers: int = Field(4, ge=1)
     n_heads: int = Field(4, ge=1)
@@ -22,10 +48,34 @@ class ModelConfig(Section):
     # per-head decay when linear_decay is set
     attention: Literal["softmax", "linear"] = "softmax"
     linear_decay: bool = False
+    # llama (models/llama.py, docs/models.md). preset: a published shape (models/presets.py)
+    preset: str | None = None
+    n_kv_heads: int = Field(0, ge=0)  # grouped-query attention; 0: n_heads (multi-head)
+    ffn_hidden: int = Field(0, ge=0)  # SwiGLU width; 0: `ffn_width(d_model)`
+    rope_theta: float = Field(10000.0, gt=0.0)
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = Field(1e-5, gt=0.0)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm of every q and k head
+    sliding_window: int = Field(0, ge=0)  # Mistral: attend to the last N tokens; 0: all
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data):
+        return with_preset(data) if isinstance(data, dict) else data
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn_hidden or ffn_width(self.d_model)
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
-        if self.name == "gpt" and self.d_model % self.n_heads:
+        if self.name in ("gpt", "llama") and self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
             )
@@ -40,3 +90,35 @@ class ModelConfig(Section):
             raise ValueError(f"model.linear_decay=true decays linear attention; it needs "
                              f"model.attention=\"linear\" (got {self.attention!r})")
         return self
+
+    @model_validator(mode="after")
+    def _llama_keys(self) -> "ModelConfig":
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} is not a known shape; choose among "
+                             f"{', '.join(PRESETS)}")
+        if self.name != "llama":
+            given = [k for k, v in LLAMA_DEFAULTS.items() if getattr(self, k) != v]
+            if given:
+                raise ValueError(f"model.{given[0]}={getattr(self, given[0])!r} is a key of the "
+                                 f"llama model; model.name={self.name!r} has none: set "
+                                 "model.name=\"llama\" or leave it out")
+            return self
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads="
+                             f"{self.n_heads} (each kv head serves a group of query heads)")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"model.d_model/model.n_heads = {self.d_model // self.n_heads} must "
+                             "be even: rotary embeddings rotate pairs of a head's dimensions")
+        for key, default in (("mlp_ratio", 4), ("dropout", 0.0)):
+            if getattr(self, key) != default:
+                raise ValueError(f"model.{key}={getattr(self, key)} is a GPT key; the llama model "
+                                 "has no dropout and sizes its MLP by model.ffn_hidden")
+        return self
+
+
+def ffn_width(d_model: int) -> int:
+    """Llama's SwiGLU width for ffn_hidden = 0: 2/3 of 4 * d_model (the parameters of a 4x GELU
+    MLP, in three matrices), rounded up to a multiple of 256 (Llama's `multiple_of`); below
+    d_model 256, to a multiple of 8, so a tiny model's width stays near 8/3 * d_model."""
+    multiple = 256 if d_model >= 256 else 8
+    return multiple * math.ceil(8 * d_model / 3 / multiple)

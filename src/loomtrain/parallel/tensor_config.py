@@ -44,6 +44,10 @@ class TensorParallel(Component):
                              "model.name=\"gpt\"")
         if p.tp == 1:
             return
+        if m.name == "llama":
+            raise ValueError(f"parallel.tp={p.tp}: the tensor-parallel engine splits the GPT's "
+                             "and the MLP model's layers; model.name=\"llama\" is not supported "
+                             "yet: use parallel.tp=1 (data, ZeRO or pipeline parallelism run it)")
         if m.linear_decay:
             # tensor parallelism re-slices the heads but not their decays (attn.decay)
             raise ValueError(f"parallel.tp={p.tp} with model.linear_decay=true is not supported "

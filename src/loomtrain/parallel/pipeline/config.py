@@ -131,8 +131,8 @@ class Pipeline(Component):
         elif p.virtual_stages != 1:
             raise ValueError(f"parallel.virtual_stages={p.virtual_stages} is for "
                              f'parallel.schedule="interleaved" (got {p.schedule!r}); set it to 1')
-        if p.recompute == "selective" and m.name != "gpt":
-            raise ValueError('parallel.recompute="selective" recomputes the GPT\'s attention; '
+        if p.recompute == "selective" and m.name == "mlp":
+            raise ValueError('parallel.recompute="selective" recomputes the attention core; '
                              f'model.name={m.name!r} has none: use "full"')
         layers, stages = m.n_layers + 2, p.pp * p.virtual_stages
         if p.split_points:

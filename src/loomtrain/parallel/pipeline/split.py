@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from loomtrain.models import GPT, MLP
+from loomtrain.models import GPT, MLP, Llama
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Layer:
 
 def layers_of(model: nn.Module) -> list[Layer]:
     """The model as a sequence of layers (docs/pipeline.md)."""
-    if isinstance(model, (GPT, MLP)):
+    if isinstance(model, (GPT, MLP, Llama)):
         embed = (Layer("embed", ("tok_emb", "pos_emb", "drop"), lambda m, x: m.embed(x))
                  if isinstance(model, GPT) else Layer("embed", ("tok_emb",), lambda m, x: m.tok_emb(x)))
         blocks = [Layer(f"blocks.{i}", (f"blocks.{i}",), lambda m, x, i=i: m.blocks[i](x))
