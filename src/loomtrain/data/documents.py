@@ -6,6 +6,7 @@ file's relative path, a record's number). Sources: docs/data.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -160,7 +161,8 @@ def count(source: str) -> int | None:
     """The number of documents, where it is known without reading them (None: JSON Lines)."""
     kind = kind_of(source)
     if kind == "parquet":
-        return _pyarrow_parquet().ParquetFile(source_path(source)).metadata.num_rows
+        with _parquet_errors(source_path(source)):
+            return _pyarrow_parquet().ParquetFile(source_path(source)).metadata.num_rows
     return None if kind == "jsonl" else len(source_files(source)[1])
 
 
@@ -173,11 +175,20 @@ def _pyarrow_parquet():
     return pyarrow.parquet
 
 
+@contextlib.contextmanager
+def _parquet_errors(path: Path):
+    """A file pyarrow cannot read as Parquet, as a DataError naming it."""
+    import pyarrow
+    try:
+        yield
+    except (pyarrow.ArrowException, OSError) as err:
+        raise DataError(f"data.source={str(path)!r} cannot be read as Parquet ({err})") from None
+
+
 def _parquet(path: Path, column: str, skip: int) -> Iterator[tuple[str, bytes]]:
     """A Parquet file's rows' `column`, read a batch of rows at a time; null rows are empty."""
     pq = _pyarrow_parquet()
-    import pyarrow
-    try:
+    with _parquet_errors(path):
         table = pq.ParquetFile(path)
         names = table.schema_arrow.names
         if column not in names:
@@ -194,5 +205,3 @@ def _parquet(path: Path, column: str, skip: int) -> Iterator[tuple[str, bytes]]:
                                     f"{type(text).__name__} values, not text")
                 data = text.encode("utf-8") if isinstance(text, str) else text or b""
                 yield str(row - 1), data + b"\n"
-    except (pyarrow.ArrowException, OSError) as err:
-        raise DataError(f"data.source={str(path)!r} cannot be read as Parquet ({err})") from None

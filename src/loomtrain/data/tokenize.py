@@ -86,17 +86,19 @@ def tokenize(source: str, spec: str, out: Path, text_field: str = "text",
     job = {"source": source, "identity": docs.identity(source), "tokenizer": spec,
            "text_field": text_field, "text_column": text_column, "out": out.suffix}
     n_docs, n_tokens = _resume_point(out, job)
-    with open(out, "ab") as ids, open(docs_path(out), "ab") as starts:
+    total = docs.count(source)
+    bar = tqdm(total=total, initial=n_docs, unit="doc", file=sys.stderr, disable=not progress,
+               desc=f"tokenize {out.name}")
+    # the bar closes (ends its line) before an error is printed
+    with bar, open(out, "ab") as ids, open(docs_path(out), "ab") as starts:
         ids.truncate(n_tokens * dtype.itemsize)  # what was written after the last commit
         starts.truncate(n_docs * 8)
-        bar = tqdm(total=docs.count(source), initial=n_docs, unit="doc", file=sys.stderr,
-                   disable=not progress, desc=f"tokenize {out.name}")
         stream = docs.documents(source, text_field, text_column, skip=n_docs)
         for chunk in _chunks(stream):
             if stop_after is not None:
                 chunk = chunk[:max(0, stop_after - n_docs)]
                 if not chunk:
-                    break
+                    return n_docs, n_tokens
             encoded = tokenizer.encode_many([text for _, text in chunk])
             lengths = np.array([len(e) for e in encoded], dtype=np.int64)
             np.concatenate([n_tokens, n_tokens + np.cumsum(lengths[:-1])], axis=None).astype("<u8").tofile(starts)
@@ -107,9 +109,7 @@ def tokenize(source: str, spec: str, out: Path, text_field: str = "text",
             n_docs, n_tokens = n_docs + len(chunk), n_tokens + int(lengths.sum())
             write_atomic(progress_path(out), json.dumps({**job, "documents": n_docs, "tokens": n_tokens}))
             bar.update(len(chunk))
-        else:
-            _finish(out, spec, tokenizer)
-        bar.close()
+    _finish(out, spec, tokenizer)
     return n_docs, n_tokens
 
 
