@@ -25,7 +25,7 @@ from loomtrain.writes import write_atomic
 
 # documents per chunk, and the bytes of text that end one early: what is encoded, written
 # and committed at once
-CHUNK_DOCUMENTS, CHUNK_BYTES = 512, 8 << 20
+CHUNK_DOCUMENTS, CHUNK_BYTES = 512, 1 << 20
 
 
 def progress_path(out: Path) -> Path:

@@ -21,6 +21,8 @@ from loomtrain.errors import ConfigError, DataError
 BYTES = "bytes"
 BYTE_VOCAB = 256
 RUN_FILE = "tokenizer.json"
+# text encoded at once (HFTokenizer.encode_many)
+ENCODE_BYTES = 1 << 20
 INSTALL = "pip install 'loomtrain[hf]' (or pip install tokenizers)"
 
 
@@ -66,10 +68,19 @@ class HFTokenizer:
         return self.encode_many([data])[0]
 
     def encode_many(self, docs: list[bytes]) -> list[np.ndarray]:
-        """Ids of each document, encoded in parallel by the Rust library's threads."""
-        texts = [d.decode("utf-8", errors="replace") for d in docs]
-        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+        """Ids of each document, encoded in parallel by the Rust library's threads, about
+        ENCODE_BYTES of text at a time: an encoding keeps every token's string and offsets
+        besides its id, ~200 bytes a token, so a whole corpus at once would take gigabytes
+        (1.6 GB for the stdlib's 31.5 MB, measured; docs/data.md)."""
+        ids, group, size = [], [], 0
+        for i, doc in enumerate(docs):
+            group.append(doc.decode("utf-8", errors="replace"))
+            size += len(doc)
+            if size >= ENCODE_BYTES or i == len(docs) - 1:
+                encoded = self.tokenizer.encode_batch(group, add_special_tokens=False)
+                ids += [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+                group, size = [], 0
+        return ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=False)
