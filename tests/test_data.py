@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loomtrain.data import WindowSampler, eval_samples, load_corpus, rank_samples
-from loomtrain.data.corpus import stdlib_files
+from loomtrain.data.documents import stdlib_files
 from loomtrain.errors import DataError
 
 

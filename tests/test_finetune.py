@@ -20,7 +20,7 @@ from conftest import tiny_tree
 from harness import run_world
 from loomtrain.cli import main
 from loomtrain.data import eval_samples, file_groups, load_corpus, rank_samples
-from loomtrain.data.corpus import STDLIB_DOMAINS, is_stdlib_test, stdlib_files
+from loomtrain.data.documents import STDLIB_DOMAINS, is_stdlib_test, stdlib_files
 from loomtrain.data.digits import CLASSES, ExampleSampler, load_digits, split_indices
 from loomtrain.errors import ConfigError
 from loomtrain.models import IGNORE_INDEX, token_loss_sum

@@ -1,4 +1,4 @@
-"""The `loom` command: `loom train | plan | report | export | generate | bench`.
+"""The `loom` command: `loom train | plan | report | export | generate | tokenize | bench`.
 
 User errors (config, data, checkpoints) print one paragraph on stderr and exit with code 2;
 nothing already written in a run folder is touched before the input is validated.
@@ -56,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print every ranked plan as one JSON document")
     plan.add_argument("--timeline", metavar="PNG", help="simulate the best plan's step and draw its timeline")
     plan.add_argument("--write-config", metavar="FILE", help="write the best plan as a config `loom train` runs")
+
+    tok = sub.add_parser("tokenize", help="write a text source's token ids into a token file, "
+                         "streamed and resumable (docs/data.md)")
+    tok.add_argument("source", metavar="SRC", help="a text file or folder, a .jsonl or .parquet "
+                     "file, or stdlib (as data.source)")
+    tok.add_argument("--tokenizer", required=True, metavar="T",
+                     help='"bytes", "bpe:N" (trained on SRC, cached) or a tokenizer.json path')
+    tok.add_argument("--out", required=True, metavar="FILE",
+                     help="the token file: .u16 or .bin (uint16 ids), .u32 (uint32)")
+    tok.add_argument("--text-field", default="text", help="JSON Lines: the field of the text")
+    tok.add_argument("--text-column", default="text", help="Parquet: the column of the text")
+    tok.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     bench = sub.add_parser("bench", help="measure this machine").add_subparsers(dest="bench", required=True)
     calibrate = bench.add_parser("calibrate", help="measure matmul, memory and gloo rates as the planner's "
@@ -166,8 +178,8 @@ def _resolve_train(args, lock=None):
             advice=f"resume from it with `loom train --resume {run_dir} --skip-damaged`")
         for line in skipped if rank0 else ():
             print(f"warning: --skip-damaged: {line}", file=sys.stderr)
-        return cfg, run_dir, latest
-    cfg = load_config(args.config, overrides)
+        return _follow_tokenizer(cfg), run_dir, latest
+    cfg = _follow_tokenizer(load_config(args.config, overrides))
     if cfg.parallel.plan == "auto":  # planned before anything is written: config.toml holds the plan
         from loomtrain.planner.apply import choose_here, resolve_auto
         cfg = resolve_auto(cfg, choose_here)
@@ -181,6 +193,20 @@ def _resolve_train(args, lock=None):
         from loomtrain.train.init_from import resolve_init_from
         cfg = resolve_init_from(cfg)
     return cfg, None, None
+
+
+def _follow_tokenizer(cfg):
+    """`cfg` with model.vocab_size its tokenizer's (data/tokenizer.py followed_vocab), the
+    whole config validated again with it (parallel.tp must divide it, for one)."""
+    from loomtrain.data.tokenizer import followed_vocab
+    from loomtrain.train.config import config_from_dict
+
+    size = followed_vocab(cfg)
+    if size == cfg.model.vocab_size:
+        return cfg
+    tree = cfg.model_dump(exclude_none=True)
+    tree["model"]["vocab_size"] = size
+    return config_from_dict(tree, type(cfg))
 
 
 def _rejoin(args) -> int:
@@ -279,6 +305,8 @@ def _train(args, lock, stop=None) -> int:
     if int(os.environ.get("RANK", 0)) == 0:
         if resume is None:  # a resumed run rewrites it only once its checkpoint has loaded
             write_config(run_dir, cfg)
+            from loomtrain.data.tokenizer import save_run_tokenizer
+            save_run_tokenizer(run_dir, cfg.data)
         print(f"run folder: {run_dir}", file=sys.stderr)
     if stopped(stop, run_dir, resume is not None):  # the ranks would only start to stop
         return 0
@@ -437,11 +465,37 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_tokenize(args) -> int:
+    """`loom tokenize`: an interrupt leaves FILE.progress, and the same command continues."""
+    from loomtrain.data.tokenize import tokenize
+    from loomtrain.data.tokenizer import parse
+
+    out = Path(args.out)
+    try:
+        parse(args.tokenizer)
+    except ValueError as err:
+        raise ConfigError(str(err).replace("data.tokenizer=", "--tokenizer ")) from None
+    try:
+        n_docs, n_tokens = tokenize(args.source, args.tokenizer, out, args.text_field,
+                                    args.text_column, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"loom tokenize: interrupted; {out}.progress records what is written: run the same "
+              "command again to continue", file=sys.stderr)
+        return 130
+    except OSError as err:
+        raise ConfigError(f"--out {args.out!r} cannot be written ({err.strerror or err})") from None
+    named = "" if args.tokenizer == "bytes" else f' data.tokenizer="{out}.tokenizer.json"'
+    print(f"{out}: {n_docs} documents, {n_tokens} tokens (document starts in {out}.docs); "
+          f"train on it with data.source=\"{out}\"{named}")
+    return 0
+
+
 def main(argv: list[str] | None = None, stop=None) -> int:
     """`loom` with `argv`; `stop`: `loom train`'s StopFlag, if `entry` installed one."""
     args = _parser().parse_args(argv)
     commands = {"train": lambda a: cmd_train(a, stop), "plan": cmd_plan, "report": cmd_report,
-                "export": cmd_export, "generate": cmd_generate, "bench": cmd_bench}
+                "export": cmd_export, "generate": cmd_generate, "tokenize": cmd_tokenize,
+                "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except UserError as err:

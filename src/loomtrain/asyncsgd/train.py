@@ -34,7 +34,7 @@ from loomtrain.asyncsgd.shard import (
     shard_bounds,
 )
 from loomtrain.asyncsgd.worker import worker_pushes
-from loomtrain.data import WindowSampler, load_corpus, part_sampler, rank_samples
+from loomtrain.data import WindowSampler, load_data, part_sampler, rank_samples
 from loomtrain.errors import ConfigError, UserError
 from loomtrain.mesh import AXES, Mesh
 from loomtrain.models import build_model, token_loss_sum
@@ -60,7 +60,7 @@ def train_async(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     checkpoint the server restores (the CLI has checked that it fits: asyncsgd/state.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
-    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
+    corpus = load_data(cfg.data, cfg.model.vocab_size)
     model = build_model(cfg.model).to(mesh.device)
     flat = flatten_parameters(model)
     servers = cfg.asgd.servers
@@ -540,7 +540,7 @@ def rejoin_async(cfg, run_dir: Path, worker: int) -> int:
     if flat.numel() != published["numel"]:
         raise ConfigError(f"{where}: {run_dir}/config.toml builds {flat.numel():,} parameters, "
                           f"the running server has {published['numel']:,}: the config changed")
-    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
+    corpus = load_data(cfg.data, cfg.model.vocab_size)
     # the world's geometry as rank worker + 1 saw it, without its process groups: WorkerStep
     # reads only the rank, the world size and the device
     place = Mesh(sizes={**dict.fromkeys(AXES, 1), "dp": workers + 1}, rank=worker + 1,

@@ -1,9 +1,10 @@
-"""Byte-level corpora, token files, the deterministic distributed sampler and the non-IID split
+"""Corpora (text through a tokenizer, token files), the deterministic distributed sampler and the non-IID split
 of the files between workers."""
 
 from loomtrain.data.corpus import (
     Corpus,
     load_corpus,
+    load_data,
     require_documents,
     require_windows,
 )
@@ -16,5 +17,5 @@ from loomtrain.data.partition import (
 from loomtrain.data.sampler import WindowSampler, eval_samples, rank_samples
 
 __all__ = ["Corpus", "PartitionedSampler", "WindowSampler", "eval_samples", "file_groups",
-           "load_corpus", "part_sampler", "partition_windows", "rank_samples",
+           "load_corpus", "load_data", "part_sampler", "partition_windows", "rank_samples",
            "require_documents", "require_windows"]

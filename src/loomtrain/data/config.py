@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from loomtrain.component import Component, Refusal, Section, Switch
+from loomtrain.data.tokenizer import BYTES, parse
 
 # data.source names that are not paths
 BUILTIN_SOURCES = ("stdlib", "stdlib-code", "stdlib-tests", "digits")
@@ -18,8 +19,16 @@ class DataConfig(Section):
     # "stdlib": the running interpreter's standard-library .py sources ("stdlib-code": without
     # the test modules, "stdlib-tests": those alone; data/corpus.py); "digits": scikit-learn's
     # 8x8 digit images, a classification task (data/digits.py); otherwise a path to a text
-    # file, a folder of text files, or a pre-tokenized uint16 token file (*.bin / *.u16)
+    # file, a folder of text files, a JSON Lines (*.jsonl) or Parquet (*.parquet) file, or a
+    # token file (*.bin / *.u16: uint16 ids, *.u32: uint32); docs/data.md
     source: str = "stdlib"
+    # "bytes" (ids 0-255), "bpe:N" (a byte-level BPE of N tokens trained on the source and
+    # cached) or the path of a Hugging Face tokenizer.json; model.vocab_size follows it
+    # (data/tokenizer.py)
+    tokenizer: str = "bytes"
+    # the text of a JSON Lines record, and of a Parquet row
+    text_field: str = Field("text", min_length=1)
+    text_column: str = Field("text", min_length=1)
     val_fraction: float = Field(0.02, gt=0.0, lt=0.5)
     # rows hold several documents (the source's files) and attention never crosses one;
     # docs/sequence.md
@@ -42,6 +51,14 @@ class DataConfig(Section):
                 f"data.partition=\"by_file\" gives each worker its own group of the source's "
                 f"files, but data.source={self.source!r} is a single file; give \"stdlib\" or a "
                 f"folder of text files, or set data.partition=\"iid\"")
+        return self
+
+    @model_validator(mode="after")
+    def _tokenizer_spec(self) -> "DataConfig":
+        parse(self.tokenizer)
+        if self.source == "digits" and self.tokenizer != BYTES:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r} tokenizes text; data.source="
+                             "\"digits\" is images: leave it \"bytes\"")
         return self
 
     @model_validator(mode="after")

@@ -1,80 +1,61 @@
-"""Byte-level corpora and token files, split into train and validation token arrays.
+"""Corpora: a source's documents through a tokenizer, or a token file, split into train and
+validation token arrays.
 
-Sources: the standard library ("stdlib", and its "stdlib-code" and "stdlib-tests" halves), a
-text file or folder, or a pre-tokenized uint16 token file. Files are documents, and validation
-holds out whole files. Details: docs/training.md, "Data", and docs/finetune.md.
+Sources (data/documents.py): the standard library ("stdlib", and its "stdlib-code" and
+"stdlib-tests" halves), a text file or folder, a JSON Lines or Parquet file, or a token file
+(data/tokenfile.py). Documents (files, records) decide the split: validation holds out whole
+ones, by a CRC32 of their name. Details: docs/data.md and docs/finetune.md.
 """
 
 from __future__ import annotations
 
-import os
-import sysconfig
+import sys
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from loomtrain.data import documents as docs
+from loomtrain.data.documents import STDLIB_DOMAINS
+from loomtrain.data.tokenfile import id_dtype, read_doc_starts, read_token_file, split_doc_starts
+from loomtrain.data.tokenizer import ByteTokenizer, data_tokenizer
 from loomtrain.errors import DataError
-
-TOKEN_FILE_SUFFIXES = (".bin", ".u16")
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-# data.source names of the standard library: all of it, its code without the test modules,
-# and the test modules alone
-STDLIB_DOMAINS = ("stdlib", "stdlib-code", "stdlib-tests")
-# package folders whose every file is a test module, at any depth (test/, unittest/test/,
-# lib2to3/tests/ with its data/, idlelib/idle_test/)
-TEST_PACKAGES = frozenset({"test", "tests", "idle_test"})
 
 
 @dataclass(frozen=True)
 class Corpus:
-    train: np.ndarray  # 1-D token ids (uint8 for bytes, uint16 for token files)
+    train: np.ndarray  # 1-D token ids (uint8 for bytes, uint16 or uint32 for larger vocabularies)
     val: np.ndarray
     description: str
-    # offsets of the documents' first tokens in `train` / `val` (None: not made of files)
+    # offsets of the documents' first tokens in `train` / `val` (None: not made of documents)
     train_doc_starts: np.ndarray | None = None
     val_doc_starts: np.ndarray | None = None
 
 
-def is_stdlib_test(rel_path: str) -> bool:
-    """Whether the standard-library file at `rel_path` (relative to the stdlib root, with "/")
-    is a test module: a folder on its path is named test, tests or idle_test, or its name is
-    test_*.py. Python 3.11: 1,056 of the 1,790 files (19.4 of 31.5 MB), 820 of them under
-    test/; unittest/ itself and doctest.py are library code."""
-    *folders, name = rel_path.split("/")
-    return name.startswith("test_") or any(f in TEST_PACKAGES for f in folders)
+def _is_val(name: str, val_fraction: float) -> bool:
+    return zlib.crc32(name.encode()) < val_fraction * 2**32
 
 
-def stdlib_files(domain: str = "stdlib") -> tuple[Path, list[Path]]:
-    """(root, files) of a `STDLIB_DOMAINS` domain, in sorted relative-path order."""
-    assert domain in STDLIB_DOMAINS, domain
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
-        files.extend(Path(folder) / n for n in names if n.endswith(".py"))
-    files = sorted(files, key=lambda p: p.relative_to(root).as_posix())
-    if domain == "stdlib":
-        return root, files
-    tests = domain == "stdlib-tests"
-    return root, [p for p in files if is_stdlib_test(p.relative_to(root).as_posix()) == tests]
+def _concatenate(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids of `parts` end to end, the offset of each part's first id)."""
+    starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
+    return np.concatenate([np.zeros(0, dtype), *parts]).astype(dtype, copy=False), starts
 
 
-def _is_val(rel_path: str, val_fraction: float) -> bool:
-    return zlib.crc32(rel_path.encode()) < val_fraction * 2**32
-
-
-def _read_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.ndarray, ...]:
-    train, val = [], []
-    for path in files:
-        rel = path.relative_to(root).as_posix()
-        (val if _is_val(rel, val_fraction) else train).append(path.read_bytes() + b"\n")
-    if not val:  # too few files for the hash to pick one: hold out the last file
-        val.append(train.pop())
-    as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8)  # noqa: E731
-    starts = lambda parts: np.cumsum([0] + [len(p) for p in parts[:-1]])  # noqa: E731
-    return as_array(train), as_array(val), starts(train), starts(val)
+def _read_documents(source: str, val_fraction: float, tokenizer, fields) -> tuple[np.ndarray, ...]:
+    """Train and validation ids of a source made of documents, and their document starts."""
+    found = list(docs.documents(source, *fields))
+    if not found:
+        raise DataError(f"data.source={source!r} holds no documents")
+    names, texts = zip(*found)
+    held = [_is_val(n, val_fraction) for n in names]
+    if not any(held):  # too few documents for the hash to pick one: hold out the last
+        held[-1] = True
+    ids = tokenizer.encode_many(list(texts))
+    dtype = id_dtype(tokenizer.vocab_size)
+    train, train_starts = _concatenate([i for i, h in zip(ids, held) if not h], dtype)
+    val, val_starts = _concatenate([i for i, h in zip(ids, held) if h], dtype)
+    return train, val, train_starts, val_starts
 
 
 def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -82,67 +63,65 @@ def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np
     return tokens[:cut], tokens[cut:]
 
 
-def _token_file(path: Path, vocab_size: int) -> np.ndarray:
-    size = path.stat().st_size
-    if size == 0 or size % 2:
-        raise DataError(
-            f"data.source={str(path)!r} is a token file ({'/'.join(TOKEN_FILE_SUFFIXES)}) but its "
-            f"size ({size} bytes) is not a positive multiple of 2: token files hold raw uint16 ids"
-        )
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    top = max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24))
-    if top >= vocab_size:
-        raise DataError(
-            f"data.source={str(path)!r} holds token id {top}, but model.vocab_size={vocab_size}; "
-            f"set model.vocab_size to at least {top + 1}"
-        )
-    return tokens
+def _read_token_source(source: str, val_fraction: float, vocab_size: int) -> tuple:
+    """A token file's two splits (its tail is validation) and, with its FILE.docs sidecar,
+    their document starts."""
+    path = docs.source_path(source)
+    tokens = read_token_file(path, vocab_size)
+    train, val = _tail_split(tokens, val_fraction)
+    starts = read_doc_starts(path, len(tokens))
+    split = (None, None) if starts is None else split_doc_starts(starts, len(train))
+    made = "" if starts is None else f", {len(starts)} documents"
+    return train, val, *split, f"{source}: {tokens.dtype.name} tokens{made}"
 
 
-def load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
-    """The train and validation tokens of `source`; DataError names what cannot be used."""
+def load_data(data, vocab_size: int) -> Corpus:
+    """The corpus of a [data] section, through the tokenizer it names."""
+    return load_corpus(data.source, data.val_fraction, vocab_size, data_tokenizer(data),
+                       (data.text_field, data.text_column))
+
+
+def load_corpus(source: str, val_fraction: float, vocab_size: int, tokenizer=None,
+                fields: tuple[str, str] = ("text", "text")) -> Corpus:
+    """The train and validation tokens of `source` through `tokenizer` (default: bytes);
+    `fields`: the JSON Lines field and the Parquet column of the text. DataError names what
+    cannot be used."""
+    tokenizer = tokenizer or ByteTokenizer()
     try:
-        return _load_corpus(source, val_fraction, vocab_size)
+        return _load_corpus(source, val_fraction, vocab_size, tokenizer, fields)
     except OSError as err:  # a file without read permission, a device that fails to read
         raise DataError(f"data.source={source!r}: cannot read {str(err.filename or source)!r} "
                         f"({err.strerror or err})") from None
 
 
-def _load_corpus(source: str, val_fraction: float, vocab_size: int) -> Corpus:
-    starts = [None, None]
+def _describe(source: str, kind: str, count: int) -> str:
     if source in STDLIB_DOMAINS:
-        root, files = stdlib_files(source)
-        train, val, *starts = _read_files(root, files, val_fraction)
         part = {"stdlib-code": " without its test modules", "stdlib-tests": " test modules"}
-        desc = (f"Python {'.'.join(map(str, __import__('sys').version_info[:2]))} stdlib"
-                f"{part.get(source, '')}, {len(files)} files")
+        return f"Python {'.'.join(map(str, sys.version_info[:2]))} stdlib{part.get(source, '')}, {count} files"
+    return f"{source}: {count} {'files' if kind == 'files' else 'records'}"
+
+
+def _load_corpus(source: str, val_fraction: float, vocab_size: int, tokenizer, fields) -> Corpus:
+    starts = [None, None]
+    kind = docs.kind_of(source)
+    if kind == "tokens":
+        train, val, *starts, desc = _read_token_source(source, val_fraction, vocab_size)
+    elif kind == "text":
+        tokens = tokenizer.encode(docs.source_path(source).read_bytes())
+        train, val = _tail_split(tokens.astype(id_dtype(tokenizer.vocab_size), copy=False), val_fraction)
+        desc = f"{source}: {'bytes' if isinstance(tokenizer, ByteTokenizer) else 'tokens'}"
     else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(
-                f"data.source={source!r} does not exist; give \"stdlib\" (or \"stdlib-code\", "
-                f"\"stdlib-tests\"), \"digits\", a text file, a folder of text files, or a uint16 "
-                f"token file ({', '.join(TOKEN_FILE_SUFFIXES)})"
-            )
-        if path.is_dir():
-            files = sorted((p for p in path.rglob("*") if p.is_file()),
-                           key=lambda p: p.relative_to(path).as_posix())
-            if not files:
-                raise DataError(f"data.source={source!r} is a folder with no files in it")
-            train, val, *starts = _read_files(path, files, val_fraction)
-            desc = f"{source}: {len(files)} files"
-        elif path.suffix in TOKEN_FILE_SUFFIXES:
-            train, val = _tail_split(_token_file(path, vocab_size), val_fraction)
-            desc = f"{source}: uint16 tokens"
-        else:
-            train, val = _tail_split(np.frombuffer(path.read_bytes(), dtype=np.uint8), val_fraction)
-            desc = f"{source}: bytes"
+        train, val, *starts = _read_documents(source, val_fraction, tokenizer, fields)
+        desc = _describe(source, kind, len(starts[0]) + len(starts[1]))
     if train.dtype == np.uint8 and vocab_size < 256:  # the stdlib too: its bytes reach 255
         top = max(int(split.max()) for split in (train, val) if len(split))
         raise DataError(
             f"data.source={source!r} is read as bytes (ids 0-255; its largest is {top}), but "
             f"model.vocab_size={vocab_size}; set model.vocab_size = 256"
         )
+    if kind != "tokens" and tokenizer.vocab_size > vocab_size:
+        raise DataError(f"data.tokenizer has {tokenizer.vocab_size} tokens, but model.vocab_size="
+                        f"{vocab_size}; set model.vocab_size = {tokenizer.vocab_size}")
     return Corpus(train=train, val=val, description=f"{desc} ({len(train)} train / {len(val)} val tokens)",
                   train_doc_starts=starts[0], val_doc_starts=starts[1])
 
@@ -158,9 +137,11 @@ def require_windows(corpus: Corpus, seq_len: int, source: str) -> None:
 
 
 def require_documents(corpus: Corpus, source: str) -> None:
-    """data.packing needs documents: a source made of files."""
+    """data.packing needs documents: a source made of files or records."""
     if corpus.train_doc_starts is None:
         raise DataError(
             f"data.packing=true masks attention at document boundaries, and the documents are "
-            f"the source's files, but data.source={source!r} is a single file; give \"stdlib\" "
-            f"or a folder of text files, or set data.packing=false")
+            f"the source's files or records, but data.source={source!r} is a single text file "
+            f"(or a token file without its FILE.docs); give \"stdlib\", a folder of text files, "
+            f"a JSON Lines or Parquet file or a token file made by `loom tokenize`, or set "
+            f"data.packing=false")

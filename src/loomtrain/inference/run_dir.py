@@ -1,7 +1,9 @@
 """`loom generate RUN_DIR`: decode text with the newest checkpoint of a `loom train` run.
 
 A checkpoint of any layout is consolidated, loaded into the GPT of the run's config and split
-over `tp` ranks; the request is checked before any worker starts. Details: docs/generate.md.
+over `tp` ranks; the prompt is encoded and the tokens decoded by the run's tokenizer (bytes,
+or RUN_DIR/tokenizer.json: data/tokenizer.py). The request is checked before any worker
+starts. Details: docs/generate.md.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from pathlib import Path
 
 import torch
 
+from loomtrain.data.tokenizer import BYTE_VOCAB, BYTES, run_tokenizer
 from loomtrain.errors import CheckpointError, ConfigError, UserError
 from loomtrain.inference.decoder import COMPRESS, generate
-
-BYTE_VOCAB = 256
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_vocab(run_dir: Path, data, model):
+    """The run's tokenizer, if its vocabulary is the model's."""
+    if data.tokenizer == BYTES and model.vocab_size != BYTE_VOCAB:
+        raise ConfigError(f"a text prompt is bytes, but {str(run_dir)!r} has model.vocab_size="
+                          f"{model.vocab_size} (byte-level text needs {BYTE_VOCAB}, its tokens "
+                          "came from a token file: name the tokenizer.json that made them in "
+                          "its data.tokenizer)")
+    tokenizer = run_tokenizer(run_dir, data)
+    if tokenizer.vocab_size != model.vocab_size:
+        raise ConfigError(f"{str(run_dir)!r} has model.vocab_size={model.vocab_size}, but its "
+                          f"tokenizer (data.tokenizer={data.tokenizer!r}) has "
+                          f"{tokenizer.vocab_size} tokens: it is not the one the run trained with")
+    return tokenizer
+
+
 def check_request(req: GenerateRequest):
-    """(the [model] config, the checkpoint folder) for `req`, or a UserError naming the
-    flag, its value and what would be valid."""
+    """(the [model] config, the checkpoint folder, the run's tokenizer) for `req`, or a
+    UserError naming the flag, its value and what would be valid."""
     from loomtrain.train import checkpoint
     from loomtrain.train.config import load_config
 
@@ -49,7 +65,8 @@ def check_request(req: GenerateRequest):
     if not (run_dir / "config.toml").is_file():
         raise CheckpointError(f"generate {str(run_dir)!r}: no config.toml there; is it a loom run "
                               "folder (made by `loom train`)?")
-    model = load_config(run_dir / "config.toml").model
+    cfg = load_config(run_dir / "config.toml")
+    model = cfg.model
     if not checkpoint.list_checkpoints(run_dir):
         raise CheckpointError(f"generate {str(run_dir)!r}: no complete checkpoint in "
                               f"{run_dir / 'checkpoints'}; train the run first")
@@ -66,19 +83,17 @@ def check_request(req: GenerateRequest):
     if model.attention != "softmax":
         raise ConfigError(f"generate decodes with a KV cache, which model.attention="
                           f"{model.attention!r} ({str(run_dir)!r}) does not have yet")
-    if model.vocab_size != BYTE_VOCAB:
-        raise ConfigError(f"a text prompt is bytes, but {str(run_dir)!r} has model.vocab_size="
-                          f"{model.vocab_size} (byte-level text needs {BYTE_VOCAB}, its tokens "
-                          "came from a token file)")
+    tokenizer = _check_vocab(run_dir, cfg.data, model)
     if req.tp < 1 or model.n_heads % req.tp:
         raise ConfigError(f"--tp {req.tp} must divide the model's heads, model.n_heads="
                           f"{model.n_heads}: choose among {_divisors(model.n_heads)}")
     room = model.seq_len - 1
-    size = len(req.prompt.encode("utf-8"))
+    size = len(tokenizer.encode(req.prompt.encode("utf-8")))
+    unit = "bytes" if cfg.data.tokenizer == BYTES else "tokens"
     if not 1 <= size <= room:
-        raise UserError(f"--prompt is {size} bytes; the model's context is model.seq_len="
+        raise UserError(f"--prompt is {size} {unit}; the model's context is model.seq_len="
                         f"{model.seq_len} tokens and at least one must be left for a new "
-                        f"token: give 1 to {room} bytes")
+                        f"token: give 1 to {room} {unit}")
     for flag, value, low in (("--max-new-tokens", req.max_new_tokens, 1),
                              ("--samples", req.samples, 1), ("--top-k", req.top_k, 1)):
         if value is not None and value < low:
@@ -90,7 +105,7 @@ def check_request(req: GenerateRequest):
     if req.overlap and req.samples < 2:
         raise UserError("--overlap splits the batch into two nano-batches, so it needs at "
                         f"least 2 sequences: give --samples 2 or more (got {req.samples})")
-    return model, latest
+    return model, latest, tokenizer
 
 
 def load_model(model_cfg, path: Path, mesh=None) -> torch.nn.Module:
@@ -108,16 +123,16 @@ def load_model(model_cfg, path: Path, mesh=None) -> torch.nn.Module:
 
 def decode(req: GenerateRequest, mesh=None) -> dict:
     """Generate on this rank (every tp rank calls it alike): the texts and the timing."""
-    model_cfg, path = check_request(req)
+    model_cfg, path, tokenizer = check_request(req)
     model = load_model(model_cfg, path, mesh)
-    prompt = torch.tensor(list(req.prompt.encode("utf-8")), dtype=torch.long)
+    prompt = torch.tensor(tokenizer.encode(req.prompt.encode("utf-8")).tolist(), dtype=torch.long)
     prompt = prompt.expand(req.samples, -1).contiguous()
     start = time.perf_counter()
     out = generate(model, prompt, req.max_new_tokens, temperature=req.temperature,
                    top_k=req.top_k, seed=req.seed, compress=req.compress, overlap=req.overlap)
     seconds = time.perf_counter() - start
     new = out.shape[1] - prompt.shape[1]
-    return {"texts": [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out],
+    return {"texts": [tokenizer.decode(row.tolist()) for row in out],
             "new_tokens": new, "ms_per_token": 1e3 * seconds / new, "seq_len": model_cfg.seq_len}
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from loomtrain.data import (PartitionedSampler, WindowSampler, load_corpus, require_documents,
+from loomtrain.data import (PartitionedSampler, WindowSampler, load_data, require_documents,
                             require_windows)
 from loomtrain.models import build_classifier, build_model
 
@@ -47,7 +47,7 @@ def load_task_data(cfg, dp: int) -> TaskData:
 
         train, val, desc = load_digits(d.val_fraction, d.classes)
         return TaskData(ExampleSampler(train, seed), ExampleSampler(val, seed + 1), desc, 1)
-    corpus = load_corpus(d.source, d.val_fraction, cfg.model.vocab_size)
+    corpus = load_data(d, cfg.model.vocab_size)
     if d.packing:
         require_documents(corpus, d.source)
     seq_len = cfg.model.seq_len
@@ -65,7 +65,7 @@ def check_task_data(cfg) -> str:
         from loomtrain.data.digits import load_digits
 
         return load_digits(cfg.data.val_fraction, cfg.data.classes)[2]
-    corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
+    corpus = load_data(cfg.data, cfg.model.vocab_size)
     require_windows(corpus, cfg.model.seq_len, cfg.data.source)
     if cfg.data.packing:
         require_documents(corpus, cfg.data.source)
