@@ -112,3 +112,83 @@ def test_gelu_new_gpt2_is_refused(tmp_path):
     hf.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="activation_function='gelu_new'"):
         from_hf(tmp_path)
+
+
+# a Llama whose vocabulary is the run's bpe:300 tokenizer's, for `loom train` to start from
+RUN_LLAMA = dict(LLAMA, vocab_size=300, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=True)
+RUN_MODEL = {"name": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+             "ffn_hidden": 48, "norm_eps": 1e-6, "tie_embeddings": True, "seq_len": 32,
+             "vocab_size": 300}
+
+
+def _run_config(root, corpus, **model) -> str:
+    from conftest import tiny_tree
+    from loomtrain.train.config import config_from_dict, config_to_toml
+
+    path = root / "run.toml"
+    path.write_text(config_to_toml(config_from_dict(tiny_tree(
+        root, corpus, model={**RUN_MODEL, **model}, data={"tokenizer": "bpe:300"},
+        train={"steps": 2, "init_from": str(root / "hf_in")}, checkpoint={"every": 2}))))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    """A 2-step, 1-process `loom train` from a transformers Llama's folder, then exported by
+    `loom export --to hf`: (run folder, export folder)."""
+    root = tmp_path_factory.mktemp("hf_run")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**RUN_LLAMA)).save_pretrained(root / "hf_in")
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(root / "cache"), "OMP_NUM_THREADS": "1"}
+    loom = [sys.executable, "-m", "loomtrain"]
+    proc = subprocess.run([*loom, "train", _run_config(root, corpus)], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = root / "runs" / "t"
+    proc = subprocess.run([*loom, "export", str(run_dir), "--to", "hf"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(run_dir / "hf")
+    return run_dir, run_dir / "hf"
+
+
+def test_export_to_hf_of_a_run_loads_in_transformers(trained):
+    from loomtrain.train import checkpoint
+    from loomtrain.train.config import load_config
+
+    run_dir, out = trained
+    model = build_model(load_config(run_dir / "config.toml").model).eval()
+    model.load_state_dict(checkpoint.load_model_state(checkpoint.list_checkpoints(run_dir)[-1]))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, model(tokens), atol=TOL, rtol=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.decode(tokenizer.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_init_from_a_hf_folder_starts_from_its_weights(trained):
+    from loomtrain.train.config import load_config
+    from loomtrain.train.init_from import load_init_weights
+
+    run_dir, _ = trained
+    cfg = load_config(run_dir / "config.toml")
+    model = build_model(cfg.model).eval()
+    assert load_init_weights(model, cfg) == (run_dir.parent.parent / "hf_in", 0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run_dir.parent.parent / "hf_in").eval()
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=TOL, rtol=0)
+
+
+def test_init_from_a_hf_folder_of_another_shape_is_refused(trained, corpus, tmp_path, capsys, monkeypatch):
+    from conftest import refused
+
+    run_dir, _ = trained
+    monkeypatch.setenv("XDG_CACHE_HOME", str(run_dir.parent.parent / "cache"))
+    (tmp_path / "hf_in").symlink_to(run_dir.parent.parent / "hf_in")
+    err = refused(capsys, ["train", _run_config(tmp_path, corpus, d_model=64, qkv_bias=True)])
+    assert "Hugging Face model" in err and "model.d_model=32 (this run: 64)" in err
+    assert "model.qkv_bias=False (this run: True)" in err

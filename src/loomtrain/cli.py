@@ -82,8 +82,10 @@ def _parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="consolidate a run's latest checkpoint into one file")
     export.add_argument("run_dir")
-    export.add_argument("--to", choices=["safetensors"], default="safetensors")
-    export.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors)")
+    export.add_argument("--to", choices=["safetensors", "hf"], default="safetensors",
+                        help="safetensors: one file; hf: a Hugging Face model folder")
+    export.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors), or "
+                        "folder with --to hf (default: RUN_DIR/hf)")
 
     # defaults (None here) are GenerateRequest's, in inference/run_dir.py: the parser imports no torch
     gen = sub.add_parser("generate", help="decode text with a run's latest checkpoint (KV cache, tensor parallel)")
@@ -440,8 +442,9 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from loomtrain.train.export import export_safetensors
-    print(export_safetensors(Path(args.run_dir), Path(args.out) if args.out else None))
+    from loomtrain.train.export import export_hf, export_safetensors
+    export = export_hf if args.to == "hf" else export_safetensors
+    print(export(Path(args.run_dir), Path(args.out) if args.out else None))
     return 0
 
 

@@ -1,5 +1,6 @@
 """`loom export RUN_DIR --to safetensors`: the newest checkpoint's model, consolidated from
-every rank's DCP shard into one `.safetensors` file that needs only `safetensors` to read.
+every rank's DCP shard into one `.safetensors` file that needs only `safetensors` to read;
+`--to hf`: into a Hugging Face model folder (models/hf.py, docs/models.md).
 
 Names, metadata, tied weights, sparse runs and the atomic write: docs/checkpoints.md, "Export".
 """
@@ -14,11 +15,14 @@ import torch
 from safetensors.torch import save_file
 
 from loomtrain.errors import CheckpointError, WriteError
+from loomtrain.data.tokenizer import RUN_FILE
 from loomtrain.models import build_model
+from loomtrain.models.hf import to_hf
 from loomtrain.sparsity.masks import unpack_mask
 from loomtrain.sparsity.sparsifier import KEY
 from loomtrain.train import checkpoint
 from loomtrain.train.config import load_config
+from loomtrain.train.task import is_classification
 from loomtrain.writes import writing
 
 
@@ -35,17 +39,43 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return ties
 
 
-def export_safetensors(run_dir: Path, out: Path | None = None) -> str:
-    """Writes RUN_DIR's newest checkpoint as one safetensors file (default
-    RUN_DIR/model.safetensors); returns its path."""
-    run_dir = Path(run_dir)
+def newest_of_run(run_dir: Path):
+    """(RUN_DIR's newest intact checkpoint folder, the run's Config); CheckpointError if
+    RUN_DIR is no run folder with a complete checkpoint."""
     if not checkpoint.list_checkpoints(run_dir):
         raise CheckpointError(f"export {str(run_dir)!r}: no complete checkpoint in {run_dir / 'checkpoints'}")
     if not (run_dir / "config.toml").is_file():
         raise CheckpointError(f"export {str(run_dir)!r}: no config.toml there; is it a loom run folder?")
     latest, _ = checkpoint.newest(run_dir, advice=f"export it by moving the damaged folder out of "
                                   f"{run_dir / 'checkpoints'}")
-    cfg = load_config(run_dir / "config.toml")
+    return latest, load_config(run_dir / "config.toml")
+
+
+def export_hf(run_dir: Path, out: Path | None = None) -> str:
+    """Writes RUN_DIR's newest checkpoint as a Hugging Face model folder (default RUN_DIR/hf;
+    models/hf.py `to_hf`), with the run's tokenizer.json when it has one; returns its path."""
+    run_dir = Path(run_dir)
+    latest, cfg = newest_of_run(run_dir)
+    if is_classification(cfg):
+        raise CheckpointError(f"export {str(run_dir)!r} --to hf: a digits classifier has no "
+                              "Hugging Face causal-LM architecture")
+    model = build_model(cfg.model)
+    model.load_state_dict(checkpoint.load_model_state(latest), strict=True)
+    tokenizer = run_dir / RUN_FILE
+    out = Path(out) if out is not None else run_dir / "hf"
+    try:
+        with writing(out):  # a full disk: WriteError, exit 2
+            to_hf(model, cfg.model, out, tokenizer if tokenizer.is_file() else None)
+    except ValueError as e:  # an architecture transformers lacks (linear attention, ...)
+        raise CheckpointError(f"export {str(run_dir)!r} --to hf: {e}") from None
+    return str(out)
+
+
+def export_safetensors(run_dir: Path, out: Path | None = None) -> str:
+    """Writes RUN_DIR's newest checkpoint as one safetensors file (default
+    RUN_DIR/model.safetensors); returns its path."""
+    run_dir = Path(run_dir)
+    latest, cfg = newest_of_run(run_dir)
     with torch.device("meta"):  # names and ties only: no memory, no initialization cost
         ties = tied_names(build_model(cfg.model))
     tensors = checkpoint.load_model_state(latest)
