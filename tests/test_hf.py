@@ -9,6 +9,7 @@ of size ~1 after two layers."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,6 +50,11 @@ def _hf_model(kind: str):
     return model
 
 
+def _saved(kind: str, path):
+    _hf_model(kind).save_pretrained(path)
+    return path
+
+
 def _tokens() -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
 
@@ -79,11 +85,6 @@ def test_to_hf_loads_in_transformers_with_equal_logits(kind, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(_tokens()).logits, ours(_tokens()), atol=TOL, rtol=0)
     assert type(back).__name__ == type(_hf_model(kind)).__name__
-
-
-def _saved(kind: str, path):
-    _hf_model(kind).save_pretrained(path)
-    return path
 
 
 def test_sharded_checkpoint_reads_as_the_single_file(tmp_path):
@@ -140,7 +141,7 @@ def trained(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("hf_run")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**RUN_LLAMA)).save_pretrained(root / "hf_in")
-    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(root / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "OMP_NUM_THREADS": "1"}
     loom = [sys.executable, "-m", "loomtrain"]
     proc = subprocess.run([*loom, "train", _run_config(root, corpus)], capture_output=True, text=True,
                           timeout=180, env=env)

@@ -114,34 +114,54 @@ def hf_keys(path) -> dict:
                   f"is not mapped; loomtrain reads {', '.join([*LLAMA_FAMILY.values(), GPT2])}")
 
 
-def name_map(keys: dict) -> dict[str, tuple[str, bool]]:
-    """{loomtrain name: (Hugging Face name, transposed)} of the model `keys` describe. GPT-2's
-    Conv1D layers keep their weights (in, out), the transpose of nn.Linear's; its c_attn holds
-    q, k, v concatenated as the GPT's qkv does. A tied head maps to the embedding's name."""
-    if keys["name"] == "gpt":
-        pairs = {"tok_emb": "wte", "pos_emb": "wpe", "ln_f": "ln_f"}
-        for i in range(keys["n_layers"]):
-            for ours, theirs in (("ln1", "ln_1"), ("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                                 ("ln2", "ln_2"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-                pairs[f"blocks.{i}.{ours}"] = f"h.{i}.{theirs}"
-        names = {f"{ours}.{p}": (f"transformer.{theirs}.{p}", ours.startswith("blocks") and p == "weight"
-                                 and "ln" not in ours)
-                 for ours, theirs in pairs.items() for p in ("weight", "bias")
-                 if not (ours.endswith("_emb") and p == "bias")}
-        return {**names, "head.weight": ("transformer.wte.weight", False)}
+# a GPT block's layers: (loomtrain, GPT-2, GPT-2 keeps the weight transposed: Conv1D)
+_GPT2_BLOCK = (("ln1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
+               ("attn.proj", "attn.c_proj", True), ("ln2", "ln_2", False),
+               ("mlp.fc", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True))
+# a llama block's module prefixes that Hugging Face names otherwise
+_LLAMA_RENAMES = {"ln1.": "input_layernorm.", "ln2.": "post_attention_layernorm.",
+                  "attn.": "self_attn."}
+
+
+def _gpt2_names(keys: dict) -> dict[str, tuple[str, bool]]:
+    """GPT-2's Conv1D layers keep their weights as (in, out), the transpose of nn.Linear's;
+    its c_attn holds q, k, v concatenated along the output, as the GPT's qkv does."""
+    names = {"tok_emb.weight": ("transformer.wte.weight", False),
+             "pos_emb.weight": ("transformer.wpe.weight", False),
+             "ln_f.weight": ("transformer.ln_f.weight", False),
+             "ln_f.bias": ("transformer.ln_f.bias", False),
+             "head.weight": ("transformer.wte.weight", False)}  # tied
+    for i in range(keys["n_layers"]):
+        for ours, theirs, transposed in _GPT2_BLOCK:
+            names[f"blocks.{i}.{ours}.weight"] = (f"transformer.h.{i}.{theirs}.weight", transposed)
+            names[f"blocks.{i}.{ours}.bias"] = (f"transformer.h.{i}.{theirs}.bias", False)
+    return names
+
+
+def _llama_names(keys: dict) -> dict[str, tuple[str, bool]]:
+    """The llama model's names are Hugging Face's inside attention and the MLP already."""
+    tied = keys["tie_embeddings"]
     pairs = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
-             "head.weight": "model.embed_tokens.weight" if keys["tie_embeddings"] else "lm_head.weight"}
-    block = ["ln1.weight", "ln2.weight", "attn.o_proj.weight", "mlp.gate_proj.weight",
-             "mlp.up_proj.weight", "mlp.down_proj.weight",
-             *(f"attn.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias")[:1 + keys["qkv_bias"]]),
-             *(["attn.q_norm.weight", "attn.k_norm.weight"] if keys["qk_norm"] else [])]
-    renames = {"ln1.": "input_layernorm.", "ln2.": "post_attention_layernorm.", "attn.": "self_attn."}
+             "head.weight": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+    block = ["ln1.weight", "ln2.weight", "attn.q_proj.weight", "attn.k_proj.weight",
+             "attn.v_proj.weight", "attn.o_proj.weight", "mlp.gate_proj.weight",
+             "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    if keys["qkv_bias"]:
+        block += ["attn.q_proj.bias", "attn.k_proj.bias", "attn.v_proj.bias"]
+    if keys["qk_norm"]:
+        block += ["attn.q_norm.weight", "attn.k_norm.weight"]
     for i in range(keys["n_layers"]):
         for ours in block:
-            theirs = next((new + ours[len(old):] for old, new in renames.items()
+            theirs = next((new + ours[len(old):] for old, new in _LLAMA_RENAMES.items()
                            if ours.startswith(old)), ours)
             pairs[f"blocks.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return {ours: (theirs, False) for ours, theirs in pairs.items()}
+
+
+def name_map(keys: dict) -> dict[str, tuple[str, bool]]:
+    """{loomtrain name: (Hugging Face name, stored transposed)} of the model `keys` (the
+    [model] keys) describe. A tied head maps to the embedding's name."""
+    return _gpt2_names(keys) if keys["name"] == "gpt" else _llama_names(keys)
 
 
 def read_tensors(path) -> dict[str, torch.Tensor]:
@@ -231,6 +251,9 @@ def to_hf(model: torch.nn.Module, model_cfg, out_dir, tokenizer_path=None) -> Pa
                for ours, (theirs, transposed) in name_map(keys).items()}
     dtype = next(iter(tensors.values())).dtype
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    # loomtrain's models know no special tokens; transformers' defaults (GPT-2's 50256) would
+    # name ids the vocabulary may not have
+    config.update(bos_token_id=None, eos_token_id=None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
