@@ -59,22 +59,24 @@ class TensorParallelRMSNorm(nn.RMSNorm):
 
 class ReplicatedKVLinear(nn.Module):
     """k_proj or v_proj kept whole on every tp rank (tp a multiple of n_kv_heads), computing
-    the rows `rows` (my kv head). The weight passes Megatron's `f` before the rows are taken:
-    each rank's gradient is zero outside its kv head's rows, and the all-reduce over tp adds
-    the contributions of all the ranks whose query heads read each kv head, so every rank
-    ends backward with the single process's gradient of the whole tensor. A replicated
-    parameter (no placement): checkpoints save it whole, the gradient norm counts it once."""
+    the rows [start, stop) (my kv head's). The weight passes Megatron's `f` before the rows
+    are taken: each rank's gradient is zero outside its kv head's rows, and the all-reduce
+    over tp adds the contributions of all the ranks whose query heads read each kv head, so
+    every rank ends backward with the single process's gradient of the whole tensor. A
+    replicated parameter (no placement): checkpoints save it whole, the gradient norm counts
+    it once. The cost: each rank stores all n_kv_heads (Megatron stores the one it reads)
+    and all-reduces their gradient, 2 * n_kv_heads * head_dim * d_model numbers per layer."""
 
-    def __init__(self, linear: nn.Linear, rows: torch.Tensor, mesh, axis: str):
+    def __init__(self, linear: nn.Linear, start: int, stop: int, mesh, axis: str):
         super().__init__()
-        self.mesh, self.axis = mesh, axis
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.register_buffer("rows", rows, persistent=False)
+        self.mesh, self.axis, self.start, self.stop = mesh, axis, start, stop
+        self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def mine(p):
-            return None if p is None else CopyToTP.apply(p, self.mesh, self.axis)[self.rows]
+            if p is None:
+                return None
+            return CopyToTP.apply(p, self.mesh, self.axis)[self.start:self.stop]
         return F.linear(x, mine(self.weight), mine(self.bias))
 
 
@@ -90,9 +92,8 @@ def _split_attention(attn, rank: int, parts: int, mesh, axis: str, sp: bool) -> 
     else:
         # the kv head of my query heads: they are all in one group (parts % n_kv_heads == 0)
         kv = rank * (attn.n_heads // parts) // (attn.n_heads // attn.n_kv_heads)
-        kv_rows = torch.arange(kv * hd, (kv + 1) * hd)
-        attn.k_proj = ReplicatedKVLinear(attn.k_proj, kv_rows, mesh, axis)
-        attn.v_proj = ReplicatedKVLinear(attn.v_proj, kv_rows, mesh, axis)
+        attn.k_proj = ReplicatedKVLinear(attn.k_proj, kv * hd, (kv + 1) * hd, mesh, axis)
+        attn.v_proj = ReplicatedKVLinear(attn.v_proj, kv * hd, (kv + 1) * hd, mesh, axis)
         attn.n_kv_heads = 1
     attn.o_proj = RowParallelLinear(attn.o_proj, q_rows, mesh, axis, sp)
     attn.n_heads //= parts
@@ -109,7 +110,7 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     `sequence_parallel` (with `vocab_parallel`) keeps 1/tp of the sequence between the column
     and row layers: the embedding reduce-scatters, the norms sum their weight gradients over
     tp. Rotary positions need nothing: attention runs on the gathered, whole sequence, whose
-    positions the model computes from the token ids (0..t-1)."""
+    positions are 0..t-1 (LlamaBlock counts them on ln1's output, the gathered sequence)."""
     parts, rank = mesh.size(axis), mesh.local_rank(axis)
     sp = sequence_parallel
     if sp:
