@@ -204,8 +204,8 @@ def test_zero_options_that_need_zero(capsys, args, expected):
     (["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true", "--set", "model.seq_len=33"],
      "parallel.tp=2 must divide model.seq_len = 33"),
     (["--set", "parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=true splits the GPT's layer norms over the tensor-parallel ranks; it "
-     "needs parallel.tp > 1"),
+     "parallel.sequence_parallel=true splits the layer norms of the GPT or the llama over the "
+     "tensor-parallel ranks; it needs parallel.tp > 1"),
     (["--nproc", "4", "--set", "parallel.tp=2", "--set", "parallel.dp=3"],
      "dp*tp*pp*cp = 3*2*1*1 = 6 must equal parallel.nproc=4"),
 ])

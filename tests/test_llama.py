@@ -197,7 +197,6 @@ def test_loom_train_and_generate_a_llama_run(tmp_path, corpus, capsys):
     out = decode(GenerateRequest(str(run_dir), "def ", 5, 0.0, None, 0))
     assert out["new_tokens"] == 5
     assert "on one process only" in refused(capsys, ["generate", str(run_dir), "--tp", "2"])
-    for key, words in [("parallel.tp=2", "the tensor-parallel engine"),
-                       ("parallel.cp=2", "splits or masks the GPT's attention")]:
-        assert words in refused(capsys, ["train", str(path), "--set", key, "--nproc", "2"])
+    assert "splits or masks the GPT's attention" in refused(
+        capsys, ["train", str(path), "--set", "parallel.cp=2", "--nproc", "2"])
     assert "no activation formula" in refused(capsys, ["train", str(path), "--dry-run"])

@@ -116,7 +116,7 @@ def test_bad_splits_are_refused_with_the_reason():
     assert "needs a plan" in messages[1]
     assert "'diagonal'" in messages[2]
     assert "not an nn.Linear" in messages[3]
-    assert "GPT only" in messages[4]
+    assert "GPT and Llama only" in messages[4]
 
 
 def _vocab_case(rank, world):

@@ -147,10 +147,11 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, cache=None, positions: torch.Tensor | None = None):
         """`positions`: the tokens' positions; None: consecutive from the cache's length (0
         without one), as a pipeline stage calls it."""
-        if positions is None:
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + x.shape[1], device=x.device)
-        x = x + self.attn(self.ln1(x), positions, cache)
+        h = self.ln1(x)
+        if positions is None:  # h's length: under Megatron sequence parallelism, ln1 gathers
+            start = cache.length if cache is not None else 0  # the sequence (tensor_llama.py)
+            positions = torch.arange(start, start + h.shape[1], device=x.device)
+        x = x + self.attn(h, positions, cache)
         return x + self.mlp(self.ln2(x))
 
 

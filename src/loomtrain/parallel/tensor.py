@@ -64,18 +64,24 @@ def _split(n: int, parts: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """The rows `rows` (output features) of `linear`; the input is replicated."""
+    """The rows `rows` (output features) of `linear`; the input is replicated. `enters`: the
+    layer enters the tensor-parallel region itself (Megatron's `f`, or the sequence
+    all-gather); False when its input has entered already, once for sibling layers that
+    share it (the Llama's q/k/v and gate/up: parallel/tensor_llama.py)."""
 
     def __init__(self, linear: nn.Linear, rows: torch.Tensor, mesh, axis: str = "tp",
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, enters: bool = True):
         super().__init__()
         self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
+        self.enters = enters
         self.weight = _piece(linear.weight, 0, rows)
         self.bias = None if linear.bias is None else _piece(linear.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        enter = GatherFromSP if self.sequence_parallel else CopyToTP
-        return F.linear(enter.apply(x, self.mesh, self.axis), self.weight, self.bias)
+        if self.enters:
+            enter = GatherFromSP if self.sequence_parallel else CopyToTP
+            x = enter.apply(x, self.mesh, self.axis)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -101,11 +107,15 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + V/tp) of the embedding table: a token outside my range looks up
-    zeros, and the all-reduce over tp sums the one rank's row that holds it."""
+    zeros, and the all-reduce over tp sums the one rank's row that holds it. With
+    `sequence_parallel`, a reduce-scatter instead: each rank keeps its chunk of the sequence
+    (Megatron's embedding under sequence parallelism)."""
 
-    def __init__(self, embedding: nn.Embedding, mesh, axis: str = "tp"):
+    def __init__(self, embedding: nn.Embedding, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False):
         super().__init__()
         self.mesh, self.axis = mesh, axis
+        self.leave = ScatterToSP if sequence_parallel else ReduceFromTP
         parts, rank = mesh.size(axis), mesh.local_rank(axis)
         rows = _split(embedding.num_embeddings, parts, "the vocabulary size")
         self.start, self.stop = rank * rows, (rank + 1) * rows
@@ -114,16 +124,19 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.stop)
         rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
-        return ReduceFromTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.mesh, self.axis)
+        return self.leave.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.mesh, self.axis)
 
 
 class VocabParallelHead(nn.Module):
-    """The output head over my vocabulary range (tied to `embedding`'s rows): returns my
-    slice of the logits, (..., V/tp); `vocab_parallel_loss_sum` takes it from there."""
+    """The output head over my vocabulary range, `embedding`'s: tied to its rows, or with an
+    untied `head`, that head's own rows of the range. Returns my slice of the logits,
+    (..., V/tp); `vocab_parallel_loss_sum` takes it from there."""
 
-    def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False):
+    def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False,
+                 head: nn.Linear | None = None):
         super().__init__()
-        self.weight = embedding.weight  # tied
+        self.weight = embedding.weight if head is None else _piece(
+            head.weight, 0, torch.arange(embedding.start, embedding.stop))
         self.mesh, self.axis, self.start = embedding.mesh, embedding.axis, embedding.start
         self.sequence_parallel = sequence_parallel
 
@@ -162,17 +175,17 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
                        sequence_parallel: bool = False) -> nn.Module:
     """Split `model` over the `axis` ranks in place and return it.
 
-    Without `plan` the model must be loomtrain's GPT: every block's attention (heads split)
-    and MLP become column/row pairs. A `plan` maps module-name patterns (fnmatch) to
-    "column" or "row" for any model whose nn.Linear layers pair up that way (a column layer's
-    output features, a row layer's input features split in contiguous ranges); the model's
-    own code must work on the local widths.
+    Without `plan` the model must be loomtrain's GPT (every block's attention, heads split,
+    and MLP become column/row pairs) or Llama (parallel/tensor_llama.py). A `plan` maps
+    module-name patterns (fnmatch) to "column" or "row" for any model whose nn.Linear layers
+    pair up that way (a column layer's output features, a row layer's input features split in
+    contiguous ranges); the model's own code must work on the local widths.
 
-    `vocab_parallel` (GPT only) also splits the token embedding and the tied head over the
+    `vocab_parallel` (GPT or Llama) also splits the token embedding and the head over the
     vocabulary: the model then returns each rank's slice of the logits, for
     `vocab_parallel_loss_sum(logits, targets, model.head)`.
 
-    `sequence_parallel` (GPT, with `vocab_parallel`): Megatron's sequence parallelism
+    `sequence_parallel` (GPT or Llama, with `vocab_parallel`): Megatron's sequence parallelism
     (Korthikanti et al., arXiv 2205.05198). Between the column/row pairs (layer norms,
     residuals, dropout) each rank keeps its 1/tp of the sequence; a column layer all-gathers
     the sequence and a row layer reduce-scatters it, in place of the two all-reduces (the
@@ -184,12 +197,16 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
         return model
     if plan is None:
         from loomtrain.models.gpt import GPT
-        if not isinstance(model, GPT):
+        from loomtrain.models.llama import Llama
+        if not isinstance(model, (GPT, Llama)):
             raise ValueError(f"parallelize_tensor needs a plan for {type(model).__name__} "
                              "(names of its column- and row-parallel nn.Linear layers)")
         if sequence_parallel and not vocab_parallel:
             raise ValueError("sequence_parallel needs vocab_parallel: the head must take the "
                              "gathered sequence as a vocabulary-parallel layer")
+        if isinstance(model, Llama):
+            from loomtrain.parallel.tensor_llama import parallelize_llama
+            return parallelize_llama(model, mesh, axis, vocab_parallel, sequence_parallel)
         if sequence_parallel:
             _split(model.seq_len, parts, "the sequence length")
         sp = sequence_parallel
@@ -217,7 +234,7 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
         return model
     if vocab_parallel or sequence_parallel:
         raise ValueError("vocab_parallel and sequence_parallel are built for loomtrain's GPT "
-                         "only; a plan splits nn.Linear layers into column/row pairs")
+                         "and Llama only; a plan splits nn.Linear layers into column/row pairs")
     for kind in plan.values():
         if kind not in ("column", "row"):
             raise ValueError(f"tensor-parallel plan: {kind!r} is not 'column' or 'row'")

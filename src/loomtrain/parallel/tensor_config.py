@@ -14,8 +14,9 @@ class TensorKeys(Section):
 
 
 class TensorParallel(Component):
-    """tp must split whole attention heads, the vocabulary (the GPT's embedding and head are
-    vocabulary-parallel) and the MLP's hidden width; sequence parallelism splits the sequence."""
+    """tp must split whole attention heads, the vocabulary (the GPT's and the llama's
+    embedding and head are vocabulary-parallel) and the MLP's hidden width; the llama's kv
+    heads are split or replicated; sequence parallelism splits the sequence."""
 
     name = "tensor"
     section, keys = "parallel", TensorKeys
@@ -38,16 +39,12 @@ class TensorParallel(Component):
     @classmethod
     def validate(cls, cfg) -> None:
         p, m = cfg.parallel, cfg.model
-        if p.sequence_parallel and (p.tp == 1 or m.name != "gpt"):
-            raise ValueError("parallel.sequence_parallel=true splits the GPT's layer norms over "
-                             "the tensor-parallel ranks; it needs parallel.tp > 1 and "
-                             "model.name=\"gpt\"")
+        if p.sequence_parallel and (p.tp == 1 or m.name not in ("gpt", "llama")):
+            raise ValueError("parallel.sequence_parallel=true splits the layer norms of the GPT "
+                             "or the llama over the tensor-parallel ranks; it needs "
+                             "parallel.tp > 1 and model.name=\"gpt\" or \"llama\"")
         if p.tp == 1:
             return
-        if m.name == "llama":
-            raise ValueError(f"parallel.tp={p.tp}: the tensor-parallel engine splits the GPT's "
-                             "and the MLP model's layers; model.name=\"llama\" is not supported "
-                             "yet: use parallel.tp=1 (data, ZeRO or pipeline parallelism run it)")
         if m.linear_decay:
             # tensor parallelism re-slices the heads but not their decays (attn.decay)
             raise ValueError(f"parallel.tp={p.tp} with model.linear_decay=true is not supported "
@@ -55,9 +52,19 @@ class TensorParallel(Component):
         sizes = {"model.mlp_ratio*model.d_model": m.mlp_ratio * m.d_model}
         if m.name == "gpt":
             sizes = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size, **sizes}
+        if m.name == "llama":
+            sizes = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size,
+                     "the SwiGLU width (model.ffn_hidden)": m.ffn_width}
         if p.sequence_parallel:
             sizes["model.seq_len"] = m.seq_len
         for key, n in sizes.items():
             if n % p.tp:
                 raise ValueError(f"parallel.tp={p.tp} must divide {key} = {n} (tensor parallelism "
                                  f"splits it evenly); choose parallel.tp among its divisors")
+        if m.name == "llama" and m.kv_heads % p.tp and p.tp % m.kv_heads:
+            # kv heads split when tp divides them, replicated when tp is a multiple of them
+            # (parallel/tensor_llama.py `kv_layout`)
+            raise ValueError(f"parallel.tp={p.tp} and model.n_kv_heads={m.kv_heads}: one must "
+                             "divide the other (kv heads are split over tp when tp divides "
+                             "them, replicated when tp is a multiple of them); choose "
+                             f"parallel.tp among the divisors or multiples of {m.kv_heads}")
