@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loomtrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
-                                       VocabParallelEmbedding, VocabParallelHead, _contiguous,
-                                       _split)
+from loomtrain.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear,
+                                              VocabParallelEmbedding, VocabParallelHead,
+                                              _contiguous, _split)
 from loomtrain.parallel.tensor_comm import CopyToTP, GatherFromSP
 
 

@@ -1,0 +1,155 @@
+"""The layers of tensor parallelism (parallel/tensor.py applies them to a GPT or any model with
+a plan, parallel/tensor_llama.py to a Llama): column- and row-parallel linear layers, the
+vocabulary-parallel embedding and head, and sequence parallelism's split and LayerNorm.
+Details: docs/tensor.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loomtrain.parallel.placement import Placement
+from loomtrain.parallel.tensor_comm import (CopyToTP, GatherFromSP, ReduceFromTP, ScatterToSP,
+                                            SplitSeq, VocabParallelCrossEntropy)
+
+
+class SequenceSplit(nn.Module):
+    """After `inner`: keep my sequence chunk (enters a sequence-parallel region)."""
+
+    def __init__(self, inner: nn.Module, mesh, axis: str):
+        super().__init__()
+        self.inner, self.mesh, self.axis = inner, mesh, axis
+
+    def forward(self, x):
+        return SplitSeq.apply(self.inner(x), self.mesh, self.axis)
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A layer norm that sees only my chunk of the sequence: its weight and bias enter through
+    Megatron's `f` (identity forward, all-reduce of the gradient over tp), so their gradients
+    are whole sums on every tp rank when backward returns, whatever engine runs the step.
+    (Megatron instead all-reduces these gradients in one bucket after backward; one small
+    all-reduce per parameter inside backward keeps the dp/ZeRO engines unaware of tp.)"""
+
+    def __init__(self, norm: nn.LayerNorm, mesh, axis: str):
+        super().__init__(norm.normalized_shape, norm.eps, norm.elementwise_affine,
+                         bias=norm.bias is not None)
+        self.mesh, self.axis = mesh, axis
+        self.weight, self.bias = norm.weight, norm.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def synced(p):
+            return None if p is None else CopyToTP.apply(p, self.mesh, self.axis)
+        return F.layer_norm(x, self.normalized_shape, synced(self.weight), synced(self.bias), self.eps)
+
+
+def _piece(full: torch.Tensor, dim: int, index: torch.Tensor) -> nn.Parameter:
+    """The parameter holding `full`'s entries `index` along `dim`, marked with its placement
+    (checkpoints save it as part of the full tensor; gradient norms count it on one rank)."""
+    p = nn.Parameter(full.detach().index_select(dim, index).clone())
+    p.tp_placement = Placement.of_index(tuple(full.shape), dim, index)
+    return p
+
+
+def _split(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise ValueError(f"{what} = {n} is not divisible by the tensor-parallel size {parts}; "
+                         f"choose parallel.tp among the divisors of {n}")
+    return n // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """The rows `rows` (output features) of `linear`; the input is replicated. `enters`: the
+    layer enters the tensor-parallel region itself (Megatron's `f`, or the sequence
+    all-gather); False when its input has entered already, once for sibling layers that
+    share it (the Llama's q/k/v and gate/up: parallel/tensor_llama.py)."""
+
+    def __init__(self, linear: nn.Linear, rows: torch.Tensor, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False, enters: bool = True):
+        super().__init__()
+        self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
+        self.enters = enters
+        self.weight = _piece(linear.weight, 0, rows)
+        self.bias = None if linear.bias is None else _piece(linear.bias, 0, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enters:
+            enter = GatherFromSP if self.sequence_parallel else CopyToTP
+            x = enter.apply(x, self.mesh, self.axis)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """The columns `cols` (input features) of `linear`; the partial outputs are all-reduced,
+    then the (replicated) bias is added once."""
+
+    def __init__(self, linear: nn.Linear, cols: torch.Tensor, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
+        self.weight = _piece(linear.weight, 1, cols)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leave = ScatterToSP if self.sequence_parallel else ReduceFromTP
+        y = leave.apply(F.linear(x, self.weight), self.mesh, self.axis)
+        if self.bias is None:
+            return y
+        # under sequence parallelism the bias meets my sequence chunk only: sum its gradient
+        return y + (CopyToTP.apply(self.bias, self.mesh, self.axis) if self.sequence_parallel
+                    else self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + V/tp) of the embedding table: a token outside my range looks up
+    zeros, and the all-reduce over tp sums the one rank's row that holds it. With
+    `sequence_parallel`, a reduce-scatter instead: each rank keeps its chunk of the sequence
+    (Megatron's embedding under sequence parallelism)."""
+
+    def __init__(self, embedding: nn.Embedding, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.mesh, self.axis = mesh, axis
+        self.leave = ScatterToSP if sequence_parallel else ReduceFromTP
+        parts, rank = mesh.size(axis), mesh.local_rank(axis)
+        rows = _split(embedding.num_embeddings, parts, "the vocabulary size")
+        self.start, self.stop = rank * rows, (rank + 1) * rows
+        self.weight = _piece(embedding.weight, 0, torch.arange(self.start, self.stop))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.stop)
+        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        return self.leave.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.mesh, self.axis)
+
+
+class VocabParallelHead(nn.Module):
+    """The output head over my vocabulary range, `embedding`'s: tied to its rows, or with an
+    untied `head`, that head's own rows of the range. Returns my slice of the logits,
+    (..., V/tp); `vocab_parallel_loss_sum` takes it from there."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False,
+                 head: nn.Linear | None = None):
+        super().__init__()
+        self.weight = embedding.weight if head is None else _piece(
+            head.weight, 0, torch.arange(embedding.start, embedding.stop))
+        self.mesh, self.axis, self.start = embedding.mesh, embedding.axis, embedding.start
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        enter = GatherFromSP if self.sequence_parallel else CopyToTP
+        return F.linear(enter.apply(x, self.mesh, self.axis), self.weight)
+
+
+def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, head: VocabParallelHead,
+                            ignore_index: int = -100) -> torch.Tensor:
+    """`token_loss_sum` for the logits slice a `VocabParallelHead` returns (the same on every
+    tp rank)."""
+    return VocabParallelCrossEntropy.apply(logits, targets, head.start, ignore_index,
+                                            head.mesh, head.axis)
+
+
+def _contiguous(n: int, rank: int, parts: int, what: str) -> torch.Tensor:
+    size = _split(n, parts, what)
+    return torch.arange(rank * size, (rank + 1) * size)
