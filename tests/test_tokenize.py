@@ -102,6 +102,10 @@ def test_vocab_size_follows_the_tokenizer_or_is_refused(tmp_path, corpus, capsys
     assert 'data.tokenizer="bytes"' in err and "model.vocab_size=300" in err
     assert main(["train", _config(tmp_path, corpus, data={"tokenizer": BPE}), "--dry-run"]) == 0
     assert "vocab 320" in capsys.readouterr().out
+    # a preset's vocabulary (llama-debug: 256) is its own tokenizer's: it yields to this one
+    tree = tiny_tree(tmp_path, corpus, data={"tokenizer": BPE})
+    tree["model"] = {"preset": "llama-debug", "seq_len": 32}
+    assert tk.followed_vocab(config_from_dict(tree)) == 320
 
 
 def test_without_the_tokenizers_package_a_bpe_is_refused(tmp_path, corpus, capsys, monkeypatch):

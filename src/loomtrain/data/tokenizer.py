@@ -17,6 +17,7 @@ import numpy as np
 
 from loomtrain.data import documents
 from loomtrain.errors import ConfigError, DataError
+from loomtrain.models.presets import PRESETS
 
 BYTES = "bytes"
 BYTE_VOCAB = 256
@@ -190,7 +191,7 @@ def save_run_tokenizer(run_dir: Path, data) -> None:
 
 def followed_vocab(cfg) -> int:
     """The model.vocab_size of `cfg` (the whole Config): its tokenizer's where the config left
-    it at its default (a bpe:N is trained here, once, before any process starts). ConfigError: an
+    it at its default or its preset's (a bpe:N is trained here, once, before any process starts). ConfigError: an
     explicit vocab_size that differs from the tokenizer's, or text read as bytes with a
     vocab_size above 256 (ids 256 and up would never occur)."""
     data, model = cfg.data, cfg.model
@@ -205,7 +206,10 @@ def followed_vocab(cfg) -> int:
                 f"(data.tokenizer = \"bpe:{model.vocab_size}\" or a tokenizer.json)")
         return model.vocab_size
     size = data_tokenizer(data).vocab_size
-    if "vocab_size" in model.model_fields_set and model.vocab_size != size:
+    # a preset's vocabulary (models/presets.py) is its own tokenizer's: it yields to this one
+    preset_vocab = PRESETS.get(model.preset, {}).get("vocab_size")
+    explicit = "vocab_size" in model.model_fields_set and model.vocab_size != preset_vocab
+    if explicit and model.vocab_size != size:
         raise ConfigError(
             f"model.vocab_size={model.vocab_size} but data.tokenizer={data.tokenizer!r} has "
             f"{size} tokens; the model's vocabulary is the tokenizer's: remove model.vocab_size "
