@@ -7,26 +7,19 @@ parallelism (Korthikanti et al., arXiv 2205.05198). Details: docs/tensor.md.
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn as nn
 
 from loomtrain.parallel.tensor_layers import (  # noqa: F401 (the API's names)
     ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, SequenceSplit,
     VocabParallelEmbedding, VocabParallelHead, _contiguous, _split, vocab_parallel_loss_sum)
+from loomtrain.parallel.tensor_plan import LLAMA_HF_PLAN, apply_plan, fused_rows  # noqa: F401
 
 
 def _qkv_rows(d_model: int, n_heads: int, rank: int, parts: int) -> torch.Tensor:
     """My heads' rows of a fused [q; k; v] projection: the same head range in each third."""
     _split(n_heads, parts, "the number of attention heads")
-    mine = _contiguous(d_model, rank, parts, "d_model")
-    return torch.cat([mine + j * d_model for j in range(3)])
-
-
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+    return fused_rows(3 * d_model, 3, rank, parts, "d_model")
 
 
 def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = None,
@@ -36,9 +29,11 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
 
     Without `plan` the model must be loomtrain's GPT (every block's attention, heads split,
     and MLP become column/row pairs) or Llama (parallel/tensor_llama.py). A `plan` maps
-    module-name patterns (fnmatch) to "column" or "row" for any model whose nn.Linear layers
-    pair up that way (a column layer's output features, a row layer's input features split in
-    contiguous ranges); the model's own code must work on the local widths.
+    module-name patterns (fnmatch) to "column", "row" or "column:N" for any model whose
+    nn.Linear layers pair up that way (a column layer's output features, a row layer's input
+    features split in contiguous ranges; "column:N" a fused output of N parts, each split);
+    the model's own code must work on the local widths. Hugging Face Llama-style decoders:
+    `LLAMA_HF_PLAN`. How a plan is checked: parallel/tensor_plan.py.
 
     `vocab_parallel` (GPT or Llama) also splits the token embedding and the head over the
     vocabulary: the model then returns each rank's slice of the logits, for
@@ -94,25 +89,9 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     if vocab_parallel or sequence_parallel:
         raise ValueError("vocab_parallel and sequence_parallel are built for loomtrain's GPT "
                          "and Llama only; a plan splits nn.Linear layers into column/row pairs")
-    for kind in plan.values():
-        if kind not in ("column", "row"):
-            raise ValueError(f"tensor-parallel plan: {kind!r} is not 'column' or 'row'")
-    for name, module in list(model.named_modules()):
-        kind = next((k for pattern, k in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
-        if kind is None:
-            continue
-        if not isinstance(module, nn.Linear):
-            raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
-                             "not an nn.Linear")
-        if kind == "column":
-            rows = _contiguous(module.out_features, rank, parts, f"{name}.out_features")
-            _set(model, name, ColumnParallelLinear(module, rows, mesh, axis))
-        else:
-            cols = _contiguous(module.in_features, rank, parts, f"{name}.in_features")
-            _set(model, name, RowParallelLinear(module, cols, mesh, axis))
-    return model
+    return apply_plan(model, mesh, axis, plan)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+__all__ = ["LLAMA_HF_PLAN", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "VocabParallelHead", "SequenceParallelLayerNorm", "parallelize_tensor",
            "vocab_parallel_loss_sum"]

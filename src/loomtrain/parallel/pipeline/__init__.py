@@ -87,7 +87,8 @@ def build_schedule(cfg) -> schedules.Schedule:
 def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
              balance="params", recompute: str = "none", materialize=_real) -> PipelineModule:
     """The pp-axis strategy: this rank's stages of `model` (any model `layers_of` can read:
-    the GPT, the MLP, an `nn.Sequential`, one with `pipeline_layers()`), with the runtime that
+    the GPT, the MLP, an `nn.Sequential`, one with `pipeline_layers()`, a Hugging Face
+    decoder: pipeline/hf_layers.py), with the runtime that
     executes `schedule` over its stage modules as `.runtime`. `sample`: one micro-batch's
     input; `balance` as in `split`; `recompute`: "none", "full" or "selective" (the GPT's
     attention core). Wrap the result with the dp engine, then call

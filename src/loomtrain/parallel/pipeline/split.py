@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from loomtrain.models import GPT, MLP, Llama
-
-
-@dataclass(frozen=True)
-class Layer:
-    name: str
-    owns: tuple[str, ...]  # module paths of the model this layer computes with
-    run: Callable  # run(model, x) -> y
+from loomtrain.parallel.pipeline.hf_layers import hf_layers
+from loomtrain.parallel.pipeline.layer import Layer
 
 
 def layers_of(model: nn.Module) -> list[Layer]:
@@ -38,8 +31,12 @@ def layers_of(model: nn.Module) -> list[Layer]:
                 for name in model._modules]
     if hasattr(model, "pipeline_layers"):
         return list(model.pipeline_layers())
+    found = hf_layers(model)
+    if found is not None:
+        return found
     raise TypeError(f"cannot split a {type(model).__name__} into pipeline stages: give an "
-                    "nn.Sequential, or define pipeline_layers() returning its Layer sequence")
+                    "nn.Sequential, a Hugging Face decoder (Llama-style or GPT-2), or define "
+                    "pipeline_layers() returning its Layer sequence")
 
 
 def balance(costs: list[float], k: int) -> list[int]:
@@ -107,16 +104,35 @@ def measured_costs(model: nn.Module, layers: list[Layer], sample: torch.Tensor,
 def stage_shapes(model: nn.Module, layers: list[Layer], bounds: list[int],
                  sample: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
     """(shape, dtype) of every stage's output for an input like `sample`, found on the meta
-    device (no compute, no memory)."""
-    meta = copy.deepcopy(model).to("meta")
-    x = sample.to("meta")
+    device (no compute, no memory). A layer the meta device cannot run (one reading values:
+    `.item()`, `torch.nonzero`, as mixture-of-experts routing does) raises there; the shapes
+    then come from running the layers on `sample` itself (`_real_shapes`)."""
+    try:
+        return _shapes(copy.deepcopy(model).to("meta"), layers, bounds, sample.to("meta"))
+    except (NotImplementedError, RuntimeError):
+        return _real_shapes(model, layers, bounds, sample)
+
+
+def _shapes(model: nn.Module, layers: list[Layer], bounds: list[int],
+            x: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
     out = []
     with torch.no_grad():
         for i, layer in enumerate(layers):
-            x = layer.run(meta, x)
+            x = layer.run(model, x)
             if i + 1 in bounds[1:]:
                 out.append((x.shape, x.dtype))
     return out
+
+
+def _real_shapes(model: nn.Module, layers: list[Layer], bounds: list[int],
+                 sample: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+    """The stage shapes from one real forward of `sample` on the model's device. A model still
+    on the meta device runs as an uninitialized copy on the CPU (the values are garbage, the
+    shapes are not; it costs the whole model's memory once, on every rank)."""
+    if any(p.is_meta for p in model.parameters()):
+        model = copy.deepcopy(model).to_empty(device="cpu")
+    device = next(model.parameters(), sample).device
+    return _shapes(model, layers, bounds, sample.to(device))
 
 
 def shared_parameters(model: nn.Module, layers: list[Layer], bounds: list[int],
@@ -153,11 +169,13 @@ class PipelineModule(nn.Module):
             self._modules[name] = child
         for name, p in model._parameters.items():
             self._parameters[name] = p
-        self.__dict__["model"] = model  # layers run on it; not registered: no "model." names
+        # layers run on it; not registered (no "whole." names), and not named "model", the
+        # name of a Hugging Face decoder's inner model, a child registered here
+        self.__dict__["whole"] = model
 
     def forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
         for layer in self.layers[self.bounds[stage]:self.bounds[stage + 1]]:
-            x = layer.run(self.model, x)
+            x = layer.run(self.whole, x)
         return x
 
     def stage_modules(self) -> dict[int, "PipelineStage"]:

@@ -1,0 +1,105 @@
+"""Tensor parallelism by a plan: module-name patterns (fnmatch) mapped to "column", "row" or
+"column:N" (a fused projection: N equal parts, each split by column), applied to any model
+whose nn.Linear layers pair up that way. The plan is checked against the model before any
+layer is replaced: every pattern must split something, fused projections must declare their
+parts, and attention heads must split evenly. Details: docs/tensor.md, "Plans".
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn as nn
+
+from loomtrain.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear, _contiguous, _split
+
+# Hugging Face's Llama-style decoders (Llama, Mistral, Qwen2): attention and MLP as Megatron
+# pairs. Their attention reshapes by head_dim, so it runs on the local heads unchanged.
+LLAMA_HF_PLAN = {
+    "*.self_attn.q_proj": "column", "*.self_attn.k_proj": "column",
+    "*.self_attn.v_proj": "column", "*.self_attn.o_proj": "row",
+    "*.mlp.gate_proj": "column", "*.mlp.up_proj": "column", "*.mlp.down_proj": "row",
+}
+
+# names of fused projections (Phi-3's gate_up_proj, GPT-2's c_attn, Phi-3's qkv_proj): one
+# contiguous column split would hand a rank the wrong parts
+FUSED_NAMES = ("*gate_up_proj", "*c_attn", "*qkv_proj")
+
+
+def fused_rows(n: int, fused: int, rank: int, parts: int, what: str) -> torch.Tensor:
+    """My rows of an output of `n` features made of `fused` equal parts ([q; k; v], [gate;
+    up]): the same contiguous range of each part."""
+    size = _split(n, fused, f"{what} (in {fused} fused parts)")
+    mine = _contiguous(size, rank, parts, f"{what} / {fused}")
+    return torch.cat([mine + j * size for j in range(fused)])
+
+
+def _kind(value: str) -> tuple[str, int]:
+    """("column" | "row", fused parts) of a plan value."""
+    kind, _, fused = value.partition(":")
+    if kind == "row" and not fused:
+        return kind, 1
+    if kind == "column" and (not fused or (fused.isdigit() and int(fused) >= 2)):
+        return kind, int(fused or 1)
+    raise ValueError(f"tensor-parallel plan: {value!r} is not 'column', 'row' or 'column:N' "
+                     "(N >= 2 fused parts)")
+
+
+def _heads(attention: nn.Module) -> dict[str, int]:
+    """The head counts of an attention module (loomtrain's `num_heads`, or a Hugging Face
+    attention's config), {} for a module without heads."""
+    config = getattr(attention, "config", None)
+    if not (hasattr(attention, "num_heads") or hasattr(attention, "head_dim")):
+        return {}
+    found = {}
+    for attr, key in (("num_heads", "num_attention_heads"),
+                      ("num_key_value_heads", "num_key_value_heads")):
+        value = getattr(attention, attr, getattr(config, key, None))
+        if isinstance(value, int):
+            found[attr] = value
+    return found
+
+
+def _check(model: nn.Module, name: str, kind: str, fused: int, parts: int) -> None:
+    """Refuse a split the model cannot run: a fused projection split as one column, heads
+    that do not split evenly over the tp ranks."""
+    if kind == "column" and fused == 1 and any(fnmatch.fnmatchcase(name, f) for f in FUSED_NAMES):
+        raise ValueError(f"tensor-parallel plan: {name} looks like a fused projection; a plain "
+                         "'column' split would give ranks whole parts, not a slice of each: "
+                         "declare its N parts as 'column:N' ('column:2' for [gate; up], "
+                         "'column:3' for [q; k; v])")
+    parent = name.rpartition(".")[0]
+    for attr, heads in _heads(model.get_submodule(parent) if parent else model).items():
+        _split(heads, parts, f"{parent}.{attr}")
+
+
+def apply_plan(model: nn.Module, mesh, axis: str, plan: dict[str, str]) -> nn.Module:
+    """`model` with the layers `plan` names replaced by their tp pieces (parallelize_tensor)."""
+    parts, rank = mesh.size(axis), mesh.local_rank(axis)
+    kinds = {pattern: _kind(value) for pattern, value in plan.items()}
+    chosen = {}
+    for name, module in model.named_modules():
+        pattern = next((p for p in plan if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
+                             "not an nn.Linear")
+        _check(model, name, *kinds[pattern], parts)
+        chosen[name] = (module, *kinds[pattern])
+    unused = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in chosen)]
+    if unused:
+        raise ValueError(f"tensor-parallel plan: {', '.join(map(repr, unused))} splits no "
+                         "module of the model (patterns match full module names, e.g. "
+                         "'model.layers.*.self_attn.q_proj')")
+    for name, (module, kind, fused) in chosen.items():
+        if kind == "column":
+            rows = fused_rows(module.out_features, fused, rank, parts, f"{name}.out_features")
+            piece = ColumnParallelLinear(module, rows, mesh, axis)
+        else:
+            piece = RowParallelLinear(module, _contiguous(module.in_features, rank, parts,
+                                                          f"{name}.in_features"), mesh, axis)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, piece)
+    return model
