@@ -8,6 +8,7 @@ told apart; the worlds take turns, the idle ones blocked on a queue.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import resource
@@ -31,6 +32,31 @@ def rss_bytes() -> int:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak at the current RSS (Linux >= 4.0: "5" to /proc/self/clear_refs resets
+    the high-water mark that ru_maxrss reads); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def pin_mmap_threshold(kib: int) -> None:
+    """Serve every allocation of `kib` KiB or more with its own mmap, returned to the kernel
+    when freed, so RSS follows the live tensors. glibc's default threshold is dynamic: it
+    rises (up to 32 MiB) to the size of the largest mmapped block freed, after which freed
+    block-sized tensors stay in its heap, reused or not; measured here on stage 3, that kept
+    ~160 MiB more resident per rank after 6 steps, still growing, and less on other engines.
+    Setting the threshold also turns the dynamic rule off (mallopt(3))."""
+    if kib and not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, kib * 1024):
+        raise OSError(f"mallopt(M_MMAP_THRESHOLD, {kib} KiB) failed")
 
 
 class World:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import os
@@ -59,7 +58,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from worlds import World, free_port, peak_rss_bytes, rss_bytes, serve_commands
+from worlds import (
+    World,
+    free_port,
+    peak_rss_bytes,
+    pin_mmap_threshold,
+    reset_peak_rss,
+    rss_bytes,
+    serve_commands,
+)
 
 from loomtrain import comm
 from loomtrain.data import WindowSampler, load_corpus, rank_samples
@@ -235,31 +242,6 @@ def wrap(engine: Engine, model: nn.Module, mesh, cfg):
                              hierarchical=engine.hierarchical, prefetch=cfg.parallel.prefetch,
                              gradient_reduce="sum")
     return model, optimizer, 1.0
-
-
-def reset_peak_rss() -> bool:
-    """Restart the peak at the current RSS (Linux >= 4.0: "5" to /proc/self/clear_refs resets
-    the high-water mark that ru_maxrss reads); False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-
-
-def pin_mmap_threshold(kib: int) -> None:
-    """Serve every allocation of `kib` KiB or more with its own mmap, returned to the kernel
-    when freed, so RSS follows the live tensors. glibc's default threshold is dynamic: it
-    rises (up to 32 MiB) to the size of the largest mmapped block freed, after which freed
-    block-sized tensors stay in its heap, reused or not; measured here on stage 3, that kept
-    ~160 MiB more resident per rank after 6 steps, still growing, and less on other engines.
-    Setting the threshold also turns the dynamic rule off (mallopt(3))."""
-    if kib and not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, kib * 1024):
-        raise OSError(f"mallopt(M_MMAP_THRESHOLD, {kib} KiB) failed")
 
 
 def wchar_bytes() -> int:
