@@ -110,13 +110,7 @@ class ReplicaMode(BackpropMode):
         if self.stopping:
             return group.control[3]
         group.done = done
-
-        def attempt() -> bool:
-            streaking = torch.tensor([float(self.streak > 0)], dtype=torch.float64,
-                                     device=self.mesh.device)
-            comm.all_reduce(streaking, self.mesh, "world")
-            return bool(streaking)
-        group.streaking = group.guard(AGREE, attempt, caught_up=lambda: group.streaking)
+        group.streaking = group.guard(AGREE, self.agree_streak, caught_up=lambda: group.streaking)
         return group.streaking
 
     def run(self, step: int, work):

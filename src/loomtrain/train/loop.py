@@ -236,6 +236,10 @@ class SyncMode(Mode):
         all-reduce, so that no replica skips a checkpoint the others write."""
         if not getattr(self.built.model, "replicas_apart", False):
             return self.streak > 0
+        return self.agree_streak()
+
+    def agree_streak(self) -> bool:
+        """Whether any rank is in a non-finite streak: one all-reduce over the world."""
         streaking = torch.tensor([float(self.streak > 0)], dtype=torch.float64,
                                  device=self.mesh.device)
         comm.all_reduce(streaking, self.mesh, "world")
