@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
-from worlds import World, free_port, peak_rss_bytes, rss_bytes
+from worlds import World, closing_worlds, free_port, peak_rss_bytes, rss_bytes
 
 from loomtrain import comm
 from loomtrain.data import WindowSampler, load_corpus, rank_samples
@@ -256,8 +256,7 @@ def main(argv=None) -> dict:
                      "loss check, and it is never timed)")
     cfg_dict = build_cfg_dict(args)
     start = time.perf_counter()
-    worlds: dict[str, World] = {}
-    try:
+    with closing_worlds({}) as worlds:  # a failed or hung world must not outlive the run
         for engine in ENGINES:  # one after the other: set-up and warm-up never overlap
             worlds[engine] = start_world(engine, cfg_dict, args.warmup, args.timeout_s)
         rounds: dict[str, list[dict]] = {e: [] for e in ENGINES}
@@ -268,12 +267,6 @@ def main(argv=None) -> dict:
                 print(f"round {i + 1}/{args.rounds} {engine:>9}: {r['tokens_per_s']:8.1f} tok/s, "
                       f"step {r['step_s'] * 1e3:6.1f} ms, peak {r['peak_mem_bytes'] / 2**20:6.1f} "
                       f"MiB ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-    except BaseException:
-        for world in worlds.values():  # a failed or hung world must not outlive the run
-            world.kill()
-        raise
-    for world in worlds.values():
-        world.close()
     out = summarize(rounds, {e: w.first_step_loss for e, w in worlds.items()}, cfg_dict, args)
     print(json.dumps(out), flush=True)
     return out

@@ -110,12 +110,14 @@ def closing_worlds(worlds: dict[str, World]):
     them all instead, so that a failed or hung world never outlives the run."""
     try:
         yield worlds
+        for world in worlds.values():
+            world.close()
     except BaseException:
+        # a rank that fails while its world closes must not leave another world's ranks
+        # waiting on their queues: the parent would wait for them at exit, forever
         for world in worlds.values():
             world.kill()
         raise
-    for world in worlds.values():
-        world.close()
 
 
 def serve_commands(rank: int, commands, results, handlers: dict) -> None:

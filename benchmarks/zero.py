@@ -60,6 +60,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from worlds import (
     World,
+    closing_worlds,
     free_port,
     peak_rss_bytes,
     pin_mmap_threshold,
@@ -383,8 +384,7 @@ def run_worlds(engines, cfg_dict: dict, args, rounds: int, start: float, timelin
     """Start one world per engine (set-up and warm-up run side by side: nothing is timed
     there), then `rounds` rounds in turns; returns (rounds per engine, first losses, the
     stage-3 timelines)."""
-    worlds: dict[str, World] = {}
-    try:
+    with closing_worlds({}) as worlds:  # a failed or hung world must not outlive the run
         for engine in engines:
             worlds[engine.name] = start_world(engine, cfg_dict, args)
         first = {name: w.collect()[0]["first_step_loss"] for name, w in worlds.items()}
@@ -403,12 +403,6 @@ def run_worlds(engines, cfg_dict: dict, args, rounds: int, start: float, timelin
             record = worlds["stage3"].command(("timeline", prefetch))[0]
             if prefetch not in timelines or record["step_s"] < timelines[prefetch]["step_s"]:
                 timelines[prefetch] = record  # the less disturbed by the machine's other load
-    except BaseException:
-        for world in worlds.values():  # a failed or hung world must not outlive the run
-            world.kill()
-        raise
-    for world in worlds.values():
-        world.close()
     return done, first, timelines
 
 

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import tiny_tree
 from harness import run_world
 from test_async_runtime import LeastSquares
@@ -106,6 +107,7 @@ def _start(rank, cfg) -> Path:
     if rank == 0:  # what `loom train` writes before it spawns the ranks
         run_dir.mkdir(parents=True)
         trainer.write_config(run_dir, cfg)
+    dist.barrier()  # as there, no rank starts before the folder is written (a worker writes in it)
     run.run(cfg, run_dir, None)
     return run_dir
 
