@@ -197,6 +197,7 @@ def test_loom_train_and_generate_a_llama_run(tmp_path, corpus, capsys):
     out = decode(GenerateRequest(str(run_dir), "def ", 5, 0.0, None, 0))
     assert out["new_tokens"] == 5
     assert "on one process only" in refused(capsys, ["generate", str(run_dir), "--tp", "2"])
-    assert "splits or masks the GPT's attention" in refused(
-        capsys, ["train", str(path), "--set", "parallel.cp=2", "--nproc", "2"])
+    assert 'cp_method="auto" rewrites the GPT' in refused(capsys, [
+        "train", str(path), "--set", "parallel.cp=2", "--set", "parallel.cp_method=auto",
+        "--nproc", "2"])
     assert "no activation formula" in refused(capsys, ["train", str(path), "--dry-run"])

@@ -9,7 +9,13 @@ import torch
 
 from harness import run_world
 from loomtrain.mesh import build_mesh
-from loomtrain.parallel.sequence.context import Ring, SeqContext, chunk_positions, dense_attention
+from loomtrain.parallel.sequence.context import (
+    Ring,
+    SeqContext,
+    chunk_positions,
+    dense_attention,
+    grouped_kv,
+)
 from loomtrain.parallel.sequence.ring import block_tiles, merge, ring_attention, tile_forward
 from loomtrain.parallel.sequence.ulysses import check_heads, ulysses_attention
 
@@ -17,6 +23,10 @@ B, HEADS, T, D = 2, 4, 32, 8
 KERNELS = {"ring": ring_attention, "ulysses": ulysses_attention}
 CASES = [(kernel, layout, with_docs) for kernel in KERNELS
          for layout in ("zigzag", "contiguous") for with_docs in (False, True)]
+# grouped-query k and v (2 or 1 heads for 4 query heads) and a sliding window of 7 (it ends
+# inside chunks at cp 2 and 4); contiguous rows also carry documents
+GROUPED_CASES = [("ring", "zigzag", 2, 7), ("ring", "contiguous", 1, 7),
+                 ("ulysses", "contiguous", 2, 0), ("ulysses", "contiguous", 1, 7)]
 # fp32 throughout. The kernels sum the same products as the reference in another order (tile by
 # tile, merged through exp/log of the lse): a few float32 roundings (eps 1.2e-7) per element over
 # 32 keys, measured at most 4e-7 of the largest value. 1e-4 leaves that a wide margin, while a
@@ -35,17 +45,22 @@ def _docs() -> torch.Tensor:
     return docs
 
 
-def _inputs() -> list[torch.Tensor]:
-    """q, k, v and the upstream gradient of the full rows: the same on every rank."""
+def _inputs(kv_heads: int = HEADS) -> list[torch.Tensor]:
+    """q, k, v and the upstream gradient of the full rows: the same on every rank; k and v
+    with `kv_heads` heads (grouped-query attention when fewer than HEADS)."""
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(B, HEADS, T, D, generator=gen) for _ in range(4)]
+    return [torch.randn(B, heads, T, D, generator=gen)
+            for heads in (HEADS, kv_heads, kv_heads, HEADS)]
 
 
-def _relative_errors(kernel, seq: SeqContext, docs) -> list[float]:
-    """Max-abs error of my slice of out, dq, dk, dv, relative to the reference's max-abs."""
-    *qkv, grad = _inputs()
+def _relative_errors(kernel, seq: SeqContext, docs, kv_heads: int = HEADS) -> list[float]:
+    """Max-abs error of my slice of out, dq, dk, dv, relative to the reference's max-abs. The
+    reference repeats grouped k and v to the query heads (autograd sums their gradients) and
+    masks the context's window."""
+    *qkv, grad = _inputs(kv_heads)
     ref = [x.clone().requires_grad_() for x in qkv]
-    want_out = dense_attention(*ref, SeqContext.local(T, docs).visible(0, 0))
+    mask = SeqContext.local(T, docs, seq.window).visible(0, 0)
+    want_out = dense_attention(ref[0], *(grouped_kv(x, HEADS) for x in ref[1:]), mask)
     want_out.backward(grad)
     want = [want_out.detach()] + [x.grad for x in ref]
     mine = seq.local_positions
@@ -68,19 +83,23 @@ def _ring_cases(mesh):
         docs = _docs() if with_docs else None
         seq = SeqContext.of_ring(ring, T, layout, docs)
         errors[(kernel, layout, with_docs)] = _relative_errors(KERNELS[kernel], seq, docs)
+    for kernel, layout, kv_heads, window in GROUPED_CASES:
+        docs = _docs() if layout == "contiguous" else None
+        seq = SeqContext.of_ring(ring, T, layout, docs, window)
+        errors[(kernel, layout, kv_heads, window)] = _relative_errors(
+            KERNELS[kernel], seq, docs, kv_heads)
 
     seq = SeqContext.of_ring(ring, T, "zigzag")
-    local = [x[:, :, seq.local_positions].requires_grad_() for x in _inputs()[:3]]
     sent = {}
-    for name, kernel, op in (("ring", ring_attention, "send"),
-                             ("ulysses", ulysses_attention, "all_to_all")):
-        for x in local:
-            x.grad = None
-        before = _sent(mesh, op), _sent(mesh, op, "payload_bytes")
-        out = kernel(*local, seq)
-        forward = _sent(mesh, op) - before[0], _sent(mesh, op, "payload_bytes") - before[1]
-        out.sum().backward()
-        sent[name] = forward, (_sent(mesh, op) - before[0] - forward[0])
+    for kv_heads in (HEADS, 2):  # 2 kv heads: grouped, split evenly at cp 2 but not at 4
+        local = [x[:, :, seq.local_positions].requires_grad_() for x in _inputs(kv_heads)[:3]]
+        for name, kernel, op in (("ring", ring_attention, "send"),
+                                 ("ulysses", ulysses_attention, "all_to_all")):
+            before = _sent(mesh, op), _sent(mesh, op, "payload_bytes")
+            out = kernel(*local, seq)
+            forward = _sent(mesh, op) - before[0], _sent(mesh, op, "payload_bytes") - before[1]
+            out.sum().backward()
+            sent[name, kv_heads] = forward, (_sent(mesh, op) - before[0] - forward[0])
 
     try:  # 3 heads over 2 or 4 members: refused before any communication
         ulysses_attention(*(x[:, :3] for x in local), seq)
@@ -103,15 +122,20 @@ def test_ring_and_ulysses_match_dense_attention():
                 assert max(errs) < RTOL, (n, case, dict(zip(("out", "dq", "dk", "dv"), errs)))
             block = B * HEADS * (T // n) * D * 4  # one member's k (or v) in fp32, bytes
             # ring: k and v passed on n-1 times in forward; in backward again, plus the dk, dv
-            # accumulators (fp32), which each make n-1 hops back to their owner
-            (ring_forward, _), ring_backward = sent["ring"]
-            assert ring_forward == 2 * (n - 1) * block
-            assert ring_backward == 4 * (n - 1) * block
+            # accumulators (fp32), which each make n-1 hops back to their owner; 2 kv heads
+            # of 4 travel unrepeated, half of it
+            for kv_heads in (HEADS, 2):
+                kv_block = block * kv_heads // HEADS
+                (ring_forward, _), ring_backward = sent["ring", kv_heads]
+                assert ring_forward == 2 * (n - 1) * kv_block
+                assert ring_backward == 4 * (n - 1) * kv_block
             # Ulysses: one all-to-all of q, k, v and one of the output each way, each sending
-            # (n-1)/n of what it covers
-            (wire, payload), backward = sent["ulysses"]
+            # (n-1)/n of what it covers; grouped k and v unrepeated when n splits their heads
+            (wire, payload), backward = sent["ulysses", HEADS]
             assert payload == 4 * block and wire == (n - 1) * 4 * block // n
             assert backward == wire
+            (_, payload), _ = sent["ulysses", 2]
+            assert payload == (3 * block if n == 2 else 4 * block)
             assert refusal is not None and "n_heads=3" in refusal and f"cp={n}" in refusal
 
 

@@ -57,6 +57,7 @@ def test_packing_masks_attention_at_document_boundaries(doc_corpus):
                 torch.testing.assert_close(packed[b:b + 1, a:e], alone, rtol=1e-5, atol=1e-5)
 
 
+LLAMA_GQA1 = {"name": "llama", "n_heads": 4, "n_kv_heads": 1, "sliding_window": 7}
 CP_ORACLE = [  # (model, parallel, data) run in one world of 4 against one process
     ({}, {"cp": 2}, {}),
     ({}, {"cp": 2}, {"packing": True}),
@@ -70,6 +71,13 @@ CP_ORACLE = [  # (model, parallel, data) run in one world of 4 against one proce
     # packed documents, every block checkpointed (the budget is below any block's estimate)
     ({}, {"cp": 2, "cp_method": "auto"}, {}),
     ({"n_heads": 1}, {"cp": 2, "cp_method": "auto", "activation_budget_mb": 0.01}, {"packing": True}),
+    # the llama: rotary positions of the chunks, grouped-query k and v (1 or 2 kv heads of 4,
+    # unrepeated through the ring and through Ulysses when cp splits them) and a sliding window
+    # that ends inside chunks; the hybrid pool attends whole documents locally
+    (LLAMA_GQA1, {"cp": 2}, {"packing": True}),
+    (LLAMA_GQA1, {}, {"packing": True, "balance": True}),
+    ({**LLAMA_GQA1, "n_kv_heads": 2}, {"cp": 2, "cp_method": "ulysses"}, {}),
+    (LLAMA_GQA1, {"cp": 2, "cp_method": "ulysses"}, {"packing": True}),
 ]
 
 

@@ -94,7 +94,8 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_frequencies(self.head_dim, theta, scaling),
                              persistent=False)
         # as the GPT's CausalSelfAttention: selective recomputation of the core, and the
-        # sequence-parallel kernel core(q, k, v) on (b, heads, t, head_dim), k and v expanded
+        # sequence-parallel kernel core(q, k, v) on (b, heads, t, head_dim), k and v with
+        # kv_heads heads (the kernel repeats them, or sends them unrepeated)
         self.recompute_core = False
         self.core = None
 
@@ -111,9 +112,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3 normalizes each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, positions, self.inv_freq), rotate(k, positions, self.inv_freq)
-        if self.core is not None and cache is None:
-            assert not self.window, "a sequence-parallel core does not mask a sliding window"
-            y = self.core(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]))
+        if self.core is not None and cache is None:  # it masks the window and groups kv
+            y = self.core(q, k, v)
         elif self.recompute_core and cache is None and torch.is_grad_enabled():
             y = checkpoint(attend_grouped, q, k, v, None, self.window, use_reentrant=False)
         else:

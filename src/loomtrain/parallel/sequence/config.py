@@ -71,8 +71,11 @@ class Context(Component):
                              "it needs parallel.cp > 1")
         if p.cp == 1:
             return
-        _needs_gpt(cfg, f"parallel.cp={p.cp}")
+        _needs_attention(cfg, f"parallel.cp={p.cp}")
         method = p.cp_method or ("lasp" if m.attention == "linear" else "ring")
+        if method == "auto" and m.name != "gpt":
+            raise ValueError(f'parallel.cp_method="auto" rewrites the GPT\'s traced attention; '
+                             f'model.name={m.name!r} runs "ring" or "ulysses"')
         if method == "auto" and (m.attention != "softmax" or m.dropout):
             raise ValueError('parallel.cp_method="auto" rewrites the model\'s causal '
                              "scaled_dot_product_attention calls, without dropout: it needs "
@@ -94,10 +97,12 @@ class Context(Component):
                              f"parallel.cp_method={method!r} at parallel.cp={p.cp} ({why})")
 
 
-def _needs_gpt(cfg, used: str) -> None:
-    if cfg.model.name != "gpt":
-        raise ValueError(f"{used} splits or masks the GPT's attention; model.name="
-                         f"{cfg.model.name!r} has none: use model.name=\"gpt\"")
+def _needs_attention(cfg, used: str) -> None:
+    """The GPT's and the llama's attention take a sequence kernel (runtime.attention_modules)."""
+    if cfg.model.name not in ("gpt", "llama"):
+        raise ValueError(f"{used} splits or masks the attention of the GPT or the llama; "
+                         f"model.name={cfg.model.name!r} has none: use model.name=\"gpt\" or "
+                         '"llama"')
 
 
 class Packing(Component):
@@ -112,7 +117,7 @@ class Packing(Component):
     @classmethod
     def validate(cls, cfg) -> None:
         if cfg.data.packing:
-            _needs_gpt(cfg, "data.packing=true")
+            _needs_attention(cfg, "data.packing=true")
 
 
 class Balance(Component):

@@ -67,6 +67,36 @@ class Ring:
         return pending
 
 
+def visible_mask(pq: torch.Tensor, pk: torch.Tensor, docs: torch.Tensor | None = None,
+                 window: int = 0) -> torch.Tensor:
+    """Boolean (b or 1, tq, tk): which keys at global positions `pk` each query at `pq` attends
+    to: causal, within one document of `docs` (b, T), and, with a `window`, within the last
+    `window` positions (itself included: Mistral's sliding window)."""
+    if docs is not None:  # documents may live on the accelerator
+        pq, pk = pq.to(docs.device), pk.to(docs.device)
+    offset = pq[:, None] - pk[None, :]
+    mask = (offset >= 0)[None]
+    if window:
+        mask = mask & (offset < window)
+    if docs is not None:
+        mask = mask & (docs[:, pq][:, :, None] == docs[:, pk][:, None, :])
+    return mask
+
+
+def grouped_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values (b, kv_heads, t, d) repeated to `heads` query heads: each kv head serves
+    heads/kv_heads consecutive query heads (grouped-query attention, models/llama.py)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def fold_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of grouped_kv's input: (b, heads, t, d) summed over each kv head's group."""
+    b, heads, t, d = grad.shape
+    if heads == kv_heads:
+        return grad
+    return grad.view(b, kv_heads, heads // kv_heads, t, d).sum(2)
+
+
 @dataclass
 class SeqContext:
     """The tokens this rank holds of rows shared by a ring (or a whole row when `ring` is None)."""
@@ -75,16 +105,23 @@ class SeqContext:
     me: int = 0  # my index among the members
     docs: torch.Tensor | None = None  # (b, T) document id of every position of the full rows
     ring: Ring | None = None
+    window: int = 0  # a sliding window: each query sees at most this many keys (0: none)
 
     @classmethod
-    def local(cls, seq_len: int, docs: torch.Tensor | None = None) -> SeqContext:
-        return cls([torch.arange(seq_len)], 0, docs, None)
+    def local(cls, seq_len: int, docs: torch.Tensor | None = None, window: int = 0) -> SeqContext:
+        return cls([torch.arange(seq_len)], 0, docs, None, window)
 
     @classmethod
     def of_ring(cls, ring: Ring, seq_len: int, layout: str,
-                docs: torch.Tensor | None = None) -> SeqContext:
+                docs: torch.Tensor | None = None, window: int = 0) -> SeqContext:
         positions = [chunk_positions(seq_len, ring.size, m, layout) for m in range(ring.size)]
-        return cls(positions, ring.me, docs, ring)
+        return cls(positions, ring.me, docs, ring, window)
+
+    @property
+    def dense(self) -> bool:
+        """Whether the only mask is causality over consecutive positions from 0 (SDPA's
+        is_causal does it without a mask)."""
+        return self.docs is None and not self.window
 
     @property
     def members(self) -> int:
@@ -96,14 +133,9 @@ class SeqContext:
 
     def visible(self, q_member: int, k_member: int, device=None) -> torch.Tensor:
         """Boolean mask (b or 1, tq, tk): which of `k_member`'s keys each of `q_member`'s
-        queries attends to (causal by global position, and within one document)."""
-        pq, pk = self.positions[q_member], self.positions[k_member]
-        if self.docs is not None:  # documents may live on the accelerator
-            pq, pk = pq.to(self.docs.device), pk.to(self.docs.device)
-        mask = (pk[None, :] <= pq[:, None])[None]
-        if self.docs is not None:
-            same = self.docs[:, pq][:, :, None] == self.docs[:, pk][:, None, :]
-            mask = mask & same
+        queries attends to (visible_mask: causal, one document, the window)."""
+        mask = visible_mask(self.positions[q_member], self.positions[k_member], self.docs,
+                            self.window)
         return mask if device is None else mask.to(device)
 
 

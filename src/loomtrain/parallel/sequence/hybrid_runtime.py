@@ -7,13 +7,12 @@ docs/sequence.md, "Dynamic hybrid dp x cp" and "Dealing documents".
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from loomtrain.models import IGNORE_INDEX
 from loomtrain.parallel.sequence.context import Ring, SeqContext
 from loomtrain.parallel.sequence.hybrid import dp_imbalance, plan_shares, zigzag_split
 from loomtrain.parallel.sequence.ring import _backward, _forward
-from loomtrain.parallel.sequence.runtime import attention_modules
+from loomtrain.parallel.sequence.runtime import attention_modules, local_attention
 
 
 class _Rings(torch.autograd.Function):
@@ -53,7 +52,9 @@ class HybridRuntime:
         self.imbalance = self.dp_imbalance = 0.0
         self.whole: list[slice] = []  # local token ranges of whole documents
         self.split: list[tuple[slice, SeqContext]] = []  # and of split ones, with their ring
-        for module in attention_modules(model):
+        modules = attention_modules(model)
+        self.window = max((getattr(m, "window", 0) for m in modules), default=0)  # runtime.py
+        for module in modules:
             module.core = self.attend
 
     def shard(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor):
@@ -79,7 +80,7 @@ class HybridRuntime:
                 own = zigzag_split(seg.length, n, m)
                 positions.append(torch.tensor(own + list(range(seg.length, seg.length + share.padded - len(own)))))
             ring = Ring(self.mesh, "dpcp", list(share.members))
-            self.split.append((span, SeqContext(positions, ring.me, None, ring)))
+            self.split.append((span, SeqContext(positions, ring.me, None, ring, self.window)))
         index = (torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
         keep = torch.tensor(valid, device=y.device)
         self.model.position_ids = index[1].to(x.device)
@@ -90,8 +91,9 @@ class HybridRuntime:
         """Whole documents by SDPA, split ones by the layer's rings; outputs in local order."""
         outs = {}
         for span in self.whole:
-            outs[span.start] = F.scaled_dot_product_attention(
-                q[..., span, :], k[..., span, :], v[..., span, :], is_causal=True)
+            whole = SeqContext.local(span.stop - span.start, window=self.window)
+            outs[span.start] = local_attention(q[..., span, :], k[..., span, :], v[..., span, :],
+                                               whole)
         if self.split:
             for (span, _), out in zip(self.split, _Rings.apply(q, k, v, self.split)):
                 outs[span.start] = out

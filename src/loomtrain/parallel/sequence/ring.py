@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from loomtrain.parallel.sequence.context import SeqContext
+from loomtrain.parallel.sequence.context import SeqContext, fold_kv, grouped_kv
 
 NEG_INF = float("-inf")
 
@@ -93,7 +93,7 @@ def _forward(q, k, v, seq: SeqContext):
         # start passing the block on before computing with it; the receive buffers alternate:
         # the pair written now was sent on in the previous step, and that send is complete
         pending = ring.shift(current, buffers[step % 2]) if step < n - 1 else []
-        kb, vb = current
+        kb, vb = (grouped_kv(x, h) for x in current)  # grouped kv heads travel unrepeated
         for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
             part = tile_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
             merge(out, lse, rows, *part)
@@ -114,16 +114,16 @@ def _backward(dout, q, k, v, out, lse, seq: SeqContext):
     arrival = []  # the accumulator of the block I hold, sent by the previous member last step
     for step in range(n):
         kv_pending = ring.shift(current, buffers[step % 2]) if step < n - 1 else []
-        kb, vb = current
-        dk = torch.zeros(kb.shape, dtype=torch.float32, device=kb.device)
+        dk = torch.zeros(current[0].shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
+        kb, vb = (grouped_kv(x, q.shape[1]) for x in current)
         for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
             dq_t, dk_t, dv_t = tile_backward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :],
                                              dout[..., rows, :], lse[..., rows], delta[..., rows],
                                              mask, scale)
             dq[..., rows, :] += dq_t
-            dk[..., cols, :] += dk_t
-            dv[..., cols, :] += dv_t
+            dk[..., cols, :] += fold_kv(dk_t, k.shape[1])
+            dv[..., cols, :] += fold_kv(dv_t, k.shape[1])
         for p in arrival:
             p.wait()
         if arrival:
@@ -160,7 +160,8 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    ctx: SeqContext) -> torch.Tensor:
-    """Exact causal (and same-document) softmax attention of my (b, heads, t_local, head_dim)
-    queries over every ring member's keys and values, scale head_dim**-0.5 as in torch SDPA.
+    """Exact causal (and same-document, windowed) softmax attention of my (b, heads, t_local,
+    head_dim) queries over every ring member's keys and values, scale head_dim**-0.5 as in
+    torch SDPA; grouped-query keys and values (fewer heads) go round the ring unrepeated.
     Without a ring (or a ring of one) the same kernel runs on the local block alone."""
     return _RingAttention.apply(q, k, v, ctx)

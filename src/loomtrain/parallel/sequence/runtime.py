@@ -11,18 +11,20 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from loomtrain.parallel.sequence.context import Ring, SeqContext
+from loomtrain.parallel.sequence.context import Ring, SeqContext, grouped_kv
 
 LAYOUT = {"ring": "zigzag", "ulysses": "contiguous", "lasp": "contiguous", "local": "contiguous"}
 
 
 def local_attention(q, k, v, ctx: SeqContext, linear: bool = False, decay=None) -> torch.Tensor:
-    """The whole row on this rank: causal attention within each document."""
+    """The whole row on this rank: causal attention within each document (and the window);
+    k and v may hold fewer (grouped) heads than q."""
     if linear:
         from loomtrain.models.linear_attention import causal_linear_attention
 
         return causal_linear_attention(q, k, v, decay=decay, docs=ctx.docs)
-    if ctx.docs is None:
+    k, v = grouped_kv(k, q.shape[1]), grouped_kv(v, q.shape[1])
+    if ctx.dense:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = ctx.visible(0, 0, device=q.device)[:, None]  # (b, 1, t, t)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -30,7 +32,7 @@ def local_attention(q, k, v, ctx: SeqContext, linear: bool = False, decay=None) 
 
 def _linear_over(decay):
     """Linear attention over Ulysses' gathered sequence (contiguous: positions 0..T-1)."""
-    def attend(q, k, v, positions, docs):
+    def attend(q, k, v, positions, docs, window=0):
         from loomtrain.models.linear_attention import causal_linear_attention
 
         assert torch.equal(positions, torch.arange(len(positions))), "linear attention runs in order"
@@ -44,7 +46,10 @@ class SequenceRuntime:
         self.linear = attention == "linear"
         self.ring = Ring(mesh, "cp") if method != "local" else None
         self.context: SeqContext | None = None
-        for module in attention_modules(model):
+        modules = attention_modules(model)
+        # the llama's sliding window (models/llama.py), one for every layer; the GPT has none
+        self.window = max((getattr(m, "window", 0) for m in modules), default=0)
+        for module in modules:
             module.core = self._core_for(module)
 
     @property
@@ -57,9 +62,9 @@ class SequenceRuntime:
         if docs is not None:
             docs = docs.to(x.device)
         if self.ring is None:
-            self.context = SeqContext.local(seq_len, docs)
+            self.context = SeqContext.local(seq_len, docs, self.window)
             return x, y
-        self.context = SeqContext.of_ring(self.ring, seq_len, self.layout, docs)
+        self.context = SeqContext.of_ring(self.ring, seq_len, self.layout, docs, self.window)
         positions = self.context.local_positions.to(x.device)
         self.model.position_ids = positions
         return x[:, positions], y[:, positions]
@@ -89,7 +94,8 @@ class SequenceRuntime:
 
 def attention_modules(model):
     """The model's attention modules that take a kernel in their `core` (the GPT's
-    CausalSelfAttention)."""
+    CausalSelfAttention, the llama's Attention: core(q, k, v) on (b, heads, t, head_dim), k
+    and v with the model's kv heads)."""
     return [m for m in model.modules() if hasattr(m, "core") and hasattr(m, "n_heads")]
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from loomtrain import comm
-from loomtrain.parallel.sequence.context import SeqContext
+from loomtrain.parallel.sequence.context import SeqContext, grouped_kv, visible_mask
 
 
 def check_heads(n_heads: int, cp: int) -> None:
@@ -41,35 +41,43 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad.contiguous(), fctx.ring, cat_dim, split_dim), None, None, None
 
 
-def _attend(q, k, v, positions: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
-    """Attention over the gathered sequence whose tokens sit at global `positions`."""
-    if docs is None and torch.equal(positions, torch.arange(len(positions))):
+def _attend(q, k, v, positions: torch.Tensor, docs: torch.Tensor | None,
+            window: int = 0) -> torch.Tensor:
+    """Attention over the gathered sequence whose tokens sit at global `positions`; k and v
+    may hold fewer (grouped) heads than q."""
+    k, v = grouped_kv(k, q.shape[1]), grouped_kv(v, q.shape[1])
+    if docs is None and not window and torch.equal(positions, torch.arange(len(positions))):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if docs is not None:  # build the mask where the documents live: positions follow them
-        positions = positions.to(docs.device)
-    mask = (positions[None, :] <= positions[:, None])[None]
-    if docs is not None:
-        row_docs = docs[:, positions]
-        mask = mask & (row_docs[:, :, None] == row_docs[:, None, :])
+    mask = visible_mask(positions, positions, docs, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None].to(q.device))
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       ctx: SeqContext, attend=_attend) -> torch.Tensor:
-    """Causal (and same-document) softmax attention of my (b, heads, t_local, head_dim) queries
-    over the whole ring's sequence, through two all-to-alls on the ring's mesh axis.
+    """Causal (and same-document, windowed) softmax attention of my (b, heads, t_local,
+    head_dim) queries over the whole ring's sequence, through two all-to-alls on the ring's
+    mesh axis. Grouped-query k and v (fewer heads) travel unrepeated when the ring splits
+    their heads evenly (member j's query heads then use exactly its kv heads: each kv head
+    serves consecutive query heads), repeated to the query heads otherwise.
 
-    `attend(q, k, v, positions, docs)` is the attention over the gathered heads; the default is
-    softmax, and linear attention passes its own (Ulysses does not care what runs in between)."""
+    `attend(q, k, v, positions, docs, window)` is the attention over the gathered heads; the
+    default is softmax, and linear attention passes its own (Ulysses does not care what runs
+    in between)."""
     ring = ctx.ring
     positions = torch.cat(ctx.positions)
     if ring is None or ring.size == 1:
-        return attend(q, k, v, positions, ctx.docs)
+        return attend(q, k, v, positions, ctx.docs, ctx.window)
     check_heads(q.shape[1], ring.size)
     assert ring.members == list(range(ring.mesh.size(ring.axis))), \
         "Ulysses all-to-alls over the whole mesh axis: the ring must be the axis in member order"
     assert all(len(p) == q.shape[2] for p in ctx.positions), "members hold unequal token counts"
-    # q, k, v in one exchange: (3, b, h, t_local, d) -> (3, b, h/n, T, d)
-    heads = _AllToAll.apply(torch.stack([q, k, v]), ring, 2, 3)
-    out = attend(*heads.unbind(0), positions, ctx.docs)
+    if k.shape[1] % ring.size:
+        k, v = grouped_kv(k, q.shape[1]), grouped_kv(v, q.shape[1])
+    if k.shape[1] == q.shape[1]:
+        # q, k, v in one exchange: (3, b, h, t_local, d) -> (3, b, h/n, T, d)
+        heads = _AllToAll.apply(torch.stack([q, k, v]), ring, 2, 3).unbind(0)
+    else:
+        kv = _AllToAll.apply(torch.stack([k, v]), ring, 2, 3).unbind(0)
+        heads = (_AllToAll.apply(q, ring, 1, 2), *kv)
+    out = attend(*heads, positions, ctx.docs, ctx.window)
     return _AllToAll.apply(out, ring, 2, 1)  # (b, h/n, T, d) -> (b, h, t_local, d)
