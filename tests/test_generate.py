@@ -18,7 +18,8 @@ from loomtrain.comm.quantized import quantized_wire_ratio
 from loomtrain.inference import Decoder, KVCache, generate
 from loomtrain.inference.run_dir import GenerateRequest, decode
 from loomtrain.mesh import build_mesh
-from loomtrain.models import GPT
+from loomtrain.models import GPT, build_model
+from loomtrain.models.config import ModelConfig
 from loomtrain.parallel.tensor import parallelize_tensor
 from loomtrain.train.config import config_to_toml
 
@@ -26,11 +27,22 @@ LOOM = [sys.executable, "-m", "loomtrain"]
 PROMPT_LEN, NEW = 4, 20
 
 
-def _model() -> GPT:
-    """A random GPT with weights scaled up 4x, so greedy decoding does not just repeat the
-    prompt's last token (at GPT-2's init scale the tied embedding dominates the logits)."""
+LLAMAS = {  # kv heads split over tp 2; one kv head replicated, with q/k norms and q/k/v biases
+    "llama_kv2": {"n_kv_heads": 2},
+    "llama_kv1": {"n_kv_heads": 1, "qk_norm": True, "qkv_bias": True},
+}
+
+
+def _model(llama: dict | None = None) -> torch.nn.Module:
+    """A random GPT (or llama with the keys `llama`) with weights scaled up 4x, so greedy
+    decoding does not just repeat the prompt's last token (at GPT-2's init scale the tied
+    embedding dominates the logits)."""
     torch.manual_seed(0)
-    model = GPT(61, 24, 32, 2, 4).eval()
+    if llama is None:
+        model = GPT(61, 24, 32, 2, 4).eval()
+    else:
+        model = build_model(ModelConfig(name="llama", vocab_size=61, seq_len=24, d_model=32,
+                                        n_layers=2, n_heads=4, **llama)).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -86,6 +98,14 @@ def _tp_world(rank, world):
         out[name + "_logits"] = _teacher_forced(split, out["exact"], **decoding)
         out[name + "_wire"] = mesh.meter.total(axis="tp") - before
         out[name + "_ops"] = {op: c.calls for (axis, op), c in mesh.meter.counts.items() if axis == "tp"}
+    for name, keys in LLAMAS.items():
+        reference = _model(keys)
+        split = parallelize_tensor(copy.deepcopy(reference), mesh)
+        out[name + "_reference"] = generate(reference, prompt, NEW)
+        for decoding in ("exact", "overlap"):
+            out[f"{name}_{decoding}"] = generate(split, prompt, NEW, overlap=decoding == "overlap")
+        out[name + "_int8_logits"] = _teacher_forced(split, out[name + "_exact"], compress="int8")
+        out[name + "_exact_logits"] = _teacher_forced(split, out[name + "_exact"])
     return out
 
 
@@ -101,6 +121,17 @@ def test_ranks_agree_and_greedy_tp2_equals_the_single_process_model(tp2):
             assert torch.equal(zero[key], one[key]), key
     assert torch.equal(zero["exact"], zero["reference"])
     assert len(set(zero["exact"][:, PROMPT_LEN:].flatten().tolist())) > 3  # not a constant run
+
+
+@pytest.mark.parametrize("name", LLAMAS)
+def test_a_llama_decodes_at_tp2_as_in_one_process(tp2, name):
+    zero, one = tp2
+    for decoding in ("exact", "overlap"):
+        assert torch.equal(zero[f"{name}_{decoding}"], one[f"{name}_{decoding}"]), decoding
+        assert torch.equal(zero[f"{name}_{decoding}"], zero[name + "_reference"]), decoding
+    assert len(set(zero[name + "_exact"][:, PROMPT_LEN:].flatten().tolist())) > 3
+    diff = (zero[name + "_int8_logits"] - zero[name + "_exact_logits"]).abs().max()
+    assert 0 < diff < 0.02 * zero[name + "_exact_logits"].abs().max()  # as the GPT's, below
 
 
 def test_sampling_at_tp2_equals_single_process_sampling_with_the_seed(tp2):

@@ -75,11 +75,6 @@ def check_request(req: GenerateRequest):
     if model.name not in ("gpt", "llama"):
         raise ConfigError(f"generate decodes GPT and llama models; {str(run_dir)!r} trained "
                           f"model.name={model.name!r}")
-    if model.name == "llama" and (req.tp != 1 or req.compress != "none" or req.overlap):
-        # tensor-parallel and staged decoding (inference/nanobatch.py) walk the GPT's qkv/proj
-        raise ConfigError(f"generate decodes a llama model ({str(run_dir)!r}) on one process "
-                          "only: --tp 1, --compress none, no --overlap (the split and staged "
-                          "decoders know the GPT's layers)")
     if model.attention != "softmax":
         raise ConfigError(f"generate decodes with a KV cache, which model.attention="
                           f"{model.attention!r} ({str(run_dir)!r}) does not have yet")
@@ -87,6 +82,11 @@ def check_request(req: GenerateRequest):
     if req.tp < 1 or model.n_heads % req.tp:
         raise ConfigError(f"--tp {req.tp} must divide the model's heads, model.n_heads="
                           f"{model.n_heads}: choose among {_divisors(model.n_heads)}")
+    kv = model.kv_heads if model.name == "llama" else model.n_heads
+    if kv % req.tp and req.tp % kv:  # the llama's kv heads: split or replicated (tensor_llama.py)
+        fits = [d for d in _divisors(model.n_heads) if kv % d == 0 or d % kv == 0]
+        raise ConfigError(f"--tp {req.tp} must divide the model's kv heads or be a multiple of "
+                          f"them, model.n_kv_heads={kv}: choose among {fits}")
     room = model.seq_len - 1
     size = len(tokenizer.encode(req.prompt.encode("utf-8")))
     unit = "bytes" if cfg.data.tokenizer == BYTES else "tokens"
@@ -109,7 +109,8 @@ def check_request(req: GenerateRequest):
 
 
 def load_model(model_cfg, path: Path, mesh=None) -> torch.nn.Module:
-    """The GPT of checkpoint `path`, in eval mode, split over `mesh`'s tp axis if given."""
+    """The GPT or llama of checkpoint `path`, in eval mode, split over `mesh`'s tp axis if
+    given."""
     from loomtrain.models import build_model
     from loomtrain.parallel.tensor import parallelize_tensor
     from loomtrain.train import checkpoint

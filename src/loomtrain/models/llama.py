@@ -104,8 +104,23 @@ class Attention(nn.Module):
         on the meta device (train/materialize.py)."""
         self.inv_freq.copy_(rope_frequencies(self.head_dim, self.theta, self.scaling))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+    @property
+    def proj(self) -> nn.Module:
+        """The output projection under the GPT's name (inference/nanobatch.py walks it)."""
+        return self.o_proj
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        return self.o_proj(self.mix(x, cache, positions))
+
+    def mix(self, x: torch.Tensor, cache=None, positions: torch.Tensor | None = None):
+        """The heads' attention output before o_proj, (b, t, local width). `positions`: the
+        tokens' positions; None: consecutive from the cache's length (0 without one), counted
+        on x, which under Megatron sequence parallelism is the gathered sequence."""
         b, t = x.shape[:2]
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + t, device=x.device)
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -118,7 +133,7 @@ class Attention(nn.Module):
             y = checkpoint(attend_grouped, q, k, v, None, self.window, use_reentrant=False)
         else:
             y = attend_grouped(q, k, v, cache, self.window)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return y.transpose(1, 2).reshape(b, t, -1)
 
 
 class SwiGLU(nn.Module):
@@ -130,8 +145,16 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
+    @property
+    def proj(self) -> nn.Module:
+        """The output projection under the GPT's name (inference/nanobatch.py walks it)."""
+        return self.down_proj
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.hidden(x))
 
 
 class LlamaBlock(nn.Module):
@@ -145,13 +168,10 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_width)
 
     def forward(self, x: torch.Tensor, cache=None, positions: torch.Tensor | None = None):
-        """`positions`: the tokens' positions; None: consecutive from the cache's length (0
-        without one), as a pipeline stage calls it."""
-        h = self.ln1(x)
-        if positions is None:  # h's length: under Megatron sequence parallelism, ln1 gathers
-            start = cache.length if cache is not None else 0  # the sequence (tensor_llama.py)
-            positions = torch.arange(start, start + h.shape[1], device=x.device)
-        x = x + self.attn(h, positions, cache)
+        """`positions`: the tokens' positions; None (as a pipeline stage calls it): consecutive
+        from the cache's length, counted on ln1's output (under Megatron sequence parallelism
+        ln1 gathers the sequence: tensor_llama.py)."""
+        x = x + self.attn(self.ln1(x), positions, cache)
         return x + self.mlp(self.ln2(x))
 
 
