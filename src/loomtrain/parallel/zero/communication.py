@@ -40,7 +40,7 @@ class GradReduction:
             self.shard = self.source[lo:hi]
         elif (unit.grad_is_zero and not plan.optimizer_over_replicas
               and unit.grad.device == source.device and unit.grad.numel() == hi - lo):
-            self.shard = unit.grad
+            self.shard = unit.ready_grad(zeroed=False)  # the reduce-scatter writes all of it
             unit.grad_is_zero = False
         else:
             self.shard = torch.empty(hi - lo, dtype=torch.float32, device=source.device)

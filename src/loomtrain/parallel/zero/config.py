@@ -58,6 +58,16 @@ class Zero(EngineTimeline, Component):
         built.replicated, built.layout = True, ZERO
 
     @classmethod
+    def after_update(cls, built: Built, stepped: bool) -> None:
+        """The gradient shards' memory goes back until the next backward's reductions land
+        (zero_grad with set_to_none; the trainer's own zero_grad keeps `.grad` in place, for
+        DataParallel's bucket views)."""
+        from loomtrain.parallel.zero.optimizer import ShardedOptimizer
+
+        if isinstance(built.optimizer, ShardedOptimizer):
+            built.optimizer.zero_grad(set_to_none=True)
+
+    @classmethod
     def estimate(cls, plan) -> None:
         from loomtrain.parallel.zero.estimate import estimate_zero
 

@@ -207,6 +207,7 @@ class ShardedDataParallel(nn.Module):
         the norm before clipping. Each rank sums the squares of its own optimizer range, one
         all-reduce over the group those ranges tile adds them up (the norm torch's
         `clip_grad_norm_` computes on the whole gradient, up to summation order)."""
+        self.ready_grads()
         grads = [u.grad for u in self.all_units if u.grad.numel()]
         if self.mesh.size("tp") > 1 or self.mesh.size("pp") > 1:  # pieces weigh differently
             if self._pieces is None:  # views of the persistent gradient shards: built once
@@ -218,6 +219,11 @@ class ShardedDataParallel(nn.Module):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
+
+    def ready_grads(self) -> None:
+        """Every gradient shard in memory (FlatUnit.ready_grad): what reads them all calls it."""
+        for u in self.all_units:
+            u.ready_grad()
 
     def _grad_pieces(self) -> list[tuple[list[torch.Tensor], float]]:
         """Views of my gradient shards, parameter by parameter, grouped by `norm_weight`."""

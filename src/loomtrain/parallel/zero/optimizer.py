@@ -65,14 +65,19 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        self.engine.ready_grads()  # a unit no backward reached since zero_grad: zeros
         self.inner.step()
         publish(self.engine.all_units, self.engine.mesh)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient shards in place: the slices' `.grad` are views that must stay.
-        (`set_to_none` is accepted for compatibility and has no effect.)"""
+        """Zero the gradient shards: with `set_to_none` (torch's default) their memory is given
+        back until the next backward's reductions land (FlatUnit.free_grad), else they are
+        zeroed in place. The slices' `.grad` are views of them and stay either way."""
         for u in self.engine.all_units:
-            u.grad.zero_()
+            if set_to_none:
+                u.free_grad()
+            elif u.grad.untyped_storage().nbytes():
+                u.grad.zero_()
             u.grad_is_zero = True
             if u.acc is not None:
                 u.acc.zero_()
