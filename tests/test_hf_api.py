@@ -1,7 +1,7 @@
 """The library API on Hugging Face models and any user model: `layers_of` cuts HF decoders
 (Llama, Qwen2, Mistral, GPT-2) into pipeline layers that compute the model's logits, a
-2-stage pipeline over a HF Llama (untied, and tied) and GPT-2 (tied) trains as one process
-does, stage shapes come from a real micro-batch when the meta device cannot run a layer, and
+2-stage pipeline over a HF Llama and over GPT-2 (tied head) trains as one process does,
+stage shapes come from a real micro-batch when the meta device cannot run a layer, and
 tensor-parallel plans (the HF Llama and GPT-2 plans, fused projections as "column:N") are
 checked and match the unsplit model."""
 
@@ -85,10 +85,10 @@ def _batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t, t.roll(-1, dims=1)) for t in tokens]
 
 
-# pipeline cases: (kind, config overrides). The tied ones hold the embedding on stage 0 and
-# the head on stage 1, one parameter whose gradient must be summed over the two
-PIPELINES = {"llama": ("llama", {}), "llama-tied": ("llama", {"tie_word_embeddings": True}),
-             "gpt2-tied": ("gpt2", {})}
+# pipeline cases: (kind, config overrides). GPT-2 ties its head to the embedding: stage 0
+# holds the embedding, stage 1 the head, one parameter whose gradient must be summed over both
+# (found by identity, as for a tied Llama: split.shared_parameters)
+PIPELINES = {"llama": ("llama", {}), "gpt2-tied": ("gpt2", {})}
 
 
 def _hf_pipeline(rank, world):
