@@ -235,9 +235,10 @@ def _gpt2_split(rank, world, mesh, tokens) -> list[bool]:
     mine = fused_rows(3 * 32, 3, rank, world, "c_attn")
     got = split.transformer.h[0].attn.c_attn.weight.grad
     want = reference.transformer.h[0].attn.c_attn.weight.grad[:, mine]
-    # fp32: the split sums the heads' contributions in another order; gradients of size ~10
+    # fp32: the split sums the heads' contributions in another order; on gradients of size
+    # ~0.7 the differences measured 4e-7
     return [torch.allclose(out, expected, atol=1e-5),
-            got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-4)]
+            got.shape == want.shape and torch.allclose(got, want, atol=1e-5)]
 
 
 def test_tensor_plans_split_fused_and_hf_models_and_refuse_what_cannot_run():
