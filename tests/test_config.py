@@ -60,6 +60,13 @@ def test_wrong_type(capsys, override, expected):
     (["--nproc", "0"], "parallel.nproc: Input should be greater than or equal to 1 (got 0)"),
     (["--set", "parallel.zero_stage=4"], "parallel.zero_stage: Input should be less than or equal to 3"),
     (["--set", "run.name="], "run.name: String should have at least 1 character"),
+    (["--set", "model.name=\"llama\"", "--set", "model.activation=\"gelu_tanh\""],
+     "model.activation='gelu_tanh' picks the GPT's GELU; model.name='llama' does not read it"),
+    (["--set", "model.name=\"llama\"", "--set", "model.head_dim=7"],
+     "model.head_dim = 7 must be even"),
+    (["--set", "model.name=\"llama\"", "--set",
+      "model.rope_scaling={rope_type=\"linear\", factor=2.0, low_freq_factor=2.0}"],
+     "model.rope_scaling.low_freq_factor is a key of Llama 3's scaling; rope_type=\"linear\""),
 ])
 def test_impossible_values(capsys, args, expected):
     assert expected in _refused(capsys, ["train", "--dry-run", *args])
@@ -296,6 +303,9 @@ def test_nproc_flag_wins_over_set(tmp_path, corpus, capsys):
                   "shard_units": ["blocks.*"]}, "train": {"precision": "bf16"}},
     {"parallel": {"nproc": 4, "ranks_per_node": 2},
      "comm": {"inter_node_gbps": 0.5, "inter_node_latency_ms": 20.0}},
+    {"model": {"activation": "gelu_tanh"}},
+    {"model": {"name": "llama", "d_model": 32, "n_heads": 4, "head_dim": 16,
+               "rope_scaling": {"rope_type": "linear", "factor": 4.0}}},
 ])
 def test_resolved_config_round_trips(tmp_path, corpus, sections):
     cfg = Config.model_validate(tiny_tree(tmp_path, corpus, **sections))

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="Hugging Face interop 
 
 from loomtrain.models import build_model  # noqa: E402
 from loomtrain.models.config import ModelConfig  # noqa: E402
-from loomtrain.models.hf import from_hf, to_hf  # noqa: E402
+from loomtrain.models.hf import from_hf, hf_keys, to_hf  # noqa: E402
 
 TOL = 1e-5
 LLAMA = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -34,10 +34,19 @@ HF_CONFIGS = {
     "llama-tied": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**LLAMA, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**LLAMA),
+    # Qwen3's published head_dim (128) exceeds hidden_size / heads: here 16 > 32 / 4
+    "qwen3-wide-heads": lambda: transformers.Qwen3Config(**{**LLAMA, "head_dim": 16}),
+    # position interpolation: every rotary frequency / 4
+    "llama-linear-rope": lambda: transformers.LlamaConfig(**LLAMA, rope_scaling={
+        "rope_type": "linear", "factor": 4.0}),
     # a window of 5 inside the 12-token test sequence: the mask matters
     "mistral": lambda: transformers.MistralConfig(**LLAMA, sliding_window=5),
     "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16,
                                             vocab_size=64, activation_function="gelu"),
+    # the published GPT-2's activation, the tanh GELU (the exact one's logits: 1.1e-4 off here)
+    "gpt2-gelu_new": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4,
+                                                     n_positions=16, vocab_size=64,
+                                                     activation_function="gelu_new"),
 }
 
 
@@ -107,12 +116,30 @@ def test_unknown_architecture_is_refused(tmp_path):
         from_hf(tmp_path)
 
 
-def test_gelu_new_gpt2_is_refused(tmp_path):
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2,
-                                                              n_positions=8, vocab_size=32))
-    hf.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="activation_function='gelu_new'"):
-        from_hf(tmp_path)
+def _edited(kind: str, path, **changes):
+    """The saved folder of `kind` with its config.json's keys updated by `changes`."""
+    _saved(kind, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
+@pytest.mark.parametrize("name,activation", [("gelu", "gelu"), ("gelu_new", "gelu_tanh"),
+                                             ("gelu_pytorch_tanh", "gelu_tanh")])
+def test_gpt2_activations_map_to_the_gpt_s_gelus(name, activation, tmp_path):
+    assert hf_keys(_edited("gpt2", tmp_path, activation_function=name))["activation"] == activation
+
+
+def test_other_gpt2_activations_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="activation_function='relu' is not mapped.*gelu_new"):
+        from_hf(_edited("gpt2", tmp_path, activation_function="relu"))
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "yarn", "longrope"])
+def test_other_rope_types_are_refused_by_name(kind, tmp_path):
+    with pytest.raises(ValueError, match=f"rope_type='{kind}' is not mapped"):
+        from_hf(_edited("llama", tmp_path, rope_scaling=None, rope_parameters={
+            "rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}))
 
 
 # a Llama whose vocabulary is the run's bpe:300 tokenizer's, for `loom train` to start from

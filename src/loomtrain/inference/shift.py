@@ -101,7 +101,7 @@ class ShiftServer:
                        for wb in (mine.q, mine.k, mine.v))
             y = attend(q, k, v, layer).transpose(1, 2).reshape(b, t, -1)
             x = x + self._summed(F.linear(y, mine.proj_w), block.attn.proj.bias)
-            y = F.linear(F.gelu(F.linear(block.ln2(x), *mine.fc)), mine.mlp_proj_w)
+            y = F.linear(block.mlp.activate(F.linear(block.ln2(x), *mine.fc)), mine.mlp_proj_w)
             x = x + self._summed(y, block.mlp.proj.bias)
         return x
 

@@ -17,7 +17,7 @@ def build_model(cfg) -> nn.Module:
     """`cfg` is a ModelConfig. Parameters are initialized from torch's current RNG state."""
     if cfg.name == "gpt":
         return GPT(cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads,
-                   cfg.mlp_ratio, cfg.dropout, cfg.attention, cfg.linear_decay)
+                   cfg.mlp_ratio, cfg.dropout, cfg.attention, cfg.linear_decay, cfg.activation)
     if cfg.name == "llama":
         return Llama(cfg)
     if cfg.name == "mlp":

@@ -12,16 +12,26 @@ from loomtrain.models.presets import PRESETS, with_preset
 
 
 class RopeScaling(Section):
-    """Llama 3's rotary frequency scaling (models/llama.py `rope_frequencies`); the defaults
-    are Llama 3.1's published ones."""
+    """Rotary frequency scaling (models/llama.py `rope_frequencies`): Llama 3's, whose defaults
+    are Llama 3.1's published ones, or "linear" (position interpolation: every frequency
+    divided by `factor`, which alone it reads)."""
 
+    rope_type: Literal["llama3", "linear"] = "llama3"
     factor: float = Field(8.0, ge=1.0)
     low_freq_factor: float = Field(1.0, gt=0.0)
     high_freq_factor: float = Field(4.0, gt=0.0)
     original_max_position: int = Field(8192, ge=1)
 
     @model_validator(mode="after")
-    def _factors_ordered(self) -> "RopeScaling":
+    def _keys_fit_the_type(self) -> "RopeScaling":
+        if self.rope_type == "linear":
+            # compared with the defaults, not "given": the resolved config.toml writes them all
+            band = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position")
+                    if getattr(self, k) != type(self).model_fields[k].default]
+            if band:
+                raise ValueError(f"model.rope_scaling.{band[0]} is a key of Llama 3's scaling; "
+                                 "rope_type=\"linear\" reads only factor: leave it out")
+            return self
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must "
                              f"exceed low_freq_factor={self.low_freq_factor} (the band between "
@@ -30,9 +40,10 @@ class RopeScaling(Section):
 
 
 # the llama keys and their defaults: any other value is refused for model.name "gpt"/"mlp"
-LLAMA_DEFAULTS = {"preset": None, "n_kv_heads": 0, "ffn_hidden": 0, "rope_theta": 10000.0,
-                  "rope_scaling": None, "norm_eps": 1e-5, "tie_embeddings": False,
-                  "qkv_bias": False, "qk_norm": False, "sliding_window": 0}
+LLAMA_DEFAULTS = {"preset": None, "n_kv_heads": 0, "head_dim": 0, "ffn_hidden": 0,
+                  "rope_theta": 10000.0, "rope_scaling": None, "norm_eps": 1e-5,
+                  "tie_embeddings": False, "qkv_bias": False, "qk_norm": False,
+                  "sliding_window": 0}
 
 
 class ModelConfig(Section):
@@ -48,9 +59,12 @@ class ModelConfig(Section):
     # per-head decay when linear_decay is set
     attention: Literal["softmax", "linear"] = "softmax"
     linear_decay: bool = False
+    # gpt: the MLP's GELU, exact or tanh-approximated (GPT-2's "gelu_new")
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
     # llama (models/llama.py, docs/models.md). preset: a published shape (models/presets.py)
     preset: str | None = None
     n_kv_heads: int = Field(0, ge=0)  # grouped-query attention; 0: n_heads (multi-head)
+    head_dim: int = Field(0, ge=0)  # Qwen3: wider than d_model/n_heads; 0: d_model/n_heads
     ffn_hidden: int = Field(0, ge=0)  # SwiGLU width; 0: `ffn_width(d_model)`
     rope_theta: float = Field(10000.0, gt=0.0)
     rope_scaling: RopeScaling | None = None
@@ -70,12 +84,16 @@ class ModelConfig(Section):
         return self.n_kv_heads or self.n_heads
 
     @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
     def ffn_width(self) -> int:
         return self.ffn_hidden or ffn_width(self.d_model)
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
-        if self.name in ("gpt", "llama") and self.d_model % self.n_heads:
+        if self.name in ("gpt", "llama") and self.d_model % self.n_heads and not self.head_dim:
             raise ValueError(
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
             )
@@ -89,6 +107,9 @@ class ModelConfig(Section):
         if self.linear_decay and self.attention != "linear":
             raise ValueError(f"model.linear_decay=true decays linear attention; it needs "
                              f"model.attention=\"linear\" (got {self.attention!r})")
+        if self.activation != "gelu" and self.name != "gpt":
+            raise ValueError(f"model.activation={self.activation!r} picks the GPT's GELU; "
+                             f"model.name={self.name!r} does not read it: leave it \"gelu\"")
         return self
 
     @model_validator(mode="after")
@@ -106,9 +127,10 @@ class ModelConfig(Section):
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads="
                              f"{self.n_heads} (each kv head serves a group of query heads)")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"model.d_model/model.n_heads = {self.d_model // self.n_heads} must "
-                             "be even: rotary embeddings rotate pairs of a head's dimensions")
+        if self.head_width % 2:
+            what = "model.head_dim" if self.head_dim else "model.d_model/model.n_heads"
+            raise ValueError(f"{what} = {self.head_width} must be even: rotary embeddings "
+                             "rotate pairs of a head's dimensions")
         for key, default in (("mlp_ratio", 4), ("dropout", 0.0)):
             if getattr(self, key) != default:
                 raise ValueError(f"model.{key}={getattr(self, key)} is a GPT key; the llama model "

@@ -17,6 +17,10 @@ from torch.utils.checkpoint import checkpoint
 from loomtrain.models.linear_attention import causal_linear_attention, default_decay, feature_map
 
 ATTENTIONS = ("softmax", "linear")
+# model.activation -> F.gelu's `approximate`: GPT-2 was trained with the tanh approximation
+# (Hendrycks & Gimpel, arXiv 1606.08415, eq. 3; transformers' "gelu_new"), so its published
+# weights need it
+GELUS = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None,
@@ -105,13 +109,20 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLPBlock(nn.Module):
-    def __init__(self, d_model: int, ratio: int):
+    def __init__(self, d_model: int, ratio: int, activation: str = "gelu"):
         super().__init__()
+        if activation not in GELUS:
+            raise ValueError(f"activation must be one of {tuple(GELUS)}, got {activation!r}")
+        self.approximate = GELUS[activation]
         self.fc = nn.Linear(d_model, ratio * d_model)
         self.proj = nn.Linear(ratio * d_model, d_model)
 
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The GELU of fc's output `h` (inference/shift.py calls it on a slice of fc)."""
+        return F.gelu(h, approximate=self.approximate)
+
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.fc(x))
+        return self.activate(self.fc(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.hidden(x))
@@ -119,12 +130,13 @@ class MLPBlock(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float,
-                 attention: str = "softmax", linear_decay: bool = False):
+                 attention: str = "softmax", linear_decay: bool = False,
+                 activation: str = "gelu"):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads, dropout, attention, linear_decay)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLPBlock(d_model, mlp_ratio)
+        self.mlp = MLPBlock(d_model, mlp_ratio, activation)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
@@ -135,14 +147,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
                  mlp_ratio: int = 4, dropout: float = 0.0, attention: str = "softmax",
-                 linear_decay: bool = False):
+                 linear_decay: bool = False, activation: str = "gelu"):
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, mlp_ratio, dropout, attention, linear_decay)
+            Block(d_model, n_heads, mlp_ratio, dropout, attention, linear_decay, activation)
             for _ in range(n_layers)
         )
         self.ln_f = nn.LayerNorm(d_model)

@@ -24,6 +24,10 @@ LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 GPT2 = "GPT2LMHeadModel"
 # GPT-2's causal-mask buffers, saved by old transformers releases: not weights
 _GPT2_MASKS = (".attn.bias", ".attn.masked_bias")
+# GPT-2's activation_function -> model.activation: the exact GELU, or the tanh approximation
+# under transformers' two names for it (GPT2Config's default, the published models', is
+# "gelu_new")
+_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -50,14 +54,18 @@ def _rope_keys(path, hf: dict) -> dict:
     rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}),
                                          "rope_theta": hf.get("rope_theta", 10000.0)}
     kind = rope.get("rope_type", rope.get("type", "default"))
+    _require(path, {**hf, **rope}, "partial_rotary_factor", [1.0], "rotates part of each head")
     keys = {"rope_theta": float(rope["rope_theta"]), "rope_scaling": None}
     if kind == "llama3":
         keys["rope_scaling"] = {"factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
                                 "high_freq_factor": rope["high_freq_factor"],
                                 "original_max_position": rope["original_max_position_embeddings"]}
+    elif kind == "linear":
+        keys["rope_scaling"] = {"rope_type": "linear", "factor": rope["factor"]}
     elif kind != "default":
         raise _refuse(path, f"rope_type={kind!r} is not mapped; loomtrain has the plain rotation "
-                      "(\"default\") and Llama 3's scaling (\"llama3\")")
+                      "(\"default\"), position interpolation (\"linear\") and Llama 3's "
+                      "scaling (\"llama3\")")
     return keys
 
 
@@ -67,8 +75,6 @@ def _llama_keys(path, hf: dict) -> dict:
     heads, width = hf["num_attention_heads"], hf["hidden_size"]
     _require(path, hf, "hidden_act", ["silu"], "is not SwiGLU's")
     _require(path, hf, "mlp_bias", [False], "puts biases on the MLP, which loomtrain's has not")
-    _require(path, hf, "head_dim", [None, width // heads], f"differs from hidden_size/"
-             f"num_attention_heads = {width // heads}, loomtrain's head width")
     # Llama's and Qwen3's attention_bias also biases o_proj; Qwen2 biases q, k, v always
     _require(path, hf, "attention_bias", [False], "biases o_proj too, which loomtrain does not")
     if kind in ("qwen2", "qwen3"):
@@ -77,6 +83,8 @@ def _llama_keys(path, hf: dict) -> dict:
     return {"name": "llama", "vocab_size": hf["vocab_size"], "d_model": width,
             "n_layers": hf["num_hidden_layers"], "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads") or heads,
+            # 0: hidden_size / num_attention_heads, so a run that leaves head_dim out matches
+            "head_dim": 0 if hf.get("head_dim") in (None, width // heads) else hf["head_dim"],
             "ffn_hidden": hf["intermediate_size"], **_rope_keys(path, hf),
             "norm_eps": hf.get("rms_norm_eps", 1e-6),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
@@ -90,8 +98,11 @@ def _gpt2_keys(path, hf: dict) -> dict:
     if inner % width:
         raise _refuse(path, f"n_inner={inner} is not a multiple of n_embd={width}; loomtrain's "
                       "GPT sizes its MLP by model.mlp_ratio")
-    _require(path, hf, "activation_function", ["gelu"], "is not the exact GELU of loomtrain's "
-             "GPT (\"gelu_new\" is the tanh approximation)")
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in _GPT2_ACTIVATIONS:
+        raise _refuse(path, f"activation_function={activation!r} is not mapped; loomtrain's GPT "
+                      "has the exact GELU (\"gelu\") and its tanh approximation (\"gelu_new\", "
+                      "\"gelu_pytorch_tanh\")")
     _require(path, hf, "layer_norm_epsilon", [1e-5], "is not torch's LayerNorm default")
     _require(path, hf, "scale_attn_weights", [True], "changes the attention scale")
     _require(path, hf, "scale_attn_by_inverse_layer_idx", [False], "changes the attention scale")
@@ -99,7 +110,7 @@ def _gpt2_keys(path, hf: dict) -> dict:
     _require(path, hf, "tie_word_embeddings", [True], "unties the head, which loomtrain's GPT ties")
     return {"name": "gpt", "vocab_size": hf["vocab_size"], "seq_len": hf["n_positions"],
             "d_model": width, "n_layers": hf["n_layer"], "n_heads": hf["n_head"],
-            "mlp_ratio": inner // width}
+            "mlp_ratio": inner // width, "activation": _GPT2_ACTIVATIONS[activation]}
 
 
 def hf_keys(path) -> dict:
@@ -211,13 +222,15 @@ def _llama_config(cfg) -> dict:
     config = {"model_type": kind, "architectures": [LLAMA_FAMILY[kind]],
               "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
               "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-              "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.d_model // cfg.n_heads,
+              "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_width,
               "intermediate_size": cfg.ffn_width, "hidden_act": "silu",
               "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
               "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
               "attention_bias": False, "sliding_window": cfg.sliding_window or None}
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
+    s = cfg.rope_scaling
+    if s is not None and s.rope_type == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": s.factor}
+    elif s is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
                                   "low_freq_factor": s.low_freq_factor,
                                   "high_freq_factor": s.high_freq_factor,
@@ -232,7 +245,8 @@ def _gpt2_config(cfg) -> dict:
     return {"model_type": "gpt2", "architectures": [GPT2], "vocab_size": cfg.vocab_size,
             "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
             "n_head": cfg.n_heads, "n_inner": cfg.mlp_ratio * cfg.d_model,
-            "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
+            "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+            "layer_norm_epsilon": 1e-5,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "tie_word_embeddings": True}
 

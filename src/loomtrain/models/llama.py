@@ -21,12 +21,16 @@ from torch.utils.checkpoint import checkpoint
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
     """RoPE's inverse frequencies theta^(-2i/head_dim), i < head_dim/2 (Su et al., arXiv
-    2104.09864, eq. 15), in fp32. With `scaling` (a RopeScaling), Llama 3.1's rule: a
+    2104.09864, eq. 15), in fp32. With `scaling` (a RopeScaling) of rope_type "linear",
+    position interpolation (Chen et al., arXiv 2306.15595): every frequency divided by
+    `factor`, as positions would be. Of rope_type "llama3", Llama 3.1's rule: a
     frequency whose wavelength is shorter than original_max_position / high_freq_factor is
     kept, one longer than original_max_position / low_freq_factor is divided by `factor`, and
     the band between is interpolated linearly in original_max_position / wavelength."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if scaling is not None:
+    if scaling is not None and scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None:
         wavelength = 2 * math.pi / inv_freq
         # 0 at the low-frequency edge, 1 at the high one, clamped outside the band
         smooth = ((scaling.original_max_position / wavelength - scaling.low_freq_factor)
@@ -78,10 +82,10 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, theta: float, scaling,
-                 qkv_bias: bool, qk_norm: bool, window: int, eps: float):
+                 qkv_bias: bool, qk_norm: bool, window: int, eps: float, head_dim: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads  # Qwen3's may exceed d_model / n_heads
         self.theta, self.scaling, self.window = theta, scaling, window
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
@@ -163,7 +167,7 @@ class LlamaBlock(nn.Module):
         self.ln1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.rope_theta,
                               cfg.rope_scaling, cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window,
-                              cfg.norm_eps)
+                              cfg.norm_eps, cfg.head_dim)
         self.ln2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_width)
 

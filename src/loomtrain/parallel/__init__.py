@@ -8,7 +8,7 @@ import torch
 
 from loomtrain.errors import ConfigError
 from loomtrain.models import token_loss_sum
-from loomtrain.parallel.tensor_plan import LLAMA_HF_PLAN  # noqa: F401 (the API's name)
+from loomtrain.parallel.tensor_plan import GPT2_HF_PLAN, LLAMA_HF_PLAN  # noqa: F401 (the API's names)
 
 
 # the MLP model's blocks split Megatron-style; its head and embedding stay whole

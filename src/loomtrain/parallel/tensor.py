@@ -13,7 +13,8 @@ import torch.nn as nn
 from loomtrain.parallel.tensor_layers import (  # noqa: F401 (the API's names)
     ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, SequenceSplit,
     VocabParallelEmbedding, VocabParallelHead, _contiguous, _split, vocab_parallel_loss_sum)
-from loomtrain.parallel.tensor_plan import LLAMA_HF_PLAN, apply_plan, fused_rows  # noqa: F401
+from loomtrain.parallel.tensor_plan import (GPT2_HF_PLAN, LLAMA_HF_PLAN, apply_plan,  # noqa: F401
+                                            fused_rows)
 
 
 def _qkv_rows(d_model: int, n_heads: int, rank: int, parts: int) -> torch.Tensor:
@@ -30,10 +31,10 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     Without `plan` the model must be loomtrain's GPT (every block's attention, heads split,
     and MLP become column/row pairs) or Llama (parallel/tensor_llama.py). A `plan` maps
     module-name patterns (fnmatch) to "column", "row" or "column:N" for any model whose
-    nn.Linear layers pair up that way (a column layer's output features, a row layer's input
+    nn.Linear (or GPT-2's Conv1D) layers pair up that way (a column layer's output features, a row layer's input
     features split in contiguous ranges; "column:N" a fused output of N parts, each split);
     the model's own code must work on the local widths. Hugging Face Llama-style decoders:
-    `LLAMA_HF_PLAN`. How a plan is checked: parallel/tensor_plan.py.
+    `LLAMA_HF_PLAN`; GPT-2: `GPT2_HF_PLAN`. How a plan is checked: parallel/tensor_plan.py.
 
     `vocab_parallel` (GPT or Llama) also splits the token embedding and the head over the
     vocabulary: the model then returns each rank's slice of the logits, for
@@ -92,6 +93,6 @@ def parallelize_tensor(model: nn.Module, mesh, plan: dict[str, str] | None = Non
     return apply_plan(model, mesh, axis, plan)
 
 
-__all__ = ["LLAMA_HF_PLAN", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelHead", "SequenceParallelLayerNorm", "parallelize_tensor",
+__all__ = ["GPT2_HF_PLAN", "LLAMA_HF_PLAN", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "VocabParallelHead", "SequenceParallelLayerNorm", "parallelize_tensor",
            "vocab_parallel_loss_sum"]

@@ -64,37 +64,41 @@ class ColumnParallelLinear(nn.Module):
     """The rows `rows` (output features) of `linear`; the input is replicated. `enters`: the
     layer enters the tensor-parallel region itself (Megatron's `f`, or the sequence
     all-gather); False when its input has entered already, once for sibling layers that
-    share it (the Llama's q/k/v and gate/up: parallel/tensor_llama.py)."""
+    share it (the Llama's q/k/v and gate/up: parallel/tensor_llama.py). `transposed`:
+    `linear` keeps its weight as (in, out), as GPT-2's Conv1D does, and so does the piece, so
+    its checkpoint names and layout stay the model's."""
 
-    def __init__(self, linear: nn.Linear, rows: torch.Tensor, mesh, axis: str = "tp",
-                 sequence_parallel: bool = False, enters: bool = True):
+    def __init__(self, linear: nn.Module, rows: torch.Tensor, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False, enters: bool = True, transposed: bool = False):
         super().__init__()
         self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
-        self.enters = enters
-        self.weight = _piece(linear.weight, 0, rows)
+        self.enters, self.transposed = enters, transposed
+        self.weight = _piece(linear.weight, 1 if transposed else 0, rows)
         self.bias = None if linear.bias is None else _piece(linear.bias, 0, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters:
             enter = GatherFromSP if self.sequence_parallel else CopyToTP
             x = enter.apply(x, self.mesh, self.axis)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """The columns `cols` (input features) of `linear`; the partial outputs are all-reduced,
-    then the (replicated) bias is added once."""
+    then the (replicated) bias is added once. `transposed`: as ColumnParallelLinear's."""
 
-    def __init__(self, linear: nn.Linear, cols: torch.Tensor, mesh, axis: str = "tp",
-                 sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Module, cols: torch.Tensor, mesh, axis: str = "tp",
+                 sequence_parallel: bool = False, transposed: bool = False):
         super().__init__()
         self.mesh, self.axis, self.sequence_parallel = mesh, axis, sequence_parallel
-        self.weight = _piece(linear.weight, 1, cols)
+        self.transposed = transposed
+        self.weight = _piece(linear.weight, 0 if transposed else 1, cols)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leave = ScatterToSP if self.sequence_parallel else ReduceFromTP
-        y = leave.apply(F.linear(x, self.weight), self.mesh, self.axis)
+        weight = self.weight.t() if self.transposed else self.weight
+        y = leave.apply(F.linear(x, weight), self.mesh, self.axis)
         if self.bias is None:
             return y
         # under sequence parallelism the bias meets my sequence chunk only: sum its gradient

@@ -1,6 +1,7 @@
 """Tensor parallelism by a plan: module-name patterns (fnmatch) mapped to "column", "row" or
 "column:N" (a fused projection: N equal parts, each split by column), applied to any model
-whose nn.Linear layers pair up that way. The plan is checked against the model before any
+whose nn.Linear layers (or GPT-2's Conv1D, a linear layer with its weight stored (in, out))
+pair up that way. The plan is checked against the model before any
 layer is replaced: every pattern must split something, fused projections must declare their
 parts, and attention heads must split evenly. Details: docs/tensor.md, "Plans".
 """
@@ -21,6 +22,12 @@ LLAMA_HF_PLAN = {
     "*.self_attn.v_proj": "column", "*.self_attn.o_proj": "row",
     "*.mlp.gate_proj": "column", "*.mlp.up_proj": "column", "*.mlp.down_proj": "row",
 }
+
+# GPT-2 (transformers' GPT2LMHeadModel): its Conv1D layers as Megatron pairs, c_attn as
+# [q; k; v]. Its attention cuts c_attn's output by `split_size`, which the split sets to the
+# local width (`_local_split_size`); it reshapes by head_dim, as Llama's does.
+GPT2_HF_PLAN = {"*.attn.c_attn": "column:3", "*.attn.c_proj": "row",
+                "*.mlp.c_fc": "column", "*.mlp.c_proj": "row"}
 
 # names of fused projections (Phi-3's gate_up_proj, GPT-2's c_attn, Phi-3's qkv_proj): one
 # contiguous column split would hand a rank the wrong parts
@@ -61,6 +68,26 @@ def _heads(attention: nn.Module) -> dict[str, int]:
     return found
 
 
+def _widths(module: nn.Module) -> tuple[int, int, bool] | None:
+    """(in features, out features, weight stored (in, out)) of an nn.Linear or of GPT-2's
+    Conv1D (known by its class name: the library does not import transformers); None for
+    any other module."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.shape[0], weight.shape[1], True
+    return None
+
+
+def _local_split_size(attention: nn.Module, part: int, parts: int) -> None:
+    """An attention that cuts its fused projection's output into parts of `split_size`
+    features (GPT-2's, d_model) gets my share of a part, as tensor_llama.py sets the local
+    n_heads: it is the width its own forward then reads."""
+    if getattr(attention, "split_size", None) == part:
+        attention.split_size = part // parts
+
+
 def _check(model: nn.Module, name: str, kind: str, fused: int, parts: int) -> None:
     """Refuse a split the model cannot run: a fused projection split as one column, heads
     that do not split evenly over the tp ranks."""
@@ -83,9 +110,9 @@ def apply_plan(model: nn.Module, mesh, axis: str, plan: dict[str, str]) -> nn.Mo
         pattern = next((p for p in plan if fnmatch.fnmatchcase(name, p)), None)
         if pattern is None:
             continue
-        if not isinstance(module, nn.Linear):
+        if _widths(module) is None:
             raise ValueError(f"tensor-parallel plan: {name} is a {type(module).__name__}, "
-                             "not an nn.Linear")
+                             "not an nn.Linear or a Conv1D (GPT-2's)")
         _check(model, name, *kinds[pattern], parts)
         chosen[name] = (module, *kinds[pattern])
     unused = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in chosen)]
@@ -94,12 +121,16 @@ def apply_plan(model: nn.Module, mesh, axis: str, plan: dict[str, str]) -> nn.Mo
                          "module of the model (patterns match full module names, e.g. "
                          "'model.layers.*.self_attn.q_proj')")
     for name, (module, kind, fused) in chosen.items():
-        if kind == "column":
-            rows = fused_rows(module.out_features, fused, rank, parts, f"{name}.out_features")
-            piece = ColumnParallelLinear(module, rows, mesh, axis)
-        else:
-            piece = RowParallelLinear(module, _contiguous(module.in_features, rank, parts,
-                                                          f"{name}.in_features"), mesh, axis)
+        n_in, n_out, transposed = _widths(module)
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, piece)
+        owner = model.get_submodule(parent) if parent else model
+        if kind == "column":
+            rows = fused_rows(n_out, fused, rank, parts, f"{name}.out_features")
+            piece = ColumnParallelLinear(module, rows, mesh, axis, transposed=transposed)
+            if fused > 1:
+                _local_split_size(owner, n_out // fused, parts)
+        else:
+            cols = _contiguous(n_in, rank, parts, f"{name}.in_features")
+            piece = RowParallelLinear(module, cols, mesh, axis, transposed=transposed)
+        setattr(owner, leaf, piece)
     return model
