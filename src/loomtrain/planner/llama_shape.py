@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loomtrain.activations import llama_core_bytes, llama_layer_bytes
+from loomtrain.planner.shape import Shape
 
 # Llama 3's pre-training sequence length (arXiv 2407.21783, sec. 3.4.1: 8,192 tokens after
 # the first 252M), the planner's seq_len for the llama presets; llama-debug keeps the run's
@@ -19,18 +20,12 @@ DEBUG_SEQ_LEN = 128
 
 
 @dataclass(frozen=True)
-class LlamaShape:
+class LlamaShape(Shape):
     """Token embedding, blocks of (RMSNorm, attention with q, k, v and o projections, RMSNorm,
     SwiGLU), a final RMSNorm and a head, tied to the embedding or not. `preset`: the
     models/presets.py name it came from, written into a planned config so that the keys the
     cost does not read (rope_theta, rope_scaling, norm_eps) come with it."""
 
-    name: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    seq_len: int
-    vocab_size: int
     kv_heads: int
     ffn_width: int
     tie_embeddings: bool = False

@@ -6,9 +6,8 @@ printed: 1.3B has 16 heads of 128 (the table's 24 heads of 128 do not make d_mod
 13B has d_model 5120 = 40 heads of 128 (the table prints 5140). The llama family's presets
 (models/presets.py) come as LlamaShapes (llama_shape.py).
 
-A shape gives the cost model (cost.py) its parameters per layer, the matmul weights a token
-multiplies, its memory-bound traffic and operator launches, its saved activations and its
-tensor-parallel collectives; ModelShape below is the GPT's, LlamaShape the llama's.
+ModelShape below is the GPT's shape, LlamaShape the llama's: what the cost model reads of
+either is listed in shape.py.
 """
 
 from __future__ import annotations
@@ -17,19 +16,14 @@ from dataclasses import dataclass
 
 from loomtrain.activations import FP32_BYTES, gpt_layer_bytes
 from loomtrain.planner.llama_shape import LlamaShape, llama_presets, llama_shape
+from loomtrain.planner.shape import Shape
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(Shape):
     """A GPT as loomtrain builds it (models/gpt.py): token and position embeddings, blocks of
     (layer norm, attention with qkv and proj, layer norm, MLP fc and proj, all with biases), a
     final layer norm and a head tied to the token embedding."""
-    name: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    seq_len: int
-    vocab_size: int
     mlp_ratio: int = 4
 
     @property
