@@ -15,13 +15,14 @@ from loomtrain.cli import main
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
 from loomtrain.models import GPT, MLP, build_model, token_loss_sum
+from loomtrain.models.config import ModelConfig
 from loomtrain.optim import build_optimizer
 from loomtrain.parallel.data import build_buckets
 from loomtrain.parallel.zero import estimate as zero_estimate
 from loomtrain.parallel.zero import make_plan
 from loomtrain.parallel.zero.layout import zero_memory
 from loomtrain.train import dryrun
-from loomtrain.train.config import config_to_toml
+from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.train.dryrun_text import dry_run
 from loomtrain.train.metrics import read_metrics
 
@@ -89,6 +90,29 @@ def test_mlp_activation_estimate_matches_measurement(b, t, d, layers, ratio, voc
     model = MLP(vocab, d, layers, ratio).to(dtype)
     measured = saved_activation_bytes(model, vocab, b, t)
     estimate = dryrun.mlp_activation_bytes(b, t, d, layers, ratio, vocab, c)
+    assert abs(estimate - measured) <= TOLERANCE * measured, (estimate, measured)
+
+
+# The llama's variants: grouped-query attention (2 query heads per kv head) or multi-head,
+# untied or tied head, qk-norm (which also makes o_proj's input a copy), q/k/v biases, a
+# sliding window (its mask is saved). d 32, 2 layers: a missing d-wide tensor is 2% of the
+# total or more (c d over c (6d + 4f) + 4 (4d + 2 + h) + ... per token and layer).
+LLAMA = {"name": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16,
+         "vocab_size": 64, "ffn_hidden": 40}
+LLAMA_VARIANTS = [{"n_kv_heads": 2}, {"n_kv_heads": 4, "tie_embeddings": True},
+                  {"n_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "tie_embeddings": True},
+                  {"n_kv_heads": 1, "qkv_bias": True, "sliding_window": 5},
+                  {"n_kv_heads": 2, "head_dim": 12, "qk_norm": True}]  # Qwen3's wider heads
+
+
+@pytest.mark.parametrize("dtype,c", DTYPES)
+@pytest.mark.parametrize("keys", LLAMA_VARIANTS)
+def test_llama_activation_estimate_matches_measurement(keys, dtype, c):
+    m = ModelConfig(**LLAMA, **keys)
+    torch.manual_seed(0)
+    model = build_model(m).to(dtype)
+    measured = saved_activation_bytes(model, m.vocab_size, 3, m.seq_len)
+    estimate = dryrun.activation_bytes(m, 3, c)
     assert abs(estimate - measured) <= TOLERANCE * measured, (estimate, measured)
 
 
@@ -395,6 +419,7 @@ def _per_op(collectives, validation: bool) -> dict[str, int]:
 # d_model 80: a block's fp32 gradient (311 KB) is reduce-scattered as a ring, the root's
 # (93 KB) and a hierarchical shard (156 KB) by gloo's native op: both meter formulas are hit.
 WIDE = {"d_model": 80, "n_heads": 2}
+LLAMA_RUN = {"name": "llama", "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 40}
 CASES = {
     2: [("stage 0 fp32 (DataParallel)", {}),
         ("stage 0 bf16", {"train": {"precision": "bf16"}}),
@@ -406,7 +431,19 @@ CASES = {
         ("tp 2, sequence parallel, bf16", {"parallel": {"tp": 2, "sequence_parallel": True},
                                            "train": {"global_batch": 4, "precision": "bf16"}}),
         ("MLP model, tp 2", {"model": {"name": "mlp"}, "parallel": {"tp": 2},
-                             "train": {"global_batch": 4}})],
+                             "train": {"global_batch": 4}}),
+        # the llama: tp with its kv heads replicated (their weight and bias gradients summed
+        # over tp) and q/k-norm; with sequence parallelism (the embedding reduce-scatters);
+        # ZeRO-3 over its blocks
+        ("llama, tp 2, kv heads replicated, qk_norm, qkv_bias, heads 12 wide",
+         {"model": LLAMA_RUN | {"n_kv_heads": 1, "qk_norm": True, "qkv_bias": True,
+                                "head_dim": 12},
+          "parallel": {"tp": 2}, "train": {"global_batch": 4}}),
+        ("llama, tp 2, sequence parallel, bf16",
+         {"model": LLAMA_RUN, "parallel": {"tp": 2, "sequence_parallel": True},
+          "train": {"global_batch": 4, "precision": "bf16"}}),
+        ("llama, stage 3 bf16", {"model": LLAMA_RUN, "parallel": {"zero_stage": 3},
+                                 "train": {"precision": "bf16"}})],
     # d_model 34: blocks padded to a multiple of 4 (as in test_zero_estimate_lays_out_the_real_units)
     4: [("hierarchical stage 2, optimizer per node",
          {"model": {"d_model": 34}, "parallel": {"zero_stage": 2, "hierarchical": True}}),
@@ -476,25 +513,48 @@ def test_tensor_parallel_activation_formula_matches_saved_tensors(tiny):
                   parallel={"nproc": 2, "tp": 2, "sequence_parallel": True},
                   train={"micro_batch": 3, "global_batch": 6}),
              tiny(model={"name": "mlp", "d_model": 48}, parallel={"nproc": 2, "tp": 2})]
+    # the llama: kv heads split (2 kv heads) or replicated (1), multi-head (4), each switch
+    llama = {"name": "llama", "d_model": 32, "n_heads": 4, "ffn_hidden": 40}
+    cases += [tiny(model={**llama, **keys}, parallel={"nproc": 2, "tp": 2, "sequence_parallel": sp})
+              for keys, sp in [({"n_kv_heads": 2}, False),
+                               ({"n_kv_heads": 1, "qk_norm": True, "qkv_bias": True,
+                                 "tie_embeddings": True, "sliding_window": 5}, False),
+                               ({"n_kv_heads": 1, "qk_norm": True, "tie_embeddings": True}, True),
+                               ({"n_kv_heads": 4}, True)]]
     measured = run_world(_tp_saved_bytes, 2, cases, timeout_s=120)[0]
     for cfg, got in zip(cases, measured):
         p = cfg.parallel
         want = tensor_activation_bytes(cfg.model, cfg.train.micro_batch, p.tp, p.sequence_parallel)
-        assert abs(got - want) <= TOLERANCE * want, (cfg.model.name, p.sequence_parallel, got, want)
+        assert abs(got - want) <= TOLERANCE * want, (cfg.model, p.sequence_parallel, got, want)
     assert measured[1] < measured[0]  # sequence parallel keeps less
 
 
 # --- pipeline: stages, stash peaks, point-to-point sends -----------------------------------
 
 
+# the pipeline tests' models: the GPT's and the MLP's MLP 2x wide; the llama with grouped-query
+# attention and a sliding window, or multi-head with qk-norm (what selective recompute frees
+# differs: activations.py llama_core_bytes)
+STAGE_MODELS = {"gpt": {"mlp_ratio": 2}, "mlp": {"mlp_ratio": 2},
+                "llama": {"n_kv_heads": 2, "ffn_hidden": 64, "sliding_window": 7},
+                "llama-qk": {"name": "llama", "qk_norm": True, "ffn_hidden": 64, "head_dim": 12}}
+
+
+def _stage_model(tiny, name: str, n_layers: int):
+    return tiny(model={"name": name, "n_layers": n_layers, "d_model": 48, "n_heads": 4,
+                       **STAGE_MODELS[name]})
+
+
 @pytest.mark.parametrize("name,bounds,recompute", [
     ("gpt", [0, 1, 3, 5], "none"), ("gpt", [0, 2, 4, 5], "none"), ("mlp", [0, 2, 3, 5], "none"),
-    ("gpt", [0, 1, 3, 5], "selective"), ("gpt", [0, 2, 4, 5], "selective")])
+    ("gpt", [0, 1, 3, 5], "selective"), ("gpt", [0, 2, 4, 5], "selective"),
+    ("llama", [0, 1, 3, 5], "none"), ("llama", [0, 2, 4, 5], "selective"),
+    ("llama-qk", [0, 1, 3, 5], "selective")])
 def test_stage_activations_match_saved_tensors(tiny, name, bounds, recompute):
     from loomtrain.parallel.pipeline import PipelineModule, layers_of
     from loomtrain.parallel.pipeline.estimate import stage_memory
 
-    cfg = tiny(model={"name": name, "n_layers": 3, "d_model": 48, "n_heads": 4, "mlp_ratio": 2})
+    cfg = _stage_model(tiny, name, 3)
     m, b = cfg.model, 3
     torch.manual_seed(0)
     model = build_model(m)
@@ -517,13 +577,13 @@ def test_stage_activations_match_saved_tensors(tiny, name, bounds, recompute):
         x = out.detach().requires_grad_(True)
 
 
-@pytest.mark.parametrize("name", ["gpt", "mlp"])
+@pytest.mark.parametrize("name", ["gpt", "mlp", "llama"])
 def test_zero_bubble_keeps_the_linear_inputs_and_output_gradients(tiny, name):
     from loomtrain.parallel.pipeline import PipelineModule, layers_of
     from loomtrain.parallel.pipeline.estimate import stage_memory
     from loomtrain.parallel.pipeline.runtime import DeferredWeightGrads, defer_linear_weights
 
-    cfg = tiny(model={"name": name, "n_layers": 2, "d_model": 48, "n_heads": 4, "mlp_ratio": 2})
+    cfg = _stage_model(tiny, name, 2)
     m, b = cfg.model, 3
     torch.manual_seed(0)
     model = build_model(m)
@@ -616,9 +676,11 @@ def test_dry_run_refuses_schedules_not_built_yet(tiny):
 def test_pipeline_collectives_match_the_meter(tiny, tmp_path):
     """A real pp=2 run on 2 ranks: rank 0's metered bytes per op, record by record, are the
     dry run's (4 micro-batches, 3 evaluation forwards after every step)."""
-    cases = [{"pp": 2, "schedule": "1f1b"}, {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}]
-    cfgs = [tiny(model={"n_layers": 6}, run={"eval_every": 1, "eval_batches": 3},
-                 train={"steps": 2}, parallel={"nproc": 2, **case}) for case in cases]
+    cases = [({}, {"pp": 2, "schedule": "1f1b"}),
+             ({}, {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}),
+             (LLAMA_RUN | {"tie_embeddings": True}, {"pp": 2, "schedule": "1f1b"})]
+    cfgs = [tiny(model={"n_layers": 6, **model}, run={"eval_every": 1, "eval_batches": 3},
+                 train={"steps": 2}, parallel={"nproc": 2, **case}) for model, case in cases]
     dirs = [str(tmp_path / f"run{i}") for i in range(len(cfgs))]
     results = run_world(_train, 2, cfgs, dirs, timeout_s=180)[0]
     for case, cfg, records in zip(cases, cfgs, results):
@@ -626,3 +688,47 @@ def test_pipeline_collectives_match_the_meter(tiny, tmp_path):
         expected = [_per_op(est.collectives, validation=False), _per_op(est.collectives, validation=True)]
         assert [r["comm_bytes"] for r in records] == expected, case
         assert expected[0]["send"] > 0
+    tied = [c.purpose for c in dryrun.estimate(cfgs[2]).collectives if c.purpose.startswith("tied")]
+    assert tied == ["tied tok_emb.weight gradient, summed over pp"]  # the llama's tied head
+
+
+# --- the llama's published shapes, on the meta device --------------------------------------
+
+
+@pytest.mark.parametrize("preset,parameters,layout", [
+    ("llama3-8b", 8_030_261_248, {"tp": 8, "sequence_parallel": True}),
+    ("llama3-70b", 70_553_706_496, {"pp": 8, "recompute": "selective", "schedule": "zb-h1"}),
+    ("llama3-70b", 70_553_706_496, {"zero_stage": 3})])
+def test_llama_presets_dry_run_without_building_the_model(tmp_path, capsys, preset, parameters,
+                                                          layout):
+    """8B and 70B (32 and 282 GB of fp32 weights, more than this machine's memory): the dry
+    run builds them on the meta device. The data is a token file with ids up to Llama 3's
+    vocabulary; the activations are the formula's, split as the layout splits them."""
+    import numpy as np
+
+    tokens = tmp_path / "tokens.u32"
+    np.random.default_rng(0).integers(0, 128256, 30_000, dtype=np.uint32).tofile(tokens)
+    keys = {"model": {"preset": preset, "seq_len": 1024},
+            "data": {"source": str(tokens), "val_fraction": 0.1},
+            "train": {"micro_batch": 1, "global_batch": 8,
+                      "precision": "bf16" if "zero_stage" in layout else "fp32"},
+            "parallel": {"nproc": 8, **layout}}
+    cfg = config_from_dict(keys)
+    est = dryrun.estimate(cfg)
+    assert est.model_parameters == parameters
+    m, c = cfg.model, 2 if "zero_stage" in layout else 4
+    if "tp" in layout:
+        assert est.memory.activation_bytes == dryrun.llama_activation_bytes(m, 1, c, 8, True)
+    elif "pp" in layout:  # stage 0: the embedding and blocks, their attention cores freed
+        from loomtrain.activations import llama_core_bytes, llama_layer_bytes
+
+        blocks = len(est.pipeline.split.stage_layers[0]) - 1
+        block = llama_layer_bytes("block", 1, 1024, m, c) - llama_core_bytes(1, 1024, m, c)
+        assert est.pipeline.memory[0].stashed == llama_layer_bytes("embed", 1, 1024, m, c) + blocks * block
+        assert est.memory.activation_bytes == est.pipeline.peaks[0]
+    else:
+        assert est.memory.activation_bytes == dryrun.activation_bytes(m, 1, c)
+    path = tmp_path / "llama.toml"
+    path.write_text(config_to_toml(cfg))
+    assert main(["train", "--dry-run", str(path)]) == 0
+    assert f"model: llama, {parameters:,} parameters" in capsys.readouterr().out

@@ -206,3 +206,46 @@ def test_loom_train_plans_auto_before_the_dry_run(monkeypatch, tmp_path, corpus,
     _fake_search(monkeypatch, None, [])
     assert cli.main(["train", str(path), "--dry-run"]) == 2
     assert "no plan of this model runs on parallel.nproc=2" in capsys.readouterr().err
+
+
+# the llama: 2 kv heads for 4 query heads, a tied head, keys the cost model does not read
+# (rope_theta) that a planned config must keep
+LLAMA = {"name": "llama", "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 48, "tie_embeddings": True,
+         "rope_theta": 500000.0}
+
+
+def test_llama_plans_become_llama_configs(tmp_path, corpus):
+    """A preset's plan writes model.preset and the shape's keys, and the config builds the
+    shape back; a llama config's plan keeps its own [model] keys."""
+    from loomtrain.planner.presets import from_model_config
+
+    shape = preset("llama-debug")
+    plan = _fp32(tp=2, micro_batch=4, microbatches=8, sequence_parallel=True)
+    cfg = load_config(write_config(tmp_path / "plan.toml", plan, shape, 32))
+    assert (cfg.model.name, cfg.model.preset, cfg.parallel.tp) == ("llama", "llama-debug", 2)
+    assert from_model_config(cfg.model, "llama-debug") == shape
+    base = tiny_tree(tmp_path, corpus, model=LLAMA)
+    mine = config_from_dict(base)
+    tree = plan_config(_fp32(dp=2, micro_batch=4, microbatches=1), from_model_config(mine.model), 8, base)
+    assert config_from_dict(tree).model == mine.model
+
+
+def test_plan_auto_plans_a_llama_with_the_real_search(monkeypatch, tmp_path, corpus, capsys):
+    """`parallel.plan = "auto"` on a llama config: the real search over the plans `loom train`
+    runs, on a cpu-here spec written into a fresh cache folder (an A100's figures under that
+    name), then the dry run of the chosen plan."""
+    from loomtrain import cli
+    from loomtrain.planner import specs
+
+    spec = replace(specs.BUILTIN["a100-40g"], name="cpu-here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    specs.calibration_path().parent.mkdir(parents=True)
+    specs.calibration_path().write_text(tomli_w.dumps(
+        {k: v for k, v in spec.__dict__.items() if v is not None}))
+    tree = tiny_tree(tmp_path, corpus, model=LLAMA, run={"device": "cpu"},
+                     parallel={"plan": "auto", "nproc": 2})
+    path = tmp_path / "auto.toml"
+    path.write_text(tomli_w.dumps(tree))
+    assert cli.main(["train", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert 'parallel.plan="auto" chose' in out.err and "model: llama" in out.out, out

@@ -76,3 +76,27 @@ def test_loom_train_plan_auto_flag_plans_with_the_real_search(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout + out.stderr
     assert 'parallel.plan="auto" chose' in text and "precision=fp32" in text, text[:2000]
+
+
+def test_loom_plan_takes_llama_presets_and_configs(tmp_path, capsys):
+    """`loom plan --model llama3-70b` ranks plans of the published shape (in process: the
+    subprocesses above pay the imports); a llama config's best plan is written as a config
+    that builds the same model."""
+    import tomli_w
+
+    from loomtrain.cli import main
+    from loomtrain.planner.presets import from_model_config
+
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-80g", "--top", "3",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["params"] == 70_553_706_496 and doc["model"]["kv_heads"] == 8
+    assert doc["plans"] and all(row["mem_per_device_bytes"] <= 80e9 for row in doc["plans"])
+    config, planned = tmp_path / "llama.toml", tmp_path / "planned.toml"
+    config.write_text(tomli_w.dumps({"model": {"name": "llama", "n_heads": 4, "n_kv_heads": 1,
+                                               "qk_norm": True, "rope_theta": 1e6}}))
+    assert main(["plan", "--model", str(config), "--gpus", "2", "--gpu", "a100-80g",
+                 "--write-config", str(planned)]) == 0
+    mine, written = load_config(config).model, load_config(planned).model
+    assert from_model_config(written, "llama") == from_model_config(mine, "llama")
+    assert (written.rope_theta, written.ffn_hidden) == (1e6, mine.ffn_width)  # 768: resolved

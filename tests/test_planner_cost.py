@@ -222,3 +222,75 @@ def test_optimizer_step_counts_foreach_adamw_passes():
     plan = Plan(precision="fp32", micro_batch=8, microbatches=1)
     e = estimate(m, ClusterSpec(d, 1, 1), plan)
     assert e.time["optimizer"] == pytest.approx(96 * m.params / 2e10 + 24 * 1e-5, rel=1e-6)
+
+
+# --- the llama family (planner/llama_shape.py) ------------------------------------------------
+
+
+def test_llama_shapes_count_what_loomtrain_builds():
+    """Every llama preset's shape has the parameters tests/test_llama.py holds the built
+    models to; a config's shape with every switch (tied head, q/k/v biases, qk-norm) counts
+    what models/llama.py builds from it."""
+    from loomtrain.models import build_model
+    from loomtrain.models.config import ModelConfig
+    from loomtrain.planner.presets import from_model_config
+    from test_llama import PRESET_PARAMETERS
+
+    for name, parameters in PRESET_PARAMETERS.items():
+        assert PRESETS[name].params == parameters, name
+    m = ModelConfig(name="llama", d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=96,
+                    tie_embeddings=True, qkv_bias=True, qk_norm=True, seq_len=32)
+    model, shape = build_model(m), from_model_config(m, "t")
+    assert shape.params == sum(p.numel() for p in model.parameters())  # the tied head once
+    assert shape.block_params == sum(p.numel() for p in model.blocks[0].parameters())
+    wide = m.model_copy(update={"head_dim": 24})  # Qwen3's heads, wider than d_model / n_heads
+    model, shape = build_model(wide), from_model_config(wide, "t")
+    assert shape.block_params == sum(p.numel() for p in model.blocks[0].parameters())
+    assert shape.model_keys()["head_dim"] == 24
+    assert (shape.seq_len, shape.kv_heads, shape.ffn_width, shape.preset) == (32, 2, 96, None)
+    assert (PRESETS["llama3-8b"].seq_len, PRESETS["llama3-8b"].preset) == (8192, "llama3-8b")
+
+
+def test_llama_flops_by_hand():
+    m = preset("llama3-8b")  # d 4096, 32 layers, 8 kv heads of 128, SwiGLU 14336, V 128256
+    matmul = 2 * 4096 ** 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q, o; k, v; gate, up, down
+    per_token = 32 * (2 * matmul + 4 * 8192 * 4096) + 2 * 4096 * 128256
+    assert model_flops_per_step(m, 4) == 3 * 4 * 8192 * per_token
+
+
+@pytest.mark.parametrize("tp,sp,recompute", [(1, False, "none"), (2, False, "selective"),
+                                             (2, True, "none"), (1, False, "selective")])
+def test_llama_stash_is_the_dry_runs_formula(tp, sp, recompute):
+    """One microbatch in flight (pp 1): the activations are activations.py's, held to the
+    tensors autograd saves by tests/test_dryrun.py, less what selective recompute frees."""
+    from loomtrain.activations import llama_activation_bytes, llama_core_bytes
+
+    m = preset("mistral-7b")  # grouped-query attention and a sliding window
+    e = estimate(m, ClusterSpec(H100, tp, 8),
+                 Plan(tp=tp, sequence_parallel=sp, recompute=recompute, micro_batch=1))
+    freed = m.n_layers * llama_core_bytes(1, m.seq_len, m, 2, tp) if recompute == "selective" else 0
+    assert e.memory["activations"] == llama_activation_bytes(m, 1, 2, tp, sp) - freed
+
+
+def test_llama_tensor_parallel_collectives_counted_as_tensor_llama_runs_them():
+    """tp=2 over a llama with one kv head (replicated), q/k-norm and q/k/v biases: the GPT's
+    activation collectives (test above), and backward per block the sums of the replicated
+    k_proj and v_proj weights and biases and of q_norm's and k_norm's weights; sequence
+    parallel reduce-scatters the embedding and sums ln1's, ln2's and ln_f's weights."""
+    from loomtrain.planner.llama_shape import LlamaShape
+
+    d = _cpu_here(collective_table=None, collective_fit=((2, 1e-4, 1e9),))
+    cluster = ClusterSpec(d, 2, 2)
+    m = LlamaShape("t", 2, 64, 4, 32, 256, kv_heads=1, ffn_width=128, qkv_bias=True, qk_norm=True)
+    act, tokens = 8 * 32 * 64 * 4, 8 * 32 * 4
+    ar = lambda nbytes: 2 * 1e-4 + nbytes / 1e9 + 8e-4  # noqa: E731
+    half = lambda nbytes: 1e-4 + nbytes / 2 / 1e9 + 8e-4  # noqa: E731
+    weights = 2 * ar(16 * 4) + 2 * ar(16 * 64 * 4) + 2 * ar(16 * 4)  # q/k-norm, k/v w and b
+    plan = Plan(tp=2, precision="fp32", micro_batch=8, microbatches=1)
+    (st,) = step_costs(m, cluster, plan).stages
+    assert st.forward_comm_s == pytest.approx(2 * 2 * ar(act) + ar(act) + 3 * ar(tokens))
+    assert st.backward_comm_s == pytest.approx(2 * (2 * ar(act) + weights) + ar(act))
+    (sp,) = step_costs(m, cluster, dataclasses.replace(plan, sequence_parallel=True)).stages
+    assert sp.forward_comm_s == pytest.approx(2 * 4 * half(act) + 2 * half(act) + 3 * ar(tokens))
+    norms = 2 * 2 * ar(64 * 4) + ar(64 * 4)
+    assert sp.backward_comm_s == pytest.approx(2 * (4 * half(act) + weights) + 2 * half(act) + norms)

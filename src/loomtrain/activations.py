@@ -1,6 +1,7 @@
 """What one forward of a model and its loss saves for backward, in bytes, per layer and for
-the whole model: the activation formulas of models/gpt.py and models/mlp.py (docs/dry-run.md,
-"Activations"), which the dry run and the techniques that split the model build on.
+the whole model: the activation formulas of models/gpt.py, models/mlp.py and models/llama.py
+(docs/dry-run.md, "Activations"), which the dry run, the techniques that split the model and
+the planner's cost model build on.
 """
 
 from __future__ import annotations
@@ -39,6 +40,76 @@ def mlp_layer_bytes(kind: str, b: int, t: int, d: int, r: int, V: int, c: int) -
     return gpt_layer_bytes("head", b, t, d, 0, r, V, c)
 
 
+def llama_layer_bytes(kind: str, b: int, t: int, m, c: int, tp: int = 1,
+                      sequence_parallel: bool = False) -> int:
+    """What one layer of models/llama.py (and the loss) saves for backward on one of `tp`
+    ranks (parallel/tensor_llama.py), each tensor counted in the layer whose operation saves
+    it. `m` has the [model] keys' shape: d_model, n_heads, kv_heads, head_width, ffn_width,
+    vocab_size, qk_norm, sliding_window (a ModelConfig, or the planner's LlamaShape).
+
+    RMSNorm (torch 2.13's F.rms_norm decomposes on CPU) works in fp32 whatever the compute
+    dtype: it saves its input in fp32 (a bf16 input's fp32 copy), the rstd (1) and the
+    normalized input (d), all fp32, and its consumer saves its output (c bytes). Under
+    Megatron's sequence parallelism a norm sees 1/tp of the tokens, and the column layers
+    keep the gathered, whole-sequence output.
+    - embed: the int64 ids (the masked local ids under tp, with the bool mask of the ids
+      outside this rank's vocabulary range); the rotation needs no position embedding;
+    - block: ln1 and ln2 (fp32 2d + 1 each, output d each); q rotated, k and v expanded to
+      this rank's heads (grouped-query attention's repeat_interleave saves nothing of the kv
+      heads), the attention output (o_proj's input is a view of it), the SwiGLU's gate, up,
+      silu and product (4 ffn), all in c bytes; fp32: the attention log-sum-exp (heads) and
+      the rotation's cos and sin tables of q and k (4 t head_dim per layer, not per row). With
+      sliding_window, the attention mask (t x t, c bytes: SDPA casts it to q's dtype). With
+      qk_norm, q_norm and k_norm as RMSNorms over each head (fp32: inputs, normalized inputs
+      and rstds of the q and kv heads), and o_proj's input becomes a copy (the normalized q
+      is laid out (b, heads, t, head_dim), and the attention output follows it);
+    - head: ln_f (its output as the head keeps it), the fp32 log-softmax (V), the int64
+      targets and the loss's fp32 total weight; under tp the vocabulary-parallel loss's
+      exponentials (V/tp) and per-token total (fp32), the int64 target and 2 bool masks.
+    tests/test_dryrun.py holds it to the saved tensors, in fp32 and bf16, tp 1 and 2."""
+    bt, d = b * t, m.d_model
+    if kind == "embed":
+        return INDEX_BYTES * bt + (bt if tp > 1 else 0)
+    norm = FP32_BYTES * b * (t // (tp if sequence_parallel else 1)) * (2 * d + 1) + c * bt * d
+    if kind == "head":
+        if tp == 1:
+            return norm + FP32_BYTES * (bt * m.vocab_size + 1) + INDEX_BYTES * bt
+        return norm + FP32_BYTES * bt * (m.vocab_size // tp + 1) + INDEX_BYTES * bt + 2 * bt
+    assert kind == "block", kind
+    heads, kv, head_dim = _llama_heads(m, tp)
+    attention = c * bt * 4 * heads * head_dim + FP32_BYTES * (bt * heads + 4 * t * head_dim)
+    mlp = c * bt * 4 * (m.ffn_width // tp)
+    window = c * t * t if m.sliding_window else 0
+    qk_norm = 0
+    if m.qk_norm:
+        qk_norm = (FP32_BYTES * bt * (heads + kv) * (2 * head_dim + 1)
+                   + c * bt * heads * head_dim)
+    return 2 * norm + attention + mlp + window + qk_norm
+
+
+def llama_core_bytes(b: int, t: int, m, c: int, tp: int = 1) -> int:
+    """What recomputing the attention core of one llama block (recompute="selective",
+    `attn.recompute_core`) frees of llama_layer_bytes: the checkpoint keeps its inputs (q
+    and k rotated, v: the kv heads, not their expansion) and o_proj keeps the output; freed
+    are the log-sum-exp (fp32, heads), the expanded k and v beyond the kv heads, the sliding
+    window's mask, and with qk_norm the attention output (o_proj keeps its own copy)."""
+    heads, kv, head_dim = _llama_heads(m, tp)
+    bt = b * t
+    freed = FP32_BYTES * bt * heads + c * bt * 2 * (heads - kv) * head_dim
+    if m.sliding_window:
+        freed += c * t * t
+    if m.qk_norm:
+        freed += c * bt * heads * head_dim
+    return freed
+
+
+def _llama_heads(m, tp: int) -> tuple[int, int, int]:
+    """(query heads, kv heads, head_dim) on one of `tp` ranks: the kv heads split when tp
+    divides them, one (replicated) per rank when tp is a multiple of them (kv_layout)."""
+    kv = m.kv_heads // tp if m.kv_heads % tp == 0 else 1
+    return m.n_heads // tp, kv, m.head_width
+
+
 def gpt_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers: int,
                          n_heads: int, mlp_ratio: int, vocab_size: int,
                          compute_bytes: int = FP32_BYTES) -> int:
@@ -75,10 +146,21 @@ def mlp_activation_bytes(micro_batch: int, seq_len: int, d_model: int, n_layers:
     return parts["embed"] + n_layers * parts["block"] + parts["head"]
 
 
+def llama_activation_bytes(m, micro_batch: int, compute_bytes: int = FP32_BYTES, tp: int = 1,
+                           sequence_parallel: bool = False) -> int:
+    """Bytes saved for backward by models/llama.py plus the loss, on one of `tp` ranks: the
+    sum of llama_layer_bytes's parts (`m` as there)."""
+    parts = {kind: llama_layer_bytes(kind, micro_batch, m.seq_len, m, compute_bytes, tp,
+                                     sequence_parallel) for kind in ("embed", "block", "head")}
+    return parts["embed"] + m.n_layers * parts["block"] + parts["head"]
+
+
 def activation_bytes(model_cfg, micro_batch: int, compute_bytes: int = FP32_BYTES) -> int:
     """One micro-batch's saved activations: accumulation runs micro-batches one after another,
     and each backward frees its graph, so only one is alive at a time."""
     m = model_cfg
+    if m.name == "llama":
+        return llama_activation_bytes(m, micro_batch, compute_bytes)
     if m.name == "gpt":
         return gpt_activation_bytes(micro_batch, m.seq_len, m.d_model, m.n_layers, m.n_heads,
                                     m.mlp_ratio, m.vocab_size, compute_bytes)

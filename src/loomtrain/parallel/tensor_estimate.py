@@ -6,7 +6,8 @@ autograd saves). Notation: docs/tensor.md, "Dry run".
 
 from __future__ import annotations
 
-from loomtrain.activations import FP32_BYTES, INDEX_BYTES, mlp_activation_bytes
+from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_activation_bytes,
+                                   mlp_activation_bytes)
 from loomtrain.estimate import Collective, DryRunPlan, metered
 
 
@@ -40,8 +41,9 @@ def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, ac
     reverse in backward), the head all-gathers the sequence (reduce-scatter backward), the
     sequence split after the embedding all-gathers its gradient, and backward all-reduces the
     gradients of the 6 h-sized tensors per layer that saw one sequence chunk (2 layer norms, 2
-    row biases) and of the final norm (2 h). MLP model (blocks' fc column, proj row): 1 per
-    layer forward and 1 backward. After backward: the gradient norm's 4-byte all-reduce.
+    row biases) and of the final norm (2 h). Llama: `_llama_collectives`. MLP model (blocks'
+    fc column, proj row): 1 per layer forward and 1 backward. After backward: the gradient
+    norm's 4-byte all-reduce.
     """
     if tp == 1:
         return []
@@ -52,7 +54,9 @@ def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, ac
     def op(purpose, name, payload, calls):
         return metered(purpose, name, "tp", tp, payload, calls)
 
-    if m.name == "mlp":
+    if m.name == "llama":
+        forward, backward = _llama_collectives(m, tp, tokens, act, sequence_parallel, c, op)
+    elif m.name == "mlp":
         forward = [op("MLP outputs (row-parallel proj)", "all_reduce", act, layers)]
         backward = [op("MLP input gradients (column-parallel fc)", "all_reduce", act, layers)]
     elif not sequence_parallel:
@@ -81,6 +85,50 @@ def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, ac
     return out
 
 
+def _llama_collectives(m, tp: int, tokens: int, act: int, sequence_parallel: bool, c: int, op):
+    """(forward, backward) tp collectives of one micro-batch of parallel/tensor_llama.py: as
+    the GPT's, with one entry into the tensor-parallel region per block half (ln1's, shared
+    by q, k and v; ln2's, shared by gate and up), except that under sequence parallelism the
+    embedding reduce-scatters its lookup (all-gather backward) and the norms' weight
+    gradients summed backward are ln1's and ln2's (d each) and ln_f's. Backward also sums the
+    gradients of what each rank holds whole but uses a part of: q_norm's and k_norm's
+    weights (head_dim each, every micro-batch), and, with the kv heads replicated (tp a
+    multiple of n_kv_heads), k_proj's and v_proj's weights (and biases)."""
+    layers, d = m.n_layers, m.d_model
+    if not sequence_parallel:
+        forward = [op("embedding lookup (vocabulary-parallel)", "all_reduce", act, 1),
+                   op("attention and MLP outputs (row-parallel o_proj, down_proj)", "all_reduce",
+                      act, 2 * layers),
+                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
+        backward = [op("attention and MLP input gradients (ln1, ln2 outputs)", "all_reduce",
+                       act, 2 * layers),
+                    op("head input gradient", "all_reduce", act, 1)]
+    else:
+        forward = [op("embedding lookup reduce-scatter (vocabulary-parallel)", "reduce_scatter",
+                      act, 1),
+                   op("sequence all-gather after ln1, ln2 and ln_f", "all_gather", act,
+                      2 * layers + 1),
+                   op("sequence reduce-scatter after o_proj, down_proj", "reduce_scatter", act,
+                      2 * layers),
+                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
+        backward = [op("gradient reduce-scatter (the all-gathers' backward)", "reduce_scatter",
+                       act, 2 * layers + 1),
+                    op("gradient all-gather (the reduce-scatters' backward)", "all_gather", act,
+                       2 * layers + 1),
+                    op("RMSNorm weight gradients (one sequence chunk each)", "all_reduce", d * c,
+                       2 * layers + 1)]
+    head_dim = m.head_width
+    if m.qk_norm:
+        backward.append(op("q_norm and k_norm weight gradients (my heads each)", "all_reduce",
+                           head_dim * c, 2 * layers))
+    if m.kv_heads % tp:
+        width = m.kv_heads * head_dim
+        for what, size in (("weight", width * d), ("bias", width))[:1 + m.qkv_bias]:
+            backward.append(op(f"replicated k_proj, v_proj {what} gradients", "all_reduce",
+                               size * c, 2 * layers))
+    return forward, backward
+
+
 def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: bool,
                             compute_bytes: int = FP32_BYTES) -> int:
     """Bytes autograd saves in one forward of the tp-split model plus its loss, per rank
@@ -99,6 +147,8 @@ def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: boo
     output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit model.
     """
     b, t, h, r, n, c = micro_batch, m.seq_len, m.d_model, m.mlp_ratio, tp, compute_bytes
+    if m.name == "llama":  # split layer by layer in activations.py
+        return llama_activation_bytes(m, b, c, tp, sequence_parallel)
     if m.name == "mlp":
         unsplit = mlp_activation_bytes(b, t, h, m.n_layers, r, m.vocab_size, c)
         return unsplit - c * b * t * m.n_layers * 2 * r * h * (n - 1) // n

@@ -58,16 +58,15 @@ def _split_points(plan: Plan, shape: ModelShape) -> list[int]:
 def plan_config(plan: Plan, shape: ModelShape, batch: int, base: dict | None = None) -> dict:
     """The TOML tree of a `loom train` config running `plan` on `shape` at global batch `batch`
     (sequences per step). `base`: a config's tables, kept except for the keys the plan decides
-    (None: loomtrain's defaults). The [model] section is the shape's. ValueError when the plan
-    cannot be written as a config at all (its batch, split or per-layer recompute)."""
+    (None: loomtrain's defaults). The [model] section is the shape's (`model_keys`). ValueError
+    when the plan cannot be written as a config at all (its batch, split or per-layer
+    recompute)."""
     if plan.dp * plan.microbatches * plan.micro_batch != batch:
         raise ValueError(f"the plan's dp*microbatches*micro_batch = {plan.dp}*{plan.microbatches}*"
                          f"{plan.micro_batch} = {plan.dp * plan.microbatches * plan.micro_batch} is "
                          f"not the global batch {batch}")
     tree = copy.deepcopy(base) if base else {}
-    model = tree.setdefault("model", {})
-    model.update(name="gpt", n_layers=shape.n_layers, d_model=shape.d_model, n_heads=shape.n_heads,
-                 seq_len=shape.seq_len, vocab_size=shape.vocab_size, mlp_ratio=shape.mlp_ratio)
+    tree.setdefault("model", {}).update(shape.model_keys())
     par = {k: v for k, v in tree.get("parallel", {}).items() if k not in PLANNED_PARALLEL}
     par.update(nproc=plan.devices, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                zero_stage=plan.zero_stage, hierarchical=plan.hierarchical,
@@ -116,11 +115,9 @@ def _units_refusal(shape: ModelShape, units: tuple[str, ...]) -> str | None:
     from loomtrain.parallel import check_units
     from loomtrain.train.config import config_from_dict
 
-    model = {k: getattr(shape, k) for k in ("n_layers", "d_model", "n_heads", "seq_len",
-                                            "vocab_size", "mlp_ratio")}
     try:
-        check_units(config_from_dict({"model": model, "parallel": {"nproc": 1, "zero_stage": 1,
-                                                                    "shard_units": list(units)}}))
+        check_units(config_from_dict({"model": shape.model_keys(), "parallel": {
+            "nproc": 1, "zero_stage": 1, "shard_units": list(units)}}))
     except UserError as err:
         return str(err)
     return None

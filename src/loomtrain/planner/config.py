@@ -6,7 +6,8 @@ from typing import Literal
 
 from loomtrain.component import Component, Refusal, Section, Switch
 
-_COVERS = "the planner's cost model covers the backprop GPT on dp, tp, pp, cp and ZeRO"
+_COVERS = ("the planner's cost model covers backprop on the GPT and the llama over dp, tp, pp, "
+           "cp and ZeRO")
 
 
 class PlanKeys(Section):
@@ -28,6 +29,6 @@ class Plan(Component):
 
     @classmethod
     def validate(cls, cfg) -> None:
-        if cfg.parallel.plan != "none" and cfg.model.name != "gpt":
+        if cfg.parallel.plan != "none" and cfg.model.name not in ("gpt", "llama"):
             raise ValueError(f'parallel.plan="auto" with model.name={cfg.model.name!r} is not '
-                             f'supported: {_COVERS} (model.name="gpt")')
+                             f'supported: {_COVERS} (model.name="gpt" or "llama")')

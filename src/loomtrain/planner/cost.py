@@ -1,14 +1,14 @@
-"""The analytic cost model of one training step of a GPT under a Plan: FLOPs, memory traffic,
-launches and collectives per layer, the schedule's step time, memory per device (docs/planner.md
-states every formula with its source; the names below follow it). step_costs() gives the same
-per-stage numbers to the event simulator (simulate.py).
+"""The analytic cost model of one training step of a GPT or a llama (the shapes of presets.py
+and llama_shape.py) under a Plan: FLOPs, memory traffic, launches and collectives per layer,
+the schedule's step time, memory per device (docs/planner.md states every formula with its
+source; the names below follow it). step_costs() gives the same per-stage numbers to the
+event simulator (simulate.py).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from loomtrain.parallel.pipeline.estimate import gpt_layer_bytes
 from loomtrain.planner import comm_cost as C
 from loomtrain.planner.plan import Estimate, Plan, StageCosts, StepCosts
 from loomtrain.planner.presets import ModelShape
@@ -29,16 +29,10 @@ OPTIMIZER_BYTES = {"bf16": 12, "fp32": 8}
 # gradient and writes the bf16 weights (+4). Measured here (2026-12-05): 11.8 ms for the
 # default model's 3.3M parameters at 27 GB/s, 97 bytes per parameter.
 OPTIMIZER_TRAFFIC = {"fp32": 96, "bf16": 100}
-# memory-bound traffic per token in one forward, in elements (models/gpt.py): a block's two
-# layer norms (read + write 2h each), two residual adds (3h each), the head merge copy (2h),
-# GELU (2rh) and the attention kernel's q, k, v in and output out (4h); the embedding's
-# gather and position add (4h); the head's norm (2h) and the log-softmax over V (read and
-# write, fp32, 2V) and its backward (2V). Backward moves twice the forward's.
-BLOCK_TRAFFIC_H = {"replicated": 10, "split": 6}  # norms+adds (replicated under tp); copy+attn
-# operator launches per forward (models/gpt.py): block: ln, qkv, view/permute/unbind, sdpa,
-# transpose/reshape, proj, add, ln, fc, gelu, proj, add; embed: 2 lookups, arange, add;
-# head: ln, matmul, log-softmax, nll; backward launches twice as many
-OPS = {"embed": 4, "block": 14, "head": 4}
+# memory-bound traffic per token in one forward: the shape's `traffic_h` (norms, adds,
+# attention's inputs and output, the MLP's activation, ...), and the head's log-softmax over V
+# (read and write, fp32, 2V) and its backward (2V). Backward moves twice the forward's.
+# Operator launches per forward: the shape's `ops`; backward launches twice as many.
 OPTIMIZER_OPS = 24  # foreach AdamW, norm, clip, zero_grad over the whole parameter list
 HOST_ADAM_PARAMS_PER_S = 1e9  # offload: CPU Adam, an assumption (docs/planner.md)
 
@@ -49,12 +43,14 @@ def layer_kinds(model: ModelShape) -> list[str]:
 
 def forward_flops(model: ModelShape, kind: str, tokens: float) -> float:
     """Matmul FLOPs of one layer's forward over `tokens` tokens (Narayanan et al. 2021, eq. 3
-    without the 3x for backward): a block 2(4 + 2r)h^2 per token plus attention's QK^T and
-    AV, 4 s h per token (counted over the full causal square, as Megatron counts it); the
-    head 2 h V; the embedding none (a gather)."""
-    h, r = model.d_model, model.mlp_ratio
+    without the 3x for backward): a block 2 FLOPs per matmul weight per token (the GPT's
+    (4 + 2r)h^2; the llama's q, k, v, o and SwiGLU matrices, `block_matmul_params`) plus
+    attention's QK^T and AV, 4 s h per token (counted over the full causal square, as Megatron
+    counts it, and over every query head: grouped-query attention shares k and v, not the
+    products); the head 2 h V; the embedding none (a gather)."""
+    h = model.d_model
     if kind == "block":
-        return tokens * (2 * (4 + 2 * r) * h * h + 4 * model.seq_len * h)
+        return tokens * (2 * model.block_matmul_params + 4 * model.seq_len * h)
     return tokens * 2 * h * model.vocab_size if kind == "head" else 0.0
 
 
@@ -71,7 +67,7 @@ def layer_params(model: ModelShape, kind: str) -> int:
         return model.block_params
     if kind == "embed":
         return model.embedding_params
-    return 2 * model.d_model + model.vocab_size * model.d_model  # ln_f + the tied head
+    return model.head_params
 
 
 def even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
@@ -101,15 +97,14 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
         attn_flops = tokens * 4 * model.seq_len * h / tp
         attn_s = attn_flops / (rate * d.attention_efficiency)
         flops -= attn_flops
-        split = BLOCK_TRAFFIC_H["split"] + 2 * model.mlp_ratio
-        repl = BLOCK_TRAFFIC_H["replicated"]
+        split, repl = model.traffic_h["split"], model.traffic_h["replicated"]
         elems = tokens * h * (split / tp + repl / (tp if plan.sequence_parallel else 1))
         traffic = elems * c
     elif kind == "embed":
-        traffic = tokens * 4 * h * c
+        traffic = tokens * model.traffic_h["embed"] * h * c
     else:
-        traffic = tokens * (2 * h * c + 2 * FP32 * model.vocab_size / tp)
-    overhead = OPS[kind] * d.overhead_s(plan.devices)
+        traffic = tokens * (model.traffic_h["head"] * h * c + 2 * FP32 * model.vocab_size / tp)
+    overhead = model.ops[kind] * d.overhead_s(plan.devices)
     L = _Layer()
     L.kind = kind
     L.forward_s = flops / rate + attn_s + traffic / bandwidth + overhead
@@ -120,21 +115,14 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
     L.weight_s = flops / rate + overhead
     L.recompute_s = 0.0
     act = b * s_local * h * c  # one activation tensor (b, s/cp, h)
-    L.stash_bytes = gpt_layer_bytes(kind, b, s_local, h, model.n_heads, model.mlp_ratio,
-                                    model.vocab_size, c)
+    L.stash_bytes = model.stash_bytes(kind, b, s_local, c, tp, plan.sequence_parallel)
     if kind == "block":
-        if tp > 1:  # the tp-split parts of the stash (qkv 3h, attention out h, fc+gelu 2rh, lse)
-            split_elems = (4 + 2 * model.mlp_ratio) * h
-            kept = split_elems / tp + (4 * h + 4) / (tp if plan.sequence_parallel else 1)
-            L.stash_bytes = int(b * s_local * (c * kept + FP32 * model.n_heads / tp))
         if recompute == "full":  # keep the block's input only; replay its forward
             L.recompute_s = L.forward_s
             L.stash_bytes = act // (tp if plan.sequence_parallel else 1)
-        elif recompute == "selective":  # drop the attention core's output and lse; replay it
+        elif recompute == "selective":  # drop what the attention core saves; replay it
             L.recompute_s = attn_s + tokens * 4 * h * c / tp / bandwidth
-            L.stash_bytes -= int(b * s_local * (c * h + FP32 * model.n_heads) / tp)
-    elif kind == "head" and tp > 1:
-        L.stash_bytes = int(L.stash_bytes - b * s_local * FP32 * model.vocab_size * (1 - 1 / tp))
+            L.stash_bytes -= model.core_bytes(b, s_local, c, tp)
     L.checkpoint_bytes = act
     L.fwd_comm_s, L.bwd_comm_s, L.tp_wire = _tp_comm(model, cluster, plan, kind, act)
     if cp > 1 and kind == "block":
@@ -155,15 +143,11 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
 
 def _tp_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
              act: float) -> tuple[float, float, float]:
-    """(forward s, backward s, wire bytes) of one layer's tp collectives per microbatch, as
-    parallel/tensor.py runs them (Megatron's f and g; Shoeybi et al. 2019, sec. 3): a block
-    all-reduces one activation after attention and after the MLP forward, and two input
-    gradients backward; the embedding one forward, the head one backward plus the
-    vocabulary-parallel cross-entropy's three of one number per token forward. Sequence
-    parallel (Korthikanti et al. 2022) turns each all-reduce into an all-gather and a
-    reduce-scatter (twice the calls, the same bytes), and sums the gradients of the norms'
-    weights and biases and of the row layers' biases, in small all-reduces, backward (a
-    block's 6, the head's final norm 2). Each call also pays the sync penalty (comm_cost)."""
+    """(forward s, backward s, wire bytes) of one layer's tp collectives per microbatch, the
+    calls the shape's `tp_calls` names (Megatron's f and g; Shoeybi et al. 2019, sec. 3;
+    sequence parallel, Korthikanti et al. 2022, turns each all-reduce into an all-gather and
+    a reduce-scatter: twice the calls, the same bytes). Each call also pays the sync penalty
+    (comm_cost)."""
     tp = plan.tp
     if tp == 1:
         return 0.0, 0.0, 0.0
@@ -171,7 +155,6 @@ def _tp_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
     crosses = C.spans_nodes(cluster, sizes, "tp")
     penalty = C.inline_s(cluster, tp, plan.devices)
     tokens_bytes = plan.micro_batch * model.seq_len // plan.cp * FP32  # one fp32 per token
-    norm_bytes = model.d_model * WEIGHT_BYTES[plan.precision]
 
     def ar(nbytes):
         return C.all_reduce_s(cluster, nbytes, tp, crosses) + penalty, C.all_reduce_wire(nbytes, tp)
@@ -179,18 +162,13 @@ def _tp_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
     def half(nbytes):  # an all-gather or a reduce-scatter
         return C.gather_s(cluster, nbytes, tp, crosses) + penalty, C.gather_wire(nbytes, tp)
 
-    sp = plan.sequence_parallel
-    calls = {  # kind: (forward calls, backward calls), each (cost function, bytes, count)
-        "block": ([(half, act, 4)], [(half, act, 4), (ar, norm_bytes, 6)]) if sp
-        else ([(ar, act, 2)], [(ar, act, 2)]),
-        "embed": ([(ar, act, 1)], [(half, act, 1)] if sp else []),
-        "head": ([(ar, tokens_bytes, 3)] + ([(half, act, 1)] if sp else []),
-                 [(half, act, 1), (ar, norm_bytes, 2)] if sp else [(ar, act, 1)]),
-    }[kind]
+    functions = {"ar": ar, "half": half}
+    payloads = {"act": act, "tokens": tokens_bytes}  # else a number of weight elements
     out = [0.0, 0.0, 0.0]
-    for i, side in enumerate(calls):
-        for fn, nbytes, count in side:
-            t, wire = fn(nbytes)
+    for i, side in enumerate(model.tp_calls(kind, tp, plan.sequence_parallel)):
+        for op, payload, count in side:
+            nbytes = payloads.get(payload) or payload * WEIGHT_BYTES[plan.precision]
+            t, wire = functions[op](nbytes)
             out[i] += count * t
             out[2] += count * wire
     return out[0], out[1], out[2]
@@ -239,11 +217,11 @@ def _total(groups, field: str) -> float:
 
 
 def _stage_params(model: ModelShape, plan: Plan, groups) -> float:
-    """Parameters (per tp rank) of one stage's layers, the tied embedding and head counted once
+    """Parameters (per tp rank) of one stage's layers, a tied embedding and head counted once
     when the stage holds both (pp = 1); across stages each of the first and last keeps a copy
     (split.py's pp_copies)."""
     params = _total(groups, "params")
-    if groups[0][0].kind == "embed" and groups[-1][0].kind == "head":
+    if model.tied_head and groups[0][0].kind == "embed" and groups[-1][0].kind == "head":
         params -= model.vocab_size * model.d_model / plan.tp
     return params
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from loomtrain.activations import (  # importable from here too (tests, benchmarks/)
     activation_bytes,
     gpt_activation_bytes,
+    llama_activation_bytes,
     mlp_activation_bytes,
 )
 from loomtrain.errors import ConfigError
@@ -31,8 +32,8 @@ from loomtrain.estimate import (  # gradient_all_reduces: importable from here t
 from loomtrain.train.components import COMPONENTS
 
 __all__ = ["DryRun", "activation_bytes", "estimate", "gpt_activation_bytes",
-           "gradient_all_reduces", "memory_per_rank", "mlp_activation_bytes", "optimizer_states",
-           "trainer_collectives"]
+           "gradient_all_reduces", "llama_activation_bytes", "memory_per_rank",
+           "mlp_activation_bytes", "optimizer_states", "trainer_collectives"]
 
 
 def optimizer_states(optimizer: str, momentum: float) -> int:
@@ -87,9 +88,6 @@ class DryRun:
 def estimate(cfg) -> DryRun:
     """Everything `loom train --dry-run` reports, as numbers."""
     p, r = cfg.parallel, cfg.run
-    if cfg.model.name == "llama":  # activations.py counts the GPT's and the MLP's saved tensors
-        raise ConfigError("loom train --dry-run has no activation formula for model.name="
-                          "\"llama\" yet (docs/models.md); train without --dry-run")
     data = _check_data(cfg)
     components = type(cfg).components or COMPONENTS
     order = sorted(components, key=lambda c: -1 if c.stage is None else c.stage)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from loomtrain.activations import FP32_BYTES, gpt_layer_bytes, mlp_layer_bytes
+from loomtrain.activations import (FP32_BYTES, gpt_layer_bytes, llama_core_bytes,
+                                   llama_layer_bytes, mlp_layer_bytes)
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.estimate import Collective, DryRunPlan
 from loomtrain.parallel.pipeline import schedules as S
@@ -21,6 +22,8 @@ def _kind(layer: str) -> str:
 
 def layer_activation_bytes(m, layer: str, micro_batch: int, c: int) -> int:
     """Layer `layer` ("embed", "blocks.i", "head") of the model `m` (a ModelConfig)."""
+    if m.name == "llama":
+        return llama_layer_bytes(_kind(layer), micro_batch, m.seq_len, m, c)
     if m.name == "gpt":
         return gpt_layer_bytes(_kind(layer), micro_batch, m.seq_len, m.d_model, m.n_heads,
                                m.mlp_ratio, m.vocab_size, c)
@@ -33,13 +36,20 @@ def _deferred_widths(m, layer: str) -> tuple[int, int]:
     """(Linear inputs, Linear output gradients) per token that zero-bubble's W needs, kept
     from I (runtime.py `DeferredWeightGrads`): a GPT block's ln1 output, attention output,
     ln2 output (d each) and GELU output (rd), and the gradients of qkv (3d), proj (d), fc (rd)
-    and the MLP's proj (d); an MLP-model block's LayerNorm and GELU outputs and the gradients
-    of fc and proj; the head's ln_f output (d) and the logits' gradient (V)."""
+    and the MLP's proj (d); a llama block's ln1 output (q, k and v share it), attention
+    output (heads x head_dim: d but where head_dim widens the heads) and ln2 output (gate and
+    up share it), d each, and SwiGLU product (f), and the gradients of q (heads x head_dim)
+    and o (d), k and v (kv_heads x head_dim each), gate and up (f each)
+    and down (d); an MLP-model block's LayerNorm and GELU outputs and the gradients of fc and
+    proj; the head's ln_f output (d) and the logits' gradient (V)."""
     d, r, kind = m.d_model, m.mlp_ratio, _kind(layer)
     if kind == "embed":
         return 0, 0
     if kind == "head":
         return d, m.vocab_size
+    if m.name == "llama":
+        f, q, kv = m.ffn_width, m.n_heads * m.head_width, m.kv_heads * m.head_width
+        return 2 * d + q + f, 2 * d + q + 2 * kv + 2 * f
     return ((3 + r) * d, (5 + r) * d) if m.name == "gpt" else ((1 + r) * d, (1 + r) * d)
 
 
@@ -69,7 +79,9 @@ def stage_memory(m, layers: list[str], micro_batch: int, c: int, recompute: str,
     "selective" checkpoints each block's attention core, whose saved tensors are q, k, v (kept
     anyway as the checkpoint's inputs), its output (kept anyway as proj's input, a view of it)
     and the fp32 log-sum-exp (h per token): only the last is freed (with the fused attention
-    kernel; the unfused one's t x t scores, with dropout, are not counted)."""
+    kernel; the unfused one's t x t scores, with dropout, are not counted); the llama's frees
+    more (activations.py `llama_core_bytes`). The llama's first RMSNorm saves the received
+    input itself only in fp32, which is all a pipeline runs (bf16 is refused with it)."""
     saved = sum(layer_activation_bytes(m, x, micro_batch, c) for x in layers)
     boundary = c * micro_batch * m.seq_len * m.d_model
     received, output = (0 if first else boundary), (0 if last else boundary)
@@ -80,7 +92,8 @@ def stage_memory(m, layers: list[str], micro_batch: int, c: int, recompute: str,
     core = 0
     if recompute == "selective":
         blocks = sum(_kind(x) == "block" for x in layers)
-        core = FP32_BYTES * micro_batch * m.seq_len * m.n_heads * blocks
+        core = blocks * (llama_core_bytes(micro_batch, m.seq_len, m, c) if m.name == "llama"
+                         else FP32_BYTES * micro_batch * m.seq_len * m.n_heads)
     return StageMemory(saved - received - core, received, output, 0, inputs, grads)
 
 

@@ -1,0 +1,24 @@
+"""What the cost model (cost.py) reads of a model: `Shape`'s fields, and the members each
+family's shape adds (presets.py ModelShape, the GPT's; llama_shape.py LlamaShape):
+`params`, `block_params`, `embedding_params`, `head_params` and `tied_head` (parameters per
+layer), `block_matmul_params` (FLOPs), `traffic_h` and `ops` (memory-bound traffic and
+launches), `stash_bytes` and `core_bytes` (activations, selective recompute), `tp_calls`
+(tensor-parallel collectives) and `model_keys` (the [model] table of a planned config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    seq_len: int
+    vocab_size: int
+
+
+__all__ = ["Shape"]
