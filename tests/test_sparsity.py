@@ -247,6 +247,9 @@ def test_sam_and_zo_sam_passes_masks_and_bitwise_restore():
     ({"sparsity": {"method": "rigl", "start_step": 5}}, "sparsity.start_step is not read"),
     ({"sparsity": {"method": "nm", "n": 4, "m": 4}}, "sparsity.n=4 must be less than"),
     ({"sparsity": {"method": "nm", "m": 3}}, "sparsity.m=3 must divide model.d_model = 32"),
+    # the llama's SwiGLU width is one more input width the groups run along
+    ({"sparsity": {"method": "nm"}, "model": {"name": "llama", "n_heads": 4, "ffn_hidden": 90}},
+     "sparsity.m=4 must divide the 90 inputs of blocks.0.mlp.down_proj.weight"),
     ({"sparsity": {"method": "prune", "schedule": "cosine"}}, "not a schedule of"),
     ({"sparsity": {"method": "prune", "start_step": 15}}, "must be before sparsity.end_step=15"),
     ({"sparsity": {"method": "set", "end_step": 50}}, "after the last step"),

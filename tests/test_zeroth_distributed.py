@@ -57,12 +57,13 @@ def _single_process(model, opt, world: int) -> None:
             opt.apply(pairs)
 
 
-def _zo_world(rank, world, runs):
+def _zo_world(rank, world, runs, build=_model):
+    """`build`: the model, the same on every call (a module-level function: it is pickled)."""
     mesh = build_mesh({"dp": world})
     exchange = SeedScalarExchange(mesh)
     out = []
     for name, k, hyper in runs:
-        model = _model()
+        model = build()
         start = _flat(model)
         opt = build_zo_optimizer(name, model, n_perturbations=k, seed=11, **hyper)
         mesh.meter.take()
@@ -72,13 +73,13 @@ def _zo_world(rank, world, runs):
         result = {"params": _flat(model), "moved": not torch.equal(_flat(model), start),
                   "per_step": per_step, "payload": count.payload_bytes, "calls": count.calls}
         if rank == 0:
-            oracle = _model()
+            oracle = build()
             _single_process(oracle, build_zo_optimizer(name, oracle, n_perturbations=k, seed=11,
                                                         **hyper), world)
             result["oracle"] = _flat(oracle)
         out.append(result)
     # a rank one step ahead (a desynchronized resume) is refused on every rank, not replayed
-    model = _model()
+    model = build()
     opt = build_zo_optimizer("mezo", model, lr=1e-3, seed=11)
     opt.step_count = rank
     try:
@@ -88,8 +89,8 @@ def _zo_world(rank, world, runs):
     return out
 
 
-def _check(world: int, runs) -> None:
-    results = run_world(_zo_world, world, runs, timeout_s=120)
+def check_results(results: list, world: int, runs) -> None:
+    """The ranks' `_zo_world` results: bitwise one model, the oracle's, on pairs' bytes only."""
     for i, (name, k, _) in enumerate(runs):
         per_rank = [r[i] for r in results]
         for r in per_rank:
@@ -106,11 +107,14 @@ def _check(world: int, runs) -> None:
         assert "not at the same step" in r[-1]
 
 
+WORLD_2_RUNS = [("mezo", 2, dict(lr=1e-3)), ("helene", 1, dict(lr=1e-3, anneal_steps=10)),
+                ("mezo-svrg", 2, dict(lr=1e-3, svrg_every=3))]
+
+
 def test_world_2_mezo_helene_svrg_bitwise_identical_seed_scalar_bytes():
-    _check(2, [("mezo", 2, dict(lr=1e-3)),
-               ("helene", 1, dict(lr=1e-3, anneal_steps=10)),
-               ("mezo-svrg", 2, dict(lr=1e-3, svrg_every=3))])
+    check_results(run_world(_zo_world, 2, WORLD_2_RUNS, timeout_s=120), 2, WORLD_2_RUNS)
 
 
 def test_world_4_mezo_zo_adam_bitwise_identical_seed_scalar_bytes():
-    _check(4, [("mezo", 1, dict(lr=1e-3)), ("zo-adam", 2, dict(lr=1e-3))])
+    runs = [("mezo", 1, dict(lr=1e-3)), ("zo-adam", 2, dict(lr=1e-3))]
+    check_results(run_world(_zo_world, 4, runs, timeout_s=120), 4, runs)
