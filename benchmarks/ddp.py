@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="fail if a world gives no result for this long")
     parser.add_argument("--bucket-mb", type=float, default=4.0,
-                        help="loomtrain's bucket_mb = DDP's bucket_cap_mb (4: the trainer's)")
+                        help="loomtrain's bucket_mb = DDP's bucket_cap_mb (4: overlap exercised)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 1:
         parser.error("--rounds, --steps and --warmup must be at least 1 (the first step is the "

@@ -128,6 +128,29 @@ def test_unused_parameters_do_not_hang_and_average():
     torch.testing.assert_close(g0, torch.full((4, 4), 3.0))
 
 
+def _copied_and_in_place(rank, world):
+    mesh = build_mesh({"dp": world})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    DataParallel(model, mesh)  # one bucket: the mean is taken as the gradients come in
+    x = torch.full((2, 4), float(rank + 1))
+    model(x).sum().backward()
+    first = [p.grad.clone() for p in model.parameters()]
+    model[0].weight.grad = None  # a fresh gradient, copied into the bucket; the rest in place
+    model(x).sum().backward()
+    return first, [p.grad.clone() for p in model.parameters()]
+
+
+def test_copied_and_in_place_gradients_both_get_the_mean():
+    """A gradient the user set to None arrives as a new tensor and is divided as it is copied
+    into its bucket (DDP's fused copy); the others, bucket views, are divided in place: the
+    second backward adds the same mean to the in-place ones and replaces the copied one."""
+    for first, second in run_world(_copied_and_in_place, 2, timeout_s=90):
+        torch.testing.assert_close(second[0], first[0], rtol=0, atol=0)
+        for a, b in zip(first[1:], second[1:]):
+            torch.testing.assert_close(b, 2 * a, rtol=0, atol=0)
+
+
 def test_buckets_respect_size_and_order():
     params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 100)]
     buckets = build_buckets(params, bucket_bytes=25 * 4)

@@ -13,7 +13,7 @@ class MeshKeys(Section):
     nproc: int = Field(2, ge=1)
     dp: int | None = Field(None, ge=1)  # None: whatever nproc leaves after tp, pp and cp
     ranks_per_node: int | None = Field(None, ge=1)  # None: all ranks on one node
-    bucket_mb: float = Field(4.0, gt=0.0)
+    bucket_mb: float = Field(25.0, gt=0.0)
     timeout_s: float = Field(300.0, gt=0.0)
     # a rank whose heartbeat is this old is named as stalled, and the job ends (0: no heartbeat)
     heartbeat_timeout_s: float = Field(30.0, ge=0.0)
