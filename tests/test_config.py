@@ -111,7 +111,9 @@ CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
       "--set", 'parallel.cp_method="ulysses"'], "model.n_heads=2 is not divisible by 4"),
     (CP2 + ["--set", "model.seq_len=30"], "model.seq_len=30 must be divisible by 4"),
     (CP2 + ["--set", "parallel.tp=2"], "parallel.cp=2 with parallel.tp=2 is not supported yet"),
-    (CP2 + ["--set", "parallel.zero_stage=1"], "with parallel.zero_stage=1 is not supported yet"),
+    (CP2 + ["--set", "parallel.zero_stage=1", "--set", "parallel.hierarchical=true", "--set",
+            "parallel.ranks_per_node=2"], "parallel.hierarchical=true with parallel.cp=2 is not "
+                                          "supported yet"),
     (CP2 + ["--set", 'model.name="mlp"'], "model.name='mlp' has none"),
     (CP2 + ["--set", 'parallel.cp_method="auto"', "--set", "model.dropout=0.1"],
      'parallel.cp_method="auto" rewrites the model\'s causal scaled_dot_product_attention calls, '
@@ -143,8 +145,8 @@ PP2 = ["--nproc", "4", "--set", "parallel.pp=2"]
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--set", 'parallel.recompute="full"'],
-     "parallel.recompute is a pipeline setting: it needs parallel.pp > 1"),
+    (["--nproc", "2", "--set", "parallel.cp=2", "--set", 'parallel.cp_method="auto"', "--set",
+      'parallel.recompute="full"'], 'parallel.cp_method="auto" checkpoints blocks itself'),
     (["--set", "parallel.microbatches=4"],
      "parallel.microbatches is a pipeline setting: it needs parallel.pp > 1"),
     ([*PP2, "--set", "parallel.microbatches=4"],

@@ -77,10 +77,9 @@ def test_base_config_keeps_its_own_keys_and_loses_the_planned_ones(tmp_path, cor
 
 
 @pytest.mark.parametrize("plan, reason", [
-    (_fp32(cp=2, zero_stage=3, micro_batch=8, microbatches=4), "parallel.zero_stage=3"),
+    (_fp32(cp=2, tp=2, micro_batch=8, microbatches=4), "parallel.tp=2"),
     (_fp32(pp=2, tp=2, micro_batch=8, microbatches=4), "parallel.tp=2"),
     (Plan(pp=2, micro_batch=4, microbatches=8), "train.precision='bf16'"),
-    (_fp32(dp=2, micro_batch=8, microbatches=2, recompute="full"), "parallel.recompute is a pipeline"),
     (_fp32(tp=3, micro_batch=8, microbatches=4), "parallel.tp=3 must divide"),
     (_fp32(pp=2, micro_batch=4, microbatches=8, recompute="full",
            recompute_layers=(True, False, True, False)), "per-layer recompute"),
@@ -95,6 +94,14 @@ def test_runnable_refuses_what_loom_train_refuses(plan, reason, tmp_path):
     with pytest.raises(ValueError, match="would refuse"):
         write_config(tmp_path / "x.toml", plan, DEFAULT, 32)
     assert not (tmp_path / "x.toml").exists()
+
+
+def test_woven_plans_are_runnable():
+    """cp x ZeRO-3 (sharded over dp x cp) and recomputation outside a pipeline run in loom
+    train, so the planner's space has them (issue 28)."""
+    assert runnable(_fp32(cp=2, zero_stage=3, micro_batch=8, microbatches=4), DEFAULT, 32) is None
+    assert runnable(_fp32(dp=2, micro_batch=8, microbatches=2, recompute="full"), DEFAULT,
+                    32) is None
 
 
 def test_runnable_checks_the_node_layout_of_a_base():
@@ -135,7 +142,7 @@ def test_resolve_auto_applies_the_chosen_plan(tmp_path, corpus):
     assert out.run.name == "t" and out.data.source == cfg.data.source  # the rest kept
     assert resolve_auto(out, choose) is out and len(seen) == 1  # plan="none": unchanged
     with pytest.raises(ConfigError, match="does not run"):
-        resolve_auto(cfg, lambda *a: _fp32(tp=2, micro_batch=2, microbatches=4, recompute="full"))
+        resolve_auto(cfg, lambda *a: _fp32(pp=2, micro_batch=2, microbatches=4, split=(1, 2, 3)))
     with pytest.raises(ConfigError, match="no plan"):
         resolve_auto(cfg, lambda *a: None)
 

@@ -78,12 +78,21 @@ CP_ORACLE = [  # (model, parallel, data) run in one world of 4 against one proce
     (LLAMA_GQA1, {}, {"packing": True, "balance": True}),
     ({**LLAMA_GQA1, "n_kv_heads": 2}, {"cp": 2, "cp_method": "ulysses"}, {}),
     (LLAMA_GQA1, {"cp": 2, "cp_method": "ulysses"}, {"packing": True}),
+    # under ZeRO, sharded (and summed) over dp x cp: ring with stage 3, Ulysses on the llama
+    # with stage 2, the hybrid pool with stage 1
+    ({}, {"cp": 2, "zero_stage": 3}, {"packing": True}),
+    ({**LLAMA_GQA1, "n_kv_heads": 2}, {"cp": 2, "cp_method": "ulysses", "zero_stage": 2}, {}),
+    ({}, {"zero_stage": 1}, {"packing": True, "balance": True}),
 ]
+# in bf16 (fp32 master weights; the ring kernel merges in fp32): within 2% of the fp32 curve
+CP_BF16 = [({}, {"cp": 2}, {"packing": True}),
+           ({**LLAMA_GQA1, "n_kv_heads": 2}, {"cp": 2, "cp_method": "ulysses", "zero_stage": 3}, {})]
 
 
-def _trees(tmp_path, doc_corpus, world, cases):
+def _trees(tmp_path, doc_corpus, world, cases, train=None):
     return [tiny_tree(tmp_path, doc_corpus, model=model, data=data,
-                      parallel={"nproc": world, **(parallel if world > 1 else {})})
+                      parallel={"nproc": world, **(parallel if world > 1 else {})},
+                      train=train or {})
             for model, parallel, data in cases]
 
 
@@ -97,8 +106,14 @@ def test_oracle_context_parallel_with_data_parallel(tmp_path, doc_corpus):
     ref_cases = list(references.values())
     run_world(_train_many, 1, _trees(tmp_path, doc_corpus, 1, ref_cases), str(tmp_path / "ref"),
               timeout_s=200)
-    run_world(_train_many, 4, _trees(tmp_path, doc_corpus, 4, CP_ORACLE), str(tmp_path / "cp"),
+    run_world(_train_many, 4, _trees(tmp_path, doc_corpus, 4, CP_ORACLE)
+              + _trees(tmp_path, doc_corpus, 4, CP_BF16, {"precision": "bf16"}), str(tmp_path / "cp"),
               timeout_s=300)
+    for j, (model, parallel, data) in enumerate(CP_BF16):
+        ref = read_metrics(tmp_path / "ref" / f"run{ref_cases.index((model, {}, data))}")
+        got = read_metrics(tmp_path / "cp" / f"run{len(CP_ORACLE) + j}")
+        rel = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, ref))
+        assert len(got) == 20 and rel < 0.02, (model, parallel, rel)
     for i, (model, parallel, data) in enumerate(CP_ORACLE):
         plain = {k: v for k, v in data.items() if k != "balance"}  # the same maths
         ref = read_metrics(tmp_path / "ref" / f"run{ref_cases.index((model, {}, plain))}")

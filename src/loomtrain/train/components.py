@@ -12,6 +12,7 @@ from loomtrain.data.config import ByFile, Digits
 from loomtrain.lowcomm.config import Lowcomm
 from loomtrain.parallel.config import DataParallelComponent
 from loomtrain.parallel.pipeline.config import AsyncPipeline, Pipeline
+from loomtrain.parallel.recompute import Recompute
 from loomtrain.parallel.sequence.config import Balance, Context, Packing
 from loomtrain.parallel.tensor_config import TensorParallel
 from loomtrain.parallel.zero.config import BF16, Zero
@@ -44,6 +45,6 @@ class Timeline(Component):
 # replica methods), the training modes, the data and the run's own features.
 COMPONENTS: tuple[type[Component], ...] = (
     DataParallelComponent, TensorParallel, Zero, BF16, SimulatedLink, AsyncSGD, Straggler,
-    Pipeline, AsyncPipeline, Context, Packing, Balance, Lowcomm, Compression, Sparsity, Digits,
-    ByFile, InitFrom, Zeroth, Plan, Timeline,
+    Pipeline, AsyncPipeline, Context, Packing, Balance, Recompute, Lowcomm, Compression, Sparsity,
+    Digits, ByFile, InitFrom, Zeroth, Plan, Timeline,
 )

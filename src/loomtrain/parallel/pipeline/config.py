@@ -11,8 +11,7 @@ from loomtrain.component import (PIPELINE, REPLICATE, Built, Component, Refusal,
                                  changed_keys)
 
 # a pipeline setting set while parallel.pp = 1 is refused (it would be silently ignored)
-_PIPELINE_ONLY = ("microbatches", "recompute", "offload_activations", "split_points",
-                  "virtual_stages")
+_PIPELINE_ONLY = ("microbatches", "offload_activations", "split_points", "virtual_stages")
 
 
 class PipelineKeys(Section):
@@ -20,7 +19,8 @@ class PipelineKeys(Section):
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "optimal", "async"] = "1f1b"
     microbatches: int | None = Field(None, ge=1)  # None: global_batch / (dp * micro_batch)
     virtual_stages: int = Field(1, ge=1)  # stages per rank (interleaved: 2 or more)
-    recompute: Literal["none", "full", "selective"] = "none"
+    # parallel.recompute is the Recompute component's key (parallel/recompute.py); under a
+    # pipeline the runtime recomputes each micro-batch
     offload_activations: float = Field(0.0, ge=0.0, le=1.0)  # fraction of stashed activations
     pipeline_balance: Literal["params", "time"] = "params"  # what stages are balanced by
     split_points: list[int] = []  # first layer of stages 1.. (layers: embed, blocks, head)
@@ -131,9 +131,6 @@ class Pipeline(Component):
         elif p.virtual_stages != 1:
             raise ValueError(f"parallel.virtual_stages={p.virtual_stages} is for "
                              f'parallel.schedule="interleaved" (got {p.schedule!r}); set it to 1')
-        if p.recompute == "selective" and m.name == "mlp":
-            raise ValueError('parallel.recompute="selective" recomputes the attention core; '
-                             f'model.name={m.name!r} has none: use "full"')
         layers, stages = m.n_layers + 2, p.pp * p.virtual_stages
         if p.split_points:
             points = [0, *p.split_points, layers]

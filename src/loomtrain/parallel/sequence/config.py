@@ -9,8 +9,8 @@ from pydantic import Field
 
 from loomtrain.component import CONTEXT, Built, Component, Refusal, Section, Switch
 
-_TODAY = ("sequence parallelism and packing compose with data parallelism (zero_stage=0, "
-          "fp32) today")
+_TODAY = ("sequence parallelism and packing compose with data parallelism, ZeRO and bf16 "
+          "today")
 
 
 class SequenceKeys(Section):
@@ -27,7 +27,7 @@ class Context(Component):
     section, keys = "parallel", SequenceKeys
     switches = (Switch("parallel.cp", 1),)
     summary = "ring attention, Ulysses, LASP or automatic, over cp"
-    refuses = {"tensor": Refusal(_TODAY), "zero": Refusal(_TODAY), "bf16": Refusal(_TODAY)}
+    refuses = {"tensor": Refusal(_TODAY)}
     stage = CONTEXT
 
     @classmethod
@@ -111,8 +111,7 @@ class Packing(Component):
     name = "packing"
     switches = (Switch("data.packing", False),)
     summary = "documents packed in rows, attention masked at their boundaries"
-    refuses = {"tensor": Refusal(_TODAY), "pipeline": Refusal(_TODAY), "zero": Refusal(_TODAY),
-               "bf16": Refusal(_TODAY)}
+    refuses = {"tensor": Refusal(_TODAY), "pipeline": Refusal(_TODAY)}
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -23,17 +23,21 @@ ROOT = "root"
 
 
 def make_plan(mesh, stage: int, hierarchical: bool = False, optimizer_shard: str = "node",
-              compute_dtype: torch.dtype = torch.float32, offload: bool = False) -> ShardPlan:
+              compute_dtype: torch.dtype = torch.float32, offload: bool = False,
+              axis: str = "dp") -> ShardPlan:
     """Stage 0 (only used with bf16) shards nothing: the one-rank axis "self", gradients
-    all-reduced over dp. Hierarchical: shard inside the node ("dp.local"), replicate across
-    nodes ("dp.cross"); `optimizer_shard="dp"` also splits the optimizer state across nodes."""
+    all-reduced over `axis`. Hierarchical: shard inside the node ("dp.local"), replicate
+    across nodes ("dp.cross"); `optimizer_shard="dp"` also splits the optimizer state across
+    nodes. `axis`: the ranks that hold replicas of the model, "dp", or "dpcp" under context
+    parallelism, whose peers hold the same replica (as TorchTitan's FSDP shards over dp x cp)."""
     assert 0 <= stage <= 3 and optimizer_shard in ("node", "dp"), (stage, optimizer_shard)
+    assert axis == "dp" or not hierarchical, "hierarchical ZeRO shards inside a node over dp"
     if stage == 0:
-        shard_axis, replica_axis = "self", "dp"
+        shard_axis, replica_axis = "self", axis
     elif hierarchical:
         shard_axis, replica_axis = "dp.local", "dp.cross"
     else:
-        shard_axis, replica_axis = "dp", "self"
+        shard_axis, replica_axis = axis, "self"
     return ShardPlan(
         stage=max(stage, 1), shard_axis=shard_axis, replica_axis=replica_axis,
         shard_ranks=mesh.size(shard_axis), shard_index=mesh.local_rank(shard_axis),
@@ -83,9 +87,10 @@ def assign_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> d
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer, mesh, stage: int, *,
           hierarchical: bool = False, optimizer_shard: str = "node", prefetch: int = 1,
           offload_optimizer: bool = False, compute_dtype: torch.dtype = torch.float32,
-          units: list[str] | None = None,
-          gradient_reduce: str = "mean") -> tuple[ShardedDataParallel, ShardedOptimizer]:
-    """Wrap `model` and `optimizer` for ZeRO `stage` over the mesh's dp axis.
+          units: list[str] | None = None, gradient_reduce: str = "mean",
+          axis: str = "dp") -> tuple[ShardedDataParallel, ShardedOptimizer]:
+    """Wrap `model` and `optimizer` for ZeRO `stage` over the mesh's dp axis (`axis`: "dpcp"
+    under context parallelism, `make_plan`).
 
     The model's parameters keep their identity; their storage moves into flat buffers (and,
     for stage 3, is empty between uses). `units`: module name patterns, see `find_units`.
@@ -96,8 +101,9 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, mesh, stage: int, 
     trainer's). ValueError for any other value.
     """
     check_gradient_reduce(gradient_reduce)
-    plan = make_plan(mesh, stage, hierarchical, optimizer_shard, compute_dtype, offload_optimizer)
-    broadcast_state(model, mesh, "dp")
+    plan = make_plan(mesh, stage, hierarchical, optimizer_shard, compute_dtype, offload_optimizer,
+                     axis)
+    broadcast_state(model, mesh, axis)
     multiple = plan.shard_ranks * plan.replica_ranks
     named = find_units(model, units)
     modules = dict(named)

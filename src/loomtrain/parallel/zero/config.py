@@ -50,7 +50,10 @@ class Zero(EngineTimeline, Component):
                 built.model, built.optimizer, built.mesh, p.zero_stage,
                 hierarchical=p.hierarchical, optimizer_shard=p.optimizer_shard,
                 prefetch=p.prefetch, offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
-                units=list(p.shard_units) or None, gradient_reduce="sum")
+                units=list(p.shard_units) or None, gradient_reduce="sum",
+                # context-parallel peers hold the same replica, each with the gradient of
+                # its own tokens: shard (and sum) over dp x cp, as apply_data_parallel does
+                axis="dpcp" if p.cp > 1 else "dp")
         except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
             raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
         from loomtrain.parallel.zero.state import ZERO
@@ -89,6 +92,12 @@ class Zero(EngineTimeline, Component):
                 'parallel.optimizer_shard="dp" splits the optimizer state across nodes in '
                 "hierarchical ZeRO; set parallel.hierarchical=true (flat ZeRO already splits it "
                 "over all dp ranks)")
+        if p.hierarchical and p.cp > 1:
+            raise ValueError(
+                f"parallel.hierarchical=true with parallel.cp={p.cp} is not supported yet: "
+                "hierarchical ZeRO shards inside a node over dp, and context-parallel peers "
+                "would need their own split of the node; flat ZeRO shards over dp x cp "
+                "(set parallel.hierarchical=false)")
 
 
 class BF16(Component):

@@ -1,0 +1,103 @@
+"""Activation recomputation outside the pipeline (`parallel.recompute` with pp = 1; the pipeline
+recomputes per micro-batch itself, parallel/pipeline/runtime.py): "full" keeps only each
+block's input and runs the block's forward again in its backward, "selective" recomputes the
+attention core only (Korthikanti et al., arXiv 2205.05198). Details: docs/training.md,
+"Activation recomputation".
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from loomtrain.component import CONTEXT, Built, Component, Refusal, Section, Switch
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> int:
+    """Make every block (an element of the model's outermost ModuleLists, as ZeRO's units)
+    recompute its forward in backward; returns their number. The block's own forward is
+    wrapped, not its call: module hooks (ZeRO-3's gathers) run once in forward, and the
+    recomputation runs inside the block's backward, after ZeRO-3 gathered it for that."""
+    from loomtrain.parallel.zero import find_units
+
+    blocks = [module for _, module in find_units(model)]
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return len(blocks)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():  # evaluation, decoding: nothing to save
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def recompute_cores(model: torch.nn.Module) -> int:
+    """Selective recomputation: every attention module (the GPT's, the llama's) drops its
+    core's saved tensors after forward; returns their number."""
+    modules = [m for m in model.modules() if hasattr(m, "recompute_core")]
+    for m in modules:
+        m.recompute_core = True
+    return len(modules)
+
+
+class RecomputeKeys(Section):
+    recompute: Literal["none", "full", "selective"] = "none"
+
+
+_NOT_YET = "activation recomputation runs with data, tensor and context parallelism and ZeRO today"
+
+
+class Recompute(Component):
+    """Activations recomputed in backward: every block, or the attention core."""
+
+    name = "recompute"
+    section, keys = "parallel", RecomputeKeys
+    switches = (Switch("parallel.recompute", "none"),)
+    summary = "activations recomputed in backward: every block (full) or the attention core"
+    stage = CONTEXT + 5  # on the split model, before the replica engines wrap it
+    refuses = {
+        "asyncsgd": Refusal(_NOT_YET),
+        "zeroth": Refusal("a zeroth-order step runs forwards only: nothing is saved for a "
+                          "backward", yet=False),
+    }
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        p, m = cfg.parallel, cfg.model
+        if p.recompute == "selective" and m.name == "mlp":
+            raise ValueError('parallel.recompute="selective" recomputes the attention core; '
+                             f'model.name={m.name!r} has none: use "full"')
+        if p.recompute != "none" and p.cp > 1 and p.cp_method == "auto":
+            raise ValueError('parallel.cp_method="auto" checkpoints blocks itself, by '
+                             "parallel.activation_budget_mb: leave parallel.recompute at "
+                             f"\"none\" (got {p.recompute!r})")
+
+    @classmethod
+    def applies(cls, cfg) -> bool:
+        """Outside the pipeline only: a pipeline recomputes per micro-batch itself."""
+        return cls.active(cfg) and cfg.parallel.pp == 1
+
+    @classmethod
+    def apply(cls, built: Built) -> None:
+        from loomtrain.errors import ConfigError
+
+        model = getattr(built.model, "module", built.model)
+        full = built.cfg.parallel.recompute == "full"
+        if not (checkpoint_blocks(model) if full else recompute_cores(model)):
+            what = "blocks (a ModuleList's elements)" if full else "attention modules"
+            raise ConfigError(f"parallel.recompute={built.cfg.parallel.recompute!r}: the model "
+                              f"has no {what} to recompute")
+
+    @classmethod
+    def estimate(cls, plan) -> None:
+        """Not modelled outside the pipeline yet."""
+        from loomtrain.errors import ConfigError
+
+        if plan.cfg.parallel.pp == 1:
+            raise ConfigError(f"loom train --dry-run does not model parallel.recompute="
+                              f"{plan.cfg.parallel.recompute!r} outside the pipeline yet: run "
+                              "without --dry-run, or with parallel.recompute=\"none\"")
