@@ -42,6 +42,26 @@ def refused(capsys, argv: list[str]) -> str:
 
 
 @pytest.fixture(scope="session")
+def calibration(tmp_path_factory) -> tuple[Path, str]:
+    """One real quick calibration of this machine through the CLI (~25 s: four processes
+    spawned, each figure a median of 3 repetitions), saved where `loom bench calibrate` saves
+    it under a fresh cache folder: (that folder, for XDG_CACHE_HOME; the command's stdout).
+    Shared by the calibration's tests and the planner benchmark's, which measure with it."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path_factory.mktemp("cache")
+    out = cache / "loomtrain" / "cpu-here.toml"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "loomtrain", "bench", "calibrate", "--quick", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cache, done.stdout
+
+
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """~60 KB of real Python source from the stdlib, as one text file."""
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -4,9 +4,6 @@ quick calibration through the CLI whose figures the cost model then uses."""
 
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +15,6 @@ from loomtrain.planner.presets import preset
 from loomtrain.planner.specs import ClusterSpec, DeviceSpec, load_device
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 16 << 20]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _device(alpha: float, beta: float, n: int) -> DeviceSpec:
@@ -116,15 +112,11 @@ def test_save_writes_where_load_device_reads(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory) -> DeviceSpec:
-    """One real quick calibration of this machine through the CLI (~15 s: four processes
-    spawned, each figure a median of 3 repetitions)."""
-    out = tmp_path_factory.mktemp("calibrate") / "here.toml"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "loomtrain", "bench", "calibrate", "--quick", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"saved {out}" in done.stdout and "gloo all-reduce over 2" in done.stdout
+def calibrated(calibration) -> DeviceSpec:
+    """The session's quick calibration (conftest.py `calibration`), as the planner loads it."""
+    cache, stdout = calibration
+    out = cache / "loomtrain" / "cpu-here.toml"
+    assert f"saved {out}" in stdout and "gloo all-reduce over 2" in stdout
     return load_device(str(out))
 
 
