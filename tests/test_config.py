@@ -110,7 +110,14 @@ CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
     (["--nproc", "4", "--set", "parallel.cp=4", "--set", "model.n_heads=2", "--set", "model.d_model=64",
       "--set", 'parallel.cp_method="ulysses"'], "model.n_heads=2 is not divisible by 4"),
     (CP2 + ["--set", "model.seq_len=30"], "model.seq_len=30 must be divisible by 4"),
-    (CP2 + ["--set", "parallel.tp=2"], "parallel.cp=2 with parallel.tp=2 is not supported yet"),
+    (CP2 + ["--set", "parallel.tp=2", "--set", 'parallel.cp_method="ulysses"', "--set",
+            "model.n_heads=2"], "model.n_heads=2 over parallel.tp=2 leaves 1 per rank, not "
+                                "divisible by 2"),
+    (CP2 + ["--set", "parallel.tp=2", "--set", 'parallel.cp_method="ulysses"', "--set",
+            "parallel.sequence_parallel=true", "--set", "model.seq_len=34"],
+     "splits each cp rank's model.seq_len/parallel.cp = 17 tokens over parallel.tp=2"),
+    (CP2 + ["--set", "parallel.tp=2", "--set", 'parallel.cp_method="auto"'],
+     "parallel.cp_method='auto' with parallel.tp=2 is not supported yet"),
     (CP2 + ["--set", "parallel.zero_stage=1", "--set", "parallel.hierarchical=true", "--set",
             "parallel.ranks_per_node=2"], "parallel.hierarchical=true with parallel.cp=2 is not "
                                           "supported yet"),

@@ -9,8 +9,8 @@ from pydantic import Field
 
 from loomtrain.component import CONTEXT, Built, Component, Refusal, Section, Switch
 
-_TODAY = ("sequence parallelism and packing compose with data parallelism, ZeRO and bf16 "
-          "today")
+_TODAY = ("sequence parallelism and packing compose with data and tensor parallelism, ZeRO "
+          "and bf16 today")
 
 
 class SequenceKeys(Section):
@@ -27,7 +27,7 @@ class Context(Component):
     section, keys = "parallel", SequenceKeys
     switches = (Switch("parallel.cp", 1),)
     summary = "ring attention, Ulysses, LASP or automatic, over cp"
-    refuses = {"tensor": Refusal(_TODAY)}
+    refuses = {}
     stage = CONTEXT
 
     @classmethod
@@ -86,15 +86,27 @@ class Context(Component):
             other = "lasp" if method == "ring" else "ring"
             raise ValueError(f"parallel.cp_method={method!r} is for {needs} attention, but "
                              f"model.attention={m.attention!r}: use {other!r} or \"ulysses\"")
-        if method == "ulysses" and m.n_heads % p.cp:
+        if p.tp > 1 and method in ("lasp", "auto"):
+            raise ValueError(f"parallel.cp_method={method!r} with parallel.tp={p.tp} is not "
+                             'supported yet: use "ring" or "ulysses" (the kernels that run on '
+                             "each tensor-parallel rank's heads)")
+        heads = m.n_heads // p.tp  # each tensor-parallel rank's heads
+        if method == "ulysses" and heads % p.cp:
+            have = (f"model.n_heads={m.n_heads} over parallel.tp={p.tp} leaves {heads} per "
+                    f"rank, not divisible by {p.cp}" if p.tp > 1 else
+                    f"model.n_heads={m.n_heads} is not divisible by {p.cp}")
             raise ValueError(f'parallel.cp_method="ulysses" gives each of parallel.cp={p.cp} ranks '
-                             f"whole heads, but model.n_heads={m.n_heads} is not divisible by "
-                             f'{p.cp}; use "ring" or "lasp", or a cp that divides the heads')
+                             f'whole heads, but {have}; use "ring" or "lasp", or a cp that '
+                             "divides the heads")
         pieces = 2 * p.cp if method in ("ring", "auto") else p.cp  # auto may choose ring
         if m.seq_len % pieces:
             why = "two zig-zag chunks per rank" if method != "ulysses" else "one chunk per rank"
             raise ValueError(f"model.seq_len={m.seq_len} must be divisible by {pieces} for "
                              f"parallel.cp_method={method!r} at parallel.cp={p.cp} ({why})")
+        if p.sequence_parallel and (m.seq_len // p.cp) % p.tp:
+            raise ValueError(f"parallel.sequence_parallel=true splits each cp rank's "
+                             f"model.seq_len/parallel.cp = {m.seq_len // p.cp} tokens over "
+                             f"parallel.tp={p.tp}: choose a seq_len, cp and tp that divide")
 
 
 def _needs_attention(cfg, used: str) -> None:
@@ -111,7 +123,7 @@ class Packing(Component):
     name = "packing"
     switches = (Switch("data.packing", False),)
     summary = "documents packed in rows, attention masked at their boundaries"
-    refuses = {"tensor": Refusal(_TODAY), "pipeline": Refusal(_TODAY)}
+    refuses = {"pipeline": Refusal(_TODAY)}
 
     @classmethod
     def validate(cls, cfg) -> None:
