@@ -13,9 +13,11 @@ import os
 import queue
 import resource
 import socket
+import sys
 import time
 
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessExitedException
 
 
 def free_port() -> int:
@@ -91,12 +93,24 @@ class World:
         return self.collect()
 
     def close(self) -> None:
+        """Stop the ranks (every result was collected before). A rank that aborts as it
+        leaves the process group (SIGABRT: "terminate called without an active exception",
+        an intermittent abort in torch's teardown despite the barrier before destroy,
+        DESIGN.md; seen once in a local suite run on 2026-12-06, benchmarks/zero.py --small)
+        is reported on stderr, not raised: its figures were all delivered."""
         for q in self.commands:
             q.put(None)
         deadline = time.monotonic() + self.timeout_s
-        while not self.procs.join(timeout=1.0):  # one call returns after any rank exits
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: ranks did not exit within {self.timeout_s} s")
+        try:
+            while not self.procs.join(timeout=1.0):  # one call returns after any rank exits
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: ranks did not exit within {self.timeout_s} s")
+        except ProcessExitedException as err:
+            if err.signal_name != "SIGABRT":
+                raise
+            print(f"warning: {self.name}: rank {err.error_index} aborted (SIGABRT) while leaving "
+                  "the process group, after its last result: the figures are complete",
+                  file=sys.stderr, flush=True)
 
     def kill(self) -> None:
         for proc in self.procs.processes:
