@@ -72,19 +72,28 @@ def test_a_refusal_names_both_switches_the_reason_and_the_valid_choice():
     assert WITH_NOISE.composition.refusal("zeroth", "noise")[0] == "noise"
 
 
+class PipelineNoise(GradientNoise):
+    # the toy refuses the pipeline only above a noise level (a conditional refusal)
+    name = "noise"
+    refuses = {"pipeline": Refusal("loud noise breaks the schedule", partly="std > 1",
+                                   when=lambda cfg: cfg.noise.std > 1, allowed="noise.std <= 1")}
+
+
 def test_a_refusal_with_a_condition_refuses_only_those_settings():
-    tree = {"parallel": {"nproc": 2, "pp": 2, "zero_stage": 1}}
-    assert config_from_dict(tree).parallel.zero_stage == 1  # ZeRO-1 runs in the pipeline
-    with pytest.raises(ConfigError, match=r"parallel.pp=2 with parallel.zero_stage=2 is not "
-                                          r"supported yet: .*\(parallel.zero_stage=0 or 1\)"):
-        config_from_dict({"parallel": {"nproc": 2, "pp": 2, "zero_stage": 2}})
+    config = assemble((*COMPONENTS, PipelineNoise))
+    tree = {"parallel": {"nproc": 2, "pp": 2}, "noise": {"std": 0.5}}
+    assert config_from_dict(tree, config).noise.std == 0.5  # quiet noise runs in the pipeline
+    with pytest.raises(ConfigError, match=r"noise.std=2.0 with parallel.pp=2 is not supported "
+                                          r"yet: loud noise breaks the schedule \(noise.std <= 1\)"):
+        config_from_dict({**tree, "noise": {"std": 2.0}}, config)
 
 
 def test_the_table_is_built_from_both_sides_and_refuses_unknown_or_doubled_pairs():
     table = Config.composition
-    assert table.refusal("tensor", "pipeline") == table.refusal("pipeline", "tensor")
+    assert table.refusal("tensor", "sparsity") == table.refusal("sparsity", "tensor")
     assert table.refusal("tensor", "zero") is None  # tp x ZeRO runs
-    assert table.refusal("pipeline", "tensor")[0] == "pipeline"
+    assert table.refusal("tensor", "pipeline") is None  # tp x pp runs
+    assert table.refusal("tensor", "sparsity")[0] == "sparsity"
 
     class Typo(Component):
         name = "typo"

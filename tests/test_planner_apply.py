@@ -77,9 +77,6 @@ def test_base_config_keeps_its_own_keys_and_loses_the_planned_ones(tmp_path, cor
 
 
 @pytest.mark.parametrize("plan, reason", [
-    (_fp32(cp=2, pp=2, micro_batch=8, microbatches=4), "parallel.cp=2"),
-    (_fp32(pp=2, tp=2, micro_batch=8, microbatches=4), "parallel.tp=2"),
-    (Plan(pp=2, micro_batch=4, microbatches=8), "train.precision='bf16'"),
     (_fp32(tp=3, micro_batch=8, microbatches=4), "parallel.tp=3 must divide"),
     (_fp32(pp=2, micro_batch=4, microbatches=8, recompute="full",
            recompute_layers=(True, False, True, False)), "per-layer recompute"),

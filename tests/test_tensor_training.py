@@ -26,8 +26,8 @@ from loomtrain.train.metrics import read_metrics
 from loomtrain.train.run import train_loop
 from test_zero import _curves, _train_many
 
-TP_ORACLE = {  # world -> configurations checked against the single-process run
-    2: [{"tp": 2}, {"tp": 2, "sequence_parallel": True}],
+TP_ORACLE = {  # world -> configurations checked against the single-process run (tp alone
+    # and with the pipeline: tests/test_weave.py)
     4: [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "zero_stage": 1},
         {"tp": 2, "zero_stage": 2}, {"tp": 2, "sequence_parallel": True, "zero_stage": 3}],
 }

@@ -90,6 +90,14 @@ class Built:
     meta: dict = field(default_factory=dict)  # plain values every checkpoint's loom.json holds
     materializer: Callable | None = None  # makes a meta-device model real (train/apply.py)
 
+    def local(self, batch: tuple) -> tuple:
+        """(inputs, targets) of this rank from a loaded batch: every applied component's
+        `local_batch` in turn (under context parallelism or packing the sequence runtime
+        keeps this rank's tokens of the full rows and notes their documents)."""
+        for component in self.applied:
+            batch = component.local_batch(self, batch)
+        return batch
+
     def materialize(self, model=None) -> None:
         """Before reading values: `model` (or `self.model`), split on the meta device, becomes
         this rank's real tensors. Once; a no-op for a model built real."""

@@ -84,6 +84,11 @@ class Mesh:
     # the collectives this rank entered and the one it is blocked in, for the heartbeat
     activity: Activity = field(default_factory=Activity)
 
+    def __deepcopy__(self, memo) -> "Mesh":
+        """A copy of a model that holds the mesh (the pipeline's shape inference on the meta
+        device) shares it: process groups cannot be copied."""
+        return self
+
     @property
     def world(self) -> int:
         return _prod(self.sizes.values())

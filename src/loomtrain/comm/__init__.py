@@ -13,6 +13,7 @@ from loomtrain.comm.collectives import (
     recv,
     reduce_scatter,
     send,
+    shapes_only,
 )
 from loomtrain.comm.link import SlowLink
 from loomtrain.comm.meter import CommMeter, wire_bytes
@@ -30,7 +31,7 @@ from loomtrain.comm.sparse import PendingSparse, SparseResult, sparse_all_reduce
 
 __all__ = [
     "CollectiveError", "CommMeter", "Pending", "all_reduce", "barrier", "broadcast", "recv",
-    "send", "wire_bytes",
+    "send", "shapes_only", "wire_bytes",
     "IMPLS", "all_gather", "all_to_all", "choose_impl", "reduce_scatter",
     "PendingQuantized", "quantized_all_reduce", "SlowLink",
     "PendingSparse", "SparseResult", "sparse_all_reduce",

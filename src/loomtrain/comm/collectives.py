@@ -7,6 +7,7 @@ nodes, a simulated slow link (comm/link.py) delays it. Details: docs/comm.md.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import zlib
@@ -18,6 +19,24 @@ from loomtrain.comm import ring
 from loomtrain.comm.meter import wire_bytes
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class _Shapes(threading.local):
+    only = False
+
+
+_SHAPES = _Shapes()
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Collectives move and count nothing inside: a model run on the meta device for its
+    shapes alone (the pipeline's split), whose collectives the run itself never makes."""
+    previous, _SHAPES.only = _SHAPES.only, True
+    try:
+        yield
+    finally:
+        _SHAPES.only = previous
 
 
 class CollectiveError(RuntimeError):
@@ -154,8 +173,8 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op: str = "sum", async_op:
     sum): counted apart, as op "all_reduce_diagnostic", and never delayed by the simulated link.
     """
     name = "all_reduce_diagnostic" if diagnostic else "all_reduce"
-    if mesh.size(axis) == 1:
-        return Pending(None, mesh, name, axis) if async_op else None
+    if mesh.size(axis) == 1 or _SHAPES.only:
+        return _nothing(mesh, name, axis, async_op)
     return _start(
         mesh, name, axis, _nbytes(tensor), "ring_all_reduce",
         lambda g: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=g, async_op=True),
@@ -168,8 +187,8 @@ def broadcast(tensor: torch.Tensor, mesh, axis: str, src_local: int = 0, async_o
     """Broadcast from the axis member with local index `src_local` (gloo: a binomial tree).
     `name`: the op it is counted as in the meter (a technique's own traffic, "mask_sync")."""
     n = mesh.size(axis)
-    if n == 1:
-        return Pending(None, mesh, name, axis) if async_op else None
+    if n == 1 or _SHAPES.only:
+        return _nothing(mesh, name, axis, async_op)
     ranks = mesh.group_ranks(axis)
     return _start(
         mesh, name, axis, _nbytes(tensor), "tree_broadcast",
@@ -280,6 +299,11 @@ def _check_chunks(op: str, whole: torch.Tensor, part_numel: int, n: int, *others
                          f"uneven chunks: pad them")
 
 
+def _nothing(mesh, op: str, axis: str, async_op: bool):
+    """An op with nothing to move: one rank on the axis, or a run for shapes only."""
+    return Pending(None, mesh, op, axis) if async_op else None
+
+
 def _alone(output: torch.Tensor, input: torch.Tensor, mesh, op: str, axis: str, async_op: bool):
     output.view(-1).copy_(input.view(-1))
     return Pending(None, mesh, op, axis) if async_op else None
@@ -307,6 +331,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
     S = the gathered output; native and ring both send (N-1)/N x S.
     """
     n = mesh.size(axis)
+    if _SHAPES.only:
+        return _nothing(mesh, "all_gather", axis, async_op)
     if n == 1:
         return _alone(output, input, mesh, "all_gather", axis, async_op)
     _check_chunks("all_gather", output, input.numel(), n, input)
@@ -326,6 +352,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh, axis: str, o
     2(N-1)/N x S and is counted so; the ring sends (N-1)/N x S.
     """
     n = mesh.size(axis)
+    if _SHAPES.only:
+        return _nothing(mesh, "reduce_scatter", axis, async_op)
     if n == 1:
         return _alone(output, input, mesh, "reduce_scatter", axis, async_op)
     _check_chunks("reduce_scatter", input, output.numel(), n, output)
@@ -345,6 +373,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
     S = the input; native and pairwise both send (N-1)/N x S. `output` must not alias `input`.
     """
     n = mesh.size(axis)
+    if _SHAPES.only:
+        return _nothing(mesh, "all_to_all", axis, async_op)
     if n == 1:
         return _alone(output, input, mesh, "all_to_all", axis, async_op)
     _check_chunks("all_to_all", input, output.numel() // n, n, output)

@@ -38,14 +38,6 @@ def first(hooks):
     return next((answer for answer in hooks if answer is not None), None)
 
 
-def _local(built: Built, batch) -> tuple:
-    """(inputs, targets) of this rank: under context parallelism (or packing) the sequence
-    runtime keeps this rank's tokens of the full rows and notes their documents."""
-    for component in built.applied:
-        batch = component.local_batch(built, batch)
-    return batch
-
-
 def train_step(model, optimizer, batches, global_tokens: float, grad_clip: float,
                loss_fn=token_loss_sum):
     """One step of a plain (or engine-wrapped) model, outside any run: `step` with no
@@ -90,7 +82,7 @@ def _forward_backward(built: Built, batches, global_tokens: float) -> torch.Tens
     model, loss_fn = built.model, built.loss_sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
     for i, batch in enumerate(batches):
-        x, y = _local(built, batch)
+        x, y = built.local(batch)
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
             loss = loss_fn(model(x), y)
@@ -103,7 +95,7 @@ def _forward_backward(built: Built, batches, global_tokens: float) -> torch.Tens
 def _forward_loss(built: Built, batches) -> torch.Tensor:
     """This rank's loss sum over the micro-batches, forwards only (zeroth-order probes)."""
     return sum(built.loss_sum(built.model(x), y).double()
-               for x, y in (_local(built, b) for b in batches))
+               for x, y in (built.local(b) for b in batches))
 
 
 def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> float:
@@ -139,7 +131,7 @@ def validate(built: Built, sampler, device) -> dict:
                 for i in range(rounds)]
     for i in range(rounds):
         samples = mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0]
-        x, y = _local(built, load_rows(sampler, samples, cfg, device))
+        x, y = built.local(load_rows(sampler, samples, cfg, device))
         owned = first(c.forward_only(built, x) for c in built.applied)
         out = owned[0] if owned is not None else model(x)
         if i < len(mine) and out is not None:  # under pp, the last stage has the output

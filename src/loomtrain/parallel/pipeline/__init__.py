@@ -73,7 +73,9 @@ def _split_real(model, mesh, stages: int, sample, balance, materialize):
 
 
 def _sample(cfg, mesh) -> torch.Tensor:
-    return torch.zeros((cfg.train.micro_batch, cfg.model.seq_len), dtype=torch.long, device=mesh.device)
+    """One micro-batch of this rank's tokens: 1/cp of each row under context parallelism."""
+    tokens = cfg.model.seq_len // cfg.parallel.cp
+    return torch.zeros((cfg.train.micro_batch, tokens), dtype=torch.long, device=mesh.device)
 
 
 def build_schedule(cfg) -> schedules.Schedule:
@@ -108,8 +110,10 @@ def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
     return module
 
 
-def apply_pipeline(model, mesh, cfg, materialize=_real) -> PipelineModule:
-    """`pipeline` as the config says."""
+def apply_pipeline(model, mesh, cfg, materialize=_real, loss_sum=token_loss_sum) -> PipelineModule:
+    """`pipeline` as the config says; `loss_sum(logits, targets)`: the run's loss (the
+    vocabulary-parallel one under tensor parallelism), which the optimal schedule's profile
+    runs on the last stage."""
     p = cfg.parallel
     if p.schedule == "async":  # its runtime steps its own optimizer after every micro-batch
         from loomtrain.parallel.pipeline.asynchronous import build_async_runtime
@@ -118,12 +122,17 @@ def apply_pipeline(model, mesh, cfg, materialize=_real) -> PipelineModule:
         module.runtime = build_async_runtime(module, mesh, cfg, shapes, shared)
         return module
     if p.schedule == "optimal":
-        return _optimal_pipeline(model, mesh, cfg, materialize)
-    return pipeline(model, mesh, build_schedule(cfg), _sample(cfg, mesh),
-                    list(p.split_points) or p.pipeline_balance, p.recompute, materialize)
+        module = _optimal_pipeline(model, mesh, cfg, materialize, loss_sum)
+    else:
+        module = pipeline(model, mesh, build_schedule(cfg), _sample(cfg, mesh),
+                          list(p.split_points) or p.pipeline_balance, p.recompute, materialize)
+    if cfg.train.precision == "bf16":  # the sharded engine computes in bf16: so do the stages
+        module.runtime.shapes = [(shape, torch.bfloat16 if dtype.is_floating_point else dtype)
+                                 for shape, dtype in module.runtime.shapes]
+    return module
 
 
-def _optimal_pipeline(model, mesh, cfg, materialize=_real) -> PipelineModule:
+def _optimal_pipeline(model, mesh, cfg, materialize, loss_sum) -> PipelineModule:
     """schedule="optimal": the stages' costs measured on one micro-batch (profile.py), the
     plan solved on global rank 0 (a time-limited MILP's answer depends on timing: ranks
     solving apart could disagree) and sent to every rank. The runtime is built with ZB-H1,
@@ -138,7 +147,7 @@ def _optimal_pipeline(model, mesh, cfg, materialize=_real) -> PipelineModule:
                                      schedules.build("zb-h1", p.pp, microbatches), shapes, shared)
     targets = torch.randint(0, cfg.model.vocab_size, _sample(cfg, mesh).shape, device=mesh.device)
     table = profile_stages(module.runtime, _sample(cfg, mesh),
-                           lambda logits: token_loss_sum(logits, targets))
+                           lambda logits: loss_sum(logits, targets))
     costs = [StageCosts(f=t["f"], b=t["b"], i=t["i"], w=t["w"], offload=t["offload"],
                         reload=t["reload"], activation_bytes=t["act"],
                         input_bytes=min(t["input"], t["act"])) for t in table]

@@ -36,10 +36,6 @@ class PipelineKeys(Section):
     async_momentum: float = Field(0.99, ge=0.0, lt=1.0)
 
 
-def _zero_past_1(cfg) -> bool:
-    return cfg.parallel.zero_stage > 1
-
-
 class Pipeline(Component):
     """The pipeline keys: a schedule's own rules, and a split that gives every stage at least
     one layer (the model's layers: embed, blocks, head)."""
@@ -56,7 +52,8 @@ class Pipeline(Component):
         from loomtrain.parallel.state import GroupedStateLayout
 
         # cut on the meta device (a model build_run built there); real before the runtime
-        built.model = apply_pipeline(built.model, built.mesh, built.cfg, built.materialize)
+        built.model = apply_pipeline(built.model, built.mesh, built.cfg, built.materialize,
+                                     built.loss_sum)
         built.parts[cls.name] = runtime_of(built.model)
         built.layout = GroupedStateLayout()  # unless ZeRO-1 takes it: its layout names groups
 
@@ -68,9 +65,19 @@ class Pipeline(Component):
 
     @classmethod
     def forward_backward(cls, built: Built, batches, global_tokens: float, loss_fn):
-        # the runtime runs the stage modules apply_pipeline gave it; built.model, the dp
-        # engine over them, is the step's gradient engine
-        return built.parts[cls.name].train_step(built.model, batches, global_tokens, loss_fn)
+        """The schedule over this rank's part of every micro-batch. The runtime runs the stage
+        modules apply_pipeline gave it; built.model, the dp engine over them, is the step's
+        gradient engine. Under context parallelism each micro-batch's context (its tokens'
+        positions and documents) is restored before its forwards, which the schedule
+        interleaves."""
+        sequence = built.parts.get("context")
+        local, contexts = [], []
+        for batch in batches:
+            local.append(built.local(batch))
+            contexts.append(sequence.context_state() if sequence is not None else None)
+        before = None if sequence is None else (lambda m: sequence.restore(contexts[m]))
+        return built.parts[cls.name].train_step(built.model, local, global_tokens, loss_fn,
+                                                before)
 
     @classmethod
     def forward_only(cls, built: Built, x):
@@ -92,15 +99,6 @@ class Pipeline(Component):
                                     pp=s.pp, schedule=s.name, microbatches=s.microbatches,
                                     bubble_theory=runtime.bubble_theory())
         return {"bubble": bubble}
-    refuses = {
-        "tensor": Refusal("the pipeline composes with dp and ZeRO-1"),
-        "context": Refusal("the pipeline composes with dp and ZeRO-1"),
-        "zero": Refusal("stages 2-3 would reduce or gather on every micro-batch of the schedule",
-                        when=_zero_past_1, partly="stages 2-3",
-                        allowed="parallel.zero_stage=0 or 1"),
-        "bf16": Refusal("the pipeline runs in fp32"),
-    }
-
     @classmethod
     def validate(cls, cfg) -> None:
         p, m, t = cfg.parallel, cfg.model, cfg.train
@@ -174,6 +172,8 @@ class AsyncPipeline(Component):
     summary = "asynchronous pipeline with delay-corrected Nesterov (arXiv 2505.01099)"
     refuses = {
         "zero": Refusal("each stage steps its own optimizer after every micro-batch, on "
+                        "stashed weights"),
+        "bf16": Refusal("each stage steps its own fp32 optimizer after every micro-batch, on "
                         "stashed weights"),
         "timeline": Refusal("it streams micro-batches across steps, and a timeline records one "
                             "step of a fixed schedule: set run.timeline_step=0", yet=False),

@@ -194,19 +194,22 @@ class PipelineRuntime:
 
     # --- one training step ------------------------------------------------------------------
 
-    def train_step(self, engine, batches, global_tokens: float, loss_fn) -> torch.Tensor:
+    def train_step(self, engine, batches, global_tokens: float, loss_fn,
+                   before=None) -> torch.Tensor:
         """Runs the schedule over `batches` (one (x, y) per micro-batch) through the stage
         modules. `engine`: the gradient engine of the stages' parameters, anything with
         `no_sync()` and `sync_gradients()` (the dp engine, DataParallel or ZeRO-1, built with
         `gradient_reduce="sum"` as the trainer builds it: the loss is divided by
         `global_tokens`); None: `LocalGradients()`. Gradients end summed over the pp copies of
-        shared parameters, then over dp. Returns this rank's token-summed loss (zero off the
-        last stage)."""
+        shared parameters, then over dp. `before(m)`, if given, runs before every forward of
+        micro-batch m (and its recomputation): the sequence runtime's context of that
+        micro-batch's documents and positions, under context parallelism. Returns this rank's
+        token-summed loss (zero off the last stage)."""
         if len(batches) != self.schedule.microbatches:
             raise ValueError(f"the schedule has {self.schedule.microbatches} micro-batches, "
                              f"the step {len(batches)}")
         engine = LocalGradients() if engine is None else engine
-        self._step = _StepState(engine, batches, global_tokens, loss_fn, self.mesh.device)
+        self._step = _StepState(engine, batches, global_tokens, loss_fn, self.mesh.device, before)
         self.stash.reset_peak()
         run = {S.F: self._forward, S.B: self._backward, S.I: self._backward, S.W: self._weights,
                S.SEND_F: self._send, S.SEND_B: self._send, S.RECV_F: self._recv,
@@ -221,14 +224,16 @@ class PipelineRuntime:
         # shared parameters first, while every rank's gradient is whole and local: after the
         # dp reduction a ZeRO-1 rank holds reduced values only in its own shard, and the
         # shards of a tied embedding and head fall differently on the two stages
-        self._sum_shared()
+        self._sum_shared(engine)
         engine.sync_gradients()
         self._span("compute", "SYNC", "sync", t0)
         return state.loss_sum
 
-    def _sum_shared(self) -> None:
+    def _sum_shared(self, engine) -> None:
+        # ZeRO-2/3 hold a pipelined step's gradients unreduced outside `.grad`
+        grad_of = getattr(engine, "unreduced_grad", lambda p: p.grad)
         for p, shape in self.shared:  # the pp ranks without a copy add zeros
-            grad = p.grad if p is not None else torch.zeros(shape, device=self.mesh.device)
+            grad = grad_of(p) if p is not None else torch.zeros(shape, device=self.mesh.device)
             comm.all_reduce(grad, self.mesh, "pp")
 
     # --- actions ----------------------------------------------------------------------------
@@ -260,6 +265,7 @@ class PipelineRuntime:
         """Stage `a.stage`'s output for micro-batch `a.microbatch`; on the last stage the loss
         divided by the step's token count (added to the step's loss sum once, if `count`)."""
         st = self._step
+        st.before(a.microbatch)
         out = self.stages[a.stage](x)
         if a.stage == self.last:
             loss = st.loss_fn(out, st.batches[a.microbatch][1])
@@ -451,8 +457,9 @@ def _check_stages(stages, shapes, schedule: S.Schedule, rank: int, pp: int) -> N
 
 
 class _StepState:
-    def __init__(self, engine, batches, global_tokens, loss_fn, device):
+    def __init__(self, engine, batches, global_tokens, loss_fn, device, before=None):
         self.engine, self.batches, self.global_tokens, self.loss_fn = engine, batches, global_tokens, loss_fn
+        self.before = before if before is not None else (lambda microbatch: None)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.inputs: dict = {}  # (m, s) -> the received input, whose .grad goes back
         self.outputs: dict = {}  # (m, s) -> what backward starts from (output or loss)

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn as nn
 
+from loomtrain import comm
 from loomtrain.models import GPT, MLP, Llama
 from loomtrain.parallel.pipeline.hf_layers import hf_layers
 from loomtrain.parallel.pipeline.layer import Layer
@@ -22,8 +23,7 @@ def layers_of(model: nn.Module) -> list[Layer]:
     if isinstance(model, (GPT, MLP, Llama)):
         embed = (Layer("embed", ("tok_emb", "pos_emb", "drop"), lambda m, x: m.embed(x))
                  if isinstance(model, GPT) else Layer("embed", ("tok_emb",), lambda m, x: m.tok_emb(x)))
-        blocks = [Layer(f"blocks.{i}", (f"blocks.{i}",), lambda m, x, i=i: m.blocks[i](x))
-                  for i in range(len(model.blocks))]
+        blocks = [Layer(f"blocks.{i}", (f"blocks.{i}",), _block(i)) for i in range(len(model.blocks))]
         head = Layer("head", ("ln_f", "head"), lambda m, x: m.head(m.ln_f(x)))
         return [embed, *blocks, head]
     if isinstance(model, nn.Sequential):
@@ -37,6 +37,16 @@ def layers_of(model: nn.Module) -> list[Layer]:
     raise TypeError(f"cannot split a {type(model).__name__} into pipeline stages: give an "
                     "nn.Sequential, a Hugging Face decoder (Llama-style or GPT-2), or define "
                     "pipeline_layers() returning its Layer sequence")
+
+
+def _block(i: int):
+    """Block i as a layer; the llama's rotation takes the model's `position_ids` (the global
+    positions of this rank's tokens under context parallelism; None: 0..t-1)."""
+    def run(m, x):
+        if isinstance(m, Llama):
+            return m.blocks[i](x, None, m.position_ids)
+        return m.blocks[i](x)
+    return run
 
 
 def balance(costs: list[float], k: int) -> list[int]:
@@ -116,7 +126,7 @@ def stage_shapes(model: nn.Module, layers: list[Layer], bounds: list[int],
 def _shapes(model: nn.Module, layers: list[Layer], bounds: list[int],
             x: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
     out = []
-    with torch.no_grad():
+    with torch.no_grad(), comm.shapes_only():
         for i, layer in enumerate(layers):
             x = layer.run(model, x)
             if i + 1 in bounds[1:]:

@@ -9,9 +9,6 @@ from pydantic import Field
 
 from loomtrain.component import CONTEXT, Built, Component, Refusal, Section, Switch
 
-_TODAY = ("sequence parallelism and packing compose with data and tensor parallelism, ZeRO "
-          "and bf16 today")
-
 
 class SequenceKeys(Section):
     cp: int = Field(1, ge=1)
@@ -86,6 +83,10 @@ class Context(Component):
             other = "lasp" if method == "ring" else "ring"
             raise ValueError(f"parallel.cp_method={method!r} is for {needs} attention, but "
                              f"model.attention={m.attention!r}: use {other!r} or \"ulysses\"")
+        if p.pp > 1 and method == "auto":
+            raise ValueError(f'parallel.cp_method="auto" with parallel.pp={p.pp} is not supported '
+                             "yet: it rewrites the whole model's traced graph, and a pipeline "
+                             'stage is a slice of the model; use "ring" or "ulysses"')
         if p.tp > 1 and method in ("lasp", "auto"):
             raise ValueError(f"parallel.cp_method={method!r} with parallel.tp={p.tp} is not "
                              'supported yet: use "ring" or "ulysses" (the kernels that run on '
@@ -123,8 +124,6 @@ class Packing(Component):
     name = "packing"
     switches = (Switch("data.packing", False),)
     summary = "documents packed in rows, attention masked at their boundaries"
-    refuses = {"pipeline": Refusal(_TODAY)}
-
     @classmethod
     def validate(cls, cfg) -> None:
         if cfg.data.packing:
@@ -137,6 +136,9 @@ class Balance(Component):
     name = "balance"
     switches = (Switch("data.balance", False),)
     summary = "documents dealt over dp x cp by attention work (ByteScale)"
+    refuses = {"pipeline": Refusal("the pool deals each rank a different number of rows every "
+                                   "micro-step, and a pipeline's stages exchange activations of "
+                                   "one fixed shape")}
 
     @classmethod
     def loaded_ranks(cls, cfg, mesh) -> list[int]:

@@ -42,7 +42,9 @@ def _linear_over(decay):
 
 class SequenceRuntime:
     def __init__(self, model, mesh, method: str, attention: str):
-        self.model, self.mesh, self.method = model, mesh, method
+        # the model whose embedding and rotation read `position_ids`: the whole model under a
+        # pipeline, whose layers run on it (PipelineModule.whole)
+        self.model, self.mesh, self.method = getattr(model, "whole", model), mesh, method
         self.linear = attention == "linear"
         self.ring = Ring(mesh, "cp") if method != "local" else None
         self.context: SeqContext | None = None
@@ -68,6 +70,14 @@ class SequenceRuntime:
         positions = self.context.local_positions.to(x.device)
         self.model.position_ids = positions
         return x[:, positions], y[:, positions]
+
+    def context_state(self) -> tuple:
+        """What the last `shard` set: the kernels' context and the model's positions."""
+        return self.context, self.model.position_ids
+
+    def restore(self, state: tuple) -> None:
+        """Back to a `context_state()`: a pipeline runs micro-batches sharded earlier."""
+        self.context, self.model.position_ids = state
 
     def _core_for(self, module):
         """The kernel for `module`, chosen once; the core reads the batch's context per call."""

@@ -58,6 +58,7 @@ class Zero(EngineTimeline, Component):
             raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
         from loomtrain.parallel.zero.state import ZERO
 
+        built.model.pipelined = p.pp > 1
         built.replicated, built.layout = True, ZERO
 
     @classmethod

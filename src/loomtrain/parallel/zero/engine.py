@@ -39,6 +39,11 @@ class ShardedDataParallel(nn.Module):
         self.timeline = None  # a loomtrain.timeline.Timeline while one step is recorded
         self._pieces = None  # (tensor-parallel, replicated) gradient views, for the norm
         self._sync = True
+        # under a pipeline schedule (the Zero component sets it at pp > 1), stages 2-3 hold
+        # the step: gradients accumulate unreduced in `no_sync()` and stage 3's units stay
+        # gathered, until `sync_gradients` reduce-scatters each unit once and frees them, as
+        # FSDP2 runs under torch's pipelining (docs/zero.md, "Inside a pipeline")
+        self.pipelined = False
         self._callback_queued = False
         self._reductions = ReductionQueue()
         self._gathers: dict[FlatUnit, tuple] = {}
@@ -62,12 +67,18 @@ class ShardedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Stage 1: accumulate gradients locally (micro-steps before the last). Stages 2-3
-        reduce every micro-batch anyway: they keep no full gradient to accumulate into."""
+        reduce every micro-batch anyway: they keep no full gradient to accumulate into; under
+        a pipeline (`pipelined`) they hold the whole step (`_holding`)."""
         previous, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = previous
+
+    def _holding(self) -> bool:
+        """Inside a pipelined step at stage 2-3: nothing is reduced or released until
+        `sync_gradients`."""
+        return self.pipelined and not self._sync and self.plan.stage >= 2
 
     # --- stage 3: gathers -------------------------------------------------------------------
 
@@ -92,7 +103,10 @@ class ShardedDataParallel(nn.Module):
             self._start_gather(u)
 
     def _drop_gathers(self) -> None:
-        """Free every gathered non-root unit and any prefetch nobody used."""
+        """Free every gathered non-root unit and any prefetch nobody used (not while the step
+        is held: the next micro-batch uses them)."""
+        if self._holding():
+            return
         for full, pending in self._gathers.values():
             pending.wait()
         self._gathers.clear()
@@ -110,8 +124,7 @@ class ShardedDataParallel(nn.Module):
     def _root_post_forward(self, _module, _args, output) -> None:
         if not self._on_backward(output, self.root):
             self._drop_gathers()  # no backward follows (evaluation): free everything now
-            if self.root is not None and self.root.sharded_params:
-                self.root.release()
+            self._release_root()
 
     def _pre_forward(self, u: FlatUnit) -> None:
         self._ensure_gathered(u)
@@ -122,7 +135,7 @@ class ShardedDataParallel(nn.Module):
     def _post_forward(self, u: FlatUnit, output) -> None:
         if self.timeline is not None:
             self.timeline.end("compute", f"forward {u.layout.name}")
-        if u.sharded_params:
+        if u.sharded_params and not self._holding():
             u.release()
         self._on_backward(output, u)
 
@@ -181,6 +194,13 @@ class ShardedDataParallel(nn.Module):
         if u.acc is not None and buffer is not u.acc:  # stage 1 in bf16: accumulate in fp32
             u.acc.add_(buffer)
             buffer = u.acc
+        if self._holding():
+            u.hold(buffer)
+            u.drop_grads()
+            return
+        if u.held is not None:  # the held step's gradient, with what came after its last launch
+            u.hold(buffer)
+            buffer, u.held = u.held, None
         if self._sync or self.plan.stage >= 2:
             self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline,
                                                     self._divisor))
@@ -193,12 +213,21 @@ class ShardedDataParallel(nn.Module):
         self._launch_ready(force=True)
         self._reductions.drain()
         self._drop_gathers()
-        if self.root is not None and self.root.sharded_params:
-            self.root.release()
+        self._release_root()
         for u in self.all_units:
             u.ready, u.launched = 0, False
         self._backward_started.clear()
         self._callback_queued = False
+
+    def unreduced_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s gradient summed over this step's micro-batches, before any reduction
+        (`FlatUnit.unreduced_grad`): the pipeline sums the parameters several stages share
+        over pp with it, before `sync_gradients`."""
+        return self._unit_of[p].unreduced_grad(self._index_in_unit[p])
+
+    def _release_root(self) -> None:
+        if self.root is not None and self.root.sharded_params and not self._holding():
+            self.root.release()
 
     # --- after backward ---------------------------------------------------------------------
 
@@ -238,9 +267,10 @@ class ShardedDataParallel(nn.Module):
         return [(grads, w) for w, grads in groups.items()]
 
     def sync_gradients(self) -> None:
-        """Stage 1: reduce the gradients accumulated under `no_sync()` now, outside any
-        backward (the pipeline runtime's end of step)."""
-        assert self.plan.stage == 1, "stages 2-3 reduce every backward: nothing waits"
+        """Reduce the gradients accumulated under `no_sync()` now, outside any backward (the
+        pipeline runtime's end of step): stage 1's, and a pipelined step's at stages 2-3,
+        whose gathered units are then freed."""
+        assert self.plan.stage == 1 or self.pipelined, "stages 2-3 reduce every backward"
         self._finish()
 
     @property

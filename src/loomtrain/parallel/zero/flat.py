@@ -80,6 +80,7 @@ class FlatUnit:
         self.full: torch.Tensor | None = None  # stage 3: the gathered unit, while in use
         self._gathered: torch.Tensor | None = None  # its buffer; no storage while released
         self.compute_grad: torch.Tensor | None = None  # this backward's gradient buffer
+        self.held: torch.Tensor | None = None  # a pipelined step's unreduced fp32 gradient
         self._empty = torch.empty(0, dtype=dtype, device=device)
         if self.sharded_params:
             self.release()
@@ -193,6 +194,29 @@ class FlatUnit:
             end = max((s.offset + s.numel for s in self.layout.slots), default=0)
             buffer[end:].zero_()
         return buffer
+
+    def hold(self, buffer: torch.Tensor) -> None:
+        """Add one micro-batch's gradient (`collect_grads`) into the step's unreduced sum
+        (stages 2-3 under a pipeline: reduced once, at the end of the step); the first fp32
+        buffer is kept as the sum itself."""
+        if self.held is None:
+            self.held = buffer if buffer.dtype == torch.float32 else buffer.float()
+        else:
+            self.held.add_(buffer)
+
+    def unreduced_grad(self, i: int) -> torch.Tensor | None:
+        """Parameter i's gradient summed over the micro-batches so far, unreduced: its slot of
+        the step's fp32 sum (`held`, or stage 1's `acc`) with any gradient made since the last
+        launch (a deferred weight gradient, zero-bubble's W) folded in; `.grad` without one."""
+        p, slot = self.params[i], self.layout.slots[i]
+        total = self.held if self.held is not None else self.acc
+        if total is None:
+            return p.grad
+        view = total[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.add_(p.grad)
+            p.grad = None
+        return view
 
     def drop_grads(self) -> None:
         """Forget this backward's buffer (its reduction holds it until done); stage 1 in fp32
