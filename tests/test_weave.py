@@ -92,7 +92,8 @@ def references(tmp_path_factory, corpus, doc_corpus) -> dict:
 
 def _metered(rank, world, trees, root) -> list | None:
     """`_train_many`, keeping what rank 0's meter counted in each run's second step, per
-    (axis, op): (calls, wire bytes)."""
+    (axis, op): (calls, wire bytes). The meter is read once at the start (the parameter
+    broadcast), then once per step."""
     from loomtrain.train.launch import init_distributed
     from loomtrain.train.run import train_loop
     from loomtrain.train.trainer import StopFlag
@@ -108,7 +109,7 @@ def _metered(rank, world, trees, root) -> list | None:
             return take()
         mesh.meter.take = take_by_axis
         train_loop(cfg, Path(root) / f"run{i}", None, mesh, StopFlag())
-        steps.append(windows[1])
+        steps.append(windows[2])
     return steps if rank == 0 else None
 
 

@@ -38,7 +38,7 @@ def layer_activation_bytes(m, layer: str, micro_batch: int, c: int, tp: int = 1,
                            m.vocab_size, c)
 
 
-def _deferred_widths(m, layer: str) -> tuple[int, int]:
+def _deferred_widths(m, layer: str, tp: int = 1) -> tuple[int, int]:
     """(Linear inputs, Linear output gradients) per token that zero-bubble's W needs, kept
     from I (runtime.py `DeferredWeightGrads`): a GPT block's ln1 output, attention output,
     ln2 output (d each) and GELU output (rd), and the gradients of qkv (3d), proj (d), fc (rd)
@@ -47,9 +47,11 @@ def _deferred_widths(m, layer: str) -> tuple[int, int]:
     up share it), d each, and SwiGLU product (f), and the gradients of q (heads x head_dim)
     and o (d), k and v (kv_heads x head_dim each), gate and up (f each)
     and down (d); an MLP-model block's LayerNorm and GELU outputs and the gradients of fc and
-    proj; the head's ln_f output (d) and the logits' gradient (V)."""
+    proj; the head's ln_f output (d) and the logits' gradient (V). Under tensor parallelism
+    nothing is deferred but the MLP model's head: `defer_linear_weights` patches plain
+    nn.Linear layers only, and the tensor-parallel ones keep their own backward."""
     d, r, kind = m.d_model, m.mlp_ratio, _kind(layer)
-    if kind == "embed":
+    if kind == "embed" or (tp > 1 and not (m.name == "mlp" and kind == "head")):
         return 0, 0
     if kind == "head":
         return d, m.vocab_size
@@ -103,7 +105,7 @@ def stage_memory(m, layers: list[str], micro_batch: int, c: int, recompute: str,
                 for x in layers)
     boundary = c * micro_batch * m.seq_len * m.d_model // (tp if sequence_parallel else 1)
     received, output = (0 if first else boundary), (0 if last else boundary)
-    tokens, widths = c * micro_batch * m.seq_len, [_deferred_widths(m, x) for x in layers]
+    tokens, widths = c * micro_batch * m.seq_len, [_deferred_widths(m, x, tp) for x in layers]
     inputs, grads = tokens * sum(w for w, _ in widths), tokens * sum(g for _, g in widths)
     if recompute == "full":
         return StageMemory(0, received, output, saved - received, inputs, grads)

@@ -90,15 +90,30 @@ def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
 
 
 def zero_eval_gathers(plan: ShardPlan, units: list[tuple[str, int]], root: int,
-                      eval_microbatches: int, eval_every: int) -> list[Collective]:
+                      eval_microbatches: int, eval_every: int, prefetch: int = 0,
+                      calls: list[list[str]] | None = None) -> list[Collective]:
     """Stage 3 evaluation: each of the `eval_microbatches` forwards (no backward follows)
-    gathers every unit once."""
+    gathers every unit once, as one call of the whole model. A pipeline rank runs each of its
+    stages as a call of its own (`calls`: the unit names of each, in order): every call
+    gathers the root, its own units, and the `prefetch` units after each of them in the
+    rank's order and at its start (engine.py `_root_pre_forward`, `_pre_forward`), which the
+    call's end frees unused; a later call gathers them again."""
     if plan.stage < 3 or plan.shard_ranks == 1 or not eval_microbatches:
         return []
-    c = compute_bytes(plan)
+    c, names = compute_bytes(plan), [name for name, _ in units]
+    count = dict.fromkeys(names, 0)
+    for call in calls or [names]:
+        started = set(names[:prefetch])
+        for name in call:
+            i = names.index(name)
+            started.update(names[i:i + 1 + prefetch])
+        for name in started:
+            count[name] += 1
+    gathers = ([(ROOT, root, len(calls or [names]))] if root else []) + \
+        [(name, p, count[name]) for name, p in units if count[name]]
     return [metered("validation gathers, each unit per micro-batch", "all_gather", plan.shard_axis,
-                    plan.shard_ranks, c * p, eval_microbatches, name, eval_every)
-            for name, p in ([(ROOT, root)] if root else []) + units]
+                    plan.shard_ranks, c * p, n * eval_microbatches, name, eval_every)
+            for name, p, n in gathers]
 
 
 def gathered_bytes(plan: ShardPlan, units: list[tuple[str, int]], root: int, prefetch: int,
@@ -216,7 +231,11 @@ def estimate_zero(plan: DryRunPlan) -> None:
                                        plan.activations(), cfg.parallel.prefetch, pipelined)
     plan.reductions = zero_collectives(z.plan, z.units, z.root, cfg.accumulation_steps,
                                        pipelined)
+    pipe = plan.parts.get("pipeline")
+    calls = None if pipe is None else [  # this rank's stages, each a forward call of its own
+        [x for x in pipe.split.stage_layers[s] if x in dict(z.units)]
+        for s in range(0, pipe.schedule.stages, pipe.schedule.pp)]
     plan.eval_collectives += zero_eval_gathers(z.plan, z.units, z.root, plan.eval_forwards,
-                                               cfg.run.eval_every)
+                                               cfg.run.eval_every, cfg.parallel.prefetch, calls)
     plan.parts["zero"] = z
     plan.replicated = True
