@@ -109,11 +109,12 @@ def _busiest_lines(run: DryRun) -> list[str]:
 
 
 def _activation_why(run: DryRun, cfg, dtype: str = "") -> str:
-    t, m, pipe = cfg.train, cfg.model, run.pipeline
-    tokens = f"{t.micro_batch} x {m.seq_len} tokens{dtype}{_dropout(m)}"
-    if pipe is None:
-        return f"saved for backward, one micro-batch of {tokens}"
+    t, m, pipe, cp = cfg.train, cfg.model, run.pipeline, cfg.parallel.cp
+    mine = f" (seq_len / cp {cp})" if cp > 1 else ""
+    tokens = f"{t.micro_batch} x {m.seq_len // cp} tokens{mine}{dtype}{_dropout(m)}"
     recompute = "" if cfg.parallel.recompute == "none" else f", recompute {cfg.parallel.recompute!r}"
+    if pipe is None:
+        return f"saved for backward, one micro-batch of {tokens}{recompute}"
     return (f"rank 0's peak over the {pipe.schedule.name} step: {pipe.sim.peak_stash[0]} "
             f"micro-batch(es) of {tokens} stashed{recompute} (docs/dry-run.md)")
 
