@@ -132,7 +132,8 @@ CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
     (["--set", 'parallel.cp_method="ring"'], "it needs parallel.cp > 1"),
     (["--set", "data.balance=true"], "data.balance=true deals the documents of packed rows to ranks: it needs data.packing=true"),
     (["--set", "data.balance=true", "--set", "data.packing=true", "--set", "model.attention=\"linear\""], "data.balance=true splits long documents with ring attention"),
-    (CP2, "--dry-run does not model context parallelism yet"),
+    (CP2 + ["--set", 'parallel.cp_method="auto"'],
+     'loom train --dry-run does not model parallel.cp_method="auto"'),
 ])
 def test_sequence_settings_refused(capsys, args, expected):
     assert expected in _refused(capsys, ["train", "--dry-run", *args])

@@ -443,7 +443,17 @@ CASES = {
          {"model": LLAMA_RUN, "parallel": {"tp": 2, "sequence_parallel": True},
           "train": {"global_batch": 4, "precision": "bf16"}}),
         ("llama, stage 3 bf16", {"model": LLAMA_RUN, "parallel": {"zero_stage": 3},
-                                 "train": {"precision": "bf16"}})],
+                                 "train": {"precision": "bf16"}}),
+        # recomputation outside a pipeline: torch's checkpoint reruns each block's forward
+        # but its last tp collective; the cp kernels: Ulysses with the llama's kv heads split
+        # over cp, recomputed (its exchanges twice), and LASP's state gathers
+        ("tp 2, full recomputation", {"parallel": {"tp": 2, "recompute": "full"},
+                                      "train": {"global_batch": 4}}),
+        ("llama, cp 2 Ulysses, full recomputation",
+         {"model": LLAMA_RUN, "parallel": {"cp": 2, "cp_method": "ulysses", "recompute": "full"},
+          "train": {"global_batch": 4}}),
+        ("linear attention, cp 2 LASP", {"model": {"attention": "linear"}, "parallel": {"cp": 2},
+                                         "train": {"global_batch": 4}})],
     # d_model 34: blocks padded to a multiple of 4 (as in test_zero_estimate_lays_out_the_real_units)
     4: [("hierarchical stage 2, optimizer per node",
          {"model": {"d_model": 34}, "parallel": {"zero_stage": 2, "hierarchical": True}}),
@@ -481,10 +491,40 @@ def test_predicted_collectives_match_the_meter(tiny, tmp_path, world):
         expected = [_per_op(est.collectives, validation=False), _per_op(est.collectives, validation=True)]
         assert [r["comm_bytes"] for r in records] == expected, label
         assert (cfg.parallel.tp > 1) == any(c.axis == "tp" for c in est.collectives), label
+        assert (cfg.parallel.cp > 1) == any(c.axis == "cp" for c in est.collectives), label
     stage1 = dryrun.estimate(cfgs[2]) if world == 2 else None
     if stage1 is not None:  # the ring and the native reduce-scatter were both predicted
         assert {c.algorithm for c in stage1.engine if c.op == "reduce_scatter"} == \
             {"ring_reduce_scatter", "ring_all_reduce"}
+
+
+@pytest.mark.parametrize("model,sp", [({}, False), ({}, True), (LLAMA_RUN | {"qk_norm": True}, True),
+                                      ({"name": "mlp"}, False)])
+def test_tp_collectives_of_pipeline_stages_add_up_to_the_model(tiny, model, sp):
+    """Every layer's tp collectives are counted on the rank that runs it: the stages of a
+    pipeline cut anywhere add up to the whole model, call for call and byte for byte (the
+    gradient norm, once per rank, aside)."""
+    from loomtrain.parallel.tensor_estimate import tensor_collectives
+
+    m = tiny(model={"n_layers": 3, **model}, parallel={"nproc": 2, "tp": 2,
+                                                        "sequence_parallel": sp}).model
+    layers = ["embed", *(f"blocks.{i}" for i in range(3)), "head"]
+
+    def totals(part):
+        out = {}
+        for c in tensor_collectives(m, 2, 2, sp, 3, 4, eval_forwards=2, layers=part):
+            if not c.purpose.startswith("gradient norm"):
+                out[c.op, c.every_steps] = [a + b for a, b in
+                                            zip(out.get((c.op, c.every_steps), (0, 0)),
+                                                (c.calls, c.calls * c.wire_bytes))]
+        return out
+
+    whole = totals(None)
+    assert whole == totals(layers) and whole
+    for cut in range(1, len(layers)):
+        first, second = totals(layers[:cut]), totals(layers[cut:])
+        assert {k: [a + b for a, b in zip(first.get(k, (0, 0)), second.get(k, (0, 0)))]
+                for k in whole} == whole, cut
 
 
 # --- tensor parallel: activations per rank ---------------------------------------------------

@@ -76,9 +76,8 @@ def test_loom_train_plan_auto_flag_plans_with_the_real_search(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout + out.stderr
     assert 'parallel.plan="auto" chose' in text and "precision=fp32" in text, text[:2000]
-    # the best plan here is cp 2 under ZeRO-2, which the dry run does not model yet: it shows
-    # the best of the plans it models, and says so
-    assert "cp=1" in text and "among the plans --dry-run models" in text, text[:2000]
+    # the best plan here is cp 2 under ZeRO-2, which the dry run models: the ring's sends
+    assert "cp=2" in text and "send over cp (2 ranks)" in text, text[:2000]
 
 
 def test_loom_plan_takes_llama_presets_and_configs(tmp_path, capsys):

@@ -6,10 +6,14 @@ on two cores: tiny models, few steps)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import tiny_tree
 from harness import run_world
+from loomtrain.train import dryrun
+from loomtrain.train.config import config_from_dict
 from loomtrain.train.metrics import read_metrics
 from test_zero import _train_many
 
@@ -86,9 +90,44 @@ def references(tmp_path_factory, corpus, doc_corpus) -> dict:
     return curves
 
 
-def _check(tmp_path, corpus, doc_corpus, references, world, exact, bf16=()) -> None:
-    run_world(_train_many, world, _trees(tmp_path, corpus, doc_corpus, world, [*exact, *bf16]),
-              str(tmp_path / "w"), timeout_s=400)
+def _metered(rank, world, trees, root) -> list | None:
+    """`_train_many`, keeping what rank 0's meter counted in each run's second step, per
+    (axis, op): (calls, wire bytes). The meter is read once at the start (the parameter
+    broadcast), then once per step."""
+    from loomtrain.train.launch import init_distributed
+    from loomtrain.train.run import train_loop
+    from loomtrain.train.trainer import StopFlag
+
+    steps = []
+    for i, tree in enumerate(trees):
+        cfg, windows = config_from_dict(tree), []
+        mesh = init_distributed(cfg)
+        take, window = mesh.meter.take, mesh.meter.window
+
+        def take_by_axis(take=take, window=window, windows=windows):  # once per record
+            windows.append({key: (c.calls, c.wire_bytes) for key, c in window.items()})
+            return take()
+        mesh.meter.take = take_by_axis
+        train_loop(cfg, Path(root) / f"run{i}", None, mesh, StopFlag())
+        steps.append(windows[2])
+    return steps if rank == 0 else None
+
+
+def _predicted(cfg) -> dict:
+    """The dry run's collectives of a step (log_every = 1, no evaluation), per (axis, op)."""
+    out: dict = {}
+    for c in dryrun.estimate(cfg).collectives:
+        if c.every_steps == 1:
+            calls, wire = out.get((c.axis, c.op), (0, 0))
+            out[c.axis, c.op] = (calls + c.calls, wire + c.calls * c.wire_bytes)
+    return out
+
+
+def _check(tmp_path, corpus, doc_corpus, references, world, exact, bf16=(),
+           train=_train_many) -> list:
+    """Each layout's losses against its reference; returns rank 0's result of `train`."""
+    out = run_world(train, world, _trees(tmp_path, corpus, doc_corpus, world, [*exact, *bf16]),
+                    str(tmp_path / "w"), timeout_s=400)
     for i, layout in enumerate([*exact, *bf16]):
         got, ref = read_metrics(tmp_path / "w" / f"run{i}"), references[repr(_reference(layout))]
         if i < len(exact):
@@ -97,6 +136,7 @@ def _check(tmp_path, corpus, doc_corpus, references, world, exact, bf16=()) -> N
                 assert _rel(got, ref, key) < 1e-4, (layout, key, _rel(got, ref, key))
         else:
             assert _rel(got, ref, "loss") < 0.02, (layout, _rel(got, ref, "loss"))
+    return out[0]
 
 
 def test_every_pair_with_the_pipeline_at_world_4(tmp_path, corpus, doc_corpus, references):
@@ -104,4 +144,7 @@ def test_every_pair_with_the_pipeline_at_world_4(tmp_path, corpus, doc_corpus, r
 
 
 def test_the_3d_and_4d_layouts_at_world_8(tmp_path, corpus, doc_corpus, references):
-    _check(tmp_path, corpus, doc_corpus, references, 8, WORLD8)
+    metered = _check(tmp_path, corpus, doc_corpus, references, 8, WORLD8, train=_metered)
+    # `loom train --dry-run` predicts rank 0's collectives, call for call and byte for byte
+    for tree, step in zip(_trees(tmp_path, corpus, doc_corpus, 8, WORLD8), metered):
+        assert _predicted(config_from_dict(tree)) == step, tree["parallel"]

@@ -7,7 +7,6 @@ nothing already written in a run folder is touched before the input is validated
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import tempfile
@@ -185,15 +184,13 @@ def _resolve_train(args, lock=None):
     cfg = _follow_tokenizer(load_config(args.config, overrides))
     if cfg.parallel.plan == "auto":  # planned before anything is written: config.toml holds the plan
         from loomtrain.planner.apply import choose_here, resolve_auto
-        cfg = resolve_auto(cfg, functools.partial(choose_here, dry_run=args.dry_run))
+        cfg = resolve_auto(cfg, choose_here)
         if int(os.environ.get("RANK", 0)) == 0:
             p, t = cfg.parallel, cfg.train
-            among = (" (among the plans --dry-run models: not cp > 1 or recompute outside a "
-                     "pipeline yet)" if args.dry_run else "")
             print(f'parallel.plan="auto" chose dp={p.dp_size} tp={p.tp} pp={p.pp} cp={p.cp} '
                   f"zero_stage={p.zero_stage} micro_batch={t.micro_batch} x {cfg.accumulation_steps} "
-                  f"precision={t.precision}" + (f" schedule={p.schedule}" if p.pp > 1 else "")
-                  + among, file=sys.stderr)
+                  f"precision={t.precision}" + (f" schedule={p.schedule}" if p.pp > 1 else ""),
+                  file=sys.stderr)
     if cfg.train.init_from is not None:  # a missing or mismatched checkpoint stops here
         from loomtrain.train.init_from import resolve_init_from
         cfg = resolve_init_from(cfg)

@@ -7,7 +7,7 @@ in the apply order; `MemoryEstimate` and `Collective`, its records; the unsharde
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from loomtrain.activations import FP32_BYTES, activation_bytes
 from loomtrain.comm.collectives import choose_impl
@@ -98,13 +98,15 @@ def memory_per_rank(parameters: int, states_per_parameter: int, activations: int
     return MemoryEstimate(p, p, states_per_parameter * p, activations)
 
 
-def gradient_all_reduces(bucket_payload_bytes: list[int], dp: int) -> list[Collective]:
+def gradient_all_reduces(bucket_payload_bytes: list[int], dp: int,
+                         axis: str = "dp") -> list[Collective]:
     """One ring all-reduce over dp per gradient bucket, on the last micro-batch only (the
-    others run under no_sync). On one dp rank the comm layer sends and counts nothing."""
+    others run under no_sync); under context parallelism over "dpcp", the dp x cp ranks that
+    hold a replica (`dp` counts them). On one rank the comm layer sends and counts nothing."""
     if dp == 1:
         return []
     n = len(bucket_payload_bytes)
-    return [all_reduce(f"gradient bucket {i + 1}/{n}", "dp", dp, size)
+    return [all_reduce(f"gradient bucket {i + 1}/{n}", axis, dp, size)
             for i, size in enumerate(bucket_payload_bytes)]
 
 
@@ -131,6 +133,17 @@ class DryRunPlan:
     bucket_bytes: list[int] = field(default_factory=list)  # the replica engine's gradient buckets
     replicated: bool = False  # a replica engine has estimated (the first that applies)
     parts: dict[str, Any] = field(default_factory=dict)  # each component's own record
+    layers: list[str] | None = None  # the layers this rank runs, when a pipeline cut them
+    # what a component adds once every hook has run, as it needs a later one's cut (the
+    # layers a pipeline rank keeps): called in order with the plan
+    later: list[Callable[["DryRunPlan"], None]] = field(default_factory=list)
+
+    @property
+    def local_model(self):
+        """The [model] keys as one rank runs them: its seq_len / cp tokens of every row."""
+        cp = self.cfg.parallel.cp
+        m = self.cfg.model
+        return m.model_copy(update={"seq_len": m.seq_len // cp}) if cp > 1 else m
 
     @property
     def parameters(self) -> int:
@@ -141,7 +154,7 @@ class DryRunPlan:
         """The activation bytes of one rank: a component's, else one micro-batch of the model."""
         if self.activation_bytes is not None:
             return self.activation_bytes
-        return activation_bytes(self.cfg.model, self.cfg.train.micro_batch, self.compute_bytes)
+        return activation_bytes(self.local_model, self.cfg.train.micro_batch, self.compute_bytes)
 
     def memory_estimate(self) -> MemoryEstimate:
         """The memory per rank: the sharding engine's, or nothing sharded; with the rows."""

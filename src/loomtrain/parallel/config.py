@@ -56,7 +56,7 @@ class DataParallelComponent(Component):
         p = plan.cfg.parallel
         engine = apply_data_parallel(plan.model, plan.mesh, p)
         plan.bucket_bytes = [b.buffer.numel() * b.buffer.element_size() for b in engine.buckets]
-        plan.reductions = gradient_all_reduces(plan.bucket_bytes, p.dp_size)
+        plan.reductions = gradient_all_reduces(plan.bucket_bytes, p.dp_size * p.cp, engine.axis)
         plan.replicated = True
 
     @classmethod

@@ -94,10 +94,31 @@ class Recompute(Component):
 
     @classmethod
     def estimate(cls, plan) -> None:
-        """Not modelled outside the pipeline yet."""
-        from loomtrain.errors import ConfigError
+        """The activations of one micro-batch with every block recomputed (`full`) or its
+        attention core (`selective`): `recomputed_activation_bytes`. The collectives the
+        recomputation repeats are counted by the components that send them."""
+        p = plan.cfg.parallel
+        plan.activation_bytes = recomputed_activation_bytes(
+            plan.local_model, plan.cfg.train.micro_batch, plan.compute_bytes, p.recompute, p.tp,
+            p.sequence_parallel)
 
-        if plan.cfg.parallel.pp == 1:
-            raise ConfigError(f"loom train --dry-run does not model parallel.recompute="
-                              f"{plan.cfg.parallel.recompute!r} outside the pipeline yet: run "
-                              "without --dry-run, or with parallel.recompute=\"none\"")
+
+def recomputed_activation_bytes(m, micro_batch: int, c: int, recompute: str, tp: int = 1,
+                                sequence_parallel: bool = False) -> int:
+    """One micro-batch's activation peak outside a pipeline, on one of `tp` ranks (the
+    layers' bytes: pipeline/estimate.py `layer_activation_bytes`). "selective": every block
+    keeps its bytes but the attention core's (`core_bytes`). "full": each block keeps only
+    its input X = c b t d (the checkpoint's; t / tp tokens under sequence parallelism), so the forward ends holding the embedding's,
+    L inputs and the head's; in backward the head's are freed before the last block reruns
+    its forward and holds its own bytes again (its input among them): the larger of the
+    two."""
+    from loomtrain.parallel.pipeline.estimate import core_bytes, layer_activation_bytes
+
+    def layer(kind):
+        return layer_activation_bytes(m, kind, micro_batch, c, tp, sequence_parallel)
+
+    embed, block, head = layer("embed"), layer("blocks.0"), layer("head")
+    if recompute == "selective":
+        return embed + m.n_layers * (block - core_bytes(m, micro_batch, c, tp)) + head
+    x = c * micro_batch * m.seq_len * m.d_model // (tp if sequence_parallel else 1)
+    return embed + m.n_layers * x + max(head, block - x)

@@ -6,166 +6,229 @@ autograd saves). Notation: docs/tensor.md, "Dry run".
 
 from __future__ import annotations
 
-from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_activation_bytes,
-                                   mlp_activation_bytes)
+from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_layer_bytes,
+                                   mlp_layer_bytes)
 from loomtrain.estimate import Collective, DryRunPlan, metered
 
 
 def estimate_tensor(plan: DryRunPlan) -> None:
     """Tensor parallelism's part of the dry run (the `TensorParallel` component's hook): this
     rank's pieces of the meta model, as `apply_tensor_parallel` splits it, their activations
-    and the tp collectives of a step and of the evaluation forwards."""
+    and the tp collectives of a step and of the evaluation forwards. The collectives are
+    counted once every hook has run (`DryRunPlan.later`), as a pipeline keeps some layers only,
+    and listed where this hook runs, in the apply order."""
     from loomtrain.parallel import apply_tensor_parallel
 
     cfg = plan.cfg
-    p, m, b = cfg.parallel, cfg.model, cfg.train.micro_batch
+    p, m, b = cfg.parallel, plan.local_model, cfg.train.micro_batch
     plan.model, _ = apply_tensor_parallel(plan.model, plan.mesh, cfg)
     plan.activation_bytes = tensor_activation_bytes(m, b, p.tp, p.sequence_parallel,
                                                     plan.compute_bytes)
-    plan.collectives += tensor_collectives(m, b, p.tp, p.sequence_parallel, cfg.accumulation_steps,
-                                           plan.compute_bytes, plan.eval_forwards,
-                                           cfg.run.eval_every)
+    at = len(plan.collectives)
+    plan.later.append(lambda plan: _add_collectives(plan, at))
+
+
+def _add_collectives(plan: DryRunPlan, at: int) -> None:
+    cfg = plan.cfg
+    p = cfg.parallel
+    plan.collectives[at:at] = tensor_collectives(
+        plan.local_model, cfg.train.micro_batch, p.tp, p.sequence_parallel,
+        cfg.accumulation_steps, plan.compute_bytes, plan.eval_forwards, cfg.run.eval_every,
+        plan.layers, p.recompute, p.pp > 1)
+
+
+def rerun_ops(forward: list, kind: str, recompute: str, pipelined: bool) -> list:
+    """The forward ops of a layer of `kind` that run again in its backward. "full"
+    recomputation reruns a pipeline stage's whole forward (parallel/pipeline/runtime.py); outside
+    a pipeline each block's, under torch's checkpoint (parallel/recompute.py), which stops
+    once the block's last saved tensor is back: before its last op, the collective after the
+    MLP's row-parallel projection. "selective" reruns the attention core, which holds no tp
+    collective."""
+    if recompute != "full":
+        return []
+    if pipelined:
+        return forward
+    return forward[:-1] if kind == "block" else []
+
+
+def layer_counts(m, layers: list[str] | None) -> dict[str, int]:
+    """How many layers of each kind ("embed", "block", "head") `layers` holds (None: the
+    whole model)."""
+    if layers is None:
+        return {"embed": 1, "block": m.n_layers, "head": 1}
+    kinds = ["block" if x.startswith("blocks.") else x for x in layers]
+    return {k: kinds.count(k) for k in ("embed", "block", "head")}
 
 
 def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, accumulation: int,
-                       compute_bytes: int, eval_forwards: int = 0, eval_every: int = 1) -> list[Collective]:
-    """The tp-axis collectives of one step of `accumulation` micro-batches, in the layout
-    `loomtrain.parallel.apply_tensor_parallel` builds, then the evaluation forwards.
-
-    GPT (vocabulary-parallel embedding, head and loss; Megatron, Shoeybi et al. section 3):
-    forward: the embedding's all-reduce (S), 2 per layer after the row-parallel proj layers
-    (S), the loss's 3 (max, sum of exponentials, target logit: b s fp32 each); backward: 2 per
-    layer before the column-parallel qkv and fc (S), 1 before the head (S). Sequence
-    parallel (Korthikanti et al., section 4.2.2): each per-layer all-reduce becomes an
-    all-gather before the column layer and a reduce-scatter after the row layer (and the
-    reverse in backward), the head all-gathers the sequence (reduce-scatter backward), the
-    sequence split after the embedding all-gathers its gradient, and backward all-reduces the
-    gradients of the 6 h-sized tensors per layer that saw one sequence chunk (2 layer norms, 2
-    row biases) and of the final norm (2 h). Llama: `_llama_collectives`. MLP model (blocks'
-    fc column, proj row): 1 per layer forward and 1 backward. After backward: the gradient
-    norm's 4-byte all-reduce.
+                       compute_bytes: int, eval_forwards: int = 0, eval_every: int = 1,
+                       layers: list[str] | None = None, recompute: str = "none",
+                       pipelined: bool = False) -> list[Collective]:
+    """The tp-axis collectives of one step of `accumulation` micro-batches through `layers`
+    (a pipeline rank's; None: the whole model), in the layout
+    `loomtrain.parallel.apply_tensor_parallel` builds, then the evaluation forwards: each
+    layer's forward ops once per micro-batch, and those `rerun_ops` names again
+    (recomputation), its backward ops once (`_layer_ops` has them), the gradient norm's 4-byte
+    all-reduce once. With a pipeline, zero-bubble's deferred weight gradients communicate
+    nothing: a layer's backward ops run in its input-gradient pass.
     """
     if tp == 1:
         return []
-    b, s, h, layers, c = micro_batch, m.seq_len, m.d_model, m.n_layers, compute_bytes
-    act, tokens = b * s * h * c, b * s * FP32_BYTES
+    counts = layer_counts(m, layers)
+    ops = _layer_ops(m, micro_batch, tp, sequence_parallel, compute_bytes)
     a = accumulation
-
-    def op(purpose, name, payload, calls):
-        return metered(purpose, name, "tp", tp, payload, calls)
-
-    if m.name == "llama":
-        forward, backward = _llama_collectives(m, tp, tokens, act, sequence_parallel, c, op)
-    elif m.name == "mlp":
-        forward = [op("MLP outputs (row-parallel proj)", "all_reduce", act, layers)]
-        backward = [op("MLP input gradients (column-parallel fc)", "all_reduce", act, layers)]
-    elif not sequence_parallel:
-        forward = [op("embedding lookup (vocabulary-parallel)", "all_reduce", act, 1),
-                   op("attention and MLP outputs (row-parallel proj)", "all_reduce", act, 2 * layers),
-                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
-        backward = [op("attention and MLP input gradients (column-parallel)", "all_reduce", act,
-                       2 * layers),
-                    op("head input gradient", "all_reduce", act, 1)]
-    else:
-        forward = [op("embedding lookup (vocabulary-parallel)", "all_reduce", act, 1),
-                   op("sequence all-gather before qkv, fc and the head", "all_gather", act,
-                      2 * layers + 1),
-                   op("sequence reduce-scatter after proj", "reduce_scatter", act, 2 * layers),
-                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
-        backward = [op("gradient reduce-scatter (the all-gathers' backward)", "reduce_scatter",
-                       act, 2 * layers + 1),
-                    op("gradient all-gather (the reduce-scatters' and split's backward)",
-                       "all_gather", act, 2 * layers + 1)]
-        backward += [op("layer-norm and row-bias gradients (one sequence chunk each)",
-                        "all_reduce", h * c, 6 * layers + 2)]
-    out = [_times(x, a) for x in forward + backward]
-    out.append(op("gradient norm over tp", "all_reduce", FP32_BYTES, 1))
+    step, forward = [], []
+    for kind, n in counts.items():
+        fwd, bwd = ops[kind]
+        forward += [(x, n) for x in fwd]
+        step += [(x, n * a) for x in fwd + rerun_ops(fwd, kind, recompute, pipelined) + bwd]
+    out = [metered(purpose, op, "tp", tp, payload, calls)
+           for (purpose, op, payload), calls in _merged(step)]
+    out.append(metered("gradient norm over tp", "all_reduce", "tp", tp, FP32_BYTES))
     if eval_forwards:
-        out += [_times(x, eval_forwards, eval_every, "validation ") for x in forward]
+        out += [metered("validation " + purpose, op, "tp", tp, payload, calls * eval_forwards,
+                        every=eval_every)
+                for (purpose, op, payload), calls in _merged(forward)]
     return out
 
 
-def _llama_collectives(m, tp: int, tokens: int, act: int, sequence_parallel: bool, c: int, op):
-    """(forward, backward) tp collectives of one micro-batch of parallel/tensor_llama.py: as
-    the GPT's, with one entry into the tensor-parallel region per block half (ln1's, shared
-    by q, k and v; ln2's, shared by gate and up), except that under sequence parallelism the
-    embedding reduce-scatters its lookup (all-gather backward) and the norms' weight
-    gradients summed backward are ln1's and ln2's (d each) and ln_f's. Backward also sums the
-    gradients of what each rank holds whole but uses a part of: q_norm's and k_norm's
-    weights (head_dim each, every micro-batch), and, with the kv heads replicated (tp a
-    multiple of n_kv_heads), k_proj's and v_proj's weights (and biases)."""
-    layers, d = m.n_layers, m.d_model
+def _merged(ops) -> list:
+    """((purpose, op, payload), calls) pairs with the calls of equal keys summed, in order."""
+    out: dict = {}
+    for key, calls in ops:
+        if calls:
+            out[key] = out.get(key, 0) + calls
+    return list(out.items())
+
+
+def _layer_ops(m, micro_batch: int, tp: int, sequence_parallel: bool, c: int) -> dict:
+    """{kind: (forward, backward)} tp ops of one micro-batch through one layer of that kind,
+    each (purpose, op, payload bytes). S = b s h c, one activation.
+
+    GPT (vocabulary-parallel embedding, head and loss; Megatron, Shoeybi et al. section 3):
+    forward: the embedding's all-reduce (S), 2 per block after the row-parallel proj layers
+    (S), the loss's 3 (max, sum of exponentials, target logit: b s fp32 each); backward: 2 per
+    block before the column-parallel qkv and fc (S), 1 before the head (S). Sequence
+    parallel (Korthikanti et al., section 4.2.2): each per-block all-reduce becomes an
+    all-gather before the column layer and a reduce-scatter after the row layer (and the
+    reverse in backward), the head all-gathers the sequence (reduce-scatter backward), the
+    sequence split after the embedding all-gathers its gradient, and backward all-reduces the
+    gradients of the 6 h-sized tensors per block that saw one sequence chunk (2 layer norms, 2
+    row biases) and of the final norm (2 h). Llama: `_llama_ops`. MLP model (blocks' fc
+    column, proj row): 1 per block forward and 1 backward.
+    """
+    b, s, h = micro_batch, m.seq_len, m.d_model
+    act, tokens = b * s * h * c, b * s * FP32_BYTES
+    loss = ("loss: max, sum of exp, target logit", "all_reduce", tokens)
+    if m.name == "llama":
+        return _llama_ops(m, tp, act, loss, sequence_parallel, c)
+    if m.name == "mlp":
+        return {"embed": ([], []), "head": ([], []),
+                "block": ([("MLP outputs (row-parallel proj)", "all_reduce", act)],
+                          [("MLP input gradients (column-parallel fc)", "all_reduce", act)])}
+    lookup = ("embedding lookup (vocabulary-parallel)", "all_reduce", act)
     if not sequence_parallel:
-        forward = [op("embedding lookup (vocabulary-parallel)", "all_reduce", act, 1),
-                   op("attention and MLP outputs (row-parallel o_proj, down_proj)", "all_reduce",
-                      act, 2 * layers),
-                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
-        backward = [op("attention and MLP input gradients (ln1, ln2 outputs)", "all_reduce",
-                       act, 2 * layers),
-                    op("head input gradient", "all_reduce", act, 1)]
+        return {"embed": ([lookup], []),
+                "block": ([("attention and MLP outputs (row-parallel proj)", "all_reduce", act)] * 2,
+                          [("attention and MLP input gradients (column-parallel)", "all_reduce",
+                            act)] * 2),
+                "head": ([loss] * 3, [("head input gradient", "all_reduce", act)])}
+    gather = ("sequence all-gather before qkv, fc and the head", "all_gather", act)
+    scatter = ("sequence reduce-scatter after proj", "reduce_scatter", act)
+    gather_back = ("gradient reduce-scatter (the all-gathers' backward)", "reduce_scatter", act)
+    scatter_back = ("gradient all-gather (the reduce-scatters' and split's backward)",
+                    "all_gather", act)
+    norms = ("layer-norm and row-bias gradients (one sequence chunk each)", "all_reduce", h * c)
+    return {"embed": ([lookup], [scatter_back]),
+            "block": ([gather, gather, scatter, scatter],
+                      [gather_back, gather_back, scatter_back, scatter_back] + [norms] * 6),
+            "head": ([gather] + [loss] * 3, [gather_back, norms, norms])}
+
+
+def _llama_ops(m, tp: int, act: int, loss: tuple, sequence_parallel: bool, c: int) -> dict:
+    """`_layer_ops` of parallel/tensor_llama.py: as the GPT's, with one entry into the
+    tensor-parallel region per block half (ln1's, shared by q, k and v; ln2's, shared by gate
+    and up), except that under sequence parallelism the embedding reduce-scatters its lookup
+    (all-gather backward) and the norms' weight gradients summed backward are ln1's and ln2's
+    (d each) and ln_f's. Backward also sums the gradients of what each rank holds whole but
+    uses a part of: q_norm's and k_norm's weights (head_dim each, every micro-batch), and,
+    with the kv heads replicated (tp a multiple of n_kv_heads), k_proj's and v_proj's weights
+    (and biases)."""
+    d, head_dim = m.d_model, m.head_width
+    if not sequence_parallel:
+        ops = {"embed": ([("embedding lookup (vocabulary-parallel)", "all_reduce", act)], []),
+               "block": ([("attention and MLP outputs (row-parallel o_proj, down_proj)",
+                           "all_reduce", act)] * 2,
+                         [("attention and MLP input gradients (ln1, ln2 outputs)", "all_reduce",
+                           act)] * 2),
+               "head": ([loss] * 3, [("head input gradient", "all_reduce", act)])}
     else:
-        forward = [op("embedding lookup reduce-scatter (vocabulary-parallel)", "reduce_scatter",
-                      act, 1),
-                   op("sequence all-gather after ln1, ln2 and ln_f", "all_gather", act,
-                      2 * layers + 1),
-                   op("sequence reduce-scatter after o_proj, down_proj", "reduce_scatter", act,
-                      2 * layers),
-                   op("loss: max, sum of exp, target logit", "all_reduce", tokens, 3)]
-        backward = [op("gradient reduce-scatter (the all-gathers' backward)", "reduce_scatter",
-                       act, 2 * layers + 1),
-                    op("gradient all-gather (the reduce-scatters' backward)", "all_gather", act,
-                       2 * layers + 1),
-                    op("RMSNorm weight gradients (one sequence chunk each)", "all_reduce", d * c,
-                       2 * layers + 1)]
-    head_dim = m.head_width
+        gather = ("sequence all-gather after ln1, ln2 and ln_f", "all_gather", act)
+        scatter = ("sequence reduce-scatter after o_proj, down_proj", "reduce_scatter", act)
+        gather_back = ("gradient reduce-scatter (the all-gathers' backward)", "reduce_scatter", act)
+        scatter_back = ("gradient all-gather (the reduce-scatters' backward)", "all_gather", act)
+        norms = ("RMSNorm weight gradients (one sequence chunk each)", "all_reduce", d * c)
+        ops = {"embed": ([("embedding lookup reduce-scatter (vocabulary-parallel)",
+                           "reduce_scatter", act)], [scatter_back]),
+               "block": ([gather, gather, scatter, scatter],
+                         [gather_back, gather_back, scatter_back, scatter_back, norms, norms]),
+               "head": ([gather] + [loss] * 3, [gather_back, norms])}
+    block = ops["block"][1]
     if m.qk_norm:
-        backward.append(op("q_norm and k_norm weight gradients (my heads each)", "all_reduce",
-                           head_dim * c, 2 * layers))
+        block += [("q_norm and k_norm weight gradients (my heads each)", "all_reduce",
+                   head_dim * c)] * 2
     if m.kv_heads % tp:
         width = m.kv_heads * head_dim
         for what, size in (("weight", width * d), ("bias", width))[:1 + m.qkv_bias]:
-            backward.append(op(f"replicated k_proj, v_proj {what} gradients", "all_reduce",
-                               size * c, 2 * layers))
-    return forward, backward
+            block += [(f"replicated k_proj, v_proj {what} gradients", "all_reduce", size * c)] * 2
+    return ops
 
 
 def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: bool,
                             compute_bytes: int = FP32_BYTES) -> int:
-    """Bytes autograd saves in one forward of the tp-split model plus its loss, per rank
-    (dropout 0; the single-process counts are loomtrain/activations.py's, tensor by tensor).
+    """Bytes autograd saves in one forward of the tp-split model plus its loss, per rank: the
+    sum of `tensor_layer_bytes` over the embedding, the blocks and the head."""
+    parts = {kind: tensor_layer_bytes(m, kind, micro_batch, tp, sequence_parallel, compute_bytes)
+             for kind in ("embed", "block", "head")}
+    return parts["embed"] + m.n_layers * parts["block"] + parts["head"]
 
-    GPT, per token and layer (c bytes): the inputs of both layer norms h each and their
+
+def tensor_layer_bytes(m, kind: str, micro_batch: int, tp: int, sequence_parallel: bool,
+                       compute_bytes: int = FP32_BYTES) -> int:
+    """Bytes autograd saves in one forward of one layer of the tp-split model ("embed",
+    "block", "head": the loss counts with the head), per rank (dropout 0; the
+    single-process counts are loomtrain/activations.py's, tensor by tensor).
+
+    GPT, per token and block (c bytes): the inputs of both layer norms h each and their
     stats 4, the layer norms' outputs as the column layers keep them h each, qkv 3h/N,
     attention output h/N, fc and GELU outputs rh/N each; fp32: the attention log-sum-exp
     (heads/N). Sequence parallel keeps the layer-norm inputs and stats for s/N tokens only,
     but the column layers keep their gathered (whole-sequence) inputs: Megatron gathers again
-    in backward instead, which loomtrain does not do yet. Once per token: the final norm's
-    input h (h/N with sequence parallel) and stats 2 (2/N), its output as the head keeps it
-    h; the vocabulary-parallel loss's exponentials (V/N) and total (fp32), target index
-    (int64) and 2 masks (bool), the embedding's masked index (int64) and mask (bool); int64
-    positions once per position. MLP model: per layer the layer norm's input, stats and
-    output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit model.
+    in backward instead, which loomtrain does not do yet. The head, per token: the final
+    norm's input h (h/N with sequence parallel) and stats 2 (2/N), its output as the head
+    keeps it h; the vocabulary-parallel loss's exponentials (V/N) and total (fp32), target
+    index (int64) and 2 masks (bool). The embedding: its masked index (int64) and mask (bool)
+    per token, int64 positions once per position. MLP model: per block the layer norm's
+    input, stats and output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit
+    model. The llama: activations.py `llama_layer_bytes`.
     """
     b, t, h, r, n, c = micro_batch, m.seq_len, m.d_model, m.mlp_ratio, tp, compute_bytes
-    if m.name == "llama":  # split layer by layer in activations.py
-        return llama_activation_bytes(m, b, c, tp, sequence_parallel)
+    if m.name == "llama":
+        return llama_layer_bytes(kind, b, t, m, c, tp, sequence_parallel)
     if m.name == "mlp":
-        unsplit = mlp_activation_bytes(b, t, h, m.n_layers, r, m.vocab_size, c)
-        return unsplit - c * b * t * m.n_layers * 2 * r * h * (n - 1) // n
+        unsplit = mlp_layer_bytes(kind, b, t, h, r, m.vocab_size, c)
+        return unsplit - (c * b * t * 2 * r * h * (n - 1) // n if kind == "block" else 0)
+    if kind == "embed":
+        return b * t * (INDEX_BYTES + 1) + INDEX_BYTES * t
+    if kind == "head":
+        once = h / n + 2 / n + h if sequence_parallel else 2 * h + 2
+        return round(b * t * (c * once + FP32_BYTES * (m.vocab_size / n + 1) + INDEX_BYTES + 2))
     if sequence_parallel:
         layer = 2 * h + 2 * h / n + 4 * h / n + 2 * r * h / n + 4 / n
-        once = h / n + 2 / n + h
     else:
         layer = 4 * h + 4 * h / n + 2 * r * h / n + 4
-        once = 2 * h + 2
-    fp32 = m.n_layers * m.n_heads / n + m.vocab_size / n + 1
-    per_token = c * (m.n_layers * layer + once) + FP32_BYTES * fp32 + 2 * INDEX_BYTES + 3
-    return round(b * t * per_token) + INDEX_BYTES * t
+    return round(b * t * (c * layer + FP32_BYTES * m.n_heads / n))
 
 
-def _times(c: Collective, calls: int, every: int = 1, prefix: str = "") -> Collective:
-    return Collective(prefix + c.purpose, c.op, c.axis, c.ranks, c.payload_bytes, c.wire_bytes,
-                      every, c.calls * calls, c.algorithm, c.unit)
-
-
-__all__ = ["estimate_tensor", "tensor_activation_bytes", "tensor_collectives"]
+__all__ = ["estimate_tensor", "tensor_activation_bytes", "tensor_collectives",
+           "tensor_layer_bytes"]

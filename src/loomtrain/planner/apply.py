@@ -230,21 +230,14 @@ def device_kind(run_device: str) -> str:
                      "plan with `loom plan --gpu SPEC.toml --write-config FILE` instead")
 
 
-def dry_run_models(plan: Plan) -> bool:
-    """Whether `loom train --dry-run` models `plan`: not context parallelism, nor
-    recomputation outside a pipeline, yet (their components refuse to estimate)."""
-    return plan.cp == 1 and (plan.pp > 1 or plan.recompute == "none")
-
-
-def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict,
-                dry_run: bool = False) -> Plan | None:
+def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict) -> Plan | None:
     """`resolve_auto`'s `choose` for `loom train`: the best plan by the cost model of `shape`
     on `nproc` devices of this machine's kind (`device_kind`), ranks_per_node of them per node
     (base's parallel.ranks_per_node; unset: one node), among the plans `loom train` runs. Every
     rank plans alone, before the process group exists: the search is deterministic, so ranks
     agree as long as they read the same spec (the built-in GPU kinds; cpu-here is each
-    machine's own calibration, which machines of one job must share). `dry_run`: among the
-    plans `loom train --dry-run` also models (`dry_run_models`), for a dry run to show."""
+    machine's own calibration, which machines of one job must share). `loom train --dry-run`
+    models every plan the search can return."""
     from loomtrain.planner.search import search
     from loomtrain.planner.specs import ClusterSpec, load_device
 
@@ -254,7 +247,5 @@ def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict,
     precision = base.get("train", {}).get("precision", "fp32")
     result = search(shape, ClusterSpec(device, nproc, min(per_node, nproc)), batch, top=1,
                     space="loom", fix={"precision": precision},
-                    accept=lambda plan: runnable(plan, shape, batch, base) or (
-                        "loom train --dry-run does not model it yet"
-                        if dry_run and not dry_run_models(plan) else None))
+                    accept=lambda plan: runnable(plan, shape, batch, base))
     return result.ranked[0].plan if result.ranked else None

@@ -135,6 +135,8 @@ def _estimate_on_fake_backend(cfg, components) -> tuple[DryRunPlan, str, int, in
         whole = plan.parameters
         for component in components:
             component.estimate(plan)
+        for add in plan.later:
+            add(plan)
         layout = mesh.describe()
         if mesh.nodes > 1:
             local, cross = (_ranks(mesh.group_ranks(f"dp.{s}")) for s in ("local", "cross"))

@@ -109,11 +109,12 @@ def _busiest_lines(run: DryRun) -> list[str]:
 
 
 def _activation_why(run: DryRun, cfg, dtype: str = "") -> str:
-    t, m, pipe = cfg.train, cfg.model, run.pipeline
-    tokens = f"{t.micro_batch} x {m.seq_len} tokens{dtype}{_dropout(m)}"
-    if pipe is None:
-        return f"saved for backward, one micro-batch of {tokens}"
+    t, m, pipe, cp = cfg.train, cfg.model, run.pipeline, cfg.parallel.cp
+    mine = f" (seq_len / cp {cp})" if cp > 1 else ""
+    tokens = f"{t.micro_batch} x {m.seq_len // cp} tokens{mine}{dtype}{_dropout(m)}"
     recompute = "" if cfg.parallel.recompute == "none" else f", recompute {cfg.parallel.recompute!r}"
+    if pipe is None:
+        return f"saved for backward, one micro-batch of {tokens}{recompute}"
     return (f"rank 0's peak over the {pipe.schedule.name} step: {pipe.sim.peak_stash[0]} "
             f"micro-batch(es) of {tokens} stashed{recompute} (docs/dry-run.md)")
 
@@ -207,11 +208,22 @@ def _zero_lines(z: ZeroLayout, cfg) -> list[str]:
             f"{sum(n for _, n in z.units) + z.root:,} elements (P)"]
 
 
+def _gathered_why(cfg, c: int, nbytes: int) -> str:
+    """Which units stage 3 holds gathered at once: inside a pipeline all of them (the step is
+    held), else the root and a prefetch window."""
+    if not nbytes:
+        return "none (stage 3 only)"
+    if cfg.parallel.pp > 1:
+        return f"through the step (a pipeline holds it): the root and every unit, {c} B each"
+    return f"during a step: the root + {1 + cfg.parallel.prefetch} unit(s) (1 + prefetch), {c} B each"
+
+
 def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
     t, plan, est = cfg.train, run.zero.plan, run.memory
     c, stage = compute_bytes(plan), cfg.parallel.zero_stage
     n_shard, n_opt = plan.shard_ranks, plan.optimizer_ranks
     dtype = "fp32" if c == 4 else "bf16"
+    pipelined = cfg.parallel.pp > 1
     host = " [host]" if plan.offload else ""
     states = optimizer_states(t.optimizer, t.beta1)
     master = int(c != 4 or plan.offload)  # fp32 master weights of their own
@@ -225,11 +237,11 @@ def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
          f"{t.optimizer}: 4 x {states + master}P / S: {states} state(s)"
          + (" + fp32 master weights" if master else "") + f" of my range{host}"),
         ("activations", est.activation_bytes, _activation_why(run, cfg, f" ({dtype})")),
-        ("gathered units", est.gathered_bytes,
-         f"during a step: the root + {1 + cfg.parallel.prefetch} unit(s) (1 + prefetch), {c} B each"
-         if est.gathered_bytes else "none (stage 3 only)"),
+        ("gathered units", est.gathered_bytes, _gathered_why(cfg, c, est.gathered_bytes)),
         ("grads in flight", est.in_flight_bytes,
-         "during backward: buffers being filled and reduced (docs/dry-run.md)"
+         "during backward: buffers being filled and reduced"
+         + (", and every unit's unreduced fp32 gradient held through the step (4P)"
+            if pipelined and stage >= 2 else "") + " (docs/dry-run.md)"
          if est.in_flight_bytes else "none: .grad are views of the fp32 accumulator"),
         *_rows(est),
         ("total", est.total_bytes,

@@ -20,8 +20,14 @@ def _kind(layer: str) -> str:
     return "block" if layer.startswith("blocks.") else layer
 
 
-def layer_activation_bytes(m, layer: str, micro_batch: int, c: int) -> int:
-    """Layer `layer` ("embed", "blocks.i", "head") of the model `m` (a ModelConfig)."""
+def layer_activation_bytes(m, layer: str, micro_batch: int, c: int, tp: int = 1,
+                           sequence_parallel: bool = False) -> int:
+    """Layer `layer` ("embed", "blocks.i", "head") of the model `m` (a ModelConfig; its
+    seq_len the tokens of a row one rank runs), on one of `tp` ranks."""
+    if tp > 1:
+        from loomtrain.parallel.tensor_estimate import tensor_layer_bytes
+
+        return tensor_layer_bytes(m, _kind(layer), micro_batch, tp, sequence_parallel, c)
     if m.name == "llama":
         return llama_layer_bytes(_kind(layer), micro_batch, m.seq_len, m, c)
     if m.name == "gpt":
@@ -32,7 +38,7 @@ def layer_activation_bytes(m, layer: str, micro_batch: int, c: int) -> int:
                            m.vocab_size, c)
 
 
-def _deferred_widths(m, layer: str) -> tuple[int, int]:
+def _deferred_widths(m, layer: str, tp: int = 1) -> tuple[int, int]:
     """(Linear inputs, Linear output gradients) per token that zero-bubble's W needs, kept
     from I (runtime.py `DeferredWeightGrads`): a GPT block's ln1 output, attention output,
     ln2 output (d each) and GELU output (rd), and the gradients of qkv (3d), proj (d), fc (rd)
@@ -41,9 +47,11 @@ def _deferred_widths(m, layer: str) -> tuple[int, int]:
     up share it), d each, and SwiGLU product (f), and the gradients of q (heads x head_dim)
     and o (d), k and v (kv_heads x head_dim each), gate and up (f each)
     and down (d); an MLP-model block's LayerNorm and GELU outputs and the gradients of fc and
-    proj; the head's ln_f output (d) and the logits' gradient (V)."""
+    proj; the head's ln_f output (d) and the logits' gradient (V). Under tensor parallelism
+    nothing is deferred but the MLP model's head: `defer_linear_weights` patches plain
+    nn.Linear layers only, and the tensor-parallel ones keep their own backward."""
     d, r, kind = m.d_model, m.mlp_ratio, _kind(layer)
-    if kind == "embed":
+    if kind == "embed" or (tp > 1 and not (m.name == "mlp" and kind == "head")):
         return 0, 0
     if kind == "head":
         return d, m.vocab_size
@@ -51,6 +59,14 @@ def _deferred_widths(m, layer: str) -> tuple[int, int]:
         f, q, kv = m.ffn_width, m.n_heads * m.head_width, m.kv_heads * m.head_width
         return 2 * d + q + f, 2 * d + q + 2 * kv + 2 * f
     return ((3 + r) * d, (5 + r) * d) if m.name == "gpt" else ((1 + r) * d, (1 + r) * d)
+
+
+def core_bytes(m, micro_batch: int, c: int, tp: int = 1) -> int:
+    """What selective recomputation frees of one block on one of `tp` ranks: the GPT's fp32
+    log-sum-exp (with the fused attention kernel), the llama's `llama_core_bytes`."""
+    if m.name == "llama":
+        return llama_core_bytes(micro_batch, m.seq_len, m, c, tp)
+    return FP32_BYTES * micro_batch * m.seq_len * m.n_heads // tp
 
 
 @dataclass(frozen=True)
@@ -71,7 +87,8 @@ class StageMemory:
 
 
 def stage_memory(m, layers: list[str], micro_batch: int, c: int, recompute: str,
-                 first: bool, last: bool) -> StageMemory:
+                 first: bool, last: bool, tp: int = 1,
+                 sequence_parallel: bool = False) -> StageMemory:
     """A pair of the stage made of `layers`. A stage after the first receives its input
     (b t d, which its first LayerNorm saves: counted once, as received); a stage before the
     last keeps its output until the backward that the received gradient starts. recompute
@@ -81,19 +98,20 @@ def stage_memory(m, layers: list[str], micro_batch: int, c: int, recompute: str,
     and the fp32 log-sum-exp (h per token): only the last is freed (with the fused attention
     kernel; the unfused one's t x t scores, with dropout, are not counted); the llama's frees
     more (activations.py `llama_core_bytes`). The llama's first RMSNorm saves the received
-    input itself only in fp32, which is all a pipeline runs (bf16 is refused with it)."""
-    saved = sum(layer_activation_bytes(m, x, micro_batch, c) for x in layers)
-    boundary = c * micro_batch * m.seq_len * m.d_model
+    input itself only in fp32, which is all a pipeline runs (bf16 is refused with it). On one
+    of `tp` ranks the layers are tensor_estimate's; under sequence parallelism a boundary
+    holds 1/tp of the tokens."""
+    saved = sum(layer_activation_bytes(m, x, micro_batch, c, tp, sequence_parallel)
+                for x in layers)
+    boundary = c * micro_batch * m.seq_len * m.d_model // (tp if sequence_parallel else 1)
     received, output = (0 if first else boundary), (0 if last else boundary)
-    tokens, widths = c * micro_batch * m.seq_len, [_deferred_widths(m, x) for x in layers]
+    tokens, widths = c * micro_batch * m.seq_len, [_deferred_widths(m, x, tp) for x in layers]
     inputs, grads = tokens * sum(w for w, _ in widths), tokens * sum(g for _, g in widths)
     if recompute == "full":
         return StageMemory(0, received, output, saved - received, inputs, grads)
     core = 0
     if recompute == "selective":
-        blocks = sum(_kind(x) == "block" for x in layers)
-        core = blocks * (llama_core_bytes(micro_batch, m.seq_len, m, c) if m.name == "llama"
-                         else FP32_BYTES * micro_batch * m.seq_len * m.n_heads)
+        core = sum(_kind(x) == "block" for x in layers) * core_bytes(m, micro_batch, c, tp)
     return StageMemory(saved - received - core, received, output, 0, inputs, grads)
 
 
@@ -178,15 +196,15 @@ class PipelineSplit:
 
 def split_on_meta(model, mesh, cfg):
     """(this rank's PipelineModule, PipelineSplit) of a meta-device `model`, as the trainer's
-    `split_model` cuts it; with pipeline_balance="time" by parameters instead (a meta model
-    cannot be timed)."""
-    import torch
-
-    from loomtrain.parallel.pipeline import layers_of, shared_parameters, split
+    `split_model` cuts it (a micro-batch of seq_len / cp tokens per row; boundaries in bf16
+    with train.precision="bf16", as apply_pipeline casts them); with
+    pipeline_balance="time" by parameters instead (a meta model cannot be timed)."""
+    from loomtrain.parallel.pipeline import _sample, layers_of, shared_parameters, split
 
     p = cfg.parallel
     by_time = p.pipeline_balance == "time" and not p.split_points
-    sample = torch.zeros((cfg.train.micro_batch, cfg.model.seq_len), dtype=torch.long)
+    sample = _sample(cfg, mesh)
+    bf16 = cfg.train.precision == "bf16"
     whole = copy.deepcopy(model)  # split drops the other ranks' modules from `model`
     module, shapes, _ = split(model, mesh, p.pp * p.virtual_stages, sample,
                               list(p.split_points) or "params")
@@ -201,7 +219,8 @@ def split_on_meta(model, mesh, cfg):
               for name, ranks in shared_parameters(whole, layers, bounds, p.pp).items()]
     return module, PipelineSplit(
         [[x.name for x in layers[bounds[s]:bounds[s + 1]]] for s in range(len(bounds) - 1)],
-        [shape.numel() * dtype.itemsize for shape, dtype in shapes],
+        [shape.numel() * (2 if bf16 and dtype.is_floating_point else dtype.itemsize)
+         for shape, dtype in shapes],
         [sum(h.values()) for h in per_rank], shared, by_time)
 
 
@@ -218,10 +237,12 @@ class PipelineEstimate:
 
 
 def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
-                      eval_forwards: int) -> PipelineEstimate:
-    p, m, b = cfg.parallel, cfg.model, cfg.train.micro_batch
-    last = len(split.stage_layers) - 1
-    memory = [stage_memory(m, names, b, c, p.recompute, s == 0, s == last)
+                      eval_forwards: int, m=None) -> PipelineEstimate:
+    """`m`: the [model] keys as a rank runs them (DryRunPlan.local_model; None: cfg.model)."""
+    p, b = cfg.parallel, cfg.train.micro_batch
+    m, last = m or cfg.model, len(split.stage_layers) - 1
+    memory = [stage_memory(m, names, b, c, p.recompute, s == 0, s == last, p.tp,
+                           p.sequence_parallel)
               for s, names in enumerate(split.stage_layers)]
     sim = S.simulate(schedule)
     peaks = [activation_peak(spans, memory) for spans in sim.spans]
@@ -247,7 +268,10 @@ def estimate_pipeline(plan: DryRunPlan) -> None:
     except ValueError as err:
         raise ConfigError(f"parallel.schedule={cfg.parallel.schedule!r}: {err}") from None
     plan.model, split = split_on_meta(plan.model, plan.mesh, cfg)
-    pipe = pipeline_estimate(split, schedule, cfg, plan.compute_bytes, plan.eval_forwards)
+    pipe = pipeline_estimate(split, schedule, cfg, plan.compute_bytes, plan.eval_forwards,
+                             plan.local_model)
+    plan.layers = [x for s in range(0, schedule.stages, schedule.pp)
+                   for x in split.stage_layers[s]]
     plan.activation_bytes = pipe.peaks[0]
     plan.collectives += pipe.collectives
     plan.eval_collectives += pipe.eval_sends

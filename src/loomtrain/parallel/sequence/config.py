@@ -41,14 +41,9 @@ class Context(Component):
 
     @classmethod
     def estimate(cls, plan) -> None:
-        """Not modelled yet at cp > 1 (packing alone changes no estimate)."""
-        from loomtrain.errors import ConfigError
+        from loomtrain.parallel.sequence.estimate import estimate_context
 
-        cp = plan.cfg.parallel.cp
-        if cp > 1:
-            raise ConfigError(f"loom train --dry-run does not model context parallelism yet "
-                              f"(parallel.cp={cp}): run without --dry-run, or with parallel.cp=1 "
-                              "to see the other axes")
+        estimate_context(plan)
 
     @classmethod
     def local_batch(cls, built: Built, batch: tuple) -> tuple:

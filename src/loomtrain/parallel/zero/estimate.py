@@ -31,7 +31,7 @@ def compute_bytes(plan: ShardPlan) -> int:
 
 
 def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
-                     accumulation: int) -> list[Collective]:
+                     accumulation: int, pipelined: bool = False) -> list[Collective]:
     """The engine's collectives in one optimizer step of `accumulation` micro-batches (A).
 
     L = shard ranks, C = replica ranks, c = compute bytes, p = a unit's padded length.
@@ -44,13 +44,17 @@ def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
     (cp each). After the step (`publish`): all_gather of the shard (cp/L) over the replica
     axis when the optimizer range is smaller than it, then of the unit (cp) over the shard
     axis for stages 1-2. `clip_grad_norm_`: one 4-byte all_reduce over the optimizer's group.
-    A group of one rank sends and counts nothing.
+    A group of one rank sends and counts nothing. Inside a pipeline (`pipelined`, engine.py
+    `_holding`) stages 2-3 hold the step: each unit is reduced once per step, and stage 3
+    gathers the root and every unit once, kept across the step's micro-batches.
     """
     n_shard, n_replica, c = plan.shard_ranks, plan.replica_ranks, compute_bytes(plan)
     everything = units + ([(ROOT, root)] if root else [])
     launch = units[::-1] + ([(ROOT, root)] if root else [])
-    when = "every micro-batch" if plan.stage >= 2 else "last micro-batch"
-    reductions = accumulation if plan.stage >= 2 else 1
+    held = pipelined and plan.stage >= 2
+    when = ("once per step (held)" if held else
+            "every micro-batch" if plan.stage >= 2 else "last micro-batch")
+    reductions = accumulation if plan.stage >= 2 and not held else 1
     out = []
     for name, p in launch:
         if n_shard > 1:
@@ -61,7 +65,11 @@ def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
             part = " of the shard" if n_shard > 1 else ""
             out.append(metered(f"gradient {op.replace('_', '-')}{part}, each unit, {when}",
                                op, plan.replica_axis, n_replica, 4 * (p // n_shard), reductions, name))
-    if plan.stage == 3 and n_shard > 1:
+    if plan.stage == 3 and n_shard > 1 and held:
+        out += [metered("unit gather, once per step (kept through the step)", "all_gather",
+                        plan.shard_axis, n_shard, c * p, 1, name)
+                for name, p in ([(ROOT, root)] if root else []) + units]
+    elif plan.stage == 3 and n_shard > 1:
         if root:
             out.append(metered("root gather, every micro-batch (kept through backward)", "all_gather",
                                plan.shard_axis, n_shard, c * root, accumulation, ROOT))
@@ -82,24 +90,43 @@ def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
 
 
 def zero_eval_gathers(plan: ShardPlan, units: list[tuple[str, int]], root: int,
-                      eval_microbatches: int, eval_every: int) -> list[Collective]:
+                      eval_microbatches: int, eval_every: int, prefetch: int = 0,
+                      calls: list[list[str]] | None = None) -> list[Collective]:
     """Stage 3 evaluation: each of the `eval_microbatches` forwards (no backward follows)
-    gathers every unit once."""
+    gathers every unit once, as one call of the whole model. A pipeline rank runs each of its
+    stages as a call of its own (`calls`: the unit names of each, in order): every call
+    gathers the root, its own units, and the `prefetch` units after each of them in the
+    rank's order and at its start (engine.py `_root_pre_forward`, `_pre_forward`), which the
+    call's end frees unused; a later call gathers them again."""
     if plan.stage < 3 or plan.shard_ranks == 1 or not eval_microbatches:
         return []
-    c = compute_bytes(plan)
+    c, names = compute_bytes(plan), [name for name, _ in units]
+    count = dict.fromkeys(names, 0)
+    for call in calls or [names]:
+        started = set(names[:prefetch])
+        for name in call:
+            i = names.index(name)
+            started.update(names[i:i + 1 + prefetch])
+        for name in started:
+            count[name] += 1
+    gathers = ([(ROOT, root, len(calls or [names]))] if root else []) + \
+        [(name, p, count[name]) for name, p in units if count[name]]
     return [metered("validation gathers, each unit per micro-batch", "all_gather", plan.shard_axis,
-                    plan.shard_ranks, c * p, eval_microbatches, name, eval_every)
-            for name, p in ([(ROOT, root)] if root else []) + units]
+                    plan.shard_ranks, c * p, n * eval_microbatches, name, eval_every)
+            for name, p, n in gathers]
 
 
-def gathered_bytes(plan: ShardPlan, units: list[tuple[str, int]], root: int, prefetch: int) -> int:
+def gathered_bytes(plan: ShardPlan, units: list[tuple[str, int]], root: int, prefetch: int,
+                   pipelined: bool = False) -> int:
     """Stage 3: the root unit (gathered from the start of forward to the end of backward) and
     the unit computing with the `prefetch` units gathered ahead of it, c bytes per element:
-    the largest run of 1 + prefetch consecutive units (engine.py `_pre_forward`/`_pre_backward`)."""
+    the largest run of 1 + prefetch consecutive units (engine.py `_pre_forward`/`_pre_backward`).
+    Inside a pipeline every unit stays gathered through the step."""
     if plan.stage < 3 or plan.shard_ranks == 1:
         return 0
     sizes = [p for _, p in units]
+    if pipelined:
+        return compute_bytes(plan) * (root + sum(sizes))
     k = min(1 + prefetch, len(sizes))
     window = max((sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1)), default=0)
     return compute_bytes(plan) * (root + window)
@@ -144,10 +171,13 @@ def in_flight_bytes(plan: ShardPlan, units: list[tuple[str, int]], root: int) ->
 
 
 def zero_memory_per_rank(plan: ShardPlan, units: list[tuple[str, int]], root: int, states: int,
-                         activations: int, prefetch: int) -> MemoryEstimate:
+                         activations: int, prefetch: int,
+                         pipelined: bool = False) -> MemoryEstimate:
     """`layout.zero_memory` (persistent state, its docstring has the formulas) plus what lives
     only during a step: activations, gathered units and gradients in flight. With offload, the
-    master weights, optimizer state and reduced gradient range (4P/S) are in host memory."""
+    master weights, optimizer state and reduced gradient range (4P/S) are in host memory.
+    Inside a pipeline, stages 2-3 hold every unit's unreduced fp32 gradient (4P,
+    `FlatUnit.held`) through the step, counted with the gradients in flight."""
     padded = [p for _, p in units] + ([root] if root else [])
     c = compute_bytes(plan)
     m = zero_memory(padded, plan.stage, plan.shard_ranks, plan.optimizer_ranks, states, c,
@@ -155,8 +185,9 @@ def zero_memory_per_rank(plan: ShardPlan, units: list[tuple[str, int]], root: in
                     separate_grad=plan.offload and plan.stage == 1)
     host = m.optimizer_bytes + 4 * sum(padded) // plan.optimizer_ranks if plan.offload else 0
     return MemoryEstimate(m.parameter_bytes, m.gradient_bytes, m.optimizer_bytes, activations,
-                          gathered_bytes(plan, units, root, prefetch),
-                          in_flight_bytes(plan, units, root), host)
+                          gathered_bytes(plan, units, root, prefetch, pipelined),
+                          in_flight_bytes(plan, units, root)
+                          + (4 * sum(padded) if pipelined and plan.stage >= 2 else 0), host)
 
 
 
@@ -172,7 +203,7 @@ def zero_layout(model, mesh, cfg) -> ZeroLayout:
     p = cfg.parallel
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     plan = make_plan(mesh, p.zero_stage, p.hierarchical, p.optimizer_shard, dtype,
-                     p.offload_optimizer)
+                     p.offload_optimizer, "dpcp" if p.cp > 1 else "dp")
     try:
         named = find_units(model, list(p.shard_units) or None)
     except ValueError as err:
@@ -195,10 +226,16 @@ def estimate_zero(plan: DryRunPlan) -> None:
     cfg = plan.cfg
     z = zero_layout(plan.model, plan.mesh, cfg)
     broadcast_state(plan.model, plan.mesh, "dp")  # what shard() sends first
+    pipelined = cfg.parallel.pp > 1
     plan.memory = zero_memory_per_rank(z.plan, z.units, z.root, plan.optimizer_states,
-                                       plan.activations(), cfg.parallel.prefetch)
-    plan.reductions = zero_collectives(z.plan, z.units, z.root, cfg.accumulation_steps)
+                                       plan.activations(), cfg.parallel.prefetch, pipelined)
+    plan.reductions = zero_collectives(z.plan, z.units, z.root, cfg.accumulation_steps,
+                                       pipelined)
+    pipe = plan.parts.get("pipeline")
+    calls = None if pipe is None else [  # this rank's stages, each a forward call of its own
+        [x for x in pipe.split.stage_layers[s] if x in dict(z.units)]
+        for s in range(0, pipe.schedule.stages, pipe.schedule.pp)]
     plan.eval_collectives += zero_eval_gathers(z.plan, z.units, z.root, plan.eval_forwards,
-                                               cfg.run.eval_every)
+                                               cfg.run.eval_every, cfg.parallel.prefetch, calls)
     plan.parts["zero"] = z
     plan.replicated = True
