@@ -9,6 +9,7 @@ from __future__ import annotations
 from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_activation_bytes,
                                    mlp_activation_bytes)
 from loomtrain.estimate import Collective, DryRunPlan, metered
+from loomtrain.parallel.tensor_config import padded_vocab
 
 
 def estimate_tensor(plan: DryRunPlan) -> None:
@@ -141,7 +142,7 @@ def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: boo
     but the column layers keep their gathered (whole-sequence) inputs: Megatron gathers again
     in backward instead, which loomtrain does not do yet. Once per token: the final norm's
     input h (h/N with sequence parallel) and stats 2 (2/N), its output as the head keeps it
-    h; the vocabulary-parallel loss's exponentials (V/N) and total (fp32), target index
+    h; the vocabulary-parallel loss's exponentials (V/N, V padded to a multiple of N) and total (fp32), target index
     (int64) and 2 masks (bool), the embedding's masked index (int64) and mask (bool); int64
     positions once per position. MLP model: per layer the layer norm's input, stats and
     output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit model.
@@ -158,7 +159,7 @@ def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: boo
     else:
         layer = 4 * h + 4 * h / n + 2 * r * h / n + 4
         once = 2 * h + 2
-    fp32 = m.n_layers * m.n_heads / n + m.vocab_size / n + 1
+    fp32 = m.n_layers * m.n_heads / n + padded_vocab(m.vocab_size, n) / n + 1
     per_token = c * (m.n_layers * layer + once) + FP32_BYTES * fp32 + 2 * INDEX_BYTES + 3
     return round(b * t * per_token) + INDEX_BYTES * t
 
