@@ -16,7 +16,7 @@ import pytest
 import tomli_w
 
 import loomtrain
-from conftest import tiny_tree
+from conftest import refused, tiny_tree
 from loomtrain.errors import ConfigError
 from loomtrain.planner.apply import (MARKER, choose_here, plan_config, resolve_auto, runnable,
                                      write_config)
@@ -253,3 +253,43 @@ def test_plan_auto_plans_a_llama_with_the_real_search(monkeypatch, tmp_path, cor
     assert cli.main(["train", str(path), "--dry-run"]) == 0
     out = capsys.readouterr()
     assert 'parallel.plan="auto" chose' in out.err and "model: llama" in out.out, out
+
+
+def _auto_config(tmp_path, corpus) -> Path:
+    path = tmp_path / "auto.toml"
+    path.write_text(tomli_w.dumps(tiny_tree(tmp_path, corpus, run={"device": "cpu"},
+                                            parallel={"plan": "auto", "nproc": 2})))
+    return path
+
+
+def test_plan_auto_calibrates_a_fresh_machine_once(monkeypatch, tmp_path, corpus, capsys,
+                                                   calibration):
+    """No calibration cached (an empty XDG_CACHE_HOME): `loom train` with plan = "auto"
+    measures a quick one first, says so in one line, saves it where `loom bench calibrate`
+    does and plans with it; the next run reads it and measures nothing. The measurement is
+    the session's real quick calibration (conftest.py), handed back in place of a second
+    ~25 s one; under torchrun, where every rank plans alone, nothing is measured: refused."""
+    from loomtrain import cli
+    from loomtrain.planner import calibrate, specs
+
+    session = specs.device_from_table(
+        tomllib.loads((calibration[0] / "loomtrain" / "cpu-here.toml").read_text()), "session")
+    measured = []  # the `quick` argument of each calibration
+    monkeypatch.setattr(calibrate, "calibrate",
+                        lambda quick=False, effort=None: measured.append(quick) or session)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    path = _auto_config(tmp_path, corpus)
+    assert cli.main(["train", str(path), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "no calibration of this machine yet" in line]
+    assert len(said) == 1 and str(specs.calibration_path()) in said[0], err
+    assert measured == [True] and 'parallel.plan="auto" chose' in err
+    saved = specs.load_device("cpu-here")
+    assert {**saved.__dict__, "source": ""} == {**session.__dict__, "source": ""}
+    assert cli.main(["train", str(path), "--dry-run"]) == 0  # cached: read, not measured
+    assert "no calibration" not in capsys.readouterr().err and measured == [True]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("RANK", "1")
+    assert "under torchrun plans on every rank" in refused(capsys, ["train", str(path), "--dry-run"])
+    assert measured == [True] and not specs.calibration_path().exists()
