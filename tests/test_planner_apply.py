@@ -17,7 +17,7 @@ import tomli_w
 
 import loomtrain
 from conftest import refused, tiny_tree
-from loomtrain.errors import ConfigError
+from loomtrain.errors import ConfigError, UserError
 from loomtrain.planner.apply import (MARKER, choose_here, plan_config, resolve_auto, runnable,
                                      write_config)
 from loomtrain.planner.plan import Plan
@@ -293,3 +293,72 @@ def test_plan_auto_calibrates_a_fresh_machine_once(monkeypatch, tmp_path, corpus
     monkeypatch.setenv("RANK", "1")
     assert "under torchrun plans on every rank" in refused(capsys, ["train", str(path), "--dry-run"])
     assert measured == [True] and not specs.calibration_path().exists()
+
+
+def _sampled_plans(shape: ModelShape, batch: int, n: int) -> list[Plan]:
+    """`n` plans drawn (seeded) from everything search_space.py yields for `shape` on 8
+    devices of one node (a cpu-here-named spec, so fp32 is searched too), offload variants
+    included."""
+    import random
+
+    from loomtrain.planner import specs
+    from loomtrain.planner.search_space import Space
+
+    cluster = specs.ClusterSpec(replace(specs.BUILTIN["a100-40g"], name="cpu-here"), 8, 8)
+    space = Space(shape, cluster, batch, {})
+    plans = [replace(Plan(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=b, microbatches=m, **key), **v)
+             for dp, tp, pp, cp in space.meshes() for b, m in space.micro_batches(dp)
+             for key in space.compute_keys(tp, pp) for v in space.sync_variants(dp, tp, cp)]
+    plans += [replace(p, **o) for p in plans for o in space.offload_variants(p)]
+    return random.Random(0).sample(plans, n)
+
+
+def _loom_train_takes(plan: Plan, shape: ModelShape, batch: int) -> bool:
+    """Whether `loom train` takes the plan's config and splits its model: the config's
+    validation, then tensor parallelism and the pipeline's split on the meta device over a
+    fake world of the plan's ranks, as the dry run's set-up does (train/materialize.py
+    `setup_peak`: no process)."""
+    from loomtrain.train.materialize import setup_peak
+
+    try:
+        setup_peak(config_from_dict(plan_config(plan, shape, batch)))
+    except (ValueError, UserError):
+        return False
+    return True
+
+
+# (preset, plans sampled): the GPT-3 model's meta build takes ~0.3 s a plan, the others ~0.1 s
+@pytest.mark.parametrize("name, n", [("default", 24), ("llama-debug", 24), ("gpt3-125m", 12)])
+def test_the_loom_space_is_what_loom_train_takes(name, n):
+    """`runnable` (the search's filter for space "loom" and its notes) says None exactly for
+    the plans `loom train` takes, on a sample of the whole search space of a GPT, a llama
+    and a GPT-3 preset (vocabulary 50257: tp pads it). (The refused plans in these samples:
+    interleaved schedules whose microbatches pp does not divide, as Megatron refuses.)"""
+    shape, batch = preset(name), 32
+    verdicts = [(plan, runnable(plan, shape, batch) is None, _loom_train_takes(plan, shape, batch))
+                for plan in _sampled_plans(shape, batch, n)]
+    for plan, listed, takes in verdicts:
+        assert listed == takes, (name, plan, runnable(plan, shape, batch))
+    assert {listed for _, listed, _ in verdicts} == {True, False}  # the sample has both
+    assert any(plan.tp > 1 and listed for plan, listed, _ in verdicts)
+
+
+def test_gpt3_tp_plans_run_with_a_padded_vocabulary():
+    """GPT-3's vocabulary (50257, prime) no longer keeps its tp plans out of `loom train`:
+    tp pads it (parallel/tensor_config.py padded_vocab), and the cost model counts the
+    padded rows each rank holds."""
+    from loomtrain.planner import specs
+    from loomtrain.planner.cost import estimate, padded
+    from loomtrain.planner.search import search
+
+    shape = preset("gpt3-1.3b")
+    cluster = specs.ClusterSpec(specs.BUILTIN["h100-80g"], 8, 8)
+    result = search(shape, cluster, 64, top=5, space="all", fix={"tp": 8},
+                    accept=lambda plan: runnable(plan, shape, 64))
+    assert len(result.ranked) == 5  # `loom plan` marks none "not run by `loom train` yet"
+    assert all(note is None for note in result.notes.values()), result.notes
+    assert padded(shape, 8).vocab_size == 50264 and padded(shape, 1) is shape
+    plan = Plan(tp=8, micro_batch=1, microbatches=64)  # bf16: 2 bytes a weight
+    more = estimate(shape, cluster, plan).memory["weights"] - estimate(
+        replace(shape, vocab_size=50256), cluster, plan).memory["weights"]
+    assert more == 2 * shape.d_model  # one more row on each rank (6283 against 6282), not 1/8
