@@ -291,7 +291,8 @@ def test_plan_auto_calibrates_a_fresh_machine_once(monkeypatch, tmp_path, corpus
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("RANK", "1")
-    assert "under torchrun plans on every rank" in refused(capsys, ["train", str(path), "--dry-run"])
+    err = refused(capsys, ["train", str(path), "--dry-run"])
+    assert "under torchrun plans on every rank" in err
     assert measured == [True] and not specs.calibration_path().exists()
 
 

@@ -142,10 +142,11 @@ def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: boo
     but the column layers keep their gathered (whole-sequence) inputs: Megatron gathers again
     in backward instead, which loomtrain does not do yet. Once per token: the final norm's
     input h (h/N with sequence parallel) and stats 2 (2/N), its output as the head keeps it
-    h; the vocabulary-parallel loss's exponentials (V/N, V padded to a multiple of N) and total (fp32), target index
-    (int64) and 2 masks (bool), the embedding's masked index (int64) and mask (bool); int64
-    positions once per position. MLP model: per layer the layer norm's input, stats and
-    output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit model.
+    h; the vocabulary-parallel loss's exponentials (V/N, V padded to a multiple of N) and
+    total (fp32), target index (int64) and 2 masks (bool), the embedding's masked index
+    (int64) and mask (bool); int64 positions once per position. MLP model: per layer the
+    layer norm's input, stats and output (2h + 2), fc and GELU outputs rh/N each, the rest as
+    the unsplit model.
     """
     b, t, h, r, n, c = micro_batch, m.seq_len, m.d_model, m.mlp_ratio, tp, compute_bytes
     if m.name == "llama":  # split layer by layer in activations.py

@@ -46,7 +46,8 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, synced(self.weight), synced(self.bias), self.eps)
 
 
-def _piece(full: torch.Tensor, dim: int, index: torch.Tensor, length: int | None = None) -> nn.Parameter:
+def _piece(full: torch.Tensor, dim: int, index: torch.Tensor,
+           length: int | None = None) -> nn.Parameter:
     """The parameter holding `full`'s entries `index` along `dim`, then zeros up to `length`
     (a padded vocabulary's rows), marked with its placement (checkpoints save the entries as
     part of the full tensor, not the padding; gradient norms count it on one rank)."""

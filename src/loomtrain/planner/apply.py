@@ -273,8 +273,8 @@ def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict,
     torchrun every rank plans alone, before the process group exists: the search is
     deterministic, so ranks agree as long as they read the same spec (the built-in GPU kinds;
     cpu-here is each machine's own calibration, which machines of one job must share:
-    `this_machine`). `dry_run`: among the
-    plans `loom train --dry-run` also models (`dry_run_models`), for a dry run to show."""
+    `this_machine`). `dry_run`: among the plans `loom train --dry-run` also models
+    (`dry_run_models`), for a dry run to show."""
     from loomtrain.planner.search import search
     from loomtrain.planner.specs import ClusterSpec
 

@@ -17,8 +17,8 @@ from loomtrain.planner.comm_cost import all_reduce_s
 from loomtrain.planner.measure import FULL, PENALTY_BYTES, QUICK, WORLD, Effort, measure
 from loomtrain.planner.specs import CPU_HERE, ClusterSpec, DeviceSpec, calibration_path, load_device
 
-__all__ = ["FULL", "QUICK", "Effort", "calibrate", "cpu_here", "fit_alpha_beta", "measure", "save", "spec_from",
-           "summary", "usable_memory_bytes"]
+__all__ = ["FULL", "QUICK", "Effort", "calibrate", "cpu_here", "fit_alpha_beta", "measure", "save",
+           "spec_from", "summary", "usable_memory_bytes"]
 
 
 def fit_alpha_beta(payload_bytes, times_s, n: int | None = None) -> tuple[float, float]:
