@@ -172,7 +172,7 @@ def test_written_config_trains(tmp_path, corpus):
 def _fake_search(monkeypatch, found: Plan | None, seen: list):
     """planner.search stood in for: it returns `found` if `accept` takes it, recording what it
     was asked (the real search is tested in its own file)."""
-    from loomtrain.planner import specs
+    from loomtrain.planner import calibrate, specs
 
     def search(shape, cluster, batch, top, space, accept, fix):
         assert fix == {"precision": "fp32"}  # the run's precision is kept, not searched
@@ -181,8 +181,10 @@ def _fake_search(monkeypatch, found: Plan | None, seen: list):
         return SimpleNamespace(ranked=[SimpleNamespace(plan=found)] if ok else [])
 
     monkeypatch.setitem(sys.modules, "loomtrain.planner.search", SimpleNamespace(search=search))
-    monkeypatch.setattr(specs, "load_device", lambda kind: specs.BUILTIN["h100-80g"] if kind != "cpu-here"
-                        else replace(specs.BUILTIN["a100-40g"], name="cpu-here"))
+    monkeypatch.setattr(specs, "load_device", lambda kind: specs.BUILTIN["h100-80g"])
+    # this machine, calibrated or not: never measured here (apply.this_machine)
+    monkeypatch.setattr(calibrate, "cpu_here",
+                        lambda before=None: replace(specs.BUILTIN["a100-40g"], name="cpu-here"))
 
 
 def test_choose_here_searches_this_machine_for_runnable_plans(monkeypatch, tmp_path, corpus):
