@@ -35,19 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_measure import GRID, measure  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
+from loomtrain.planner.calibrate import cpu_here  # noqa: E402
 from loomtrain.planner.cost import estimate, step_costs  # noqa: E402
 from loomtrain.planner.presets import preset  # noqa: E402
 from loomtrain.planner.search import search  # noqa: E402
 from loomtrain.planner.simulate import simulate_step  # noqa: E402
-from loomtrain.planner.specs import BUILTIN, CPU_HERE, ClusterSpec, calibration_path, load_device  # noqa: E402
-
-
-def cpu_here():
-    """The calibrated spec of this machine; a quick calibration saved first if there is none."""
-    if not calibration_path().is_file():
-        from loomtrain.planner.calibrate import calibrate, save
-        save(calibrate(quick=True))
-    return load_device(CPU_HERE)
+from loomtrain.planner.specs import BUILTIN, ClusterSpec  # noqa: E402
 
 
 def predict(device, plan) -> tuple[float, float]:
@@ -101,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true",
                     help="three plans, one round, few steps (the suite's smoke test)")
     args = ap.parse_args(argv)
-    device = cpu_here()
+    device = cpu_here()  # a quick calibration saved first if there is none
     grid = GRID[:3] if args.small else GRID
     rounds, steps = (1, 6) if args.small else (args.rounds, args.steps)
     measured: dict[int, list[float]] = {i: [] for i in range(len(grid))}

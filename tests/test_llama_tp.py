@@ -36,6 +36,8 @@ CASES = {  # name -> (model keys, parallel.sequence_parallel)
 ONE_STEP = {
     "wide_heads_kv_split": ({"n_kv_heads": 2, "head_dim": 16, "qk_norm": True}, False),
     "wide_heads_kv_replicated_sp": ({"n_kv_heads": 1, "head_dim": 16, "qk_norm": True}, True),
+    # a vocabulary tp does not divide: padded to 258, the untied head's padded row zero
+    "padded_vocab_untied_sp": ({"n_kv_heads": 2, "vocab_size": 257}, True),
 }
 # parameters every tp rank may hold whole (k/v when replicated); their gradients must be the
 # same on both ranks
@@ -48,14 +50,15 @@ def _one_step(keys: dict, sequence_parallel: bool, mesh) -> tuple:
     difference, worst relative gradient difference over the pieces, {name: gradient} of the
     replicated parameters, whether some k_proj is replicated)."""
     torch.manual_seed(0)
-    reference = Llama(ModelConfig(**BASE, **keys))
+    reference = Llama(ModelConfig(**{**BASE, **keys}))
     with torch.no_grad():  # RMSNorm weights start at one: perturb them, so their gradients mix
         for name, p in reference.named_parameters():
             if name.endswith("norm.weight") or ".ln" in f".{name}":
                 p.add_(0.1 * torch.randn_like(p))
     model = parallelize_tensor(copy.deepcopy(reference), mesh, vocab_parallel=True,
                                sequence_parallel=sequence_parallel)
-    x = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, reference.tok_emb.num_embeddings, (3, 16),
+                      generator=torch.Generator().manual_seed(1))
     y = x.roll(-1, dims=1)
     ref_loss = token_loss_sum(reference(x), y)
     ref_loss.backward()
@@ -70,7 +73,7 @@ def _one_step(keys: dict, sequence_parallel: bool, mesh) -> tuple:
     full = dict(reference.named_parameters())
     worst, replicated = 0.0, {}
     for name, p in model.named_parameters():
-        want = _piece(full[name].grad, getattr(p, "tp_placement", None))
+        want = _piece(full[name].grad, p, getattr(p, "tp_placement", None))  # padding: zeros
         worst = max(worst, float((p.grad - want).abs().max() / want.abs().max()))
         if name.endswith(REPLICATED) and not hasattr(p, "tp_placement"):
             replicated[name] = p.grad.clone()

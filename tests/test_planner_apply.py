@@ -16,8 +16,8 @@ import pytest
 import tomli_w
 
 import loomtrain
-from conftest import tiny_tree
-from loomtrain.errors import ConfigError
+from conftest import refused, tiny_tree
+from loomtrain.errors import ConfigError, UserError
 from loomtrain.planner.apply import (MARKER, choose_here, plan_config, resolve_auto, runnable,
                                      write_config)
 from loomtrain.planner.plan import Plan
@@ -172,7 +172,7 @@ def test_written_config_trains(tmp_path, corpus):
 def _fake_search(monkeypatch, found: Plan | None, seen: list):
     """planner.search stood in for: it returns `found` if `accept` takes it, recording what it
     was asked (the real search is tested in its own file)."""
-    from loomtrain.planner import specs
+    from loomtrain.planner import calibrate, specs
 
     def search(shape, cluster, batch, top, space, accept, fix):
         assert fix == {"precision": "fp32"}  # the run's precision is kept, not searched
@@ -181,8 +181,10 @@ def _fake_search(monkeypatch, found: Plan | None, seen: list):
         return SimpleNamespace(ranked=[SimpleNamespace(plan=found)] if ok else [])
 
     monkeypatch.setitem(sys.modules, "loomtrain.planner.search", SimpleNamespace(search=search))
-    monkeypatch.setattr(specs, "load_device", lambda kind: specs.BUILTIN["h100-80g"] if kind != "cpu-here"
-                        else replace(specs.BUILTIN["a100-40g"], name="cpu-here"))
+    monkeypatch.setattr(specs, "load_device", lambda kind: specs.BUILTIN["h100-80g"])
+    # this machine, calibrated or not: never measured here (apply.this_machine)
+    monkeypatch.setattr(calibrate, "cpu_here",
+                        lambda before=None: replace(specs.BUILTIN["a100-40g"], name="cpu-here"))
 
 
 def test_choose_here_searches_this_machine_for_runnable_plans(monkeypatch, tmp_path, corpus):
@@ -253,3 +255,113 @@ def test_plan_auto_plans_a_llama_with_the_real_search(monkeypatch, tmp_path, cor
     assert cli.main(["train", str(path), "--dry-run"]) == 0
     out = capsys.readouterr()
     assert 'parallel.plan="auto" chose' in out.err and "model: llama" in out.out, out
+
+
+def _auto_config(tmp_path, corpus) -> Path:
+    path = tmp_path / "auto.toml"
+    path.write_text(tomli_w.dumps(tiny_tree(tmp_path, corpus, run={"device": "cpu"},
+                                            parallel={"plan": "auto", "nproc": 2})))
+    return path
+
+
+def test_plan_auto_calibrates_a_fresh_machine_once(monkeypatch, tmp_path, corpus, capsys,
+                                                   calibration):
+    """No calibration cached (an empty XDG_CACHE_HOME): `loom train` with plan = "auto"
+    measures a quick one first, says so in one line, saves it where `loom bench calibrate`
+    does and plans with it; the next run reads it and measures nothing. The measurement is
+    the session's real quick calibration (conftest.py), handed back in place of a second
+    ~25 s one; under torchrun, where every rank plans alone, nothing is measured: refused."""
+    from loomtrain import cli
+    from loomtrain.planner import calibrate, specs
+
+    session = specs.device_from_table(
+        tomllib.loads((calibration[0] / "loomtrain" / "cpu-here.toml").read_text()), "session")
+    measured = []  # the `quick` argument of each calibration
+    monkeypatch.setattr(calibrate, "calibrate",
+                        lambda quick=False, effort=None: measured.append(quick) or session)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    path = _auto_config(tmp_path, corpus)
+    assert cli.main(["train", str(path), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "no calibration of this machine yet" in line]
+    assert len(said) == 1 and str(specs.calibration_path()) in said[0], err
+    assert measured == [True] and 'parallel.plan="auto" chose' in err
+    saved = specs.load_device("cpu-here")
+    assert {**saved.__dict__, "source": ""} == {**session.__dict__, "source": ""}
+    assert cli.main(["train", str(path), "--dry-run"]) == 0  # cached: read, not measured
+    assert "no calibration" not in capsys.readouterr().err and measured == [True]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("RANK", "1")
+    err = refused(capsys, ["train", str(path), "--dry-run"])
+    assert "under torchrun plans on every rank" in err
+    assert measured == [True] and not specs.calibration_path().exists()
+
+
+def _sampled_plans(shape: ModelShape, batch: int, n: int) -> list[Plan]:
+    """`n` plans drawn (seeded) from everything search_space.py yields for `shape` on 8
+    devices of one node (a cpu-here-named spec, so fp32 is searched too), offload variants
+    included."""
+    import random
+
+    from loomtrain.planner import specs
+    from loomtrain.planner.search_space import Space
+
+    cluster = specs.ClusterSpec(replace(specs.BUILTIN["a100-40g"], name="cpu-here"), 8, 8)
+    space = Space(shape, cluster, batch, {})
+    plans = [replace(Plan(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=b, microbatches=m, **key), **v)
+             for dp, tp, pp, cp in space.meshes() for b, m in space.micro_batches(dp)
+             for key in space.compute_keys(tp, pp) for v in space.sync_variants(dp, tp, cp)]
+    plans += [replace(p, **o) for p in plans for o in space.offload_variants(p)]
+    return random.Random(0).sample(plans, n)
+
+
+def _loom_train_takes(plan: Plan, shape: ModelShape, batch: int) -> bool:
+    """Whether `loom train` takes the plan's config and splits its model: the config's
+    validation, then tensor parallelism and the pipeline's split on the meta device over a
+    fake world of the plan's ranks, as the dry run's set-up does (train/materialize.py
+    `setup_peak`: no process)."""
+    from loomtrain.train.materialize import setup_peak
+
+    try:
+        setup_peak(config_from_dict(plan_config(plan, shape, batch)))
+    except (ValueError, UserError):
+        return False
+    return True
+
+
+# (preset, plans sampled): the GPT-3 model's meta build takes ~0.3 s a plan, the others ~0.1 s
+@pytest.mark.parametrize("name, n", [("default", 24), ("llama-debug", 24), ("gpt3-125m", 12)])
+def test_the_loom_space_is_what_loom_train_takes(name, n):
+    """`runnable` (the search's filter for space "loom" and its notes) says None exactly for
+    the plans `loom train` takes, on a sample of the whole search space of a GPT, a llama
+    and a GPT-3 preset (vocabulary 50257: tp pads it). (The refused plans in these samples:
+    interleaved schedules whose microbatches pp does not divide, as Megatron refuses.)"""
+    shape, batch = preset(name), 32
+    verdicts = [(plan, runnable(plan, shape, batch) is None, _loom_train_takes(plan, shape, batch))
+                for plan in _sampled_plans(shape, batch, n)]
+    for plan, listed, takes in verdicts:
+        assert listed == takes, (name, plan, runnable(plan, shape, batch))
+    assert {listed for _, listed, _ in verdicts} == {True, False}  # the sample has both
+    assert any(plan.tp > 1 and listed for plan, listed, _ in verdicts)
+
+
+def test_gpt3_tp_plans_run_with_a_padded_vocabulary():
+    """GPT-3's vocabulary (50257, prime) no longer keeps its tp plans out of `loom train`:
+    tp pads it (parallel/tensor_config.py padded_vocab), and the cost model counts the
+    padded rows each rank holds."""
+    from loomtrain.planner import specs
+    from loomtrain.planner.cost import estimate, padded
+    from loomtrain.planner.search import search
+
+    shape = preset("gpt3-1.3b")
+    cluster = specs.ClusterSpec(specs.BUILTIN["h100-80g"], 8, 8)
+    result = search(shape, cluster, 64, top=5, space="all", fix={"tp": 8},
+                    accept=lambda plan: runnable(plan, shape, 64))
+    assert len(result.ranked) == 5  # `loom plan` marks none "not run by `loom train` yet"
+    assert all(note is None for note in result.notes.values()), result.notes
+    assert padded(shape, 8).vocab_size == 50264 and padded(shape, 1) is shape
+    plan = Plan(tp=8, micro_batch=1, microbatches=64)  # bf16: 2 bytes a weight
+    more = estimate(shape, cluster, plan).memory["weights"] - estimate(
+        replace(shape, vocab_size=50256), cluster, plan).memory["weights"]
+    assert more == 2 * shape.d_model  # one more row on each rank (6283 against 6282), not 1/8

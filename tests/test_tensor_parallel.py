@@ -120,34 +120,53 @@ def test_bad_splits_are_refused_with_the_reason():
 
 
 def _vocab_case(rank, world):
+    """A vocabulary tp divides (64) and two it does not, padded to a multiple of tp (61; 5,
+    where at tp 4 the last rank holds padding only)."""
     mesh = build_mesh({"tp": world})
+    return {vocab: _vocab_split(mesh, rank, world, vocab) for vocab in (64, 61, 5)}
+
+
+def _vocab_split(mesh, rank, world, vocab):
     torch.manual_seed(0)
-    reference = GPT(64, 16, 32, 1, 4)
+    reference = GPT(vocab, 16, 32, 1, 4)
     model = parallelize_tensor(copy.deepcopy(reference), mesh, vocab_parallel=True)
-    x = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, vocab, (3, 16), generator=torch.Generator().manual_seed(1))
     y = x.roll(-1, dims=1)
     y[:, -1] = IGNORE_INDEX  # ignored targets count nothing
-    y[0, :world] = torch.arange(world) * (64 // world)  # the first row of every rank's range
+    rows = -(-vocab // world)  # padded_vocab(vocab, world) / world
+    y[0, :world] = (torch.arange(world) * rows).clamp(max=vocab - 1)  # each range's first row
     ref_loss = token_loss_sum(reference(x), y)
     ref_loss.backward()
     mesh.meter.take()
     logits = model(x)
     loss = vocab_parallel_loss_sum(logits, y, model.head)
     loss.backward()
-    rows = slice(rank * 64 // world, (rank + 1) * 64 // world)
-    emb_grad, ref_emb_grad = model.tok_emb.weight.grad, reference.tok_emb.weight.grad[rows]
-    return (tuple(logits.shape), abs(loss.item() - ref_loss.item()) / ref_loss.item(),
-            float((emb_grad - ref_emb_grad).abs().max() / ref_emb_grad.abs().max()),
-            float((model.ln_f.weight.grad - reference.ln_f.weight.grad).abs().max()),
-            model.head.weight is model.tok_emb.weight)
+    real = max(0, min(rows, vocab - rank * rows))
+    weight, emb_grad = model.tok_emb.weight, model.tok_emb.weight.grad
+    ref_emb_grad = reference.tok_emb.weight.grad[rank * rows:rank * rows + real]
+    return {"shape": tuple(logits.shape), "real": real,
+            "loss": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+            "emb": float((emb_grad[:real] - ref_emb_grad).abs().max() / ref_emb_grad.abs().max())
+                   if real else 0.0,
+            "ln_f": float((model.ln_f.weight.grad - reference.ln_f.weight.grad).abs().max()),
+            # padding: zero rows with no gradient, -inf logits
+            "padding": (bool(weight[real:].eq(0).all()) and bool(emb_grad[real:].eq(0).all())
+                        and bool(logits[..., real:].eq(float("-inf")).all())),
+            "tied": model.head.weight is model.tok_emb.weight}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_embedding_head_and_loss_match_the_full_vocabulary(world):
-    for shape, loss_diff, emb_diff, ln_diff, tied in run_world(_vocab_case, world, timeout_s=120):
-        assert shape == (3, 16, 64 // world)  # no rank ever holds the full logits
-        assert loss_diff < 1e-6 and emb_diff < 1e-5 and ln_diff < 1e-6, (loss_diff, emb_diff, ln_diff)
-        assert tied
+    """Also when tp does not divide the vocabulary: padded rows are zeros, their logits -inf,
+    and the loss and the real rows' gradients are the unpadded model's."""
+    for cases in run_world(_vocab_case, world, timeout_s=120):
+        assert cases[64]["shape"] == (3, 16, 64 // world)  # no rank ever holds the full logits
+        for vocab, c in cases.items():
+            assert c["shape"] == (3, 16, -(-vocab // world)), (vocab, c)
+            assert c["loss"] < 1e-6 and c["emb"] < 1e-5 and c["ln_f"] < 1e-6, (vocab, c)
+            assert c["padding"] and c["tied"], (vocab, c)
+    if world == 4:  # the last rank of 5 over 4 (2 rows each) holds padding only
+        assert cases[5]["real"] == 0 and cases[61]["real"] == 13
 
 
 def _sequence_case(rank, world):

@@ -31,6 +31,9 @@ TP_ORACLE = {  # world -> configurations checked against the single-process run 
     4: [{"tp": 2}, {"tp": 2, "sequence_parallel": True, "zero_stage": 1},
         {"tp": 2, "zero_stage": 2}, {"tp": 2, "sequence_parallel": True, "zero_stage": 3}],
 }
+# a vocabulary tp does not divide: 257 at tp 2 is padded to 258 (rank 1's last row), run at
+# world 4 as tp 2 x dp 2 with ZeRO-3 and sequence parallelism, checkpointed at its last step
+PADDED = ({"vocab_size": 257}, {"tp": 2, "sequence_parallel": True, "zero_stage": 3})
 
 
 def _mlp_configs(configs):
@@ -43,25 +46,52 @@ def _mlp_configs(configs):
 
 
 def test_oracle_tensor_parallel_alone_and_with_dp_and_zero(tmp_path, corpus):
-    """The GPT and the MLP model; each world runs both models' configurations (one spawn)."""
-    def curves(world, configs):
-        cases = [("gpt", c) for c in configs] + [("mlp", c) for c in _mlp_configs(configs)]
-        trees = [tiny_tree(tmp_path, corpus, model={"name": m}, parallel={"nproc": world, **c})
+    """The GPT and the MLP model, and the GPT with a padded vocabulary (`PADDED`); each world
+    runs all its configurations (one spawn). The padded run's checkpoint holds the unpadded
+    tensors and exports as the unsplit model's."""
+    def curves(world, cases):
+        trees = [tiny_tree(tmp_path, corpus, model=m, parallel={"nproc": world, **c},
+                           checkpoint={"every": 20 if "vocab_size" in m else 0})
                  for m, c in cases]
         run_world(_train_many, world, trees, str(tmp_path / f"w{world}"), timeout_s=400)
         return [(m, c, read_metrics(tmp_path / f"w{world}" / f"run{i}"))
                 for i, (m, c) in enumerate(cases)]
-    references = {m: records for m, _, records in curves(1, [{}])}
+    vocab, padded = PADDED
+    models = [{"name": "gpt"}, {"name": "mlp"}, {"name": "gpt", **vocab}]
+    references = {str(m): records for m, _, records in curves(1, [(m, {}) for m in models])}
     for records in references.values():
         assert len(records) == 20 and records[-1]["loss"] < records[0]["loss"] - 0.3
     for world, configs in TP_ORACLE.items():
-        for model, cfg, records in curves(world, configs):
-            reference = references[model]
+        cases = [(models[0], c) for c in configs] + [(models[1], c) for c in _mlp_configs(configs)]
+        for model, cfg, records in curves(world, cases + [(models[2], padded)]):
+            reference = references[str(model)]
             # fp32 sums in another order (partial products all-reduced, the vocabulary-split
             # softmax, shard-wise norms) differ in the last bits: ~1e-7 after 20 AdamW steps
             for key in ("loss", "grad_norm"):
                 rel = max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(records, reference))
                 assert rel < 1e-4, (model, world, cfg, key, rel)
+    saved = tmp_path / f"w{world}" / f"run{len(cases)}"
+    trainer.write_config(saved, config_from_dict(tiny_tree(  # as `loom train` does
+        tmp_path, corpus, model=models[2], parallel={"nproc": world, **padded})))
+    _check_unpadded(saved, tmp_path / "w1" / "run2", vocab)
+
+
+def _check_unpadded(saved, reference, vocab):
+    """The padded run's checkpoint and export: the unsplit model's names and shapes, and
+    the single-process run's values. After 20 AdamW steps (lr 3e-3) from the same start the
+    fp32 rounding of the split sums moves a weight by up to 2e-6 (measured: AdamW's update of
+    a near-zero gradient is its sign times ~lr); misplaced or padded rows would differ by the
+    weights' own size (~1e-2)."""
+    full = checkpoint.load_model_state(checkpoint.list_checkpoints(saved)[-1])
+    want = checkpoint.load_model_state(checkpoint.list_checkpoints(reference)[-1])
+    assert {k: tuple(v.shape) for k, v in full.items()} == {
+        k: tuple(v.shape) for k, v in GPT(vocab["vocab_size"], 32, 32, 2, 2).state_dict().items()}
+    for name, value in full.items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+    out = saved / "model.safetensors"
+    assert main(["export", str(saved), "--out", str(out)]) == 0
+    with safe_open(str(out), "pt") as f:
+        assert torch.equal(f.get_tensor("tok_emb.weight"), full["tok_emb.weight"])
 
 
 def test_checkpoints_reload_under_another_layout_and_export(tmp_path, corpus):

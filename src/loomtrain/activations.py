@@ -6,6 +6,8 @@ the planner's cost model build on.
 
 from __future__ import annotations
 
+from loomtrain.parallel.tensor_config import padded_vocab
+
 FP32_BYTES, INDEX_BYTES = 4, 8  # log-sum-exp, log-softmax, loss weight; int64 ids
 
 
@@ -65,7 +67,8 @@ def llama_layer_bytes(kind: str, b: int, t: int, m, c: int, tp: int = 1,
       is laid out (b, heads, t, head_dim), and the attention output follows it);
     - head: ln_f (its output as the head keeps it), the fp32 log-softmax (V), the int64
       targets and the loss's fp32 total weight; under tp the vocabulary-parallel loss's
-      exponentials (V/tp) and per-token total (fp32), the int64 target and 2 bool masks.
+      exponentials (V/tp, of the vocabulary padded to a multiple of tp) and per-token total
+      (fp32), the int64 target and 2 bool masks.
     tests/test_dryrun.py holds it to the saved tensors, in fp32 and bf16, tp 1 and 2."""
     bt, d = b * t, m.d_model
     if kind == "embed":
@@ -74,7 +77,8 @@ def llama_layer_bytes(kind: str, b: int, t: int, m, c: int, tp: int = 1,
     if kind == "head":
         if tp == 1:
             return norm + FP32_BYTES * (bt * m.vocab_size + 1) + INDEX_BYTES * bt
-        return norm + FP32_BYTES * bt * (m.vocab_size // tp + 1) + INDEX_BYTES * bt + 2 * bt
+        rows = padded_vocab(m.vocab_size, tp) // tp
+        return norm + FP32_BYTES * bt * (rows + 1) + INDEX_BYTES * bt + 2 * bt
     assert kind == "block", kind
     heads, kv, head_dim = _llama_heads(m, tp)
     attention = c * bt * 4 * heads * head_dim + FP32_BYTES * (bt * heads + 4 * t * head_dim)

@@ -77,7 +77,10 @@ SplitSeq = _conjugate("SplitSeq", _my_chunk, _gather_seq,
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy summed over tokens from vocabulary-sharded logits: three all-reduces of
-    one number per token (max, sum of exponentials, target logit), never the full logits."""
+    one number per token (max, sum of exponentials, target logit), never the full logits. A
+    padded vocabulary's logits arrive as -inf (VocabParallelHead): exponentials of 0, so
+    neither the loss nor the gradient sees them (a rank of padding only included: its -inf
+    maximum loses the all-reduce)."""
 
     @staticmethod
     def forward(ctx, logits, targets, start, ignore_index, mesh, axis):

@@ -13,10 +13,20 @@ class TensorKeys(Section):
     sequence_parallel: bool = False
 
 
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary the tp ranks split: `vocab_size` rounded up to a multiple of tp, each
+    rank holding padded_vocab / tp rows of the embedding and head, the last rows zeros whose
+    logits are -inf (parallel/tensor_layers.py). Megatron-LM pads the same way, to a multiple
+    of make-vocab-size-divisible-by (128) x tp (megatron/training/tokenizer/tokenizer.py
+    `_vocab_size_with_padding`); loomtrain pads only as far as tp needs: checkpoints, exports
+    and the loss never see the padding, so no key chooses it (docs/tensor.md)."""
+    return -(-vocab_size // tp) * tp
+
+
 class TensorParallel(Component):
-    """tp must split whole attention heads, the vocabulary (the GPT's and the llama's
-    embedding and head are vocabulary-parallel) and the MLP's hidden width; the llama's kv
-    heads are split or replicated; sequence parallelism splits the sequence."""
+    """tp must split whole attention heads and the MLP's hidden width (the vocabulary is
+    padded to a multiple of tp: `padded_vocab`); the llama's kv heads are split or
+    replicated; sequence parallelism splits the sequence."""
 
     name = "tensor"
     section, keys = "parallel", TensorKeys
@@ -51,10 +61,9 @@ class TensorParallel(Component):
                              "yet; use parallel.tp=1 or model.linear_decay=false")
         sizes = {"model.mlp_ratio*model.d_model": m.mlp_ratio * m.d_model}
         if m.name == "gpt":
-            sizes = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size, **sizes}
+            sizes = {"model.n_heads": m.n_heads, **sizes}
         if m.name == "llama":
-            sizes = {"model.n_heads": m.n_heads, "model.vocab_size": m.vocab_size,
-                     "the SwiGLU width (model.ffn_hidden)": m.ffn_width}
+            sizes = {"model.n_heads": m.n_heads, "the SwiGLU width (model.ffn_hidden)": m.ffn_width}
         if p.sequence_parallel:
             sizes["model.seq_len"] = m.seq_len
         for key, n in sizes.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_layer_bytes,
                                    mlp_layer_bytes)
 from loomtrain.estimate import Collective, DryRunPlan, metered
+from loomtrain.parallel.tensor_config import padded_vocab
 
 
 def estimate_tensor(plan: DryRunPlan) -> None:
@@ -206,9 +207,9 @@ def tensor_layer_bytes(m, kind: str, micro_batch: int, tp: int, sequence_paralle
     but the column layers keep their gathered (whole-sequence) inputs: Megatron gathers again
     in backward instead, which loomtrain does not do yet. The head, per token: the final
     norm's input h (h/N with sequence parallel) and stats 2 (2/N), its output as the head
-    keeps it h; the vocabulary-parallel loss's exponentials (V/N) and total (fp32), target
-    index (int64) and 2 masks (bool). The embedding: its masked index (int64) and mask (bool)
-    per token, int64 positions once per position. MLP model: per block the layer norm's
+    keeps it h; the vocabulary-parallel loss's exponentials (V/N, V padded to a multiple of
+    N) and total (fp32), target index (int64) and 2 masks (bool). The embedding: its masked
+    index (int64) and mask (bool) per token, int64 positions once per position. MLP model: per block the layer norm's
     input, stats and output (2h + 2), fc and GELU outputs rh/N each, the rest as the unsplit
     model. The llama: activations.py `llama_layer_bytes`.
     """
@@ -222,7 +223,8 @@ def tensor_layer_bytes(m, kind: str, micro_batch: int, tp: int, sequence_paralle
         return b * t * (INDEX_BYTES + 1) + INDEX_BYTES * t
     if kind == "head":
         once = h / n + 2 / n + h if sequence_parallel else 2 * h + 2
-        return round(b * t * (c * once + FP32_BYTES * (m.vocab_size / n + 1) + INDEX_BYTES + 2))
+        vocab = padded_vocab(m.vocab_size, n) / n
+        return round(b * t * (c * once + FP32_BYTES * (vocab + 1) + INDEX_BYTES + 2))
     if sequence_parallel:
         layer = 2 * h + 2 * h / n + 4 * h / n + 2 * r * h / n + 4 / n
     else:

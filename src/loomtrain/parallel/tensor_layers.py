@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loomtrain.parallel.placement import Placement
+from loomtrain.parallel.tensor_config import padded_vocab
 from loomtrain.parallel.tensor_comm import (CopyToTP, GatherFromSP, ReduceFromTP, ScatterToSP,
                                             SplitSeq, VocabParallelCrossEntropy)
 
@@ -45,11 +46,14 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, synced(self.weight), synced(self.bias), self.eps)
 
 
-def _piece(full: torch.Tensor, dim: int, index: torch.Tensor) -> nn.Parameter:
-    """The parameter holding `full`'s entries `index` along `dim`, marked with its placement
-    (checkpoints save it as part of the full tensor; gradient norms count it on one rank)."""
-    p = nn.Parameter(full.detach().index_select(dim, index).clone())
-    p.tp_placement = Placement.of_index(tuple(full.shape), dim, index)
+def _piece(full: torch.Tensor, dim: int, index: torch.Tensor,
+           length: int | None = None) -> nn.Parameter:
+    """The parameter holding `full`'s entries `index` along `dim`, then zeros up to `length`
+    (a padded vocabulary's rows), marked with its placement (checkpoints save the entries as
+    part of the full tensor, not the padding; gradient norms count it on one rank)."""
+    placement = Placement.of_index(tuple(full.shape), dim, index)
+    p = nn.Parameter(placement.take(full.detach(), len(index) if length is None else length))
+    p.tp_placement = placement
     return p
 
 
@@ -107,10 +111,12 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + V/tp) of the embedding table: a token outside my range looks up
-    zeros, and the all-reduce over tp sums the one rank's row that holds it. With
-    `sequence_parallel`, a reduce-scatter instead: each rank keeps its chunk of the sequence
-    (Megatron's embedding under sequence parallelism)."""
+    """Rows [start, stop) of the embedding table, stop - start = padded_vocab(V, tp) / tp: a
+    token outside my range looks up zeros, and the all-reduce over tp sums the one rank's row
+    that holds it. With `sequence_parallel`, a reduce-scatter instead: each rank keeps its
+    chunk of the sequence (Megatron's embedding under sequence parallelism). When tp does not
+    divide V, the rows from V on are padding: zeros no token looks up, outside the placement
+    (checkpoints hold the V real rows); `vocab_rows` of mine are real."""
 
     def __init__(self, embedding: nn.Embedding, mesh, axis: str = "tp",
                  sequence_parallel: bool = False):
@@ -118,9 +124,14 @@ class VocabParallelEmbedding(nn.Module):
         self.mesh, self.axis = mesh, axis
         self.leave = ScatterToSP if sequence_parallel else ReduceFromTP
         parts, rank = mesh.size(axis), mesh.local_rank(axis)
-        rows = _split(embedding.num_embeddings, parts, "the vocabulary size")
+        vocab = embedding.num_embeddings
+        rows = padded_vocab(vocab, parts) // parts
         self.start, self.stop = rank * rows, (rank + 1) * rows
-        self.weight = _piece(embedding.weight, 0, torch.arange(self.start, self.stop))
+        self.vocab_rows = max(0, min(self.stop, vocab) - self.start)
+        self.weight = _piece(embedding.weight, 0, self.real_rows(), rows)
+
+    def real_rows(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.vocab_rows)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.stop)
@@ -131,19 +142,28 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """The output head over my vocabulary range, `embedding`'s: tied to its rows, or with an
     untied `head`, that head's own rows of the range. Returns my slice of the logits,
-    (..., V/tp); `vocab_parallel_loss_sum` takes it from there."""
+    (..., padded_vocab(V, tp) / tp); `vocab_parallel_loss_sum` takes it from there. The
+    padded rows' logits are -inf, not computed: they never win an argmax, the softmax gives
+    them 0, so the loss is the unpadded one and no gradient reaches those rows (they stay
+    zero). Megatron leaves them as trained logits of classes no target names."""
 
     def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False,
                  head: nn.Linear | None = None):
         super().__init__()
         self.weight = embedding.weight if head is None else _piece(
-            head.weight, 0, torch.arange(embedding.start, embedding.stop))
+            head.weight, 0, embedding.real_rows(), embedding.stop - embedding.start)
         self.mesh, self.axis, self.start = embedding.mesh, embedding.axis, embedding.start
+        self.vocab_rows = embedding.vocab_rows
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         enter = GatherFromSP if self.sequence_parallel else CopyToTP
-        return F.linear(enter.apply(x, self.mesh, self.axis), self.weight)
+        x = enter.apply(x, self.mesh, self.axis)
+        padding = self.weight.shape[0] - self.vocab_rows
+        if not padding:
+            return F.linear(x, self.weight)
+        logits = F.linear(x, self.weight[:self.vocab_rows])
+        return F.pad(logits, (0, padding), value=float("-inf"))
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, head: VocabParallelHead,

@@ -230,6 +230,35 @@ def device_kind(run_device: str) -> str:
                      "plan with `loom plan --gpu SPEC.toml --write-config FILE` instead")
 
 
+def this_machine(kind: str):
+    """The device spec of `device_kind`'s `kind`. cpu-here not yet calibrated: a quick
+    calibration on first use (`calibrate.cpu_here`), said in one line on stderr and cached for
+    later runs; by the one process that plans, `loom train`'s launcher (its ranks get the
+    planned config). Under torchrun every rank plans alone, before any process group exists:
+    ranks that measured apart could choose apart, so there the calibration must exist
+    already (ValueError)."""
+    import sys
+
+    from loomtrain.planner.calibrate import cpu_here
+    from loomtrain.planner.specs import CPU_HERE, calibration_path, load_device
+    from loomtrain.train.stop import in_torchrun
+
+    if kind != CPU_HERE:
+        return load_device(kind)
+    path = calibration_path()
+    if in_torchrun() and not path.is_file():
+        raise ValueError(f'parallel.plan="auto" under torchrun plans on every rank from this '
+                         f"machine's calibration, and {path} does not exist: run `loom bench "
+                         "calibrate` on each node first (the ranks of one job must read the "
+                         "same figures), or plan once with `loom plan --write-config FILE`")
+
+    def say(where):
+        print(f'loom: parallel.plan="auto": no calibration of this machine yet; measuring a '
+              f"quick one (`loom bench calibrate --quick`, 15-25 s), saved to {where}",
+              file=sys.stderr, flush=True)
+    return cpu_here(before=say)
+
+
 def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict) -> Plan | None:
     """`resolve_auto`'s `choose` for `loom train`: the best plan by the cost model of `shape`
     on `nproc` devices of this machine's kind (`device_kind`), ranks_per_node of them per node
@@ -239,9 +268,9 @@ def choose_here(shape: ModelShape, nproc: int, batch: int, base: dict) -> Plan |
     machine's own calibration, which machines of one job must share). `loom train --dry-run`
     models every plan the search can return."""
     from loomtrain.planner.search import search
-    from loomtrain.planner.specs import ClusterSpec, load_device
+    from loomtrain.planner.specs import ClusterSpec
 
-    device = load_device(device_kind(base.get("run", {}).get("device", "auto")))
+    device = this_machine(device_kind(base.get("run", {}).get("device", "auto")))
     per_node = base.get("parallel", {}).get("ranks_per_node") or nproc
     # the numerics stay the user's: train.precision is kept, not searched (bf16 changes them)
     precision = base.get("train", {}).get("precision", "fp32")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from loomtrain.planner.comm_cost import all_reduce_s
 from loomtrain.planner.measure import FULL, PENALTY_BYTES, QUICK, WORLD, Effort, measure
-from loomtrain.planner.specs import CPU_HERE, ClusterSpec, DeviceSpec, calibration_path
+from loomtrain.planner.specs import CPU_HERE, ClusterSpec, DeviceSpec, calibration_path, load_device
 
-__all__ = ["FULL", "QUICK", "Effort", "calibrate", "fit_alpha_beta", "measure", "save", "spec_from",
-           "summary", "usable_memory_bytes"]
+__all__ = ["FULL", "QUICK", "Effort", "calibrate", "cpu_here", "fit_alpha_beta", "measure", "save",
+           "spec_from", "summary", "usable_memory_bytes"]
 
 
 def fit_alpha_beta(payload_bytes, times_s, n: int | None = None) -> tuple[float, float]:
@@ -120,6 +120,18 @@ def save(spec: DeviceSpec, path: str | Path | None = None) -> Path:
     path.write_text("# this machine as the planner's cpu-here device (docs/planner-calibrate.md)\n"
                     + tomli_w.dumps(table))
     return path
+
+
+def cpu_here(before=None) -> DeviceSpec:
+    """This machine as the planner's `cpu-here`: the saved calibration, else a quick one
+    (15-25 s) measured and saved first where `loom bench calibrate` saves it, so later calls
+    read it. `before(path)`, if given, is called before measuring (to say so)."""
+    path = calibration_path()
+    if not path.is_file():
+        if before is not None:
+            before(path)
+        save(calibrate(quick=True), path)
+    return load_device(CPU_HERE)
 
 
 def summary(spec: DeviceSpec, found: dict | None = None) -> str:

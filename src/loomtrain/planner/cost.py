@@ -7,8 +7,10 @@ event simulator (simulate.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
+from loomtrain.parallel.tensor_config import padded_vocab
 from loomtrain.planner import comm_cost as C
 from loomtrain.planner.plan import Estimate, Plan, StageCosts, StepCosts
 from loomtrain.planner.presets import ModelShape
@@ -84,7 +86,16 @@ class _Layer:
                  "stash_bytes", "checkpoint_bytes", "params", "tp_wire")
 
 
+def padded(model: ModelShape, tp: int) -> ModelShape:
+    """`model` as each of `tp` ranks holds and computes it: its vocabulary padded to a
+    multiple of tp (parallel/tensor_config.py `padded_vocab`); the useful FLOPs of MFU keep
+    the real one."""
+    vocab = padded_vocab(model.vocab_size, tp)
+    return model if vocab == model.vocab_size else replace(model, vocab_size=vocab)
+
+
 def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recompute: str) -> _Layer:
+    model = padded(model, plan.tp)
     d, c = cluster.device, COMPUTE_BYTES[plan.precision]
     tp, cp, b, h = plan.tp, plan.cp, plan.micro_batch, model.d_model
     s_local = model.seq_len // cp
@@ -222,7 +233,7 @@ def _stage_params(model: ModelShape, plan: Plan, groups) -> float:
     (split.py's pp_copies)."""
     params = _total(groups, "params")
     if model.tied_head and groups[0][0].kind == "embed" and groups[-1][0].kind == "head":
-        params -= model.vocab_size * model.d_model / plan.tp
+        params -= padded_vocab(model.vocab_size, plan.tp) * model.d_model / plan.tp
     return params
 
 

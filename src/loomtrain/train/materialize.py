@@ -64,7 +64,7 @@ def _replay(model: nn.Module, record: InitRecord, device: torch.device, run: boo
                 peak = max(peak, held + live_bytes + nbytes)
             held += nbytes
             if run:
-                piece = value if whole else _piece(value, placement).to(device)
+                piece = value if whole else _piece(value, tensor, placement).to(device)
                 _swap(tensor, piece.clone() if piece is value and not whole else piece)
         live_bytes -= e.nbytes
     for module, names in derived:
@@ -108,12 +108,12 @@ def _holders(model: nn.Module, record: InitRecord):
     return holders, list(derived.items())
 
 
-def _piece(full: torch.Tensor, placement: Placement | None) -> torch.Tensor:
-    """The entries of `full` a tensor-parallel piece holds (`_piece` in parallel/tensor.py)."""
+def _piece(full: torch.Tensor, local: torch.Tensor, placement: Placement | None) -> torch.Tensor:
+    """The entries of `full` the tensor-parallel piece `local` holds (`_piece` in
+    parallel/tensor_layers.py), its padding zeros."""
     if placement is None:
         return full
-    return torch.cat([full.narrow(placement.dim, start, length)
-                      for start, _, length in placement.runs], placement.dim)
+    return placement.take(full, local.shape[placement.dim])
 
 
 def _swap(tensor: torch.Tensor, value: torch.Tensor) -> None:
