@@ -149,7 +149,7 @@ def _reseal(path: Path) -> None:
 
 
 def test_resume_that_does_not_fit_exits_2_and_keeps_the_config(two_checkpoints):
-    # (another rank count or ZeRO stage fits: tests/test_zero_checkpoint.py reshards)
+    # (another rank count or layout fits: tests/test_checkpoint_layouts.py)
     before = _snapshot(two_checkpoints)
     proc = _resume(two_checkpoints, "--set", "model.d_model=64")  # refused while loading
     assert proc.returncode == 2

@@ -1,13 +1,11 @@
 """Pipeline parallelism in the trainer (`parallel.pp`): every synchronous schedule reproduces
 the single-process loss curve (alone, with recomputation and offload; composed with the other
-axes: tests/test_weave.py), offload and recomputation lower the measured activation peak, a recorded step
-writes its timeline, and a pipeline checkpoint resumes."""
+axes: tests/test_weave.py), offload and recomputation lower the measured activation peak, and a
+recorded step writes its timeline (checkpoints: tests/test_checkpoint_layouts.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +16,9 @@ from loomtrain.models import build_model
 from loomtrain.optim import build_optimizer
 from loomtrain.train.apply import parallelize
 from loomtrain.parallel.pipeline import runtime_of
-from loomtrain.train import trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
-from loomtrain.train.run import train_loop
 from test_zero import _train_many
 
 MODEL = {"n_layers": 6}  # 8 layers (embed, 6 blocks, head): enough for pp=4 x 2 virtual stages
@@ -112,26 +108,3 @@ def test_recorded_step_writes_the_timeline_and_logs_the_bubble(tmp_path, corpus)
         computed = sorted(s["name"] for s in rank["spans"] if s["kind"] in ("F", "B"))
         r = rank["rank"]
         assert computed == sorted(f"{k}{m}.{r}" for k in "FB" for m in range(4))
-
-
-def test_pipeline_checkpoint_resumes_on_the_same_curve(tmp_path, corpus):
-    """pp=2 saves at step 10 of 20; resuming from it continues the uninterrupted curve."""
-    parallel = {"nproc": 2, "pp": 2, "schedule": "zb-h1"}
-    tree = tiny_tree(tmp_path, corpus, model=MODEL, parallel=parallel,
-                     checkpoint={"every": 10, "keep": 5})
-    run_world(_train_many, 2, [tree], str(tmp_path / "full"), timeout_s=200)
-    full = read_metrics(tmp_path / "full" / "run0")
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "full" / "run0", resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_00000020")
-    run_world(_resume, 2, tree, str(resumed), timeout_s=200)
-    after = read_metrics(resumed)
-    assert [r["step"] for r in after] == list(range(1, 21))
-    for a, b in zip(after[10:], full[10:]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-
-
-def _resume(rank, world, tree, run_dir):
-    cfg = config_from_dict(tree)
-    checkpoint = Path(run_dir) / "checkpoints" / "step_00000010"
-    train_loop(cfg, Path(run_dir), checkpoint, init_distributed(cfg), trainer.StopFlag())

@@ -1,30 +1,22 @@
 """Tensor parallelism in the trainer (`parallel.tp`, `parallel.sequence_parallel`): the
-single-process oracle alone and composed with data parallel and ZeRO, checkpoints that
-reload under another layout, activation memory and wire bytes against the formulas."""
+single-process oracle alone and composed with data parallel and ZeRO, activation memory and
+wire bytes against the formulas (checkpoints across layouts: tests/test_checkpoint_layouts.py)."""
 
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 
 import pytest
 import torch
 
-from safetensors import safe_open
-
 from conftest import tiny_tree
 from harness import run_world
-from loomtrain.cli import main
 from loomtrain.comm import wire_bytes
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
 from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_sum
-from loomtrain.train import checkpoint, trainer
-from loomtrain.train.config import config_from_dict
 from loomtrain.train.metrics import read_metrics
-from loomtrain.train.run import train_loop
-from test_zero import _curves, _train_many
+from test_zero import _train_many
 
 TP_ORACLE = {  # world -> configurations checked against the single-process run (tp alone
     # and with the pipeline: tests/test_weave.py)
@@ -92,52 +84,6 @@ def _check_unpadded(saved, reference, vocab):
     assert main(["export", str(saved), "--out", str(out)]) == 0
     with safe_open(str(out), "pt") as f:
         assert torch.equal(f.get_tensor("tok_emb.weight"), full["tok_emb.weight"])
-
-
-def test_checkpoints_reload_under_another_layout_and_export(tmp_path, corpus):
-    """tp2 x dp2 ZeRO-3 with sequence parallel saves at step 10 (of 20: the learning-rate
-    schedule spans 20); single process and tp2 (no ZeRO) resume from it and follow the uninterrupted single-process curve; a tp checkpoint
-    consolidates to the unsplit model's full tensors."""
-    reference = _curves(tmp_path, corpus, 1, [{}], name="ref")[0]
-    saving = {"tp": 2, "sequence_parallel": True, "zero_stage": 3}
-    tree = tiny_tree(tmp_path, corpus, parallel={"nproc": 4, **saving}, checkpoint={"every": 10})
-    run_world(_train_many, 4, [tree], str(tmp_path / "save"), timeout_s=200)
-    saved = tmp_path / "save" / "run0"
-    full = checkpoint.load_model_state(checkpoint.list_checkpoints(saved)[-1])
-    gpt = GPT(256, 32, 32, 2, 2)
-    assert {k: tuple(v.shape) for k, v in full.items()} == {
-        k: tuple(v.shape) for k, v in gpt.state_dict().items()}
-    for nproc, parallel in ((1, {}), (2, {"tp": 2})):
-        resumed = tmp_path / f"resume{nproc}"
-        resumed.mkdir()
-        for item in saved.iterdir():  # the run folder as the saving run left it
-            target = resumed / item.name
-            shutil.copytree(item, target) if item.is_dir() else shutil.copy(item, target)
-        shutil.rmtree(checkpoint.step_dir(resumed, 20))  # resume from step 10
-        tree = tiny_tree(tmp_path, corpus, parallel={"nproc": nproc, **parallel})
-        run_world(_resume, nproc, tree, str(resumed), timeout_s=200)
-        losses = [r["loss"] for r in read_metrics(resumed)]
-        assert len(losses) == 20
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[10:], reference[10:]))
-        assert rel < 1e-4, (nproc, parallel, rel)
-    trainer.write_config(saved, config_from_dict(tree))  # as `loom train` does
-    out = tmp_path / "model.safetensors"
-    assert main(["export", str(saved), "--out", str(out)]) == 0
-    with safe_open(str(out), "pt") as f:
-        assert json.loads(f.metadata()["loomtrain.model_config"])["d_model"] == 32
-        assert torch.equal(f.get_tensor("blocks.1.attn.qkv.weight"),
-                           checkpoint.load_model_state(
-                               checkpoint.list_checkpoints(saved)[-1])["blocks.1.attn.qkv.weight"])
-
-
-def _resume(rank, world, tree, run_dir):
-    from pathlib import Path
-
-    from loomtrain.train.launch import init_distributed
-
-    cfg = config_from_dict(tree)
-    latest = checkpoint.list_checkpoints(Path(run_dir))[-1]
-    train_loop(cfg, Path(run_dir), latest, init_distributed(cfg), trainer.StopFlag())
 
 
 def _saved_bytes(fn) -> int:

@@ -31,6 +31,8 @@ def load_lowcomm_state(model, optimizer, state: dict) -> None:
 class LowcommStateLayout(StateLayout):
     """One model, the outer state, each replica's own inner optimizer (this module)."""
 
+    portable = False  # torch's own optimizer state dict, per replica
+
     def state(self, model, optimizer, for_saving: bool = True) -> dict:
         return lowcomm_state(model, optimizer)
 

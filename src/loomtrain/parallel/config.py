@@ -43,7 +43,7 @@ class DataParallelComponent(Component):
         built.model = apply_data_parallel(built.model, built.mesh, built.cfg.parallel,
                                           built.compressor)
         built.replicated, built.parts[cls.name] = True, built.model
-        built.layout = built.layout or PLAIN  # the pipeline's, when it cut the model
+        built.layout = PLAIN
 
     @classmethod
     def estimate(cls, plan) -> None:

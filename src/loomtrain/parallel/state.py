@@ -26,16 +26,15 @@ class StateLayout:
     model and its optimizer, tensor-parallel pieces as boxes of the full tensors."""
 
     init_optimizer = True  # create the optimizer's state before loading into it
-    # pipeline ranks hold different parameters: the optimizer's param groups are keyed by
-    # parameter name (DCP keeps one copy of a key that several ranks write)
-    groups_by_name = False
+    # "optim" holds each parameter's state under its names and the param groups as
+    # `hyperparameters` saves them: what the plain and ZeRO layouts share, and load from
+    # each other
+    portable = True
 
     def state(self, model, optimizer, for_saving: bool = True) -> dict:
         """{"model": ..., "optim": ...}: what DCP saves from, or loads into."""
         module = getattr(model, "module", model)
         model_sd, optim_sd = get_state_dict(module, optimizer)
-        if self.groups_by_name:
-            optim_sd["param_groups"] = _groups_by_name(optim_sd["param_groups"])
         for name, p in module.named_parameters(remove_duplicate=False):
             placement = placement_of(p)
             if placement is None:
@@ -48,16 +47,32 @@ class StateLayout:
             for key, value in state.items():
                 if torch.is_tensor(value) and value.shape == p.shape:
                     state[key] = Boxes.whole(value).placed(placement)
+        if optim_sd:  # the parameter server's model alone has no optimizer
+            optim_sd["param_groups"] = hyperparameters(optim_sd["param_groups"])
+        if optim_sd and for_saving:
+            for first, names in aliases(module).items():
+                optim_sd["state"].update({n: optim_sd["state"][first] for n in names
+                                          if first in optim_sd["state"]})
         return {"model": model_sd, "optim": optim_sd}
 
+    def to_load(self, model, optimizer, keys) -> dict:
+        """What DCP loads into from a checkpoint with DCP keys `keys`: `state(...,
+        for_saving=False)`, with the param groups as that checkpoint holds them
+        (`groups_to_load`)."""
+        state = self.state(model, optimizer, for_saving=False)
+        if self.portable:
+            state["optim"]["param_groups"] = groups_to_load(keys)
+        return state
+
     def load(self, model, optimizer, state: dict) -> None:
-        """Put what DCP loaded into `state` (from `state(..., for_saving=False)`) into the
-        model and the optimizer."""
+        """Put what DCP loaded into `state` (from `to_load`) into the model and the
+        optimizer."""
         module = getattr(model, "module", model)
         optim = _unboxed(state["optim"])
-        if isinstance(optim["param_groups"], dict):
-            optim["param_groups"] = _groups_as_list(optim["param_groups"],
-                                                    get_state_dict(module, optimizer)[1]["param_groups"])
+        own = get_state_dict(module, optimizer)[1]["param_groups"]
+        optim["param_groups"] = [{**g, **saved, "params": g["params"]} for g, saved in
+                                 zip(own, loaded_groups(optim["param_groups"],
+                                                        [g["params"] for g in own]))]
         set_state_dict(module, optimizer, model_state_dict=_unboxed(state["model"]),
                        optim_state_dict=optim, options=StateDictOptions(strict=True))
 
@@ -68,28 +83,79 @@ class StateLayout:
             return (f"it holds the optimizer states of {len(saved)} low-communication replicas "
                     "(lowcomm.algorithm was set); resume it with the lowcomm.algorithm it was "
                     "written by (its config.toml says which)")
+        module = getattr(model, "module", model)
+        if self.portable and isinstance(module, torch.nn.Module):  # keys alone: nothing to check
+            return _unsaved_alias(keys, module)
         return None
-
-
-class GroupedStateLayout(StateLayout):
-    """The plain layout with the param groups keyed by parameter name (pipeline stages)."""
-
-    groups_by_name = True
 
 
 PLAIN = StateLayout()
 
 
-def _groups_by_name(groups: list[dict]) -> dict[str, dict]:
-    """The optimizer's param groups keyed by parameter name, {name: hyperparameters}: DCP
-    keeps one copy of a key that several ranks write, and pipeline ranks' lists of groups
-    ("param_groups.0.params", ...) differ, while their parameter names do not collide."""
-    return {name: {k: v for k, v in g.items() if k != "params"} for g in groups for name in g["params"]}
+def aliases(module: torch.nn.Module) -> dict[str, list[str]]:
+    """First name of each parameter -> all its names (the GPT's tied embedding and head:
+    both names are saved, so a pipeline stage that holds one of them finds it)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {v[0]: v for v in names.values()}
 
 
-def _groups_as_list(by_name: dict[str, dict], template: list[dict]) -> list[dict]:
-    """`_groups_by_name` undone along this optimizer's own grouping (`template`)."""
-    return [{**by_name[g["params"][0]], "params": g["params"]} if g["params"] else g for g in template]
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `state_dict` holds, by name: not the non-persistent ones, functions of the
+    config (the llama's rope frequencies), which the plain layout does not save either."""
+    return {f"{prefix}.{name}" if prefix else name: b
+            for prefix, m in module.named_modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set}
+
+
+def hyperparameters(groups: list[dict]) -> list[dict]:
+    """torch's param groups as saved: each group's hyperparameters, by the group's index,
+    without its parameters' names (those differ between layouts and pipeline ranks, and DCP
+    keeps one rank's copy of a key every rank writes). Every layout builds the same groups in
+    the same order (optim.py)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def groups_to_load(keys) -> dict:
+    """Placeholders for the checkpoint's param groups (DCP keys `keys`), in whichever form it
+    holds them: by group index ("optim.param_groups.0.lr"; with "params" lists before
+    2026-12-06) or, written by a pipeline before then, by parameter name
+    ("optim.param_groups.blocks.0.ln1.weight.lr")."""
+    return {k[len(_GROUPS):]: None for k in keys if k.startswith(_GROUPS)}
+
+
+def loaded_groups(loaded: dict, names: list[list[str]]) -> list[dict]:
+    """The hyperparameters that `groups_to_load`'s placeholders, filled, hold for each of this
+    optimizer's groups (`names`: each group's parameter names): by index, or by the first of
+    its parameters the checkpoint names; {} for a group it has nothing for."""
+    saved: dict[str, dict] = {}
+    for key, value in loaded.items():
+        owner, _, field = key.rpartition(".")
+        if field != "params":
+            saved.setdefault(owner, {})[field] = value
+    if all(owner.isdigit() for owner in saved):
+        return [saved.get(str(i), {}) for i in range(len(names))]
+    return [next((saved[n] for n in group if n in saved), {}) for group in names]
+
+
+def _unsaved_alias(keys, module) -> str | None:
+    """A checkpoint written before 2026-12-06 kept a tied parameter's optimizer state under
+    its first name only: a pipeline's last stage, which holds the GPT's head without its
+    embedding, finds none for it."""
+    stated = {k[len(_STATE):].rpartition(".")[0] for k in keys if k.startswith(_STATE)}
+    missing = [n for n, p in module.named_parameters()
+               if p.requires_grad and n not in stated and f"model.{n}" in keys]
+    if not stated or not missing:
+        return None
+    return (f"it holds no optimizer state for {missing[0]}: it was written before 2026-12-06, "
+            "when a tied parameter's optimizer state was saved under its first name only, "
+            "which a pipeline stage holding the other name does not find; resume it with "
+            "the parallel.pp it was written with (or a layout without a pipeline), or start "
+            "from its weights with train.init_from")
+
+
+_GROUPS, _STATE = "optim.param_groups.", "optim.state."
 
 
 def _unboxed(tree):

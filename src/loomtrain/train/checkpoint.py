@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from loomtrain import comm
 from loomtrain.errors import CheckpointError, WriteError
 from loomtrain.parallel.placement import Boxes
-from loomtrain.parallel.state import PLAIN, StateLayout
+from loomtrain.parallel.state import PLAIN, StateLayout, persistent_buffers
 from loomtrain.train import checksums
 from loomtrain.train.dcp_write import not_saved, root_causes, write_state
 from loomtrain.writes import writing
@@ -349,7 +349,7 @@ def load(path: Path, model, optimizer, mesh, extra: dict | None = None,
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this run: {mismatch}")
     if layout.init_optimizer:
         init_optimizer_state(optimizer)
-    state = training_state(model, optimizer, for_saving=False, layout=layout)
+    state = layout.to_load(model, optimizer, metadata.state_dict_metadata)
     # a checkpoint written on CPU has no CUDA RNG state: restore what it holds
     rng = {k: v for k, v in _rng_state(mesh.rank, mesh.device).items() if k in metadata.state_dict_metadata}
     state.update(rng)
@@ -377,13 +377,24 @@ def saved_tensors(path: Path, prefix: str) -> dict[str, tuple[tuple[int, ...], t
             if k.startswith(prefix) and hasattr(m, "size")}
 
 
-def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+def load_model_state(path: Path, model=None) -> dict[str, torch.Tensor]:
     """Single process, no process group, no model needed: the model's tensors, consolidated
-    from every rank's part into full CPU tensors (names without the `model.` prefix)."""
+    from every rank's part into full CPU tensors (names without the `model.` prefix). With
+    `model` (built on any device), less its non-persistent buffers (`not_saved`)."""
     state = load_tensors(path, "model.")
     if not state:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors")
-    return state
+    left_out = not_saved(model)
+    return {k: v for k, v in state.items() if k not in left_out}
+
+
+def not_saved(model) -> set[str]:
+    """Names of `model`'s non-persistent buffers (functions of the config: the llama's rope
+    frequencies), which ZeRO checkpoints written before 2026-12-06 held: a checkpoint's
+    tensors under these names are left out, not loaded."""
+    if model is None:
+        return set()
+    return {n for n, _ in model.named_buffers()} - set(persistent_buffers(model))
 
 
 def load_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
@@ -401,6 +412,6 @@ def load_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 def load_model_weights(path: Path, model) -> None:
     """Single process: load a checkpoint's model weights into `model` (export, generation)."""
     try:
-        model.load_state_dict(load_model_state(path))
+        model.load_state_dict(load_model_state(path, model))
     except RuntimeError as err:
         raise CheckpointError(f"checkpoint {str(path)!r} does not match the model: {err}") from None

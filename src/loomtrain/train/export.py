@@ -60,7 +60,7 @@ def export_hf(run_dir: Path, out: Path | None = None) -> str:
         raise CheckpointError(f"export {str(run_dir)!r} --to hf: a digits classifier has no "
                               "Hugging Face causal-LM architecture")
     model = build_model(cfg.model)
-    model.load_state_dict(checkpoint.load_model_state(latest), strict=True)
+    model.load_state_dict(checkpoint.load_model_state(latest, model), strict=True)
     tokenizer = run_dir / RUN_FILE
     out = Path(out) if out is not None else run_dir / "hf"
     try:
@@ -77,8 +77,9 @@ def export_safetensors(run_dir: Path, out: Path | None = None) -> str:
     run_dir = Path(run_dir)
     latest, cfg = newest_of_run(run_dir)
     with torch.device("meta"):  # names and ties only: no memory, no initialization cost
-        ties = tied_names(build_model(cfg.model))
-    tensors = checkpoint.load_model_state(latest)
+        model = build_model(cfg.model)
+    ties = tied_names(model)
+    tensors = checkpoint.load_model_state(latest, model)
     for alias, source in ties.items():
         if alias not in tensors or source not in tensors:
             raise CheckpointError(f"checkpoint {str(latest)!r} lacks tied weight {alias!r} or {source!r}")

@@ -76,10 +76,13 @@ def model_mismatch(cfg, found: Path) -> str | None:
     if is_hf_folder(found):
         return hf_mismatch(cfg, found)
     with torch.device("meta"):
-        ours = {k: list(v.shape) for k, v in build_task_model(cfg).state_dict().items()}
+        model = build_task_model(cfg)
+    ours = {k: list(v.shape) for k, v in model.state_dict().items()}
     saved = {k.removeprefix("model."): list(m.size)
              for k, m in checkpoint.read_metadata(found).state_dict_metadata.items()
              if k.startswith("model.") and hasattr(m, "size")}
+    for name in checkpoint.not_saved(model):
+        saved.pop(name, None)
     for name in sorted(set(ours) | set(saved)):
         if ours.get(name) != saved.get(name):
             return (f"tensor {name!r} is {saved.get(name, 'absent')} in the checkpoint and "
@@ -121,7 +124,7 @@ def load_init_weights(model: torch.nn.Module, cfg) -> tuple[Path, int]:
         with torch.no_grad():
             model.load_state_dict(state, strict=True)
         return found, 0
-    state = checkpoint.load_model_state(found)
+    state = checkpoint.load_model_state(found, model)
     with torch.no_grad():
         model.load_state_dict(state, strict=True)
     return found, int(checkpoint.read_meta(found)["step"])

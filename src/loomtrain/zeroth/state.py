@@ -7,6 +7,7 @@ from loomtrain.parallel.state import StateLayout
 
 
 class ZerothStateLayout(StateLayout):
+    portable = False  # the optimizer's own state_dict(), read back by it
     init_optimizer = False  # a zeroth-order optimizer's state exists from its construction
 
     def state(self, model, optimizer, for_saving: bool = True) -> dict:

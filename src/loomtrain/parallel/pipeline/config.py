@@ -49,13 +49,11 @@ class Pipeline(Component):
     @classmethod
     def apply(cls, built: Built) -> None:
         from loomtrain.parallel.pipeline import apply_pipeline, runtime_of
-        from loomtrain.parallel.state import GroupedStateLayout
 
         # cut on the meta device (a model build_run built there); real before the runtime
         built.model = apply_pipeline(built.model, built.mesh, built.cfg, built.materialize,
                                      built.loss_sum)
         built.parts[cls.name] = runtime_of(built.model)
-        built.layout = GroupedStateLayout()  # unless ZeRO-1 takes it: its layout names groups
 
     @classmethod
     def estimate(cls, plan) -> None:

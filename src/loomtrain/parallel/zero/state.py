@@ -9,15 +9,13 @@ from __future__ import annotations
 import torch
 
 from loomtrain.parallel.placement import Boxes, placement_of
-from loomtrain.parallel.state import StateLayout
-
-
-def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
-    """First name of each parameter -> all its names (a tied head is saved under both)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {v[0]: v for v in names.values()}
+from loomtrain.parallel.state import (
+    StateLayout,
+    aliases,
+    hyperparameters,
+    loaded_groups,
+    persistent_buffers,
+)
 
 
 def zero_state(engine, optimizer, for_saving: bool) -> dict:
@@ -25,7 +23,7 @@ def zero_state(engine, optimizer, for_saving: bool) -> dict:
     from them, or loads into them in place. `for_saving`: leave out what another replica saves."""
     plan = engine.plan
     writes = not (for_saving and plan.replica_index > 0 and not plan.optimizer_over_replicas)
-    aliases = _aliases(engine.module)
+    names = aliases(engine.module)
     placements = {name: placement_of(p) for name, p in engine.module.named_parameters()}
     model, state = {}, {}
 
@@ -36,9 +34,11 @@ def zero_state(engine, optimizer, for_saving: bool) -> dict:
         if not writes:
             continue
         shard = boxes(view.detach(), piece)
-        for alias in aliases[name]:
+        for alias in names[name]:
             model[alias] = shard
         entry = state.setdefault(name, {})
+        if for_saving:  # under every name, as the model (a pipeline stage finds its own)
+            state.update(dict.fromkeys(names[name], entry))
         for key, value in optimizer.inner.state.get(view, {}).items():
             if torch.is_tensor(value) and value.shape == view.shape and value.dim() == 1:
                 entry[key] = boxes(value, piece)
@@ -48,20 +48,19 @@ def zero_state(engine, optimizer, for_saving: bool) -> dict:
     for name, p in engine.module.named_parameters():
         if p not in in_units:  # frozen parameters stay whole (on the dp axis)
             model[name] = Boxes.whole(p.detach()).placed(placement_of(p))
-    for name, b in engine.module.named_buffers():
-        model[name] = b
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(names)}
-              for g, names in zip(optimizer.param_groups, optimizer.group_names)]
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+    model.update(persistent_buffers(engine.module))
+    return {"model": model, "optim": {"state": state,
+                                      "param_groups": hyperparameters(optimizer.param_groups)}}
 
 
 def load_zero_state(engine, optimizer, loaded: dict) -> None:
-    """After DCP filled the views of `zero_state(..., for_saving=False)`: take the loaded
+    """After DCP filled the views of `ZeroStateLayout.to_load`: take the loaded
     hyperparameters and publish the weights to every rank that keeps them."""
     from loomtrain.parallel.zero.communication import publish
 
-    for group, saved in zip(optimizer.param_groups, loaded["optim"]["param_groups"]):
-        group.update({k: v for k, v in saved.items() if k != "params" and k in group})
+    saved = loaded_groups(loaded["optim"]["param_groups"], optimizer.group_names)
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k in group})
     publish(engine.all_units, engine.mesh)
 
 
