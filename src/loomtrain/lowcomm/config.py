@@ -75,6 +75,14 @@ class LowcommConfig(Section):
 
 
 _REPLICAS = "its replicas are whole fp32 models over dp"
+# the algorithms whose replica may itself be split over tp, pp and cp: each rank syncs its own
+# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models
+SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
+_SPLIT = Refusal("of its algorithms, only lowcomm.algorithm=" + ", ".join(
+    f'"{a}"' for a in SPLIT_REPLICAS) + " sync replicas that are themselves split over tp, pp "
+                 "or cp; the others sync whole fp32 models over dp",
+                 when=lambda cfg: cfg.lowcomm.algorithm not in SPLIT_REPLICAS,
+                 partly="with hpsgd, hierarchical, lordo or dreamddp")
 
 
 class Lowcomm(EngineTimeline, Component):
@@ -85,8 +93,11 @@ class Lowcomm(EngineTimeline, Component):
     section, keys = "lowcomm", LowcommConfig
     switches = (Switch("lowcomm.algorithm", "none"),)
     summary = "local SGD, DiLoCo, streaming DiLoCo, NoLoCo, DreamDDP, HPSGD, DASO, LoRDO"
-    refuses = {other: Refusal(_REPLICAS) for other in
-               ("tensor", "pipeline", "context", "zero", "bf16", "packing", "balance")}
+    refuses = {**{other: Refusal(_REPLICAS) for other in ("zero", "bf16", "packing", "balance")},
+               **{other: _SPLIT for other in ("tensor", "pipeline", "context")},
+               "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
+                                         "every micro-batch, across the steps where the "
+                                         "replicas sync")}
     stage = REPLICATE  # before ZeRO and plain data parallelism: it takes the dp axis's place
 
     @classmethod
@@ -190,6 +201,14 @@ def _check_restarts(cfg) -> None:
                          " is not supported yet: its synchronization is not a synchronous "
                          "all-reduce of whole fragments, which is what a re-formed group retries. "
                          "Set run.max_restarts=0 or one of those algorithms")
+    p = cfg.parallel
+    split = {k: getattr(p, k) for k in ("tp", "pp", "cp") if getattr(p, k) > 1}
+    if split:
+        key, value = next(iter(split.items()))
+        raise ValueError(f"run.max_restarts={cfg.run.max_restarts} under [lowcomm] restarts a "
+                         "lost replica alone, as one process that holds the whole model, and "
+                         f"parallel.{key}={value} splits each replica over {value} processes: "
+                         f"set run.max_restarts=0 or parallel.{key}=1")
     if cfg.compression.method != "none":
         raise ValueError("run.max_restarts > 0 with [compression] on DiLoCo's pseudo-gradients: "
                          "the compressor keeps what it dropped (error feedback) before the "

@@ -54,11 +54,11 @@ class StateLayout:
         """Put what DCP loaded into `state` (from `state(..., for_saving=False)`) into the
         model and the optimizer."""
         module = getattr(model, "module", model)
-        optim = _unboxed(state["optim"])
+        optim = unboxed(state["optim"])
         if isinstance(optim["param_groups"], dict):
             optim["param_groups"] = _groups_as_list(optim["param_groups"],
                                                     get_state_dict(module, optimizer)[1]["param_groups"])
-        set_state_dict(module, optimizer, model_state_dict=_unboxed(state["model"]),
+        set_state_dict(module, optimizer, model_state_dict=unboxed(state["model"]),
                        optim_state_dict=optim, options=StateDictOptions(strict=True))
 
     def check(self, keys, model) -> str | None:
@@ -92,8 +92,8 @@ def _groups_as_list(by_name: dict[str, dict], template: list[dict]) -> list[dict
     return [{**by_name[g["params"][0]], "params": g["params"]} if g["params"] else g for g in template]
 
 
-def _unboxed(tree):
+def unboxed(tree):
     """The state dict with every `Boxes` replaced by the local tensor its views filled."""
     if isinstance(tree, dict):
-        return {k: _unboxed(v) for k, v in tree.items()}
+        return {k: unboxed(v) for k, v in tree.items()}
     return tree.local if isinstance(tree, Boxes) else tree
