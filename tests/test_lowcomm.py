@@ -67,6 +67,8 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train])
     ("streaming", {"algorithm": "streaming_diloco", "inner_steps": 4, "fragments": 2},
      {"pp": 2}, {}),
     ("noloco", {"algorithm": "noloco", "inner_steps": 2}, {"tp": 2}, {}),
+    # H=1: one schedule (every unit at every step), whatever DreamDDP measures
+    ("dreamddp_h1", {"algorithm": "dreamddp"}, {"cp": 2}, SGD),
 ]
 SPLIT_STEPS = 8
 
@@ -131,7 +133,7 @@ def test_world2_parities_and_resume(world2):
 def world4(tmp_path_factory, corpus):
     """One world-4 spawn: DiLoCo against synchronous DP over 4 whole replicas, and 2 replicas
     each split over 2 ranks (tp, pp or cp): the SPLIT layouts, local SGD with H=1 over tp with
-    sequence parallelism (20 steps, plain SGD) and a DiLoCo run over tp stopped at a sync and
+    sequence parallelism (20 steps, plain SGD), DreamDDP with H=2 over tp, and a DiLoCo run over tp stopped at a sync and
     resumed. Returns (rank 0's runs, every rank's dp all-reduce bytes per run)."""
     tmp_path = tmp_path_factory.mktemp("lowcomm_w4")
 
@@ -142,7 +144,9 @@ def world4(tmp_path_factory, corpus):
     jobs = [("dp", tree({}), None, False),
             ("diloco", tree({"algorithm": "diloco", "inner_steps": 4}), None, False),
             ("local_sgd_sgd", tree({"algorithm": "local_sgd"}, {"tp": 2, "sequence_parallel": True},
-                                   train=SGD), None, False)]
+                                   train=SGD), None, False),
+            ("dreamddp_h2", tree({"algorithm": "dreamddp", "inner_steps": 2}, {"tp": 2},
+                                 train={"steps": SPLIT_STEPS}), None, False)]
     jobs += [(name, tree(lowcomm, parallel, train={"steps": SPLIT_STEPS, **train}), None, False)
              for name, lowcomm, parallel, train in SPLIT]
     stopped = tree(SPLIT[0][1], {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
@@ -180,6 +184,13 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
         got, whole = _losses(out[name][0]), _losses(world2[reference][0])
         assert _rel(got, whole) < 1e-4, (name, got, whole)
     assert _rel(_losses(out["local_sgd_sgd"][0]), _losses(world2["dp_sgd"][0])) < 1e-4
+    # DreamDDP over tp2, H=2: the schedule measured in the first period, agreed by every rank
+    # (tp peers hold the same units), then each unit synced once per period; it learns
+    records = out["dreamddp_h2"][0]
+    units = records[1]["dreamddp_schedule"]["units"]
+    for period in (records[2:4], records[4:6]):
+        assert sorted(u for r in period for u in r["dreamddp_synced"]) == sorted(units)
+    assert _losses(records)[-1] < _losses(records)[0] - 0.3
     # stopped at step 4 (a sync, a checkpoint: tp pieces of the outer momentum as boxes)
     assert out["diloco_h2_tp"][1] == ["step_00000004", "step_00000008"]
     # DiLoCo over dp2 x pp2, 8 steps, H=2: 4 outer all-reduces of each rank's own fp32 pieces,

@@ -76,13 +76,17 @@ class LowcommConfig(Section):
 
 _REPLICAS = "its replicas are whole fp32 models over dp"
 # the algorithms whose replica may itself be split over tp, pp and cp: each rank syncs its own
-# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models
-SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
-_SPLIT = Refusal("of its algorithms, only lowcomm.algorithm=" + ", ".join(
-    f'"{a}"' for a in SPLIT_REPLICAS) + " sync replicas that are themselves split over tp, pp "
-                 "or cp; the others sync whole fp32 models over dp",
-                 when=lambda cfg: cfg.lowcomm.algorithm not in SPLIT_REPLICAS,
-                 partly="with hpsgd, hierarchical, lordo or dreamddp")
+# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models. DreamDDP's
+# units are the whole model's layers, timed in the wrapper's forward: not a pipeline's stages
+SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp")
+STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
+
+
+def _split_refusal(built: tuple[str, ...], partly: str) -> Refusal:
+    return Refusal("of its algorithms, only lowcomm.algorithm=" + ", ".join(
+        f'"{a}"' for a in built) + " sync replicas that are themselves split this way; the "
+                   "others sync whole fp32 models over dp",
+                   when=lambda cfg: cfg.lowcomm.algorithm not in built, partly=partly)
 
 
 class Lowcomm(EngineTimeline, Component):
@@ -94,7 +98,10 @@ class Lowcomm(EngineTimeline, Component):
     switches = (Switch("lowcomm.algorithm", "none"),)
     summary = "local SGD, DiLoCo, streaming DiLoCo, NoLoCo, DreamDDP, HPSGD, DASO, LoRDO"
     refuses = {**{other: Refusal(_REPLICAS) for other in ("zero", "bf16", "packing", "balance")},
-               **{other: _SPLIT for other in ("tensor", "pipeline", "context")},
+               "tensor": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
+               "context": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
+               "pipeline": _split_refusal(STAGED_REPLICAS,
+                                          "with hpsgd, hierarchical, lordo or dreamddp"),
                "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
                                          "every micro-batch, across the steps where the "
                                          "replicas sync")}
