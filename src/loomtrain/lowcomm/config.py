@@ -82,10 +82,10 @@ SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp
 STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
 
 
-def _split_refusal(built: tuple[str, ...], partly: str) -> Refusal:
+def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusal:
     return Refusal("of its algorithms, only lowcomm.algorithm=" + ", ".join(
         f'"{a}"' for a in built) + " sync replicas that are themselves split this way; the "
-                   "others sync whole fp32 models over dp",
+                   "others sync whole fp32 models over dp" + why,
                    when=lambda cfg: cfg.lowcomm.algorithm not in built, partly=partly)
 
 
@@ -101,7 +101,9 @@ class Lowcomm(EngineTimeline, Component):
                "tensor": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
                "context": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
                "pipeline": _split_refusal(STAGED_REPLICAS,
-                                          "with hpsgd, hierarchical, lordo or dreamddp"),
+                                          "with hpsgd, hierarchical, lordo or dreamddp",
+                                          ", and DreamDDP plans over the whole model's layers, "
+                                          "timing its backward from its own forward"),
                "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
                                          "every micro-batch, across the steps where the "
                                          "replicas sync")}
