@@ -60,15 +60,20 @@ def _rel(a: list[float], b: list[float]) -> float:
 SGD = {"optimizer": "sgd", "beta1": 0.0, "grad_clip": 0.0, "lr": 0.5}
 # the whole replicas (dp2) each split layout of test_world4_split_replicas is checked against:
 # 8 steps, AdamW, the tiny GPT, without dropout (a tp rank draws its own dropout masks)
-SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train])
-    ("diloco_h2", {"algorithm": "diloco", "inner_steps": 2}, {"pp": 2}, {}),
+SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other sections)
+    ("diloco_h2", {"algorithm": "diloco", "inner_steps": 2}, {"pp": 2}, {}, {}),
     ("local_sgd_h2_clip", {"algorithm": "local_sgd", "inner_steps": 2}, {"cp": 2},
-     {"grad_clip": 0.5}),
+     {"grad_clip": 0.5}, {}),
     ("streaming", {"algorithm": "streaming_diloco", "inner_steps": 4, "fragments": 2},
-     {"pp": 2}, {}),
-    ("noloco", {"algorithm": "noloco", "inner_steps": 2}, {"tp": 2}, {}),
+     {"pp": 2}, {}, {}),
+    ("noloco", {"algorithm": "noloco", "inner_steps": 2}, {"tp": 2}, {}, {}),
     # H=1: one schedule (every unit at every step), whatever DreamDDP measures
-    ("dreamddp_h1", {"algorithm": "dreamddp"}, {"cp": 2}, SGD),
+    ("dreamddp_h1", {"algorithm": "dreamddp"}, {"cp": 2}, SGD, {}),
+    # sparse training in synchronous DP, each stage masking its own layers (the rules that
+    # decide a layer from its own weights): the single spawn of this issue's checks
+    ("nm", {}, {"pp": 2}, {}, {"sparsity": {"method": "nm"}}),
+    ("prune", {}, {"pp": 2}, {}, {"sparsity": {"method": "prune", "distribution": "uniform",
+                                               "density": 0.3, "update_every": 2}}),
 ]
 SPLIT_STEPS = 8
 
@@ -95,8 +100,8 @@ def world2(tmp_path_factory, corpus):
             ("h2_stopped", tree(**h2), None, True),
             ("h2_mid", tree(**h2), 3, False),  # stops after step 3, between syncs
             ("h2_mid", tree(**h2), None, True)]
-    jobs += [(name, tree(lowcomm, train={"steps": SPLIT_STEPS, **train}), None, False)
-             for name, lowcomm, _, train in SPLIT]
+    jobs += [(name, tree(lowcomm, train={"steps": SPLIT_STEPS, **train}, **other), None, False)
+             for name, lowcomm, _, train, other in SPLIT]
     return run_world(_runs, 2, jobs, str(tmp_path / "w2"), timeout_s=360)[0]
 
 
@@ -133,7 +138,8 @@ def test_world2_parities_and_resume(world2):
 def world4(tmp_path_factory, corpus):
     """One world-4 spawn: DiLoCo against synchronous DP over 4 whole replicas, and 2 replicas
     each split over 2 ranks (tp, pp or cp): the SPLIT layouts, local SGD with H=1 over tp with
-    sequence parallelism (20 steps, plain SGD), DreamDDP with H=2 over tp, and a DiLoCo run over tp stopped at a sync and
+    sequence parallelism and synchronous DP over pp with top-k compression keeping every value
+    (20 steps, plain SGD), DreamDDP with H=2 over tp, and a DiLoCo run over tp stopped at a sync and
     resumed. Returns (rank 0's runs, every rank's dp all-reduce bytes per run)."""
     tmp_path = tmp_path_factory.mktemp("lowcomm_w4")
 
@@ -146,9 +152,13 @@ def world4(tmp_path_factory, corpus):
             ("local_sgd_sgd", tree({"algorithm": "local_sgd"}, {"tp": 2, "sequence_parallel": True},
                                    train=SGD), None, False),
             ("dreamddp_h2", tree({"algorithm": "dreamddp", "inner_steps": 2}, {"tp": 2},
-                                 train={"steps": SPLIT_STEPS}), None, False)]
-    jobs += [(name, tree(lowcomm, parallel, train={"steps": SPLIT_STEPS, **train}), None, False)
-             for name, lowcomm, parallel, train in SPLIT]
+                                 train={"steps": SPLIT_STEPS}), None, False),
+            # gradient compression in the data-parallel engine under a pipeline: top-k
+            # keeping every value is the dense all-reduce (test_compression_training.py)
+            ("topk_all_pp", tree({}, {"pp": 2}, train=SGD,
+                                 compression={"method": "topk", "ratio": 1.0}), None, False)]
+    jobs += [(name, tree(lowcomm, parallel, train={"steps": SPLIT_STEPS, **train}, **other),
+              None, False) for name, lowcomm, parallel, train, other in SPLIT]
     stopped = tree(SPLIT[0][1], {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
     jobs += [("diloco_h2_tp", stopped, 4, False), ("diloco_h2_tp", stopped, None, True)]
     runs = run_world(_runs, 4, jobs, str(tmp_path / "w4"), True, timeout_s=480)
@@ -174,7 +184,8 @@ def test_world4_diloco_converges_on_a_quarter_of_the_bytes(world4):
 def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corpus):
     """2 replicas, each split over 2 ranks (tp with sequence parallelism, pp, cp), against 2
     whole ones: the same maths split differently. Each rank syncs its own pieces over dp;
-    local SGD with H=1 and plain SGD is synchronous data parallelism."""
+    local SGD with H=1 and plain SGD is synchronous data parallelism. Also in this spawn:
+    gradient compression and sparse training under a pipeline."""
     out, sent = world4
     # the same sums in other orders (a gradient norm from tp and pp pieces, the cp peers'
     # gradients summed, a vocabulary-parallel loss): ~1e-7 relative measured here, 1e-4 the
@@ -183,7 +194,12 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
         reference = "diloco_h2" if name == "diloco_h2_tp" else name
         got, whole = _losses(out[name][0]), _losses(world2[reference][0])
         assert _rel(got, whole) < 1e-4, (name, got, whole)
-    assert _rel(_losses(out["local_sgd_sgd"][0]), _losses(world2["dp_sgd"][0])) < 1e-4
+    for name in ("local_sgd_sgd", "topk_all_pp"):
+        assert _rel(_losses(out[name][0]), _losses(world2["dp_sgd"][0])) < 1e-4, name
+    # the masks were there: N:M keeps 2 of 4, pruning reached its 30% (stage 0's layers,
+    # rounded to whole weights per layer)
+    densities = [out[name][0][-1]["density"] for name in ("nm", "prune")]
+    assert densities == pytest.approx([0.5, 0.3], abs=1e-3), densities
     # DreamDDP over tp2, H=2: the schedule measured in the first period, agreed by every rank
     # (tp peers hold the same units), then each unit synced once per period; it learns
     records = out["dreamddp_h2"][0]
