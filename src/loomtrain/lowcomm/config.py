@@ -90,8 +90,9 @@ def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusa
 
 
 class Lowcomm(EngineTimeline, Component):
-    """Low-communication replicas run today as plain fp32 replicas of the whole model over dp,
-    each on its own rows, checkpointed only where they are synchronized."""
+    """Low-communication replicas run as fp32 replicas over dp, each on its own rows, each
+    whole or itself split over tp, pp and cp (SPLIT_REPLICAS, STAGED_REPLICAS), checkpointed
+    only where they are synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
