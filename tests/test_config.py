@@ -118,9 +118,6 @@ CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
      "splits each cp rank's model.seq_len/parallel.cp = 17 tokens over parallel.tp=2"),
     (CP2 + ["--set", "parallel.tp=2", "--set", 'parallel.cp_method="auto"'],
      "parallel.cp_method='auto' with parallel.tp=2 is not supported yet"),
-    (CP2 + ["--set", "parallel.zero_stage=1", "--set", "parallel.hierarchical=true", "--set",
-            "parallel.ranks_per_node=2"], "parallel.hierarchical=true with parallel.cp=2 is not "
-                                          "supported yet"),
     (CP2 + ["--set", 'model.name="mlp"'], "model.name='mlp' has none"),
     (CP2 + ["--set", 'parallel.cp_method="auto"', "--set", "model.dropout=0.1"],
      'parallel.cp_method="auto" rewrites the model\'s causal scaled_dot_product_attention calls, '

@@ -1,8 +1,9 @@
 """Local SGD and DiLoCo (lowcomm/): the two equalities that pin them to known algorithms, a
-convergence and bytes check, resume, and the [lowcomm] config rules.
+convergence and bytes check, resume, replicas split over tp, pp or cp against whole ones, and
+the [lowcomm] config rules.
 
-One spawn per world size: world 2 runs the parity and resume cases, world 4 the convergence
-and bytes case."""
+One spawn per world size: world 2 runs the parity and resume cases and the whole replicas,
+world 4 the convergence and bytes case and the split replicas (dp2 x tp2, pp2 or cp2)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from harness import StopBefore, run_world
 from loomtrain import comm
 from loomtrain.errors import ConfigError
 from loomtrain.lowcomm.state import LOWCOMM
+from loomtrain.models import build_model
 from loomtrain.parallel.state import PLAIN
 from loomtrain.train import checkpoint, trainer
 from loomtrain.train.config import config_from_dict
@@ -23,11 +25,12 @@ from loomtrain.train.metrics import read_metrics
 from loomtrain.train.run import train_loop
 
 
-def _runs(rank, world, jobs, root):
+def _runs(rank, world, jobs, root, metered=False):
     """Run every job (name, config tree, stop-before step or None, resume from the newest
     checkpoint of this run folder) in turn in this one world; rank 0 returns each run's
-    metrics records and its checkpoint names."""
-    out = {}
+    metrics records and its checkpoint names. `metered`: every rank also returns each run's
+    wire bytes of all-reduces over dp, as (rank 0's answer or None, {name: bytes})."""
+    out, sent = {}, {}
     for name, tree, stop_before, resume in jobs:
         cfg = config_from_dict(tree)
         run_dir = Path(root) / name
@@ -37,7 +40,9 @@ def _runs(rank, world, jobs, root):
         stop = StopBefore(stop_before) if stop_before is not None else trainer.StopFlag()
         train_loop(cfg, run_dir, latest, mesh, stop)
         out[name] = (read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(run_dir)])
-    return out if rank == 0 else None
+        sent[name] = mesh.meter.total("wire_bytes", op="all_reduce", axis="dp")
+    answer = out if rank == 0 else None
+    return (answer, sent) if metered else answer
 
 
 def _losses(records) -> list[float]:
@@ -50,19 +55,44 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def test_world2_parities_and_resume(tmp_path, corpus):
+# plain SGD, no momentum, no clipping: the setting in which averaging the replicas' updates
+# is the update of the averaged gradient. lr 0.5 so that 20 steps move the loss visibly
+SGD = {"optimizer": "sgd", "beta1": 0.0, "grad_clip": 0.0, "lr": 0.5}
+# the whole replicas (dp2) each split layout of test_world4_split_replicas is checked against:
+# 8 steps, AdamW, the tiny GPT, without dropout (a tp rank draws its own dropout masks)
+SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other sections)
+    ("diloco_h2", {"algorithm": "diloco", "inner_steps": 2}, {"pp": 2}, {}, {}),
+    ("local_sgd_h2_clip", {"algorithm": "local_sgd", "inner_steps": 2}, {"cp": 2},
+     {"grad_clip": 0.5}, {}),
+    ("streaming", {"algorithm": "streaming_diloco", "inner_steps": 4, "fragments": 2},
+     {"pp": 2}, {}, {}),
+    ("noloco", {"algorithm": "noloco", "inner_steps": 2}, {"tp": 2}, {}, {}),
+    # H=1: one schedule (every unit at every step), whatever DreamDDP measures
+    ("dreamddp_h1", {"algorithm": "dreamddp"}, {"cp": 2}, SGD, {}),
+    # sparse training in synchronous DP, each stage masking its own layers (the rules that
+    # decide a layer from its own weights): the single spawn of this issue's checks
+    ("nm", {}, {"pp": 2}, {}, {"sparsity": {"method": "nm"}}),
+    ("prune", {}, {"pp": 2}, {}, {"sparsity": {"method": "prune", "distribution": "uniform",
+                                               "density": 0.3, "update_every": 2}}),
+]
+SPLIT_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, corpus):
+    """One world-2 spawn: the parity and resume runs, and the whole-replica references of the
+    split layouts."""
+    tmp_path = tmp_path_factory.mktemp("lowcomm_w2")
+
     def tree(lowcomm=None, **sections):
         return tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, lowcomm=lowcomm or {}, **sections)
 
-    # plain SGD, no momentum, no clipping: the setting in which averaging the replicas' updates
-    # is the update of the averaged gradient. lr 0.5 so that 20 steps move the loss visibly
-    sgd = {"optimizer": "sgd", "beta1": 0.0, "grad_clip": 0.0, "lr": 0.5}
     diloco_h1 = {"algorithm": "diloco", "inner_steps": 1, "outer_optimizer": "sgd", "outer_lr": 1.0}
     # DiLoCo H=2 with dropout (the per-rank RNG matters): 8 steps, checkpoints every 4
     h2 = dict(lowcomm={"algorithm": "diloco", "inner_steps": 2}, model={"dropout": 0.1},
               train={"steps": 8}, checkpoint={"every": 4})
-    jobs = [("dp_sgd", tree(train=sgd), None, False),
-            ("local_sgd_sgd", tree({"algorithm": "local_sgd"}, train=sgd), None, False),
+    jobs = [("dp_sgd", tree(train=SGD), None, False),
+            ("local_sgd_sgd", tree({"algorithm": "local_sgd"}, train=SGD), None, False),
             ("local_sgd_adamw", tree({"algorithm": "local_sgd"}), None, False),
             ("diloco_h1", tree(diloco_h1), None, False),
             ("h2", tree(**h2), None, False),
@@ -70,8 +100,13 @@ def test_world2_parities_and_resume(tmp_path, corpus):
             ("h2_stopped", tree(**h2), None, True),
             ("h2_mid", tree(**h2), 3, False),  # stops after step 3, between syncs
             ("h2_mid", tree(**h2), None, True)]
-    out = run_world(_runs, 2, jobs, str(tmp_path / "w2"), timeout_s=240)[0]
+    jobs += [(name, tree(lowcomm, train={"steps": SPLIT_STEPS, **train}, **other), None, False)
+             for name, lowcomm, _, train, other in SPLIT]
+    return run_world(_runs, 2, jobs, str(tmp_path / "w2"), timeout_s=360)[0]
 
+
+def test_world2_parities_and_resume(world2):
+    out = world2
     # local SGD with H=1 equals synchronous DP: mean_i(p - lr g_i) against p - lr mean_i(g_i),
     # every rank's rows holding the same number of tokens (full windows), so normalizing by its
     # own count is normalizing by the global one / dp. The two differ only in fp32 rounding
@@ -99,13 +134,41 @@ def test_world2_parities_and_resume(tmp_path, corpus):
     assert losses[-1] < losses[0]
 
 
-def test_world4_diloco_converges_on_a_quarter_of_the_bytes(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, corpus):
+    """One world-4 spawn: DiLoCo against synchronous DP over 4 whole replicas, and 2 replicas
+    each split over 2 ranks (tp, pp or cp): the SPLIT layouts, local SGD with H=1 over tp with
+    sequence parallelism and synchronous DP over pp with top-k compression keeping every value
+    (20 steps, plain SGD), DreamDDP with H=2 over tp, and a DiLoCo run over tp stopped at a sync and
+    resumed. Returns (rank 0's runs, every rank's dp all-reduce bytes per run)."""
+    tmp_path = tmp_path_factory.mktemp("lowcomm_w4")
+
+    def tree(lowcomm, parallel=None, **sections):
+        return tiny_tree(tmp_path, corpus, parallel={"nproc": 4, **(parallel or {})},
+                         lowcomm=lowcomm, **sections)
+
+    jobs = [("dp", tree({}), None, False),
+            ("diloco", tree({"algorithm": "diloco", "inner_steps": 4}), None, False),
+            ("local_sgd_sgd", tree({"algorithm": "local_sgd"}, {"tp": 2, "sequence_parallel": True},
+                                   train=SGD), None, False),
+            ("dreamddp_h2", tree({"algorithm": "dreamddp", "inner_steps": 2}, {"tp": 2},
+                                 train={"steps": SPLIT_STEPS}), None, False),
+            # gradient compression in the data-parallel engine under a pipeline: top-k
+            # keeping every value is the dense all-reduce (test_compression_training.py)
+            ("topk_all_pp", tree({}, {"pp": 2}, train=SGD,
+                                 compression={"method": "topk", "ratio": 1.0}), None, False)]
+    jobs += [(name, tree(lowcomm, parallel, train={"steps": SPLIT_STEPS, **train}, **other),
+              None, False) for name, lowcomm, parallel, train, other in SPLIT]
+    stopped = tree(SPLIT[0][1], {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
+    jobs += [("diloco_h2_tp", stopped, 4, False), ("diloco_h2_tp", stopped, None, True)]
+    runs = run_world(_runs, 4, jobs, str(tmp_path / "w4"), True, timeout_s=480)
+    return runs[0][0], [sent for _, sent in runs]
+
+
+def test_world4_diloco_converges_on_a_quarter_of_the_bytes(world4):
     """DiLoCo with H=4 and its default outer Nesterov against synchronous DP, both with AdamW,
     on the same 20 steps of the same rows."""
-    trees = [tiny_tree(tmp_path, corpus, parallel={"nproc": 4}, lowcomm=lowcomm)
-             for lowcomm in ({}, {"algorithm": "diloco", "inner_steps": 4})]
-    jobs = [(name, t, None, False) for name, t in zip(("dp", "diloco"), trees)]
-    out = run_world(_runs, 4, jobs, str(tmp_path / "w4"), timeout_s=240)[0]
+    out = world4[0]
     dp, diloco = (_losses(out[name][0]) for name in ("dp", "diloco"))
     assert diloco[-1] < diloco[0] - 0.3, diloco  # it learns
     assert diloco[-1] < dp[-1] * 1.1, (diloco, dp)  # measured 3.34 against DP's 4.06
@@ -118,6 +181,45 @@ def test_world4_diloco_converges_on_a_quarter_of_the_bytes(tmp_path, corpus):
     assert 0.25 <= ratio < 0.251, (ratio, sent)
 
 
+def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corpus):
+    """2 replicas, each split over 2 ranks (tp with sequence parallelism, pp, cp), against 2
+    whole ones: the same maths split differently. Each rank syncs its own pieces over dp;
+    local SGD with H=1 and plain SGD is synchronous data parallelism. Also in this spawn:
+    gradient compression and sparse training under a pipeline."""
+    out, sent = world4
+    # the same sums in other orders (a gradient norm from tp and pp pieces, the cp peers'
+    # gradients summed, a vocabulary-parallel loss): ~1e-7 relative measured here, 1e-4 the
+    # bound. Local SGD with H=1 against synchronous DP as well (test_world2_parities_and_resume)
+    for name in ["local_sgd_sgd", "diloco_h2_tp"] + [name for name, *_ in SPLIT]:
+        reference = "diloco_h2" if name == "diloco_h2_tp" else name
+        got, whole = _losses(out[name][0]), _losses(world2[reference][0])
+        assert _rel(got, whole) < 1e-4, (name, got, whole)
+    for name in ("local_sgd_sgd", "topk_all_pp"):
+        assert _rel(_losses(out[name][0]), _losses(world2["dp_sgd"][0])) < 1e-4, name
+    # the masks were there: N:M keeps 2 of 4, pruning reached its 30% (stage 0's layers,
+    # rounded to whole weights per layer)
+    densities = [out[name][0][-1]["density"] for name in ("nm", "prune")]
+    assert densities == pytest.approx([0.5, 0.3], abs=1e-3), densities
+    # DreamDDP over tp2, H=2: the schedule measured in the first period, agreed by every rank
+    # (tp peers hold the same units), then each unit synced once per period; it learns
+    records = out["dreamddp_h2"][0]
+    units = records[1]["dreamddp_schedule"]["units"]
+    for period in (records[2:4], records[4:6]):
+        assert sorted(u for r in period for u in r["dreamddp_synced"]) == sorted(units)
+    assert _losses(records)[-1] < _losses(records)[0] - 0.3
+    # stopped at step 4 (a sync, a checkpoint: tp pieces of the outer momentum as boxes)
+    assert out["diloco_h2_tp"][1] == ["step_00000004", "step_00000008"]
+    # DiLoCo over dp2 x pp2, 8 steps, H=2: 4 outer all-reduces of each rank's own fp32 pieces,
+    # a ring over 2 replicas sending 2 (2 - 1) / 2 = 1 x the payload. A replica's ranks (pp
+    # ranks 0 and 1 of dp rank 0: global ranks 0 and 2) hold the whole model once, and the
+    # tied embedding and head twice (each stage updates its copy alike). Besides, each rank
+    # all-reduces over dp its logged loss (8 bytes a step) and 16 bytes at the final validation
+    model = build_model(config_from_dict(tiny_tree(tmp_path, corpus)).model)
+    held = sum(p.numel() for p in model.parameters()) + model.tok_emb.weight.numel()
+    replica = sent[0]["diloco_h2"] + sent[2]["diloco_h2"]
+    assert replica == 4 * 4 * held + 2 * (8 * SPLIT_STEPS + 16), (replica, held)
+
+
 @pytest.mark.parametrize("lowcomm,other,why", [
     ({"inner_steps": 4}, {}, "lowcomm.inner_steps is not read by lowcomm.algorithm='none'"),
     ({"algorithm": "local_sgd", "outer_lr": 1.0}, {},
@@ -127,7 +229,11 @@ def test_world4_diloco_converges_on_a_quarter_of_the_bytes(tmp_path, corpus):
      'outer_optimizer="sgd" has none'),
     ({"algorithm": "diloco", "inner_steps": 4}, {"checkpoint": {"every": 6}},
      "set checkpoint.every=8"),
-    ({"algorithm": "diloco"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
+    ({"algorithm": "hpsgd"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
+    ({"algorithm": "dreamddp"}, {"parallel": {"nproc": 2, "pp": 2}},
+     'only lowcomm.algorithm="local_sgd"'),
+    ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "pp": 2}, "run": {"max_restarts": 1}},
+     "parallel.pp=2 splits each replica over 2 processes"),
     ({"algorithm": "local_sgd"}, {"parallel": {"nproc": 2, "zero_stage": 1}}, "parallel.zero_stage=1"),
     ({"algorithm": "diloco"}, {"train": {"precision": "bf16"}}, "train.precision='bf16'"),
     ({"algorithm": "diloco"}, {"data": {"packing": True}}, "data.packing=True"),

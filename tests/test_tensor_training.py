@@ -8,13 +8,17 @@ import copy
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from conftest import tiny_tree
 from harness import run_world
+from loomtrain.cli import main
 from loomtrain.comm import wire_bytes
 from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
 from loomtrain.parallel.tensor import parallelize_tensor, vocab_parallel_loss_sum
+from loomtrain.train import checkpoint, trainer
+from loomtrain.train.config import config_from_dict
 from loomtrain.train.metrics import read_metrics
 from test_zero import _train_many
 

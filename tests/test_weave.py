@@ -28,8 +28,9 @@ def _layout(parallel: dict, model: dict = GPT, data: dict | None = None,
     return parallel, model, data or {}, train or {}
 
 
-PAIRS = [  # world 4: the pipeline with each axis it refused before issue 28
-    _layout({"pp": 2, "tp": 2, "schedule": "1f1b"}),
+LINEAR = {"n_layers": 2, "attention": "linear"}
+PAIRS = [  # world 4: the pipeline with each axis it refused before issue 28 (tp2 x pp2 with
+    # 1F1B and dp: the world-8 layouts), LASP with tp and pp, hierarchical ZeRO with cp
     _layout({"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "zb-h1",
              "recompute": "selective"}),
     _layout({"pp": 2, "tp": 2, "schedule": "optimal", "activation_budget_mb": 0.5}),
@@ -41,6 +42,10 @@ PAIRS = [  # world 4: the pipeline with each axis it refused before issue 28
     _layout({"pp": 2, "zero_stage": 2, "schedule": "zb-h1"}),
     _layout({"pp": 2, "zero_stage": 1, "schedule": "zb-h1"}),
     _layout({"pp": 2, "cp": 2, "schedule": "1f1b"}, LLAMA),
+    _layout({"cp": 2, "tp": 2, "sequence_parallel": True}, LINEAR),  # LASP
+    # sharded inside a "node" of dp x cp peers, replicated across the two
+    _layout({"cp": 2, "zero_stage": 3, "hierarchical": True, "ranks_per_node": 2}),
+    _layout({"pp": 2, "cp": 2, "schedule": "1f1b"}, LINEAR),
     _layout({"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved",
              "virtual_stages": 2}, LLAMA),
 ]

@@ -118,7 +118,7 @@ class Mesh:
 
     def group(self, axis: str):
         """The process group of `axis` ("dp", "tp", ..., "dpcp" (dp and cp together),
-        "dp.local", "dp.cross", "world", or
+        "dp.local", "dp.cross", "dpcp.local", "dpcp.cross", "world", or
         "self": this rank alone, for code that treats "not sharded" as a group of one)."""
         return self._groups[axis][1]
 
@@ -175,24 +175,30 @@ def build_mesh(
         mesh._groups[axis] = (ranks, device_mesh.get_group(axis))
     # dp and cp together: the ranks that hold the same parameters (context-parallel peers hold
     # the same replica but different tokens), which the data-parallel engine reduces over
+    dpcp = axis_groups({"pp": sizes["pp"], "dp": 1, "cp": sizes["dp"] * sizes["cp"],
+                        "tp": sizes["tp"]}, "cp")
     if sizes["cp"] == 1:
         mesh._groups["dpcp"] = mesh._groups["dp"]
     else:
-        for ranks in axis_groups({"pp": sizes["pp"], "dp": 1, "cp": sizes["dp"] * sizes["cp"],
-                                  "tp": sizes["tp"]}, "cp"):
+        for ranks in dpcp:
             pg = dist.new_group(ranks)  # collective: every rank creates every group
             if mesh.rank in ranks:
                 mesh._groups["dpcp"] = (ranks, pg)
-    if ranks_per_node < world:
-        for axis in AXES:
-            local, cross = split_by_node(axis_groups(sizes, axis), ranks_per_node)
-            for name, parts in ((f"{axis}.local", local), (f"{axis}.cross", cross)):
-                for ranks in parts:  # new_group is collective: every rank creates every group
-                    pg = dist.new_group(ranks) if len(ranks) > 1 else None
-                    if mesh.rank in ranks:
-                        mesh._groups[name] = (ranks, pg)
-    else:
-        for axis in AXES:
+    groups = {axis: axis_groups(sizes, axis) for axis in AXES}
+    if sizes["cp"] > 1:
+        groups["dpcp"] = dpcp  # hierarchical ZeRO under cp shards inside a node over dp x cp
+    for axis, every in groups.items():
+        if ranks_per_node == world:
             mesh._groups[f"{axis}.local"] = mesh._groups[axis]
             mesh._groups[f"{axis}.cross"] = ([mesh.rank], None)
+            continue
+        local, cross = split_by_node(every, ranks_per_node)
+        for name, parts in ((f"{axis}.local", local), (f"{axis}.cross", cross)):
+            for ranks in parts:  # new_group is collective: every rank creates every group
+                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                if mesh.rank in ranks:
+                    mesh._groups[name] = (ranks, pg)
+    if sizes["cp"] == 1:
+        for part in ("local", "cross"):
+            mesh._groups[f"dpcp.{part}"] = mesh._groups[f"dp.{part}"]
     return mesh

@@ -75,18 +75,39 @@ class LowcommConfig(Section):
 
 
 _REPLICAS = "its replicas are whole fp32 models over dp"
+# the algorithms whose replica may itself be split over tp, pp and cp: each rank syncs its own
+# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models. DreamDDP's
+# units are the whole model's layers, timed in the wrapper's forward: not a pipeline's stages
+SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp")
+STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
+
+
+def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusal:
+    return Refusal("of its algorithms, only lowcomm.algorithm=" + ", ".join(
+        f'"{a}"' for a in built) + " sync replicas that are themselves split this way; the "
+                   "others sync whole fp32 models over dp" + why,
+                   when=lambda cfg: cfg.lowcomm.algorithm not in built, partly=partly)
 
 
 class Lowcomm(EngineTimeline, Component):
-    """Low-communication replicas run today as plain fp32 replicas of the whole model over dp,
-    each on its own rows, checkpointed only where they are synchronized."""
+    """Low-communication replicas run as fp32 replicas over dp, each on its own rows, each
+    whole or itself split over tp, pp and cp (SPLIT_REPLICAS, STAGED_REPLICAS), checkpointed
+    only where they are synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
     switches = (Switch("lowcomm.algorithm", "none"),)
     summary = "local SGD, DiLoCo, streaming DiLoCo, NoLoCo, DreamDDP, HPSGD, DASO, LoRDO"
-    refuses = {other: Refusal(_REPLICAS) for other in
-               ("tensor", "pipeline", "context", "zero", "bf16", "packing", "balance")}
+    refuses = {**{other: Refusal(_REPLICAS) for other in ("zero", "bf16", "packing", "balance")},
+               "tensor": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
+               "context": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
+               "pipeline": _split_refusal(STAGED_REPLICAS,
+                                          "with hpsgd, hierarchical, lordo or dreamddp",
+                                          ", and DreamDDP plans over the whole model's layers, "
+                                          "timing its backward from its own forward"),
+               "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
+                                         "every micro-batch, across the steps where the "
+                                         "replicas sync")}
     stage = REPLICATE  # before ZeRO and plain data parallelism: it takes the dp axis's place
 
     @classmethod
@@ -190,6 +211,14 @@ def _check_restarts(cfg) -> None:
                          " is not supported yet: its synchronization is not a synchronous "
                          "all-reduce of whole fragments, which is what a re-formed group retries. "
                          "Set run.max_restarts=0 or one of those algorithms")
+    p = cfg.parallel
+    split = {k: getattr(p, k) for k in ("tp", "pp", "cp") if getattr(p, k) > 1}
+    if split:
+        key, value = next(iter(split.items()))
+        raise ValueError(f"run.max_restarts={cfg.run.max_restarts} under [lowcomm] restarts a "
+                         "lost replica alone, as one process that holds the whole model, and "
+                         f"parallel.{key}={value} splits each replica over {value} processes: "
+                         f"set run.max_restarts=0 or parallel.{key}=1")
     if cfg.compression.method != "none":
         raise ValueError("run.max_restarts > 0 with [compression] on DiLoCo's pseudo-gradients: "
                          "the compressor keeps what it dropped (error feedback) before the "

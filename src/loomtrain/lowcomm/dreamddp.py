@@ -65,6 +65,9 @@ class DreamDDP(LocalSGD):
 
     def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str = "dp"):
         super().__init__(module, mesh, inner_steps, axis)
+        # a pipeline's stages hold different units, and its runtime calls the stages, not
+        # this forward, whose hook times the backward (the config refuses pp)
+        assert mesh.size("pp") == 1, "DreamDDP runs whole models or tp/cp replicas"
         self.units = layer_units(module)
         self.unit_names = [name for name, _ in self.units]
         self._flat = [_flatten_into_one(tensors) for _, tensors in self.units]
@@ -219,14 +222,17 @@ class DreamDDP(LocalSGD):
         return self.mesh.link.latency_ms / 1e3 if self._link_times_dp() else 0.0
 
     def _fix_schedule(self) -> None:
-        """Agree on the measurements (their mean over the replicas) and on rank 0's plan."""
+        """Agree on the measurements (their mean over every rank) and on rank 0's plan. Every
+        rank, not only the replicas: the tp and cp ranks of a replica hold the same units (tp
+        pieces of them, and whole tensors they replicate), which must sync at the same
+        iteration everywhere, or the copies of a replicated tensor would part."""
         n = len(self.units)
         alpha, beta = fit_alpha_beta(self._samples)
         ready = [s / self._measured for s in self._ready_sum]
         comm_s = [self._op_s(_nbytes(flat), alpha, beta) for flat in self._flat]
         stats = torch.tensor(ready + comm_s, dtype=torch.float64, device=self.mesh.device)
-        comm.all_reduce(stats, self.mesh, self.axis)
-        stats /= self.mesh.size(self.axis)
+        comm.all_reduce(stats, self.mesh, "world")
+        stats /= self.mesh.world
         ready, comm_s = stats[:n].tolist(), stats[n:].tolist()
         order, backward = backward_order(ready)
         found = plan(backward, [comm_s[u] for u in order], self.inner_steps, self._latency_s())
@@ -234,7 +240,7 @@ class DreamDDP(LocalSGD):
         for position, u in enumerate(order):
             mine[u] = found.iteration[position]
         iteration = torch.tensor(mine, dtype=torch.int64, device=self.mesh.device)
-        comm.broadcast(iteration, self.mesh, self.axis, 0)
+        comm.broadcast(iteration, self.mesh, "world", 0)
         self._set_schedule(iteration.tolist(), ready, comm_s, exact=found.exact)
 
     def _set_schedule(self, iteration, ready, comm_s, exact=None) -> None:

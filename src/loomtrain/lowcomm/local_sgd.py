@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loomtrain import comm
-from loomtrain.parallel.data import broadcast_state
+from loomtrain.parallel.data import broadcast_state, clip_replica_grads
 
 
 def build(model, optimizer, mesh, cfg, seed: int):
@@ -80,13 +80,27 @@ class LocalSGD(nn.Module):
         return {}
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip this replica's own gradient; returns its norm before clipping. First runs
-        `before_update()`."""
+        """Clip this replica's own gradient; returns its norm before clipping, of the whole
+        replica's gradient where its tp and pp ranks hold pieces of it. First the context
+        peers' gradients are summed (`replica_gradient`), then `before_update()` runs."""
+        self.replica_gradient()
         self.before_update()
-        if max_norm > 0:
-            return nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
-                                       foreach=True)
+        return clip_replica_grads(self.params, max_norm, self.mesh)
+
+    @torch.no_grad()
+    def replica_gradient(self) -> None:
+        """Under context parallelism each rank of a replica holds the gradient of its own
+        tokens (the loss is divided by the replica's token count): one all-reduce over cp
+        makes it the replica's, on each of them, every step: traffic inside the replica, as
+        the data-parallel engine's reduction over dp and cp together is (parallel/data.py).
+        Tensor and pipeline ranks need nothing: each holds its own pieces' whole gradient."""
+        if self.mesh.size("cp") == 1:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        comm.all_reduce(flat, self.mesh, "cp")
+        for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(value)
 
     def after_step(self, step: int, last: bool = False) -> bool:
         """Call after optimizer step `step` (counted from 1) on every replica. Synchronizes

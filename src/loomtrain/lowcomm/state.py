@@ -1,31 +1,49 @@
 """Checkpoints of low-communication runs: one model, one outer state, each replica's own
-inner optimizer, written only where the replicas are synchronized.
+inner optimizer, written only where the replicas are synchronized. A replica split over tp
+and pp ranks writes its pieces as the synchronous layouts do (the plain layout): tensor-
+parallel pieces as boxes of the full tensors, the optimizer's groups by index.
 
 The keys, resume and its limits: docs/lowcomm.md, "Checkpoints".
 """
 
 from __future__ import annotations
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+import torch
 
-from loomtrain.parallel.state import REPLICA_KEY, StateLayout
+from loomtrain.parallel.placement import Boxes, placement_of
+from loomtrain.parallel.state import PLAIN, REPLICA_KEY, StateLayout, unboxed
 
 
 def lowcomm_state(model, optimizer) -> dict:
     """{"model": ..., "optim": {"replica<R>": ...}, "lowcomm": ...} of `model` (a LocalSGD or
     DiLoCo wrapper): DCP saves from it, or loads into it."""
-    model_sd, optim_sd = get_state_dict(model.module, optimizer)
-    return {"model": model_sd, "optim": {f"replica{model.replica}": optim_sd},
-            "lowcomm": model.outer_state()}
+    inner = PLAIN.state(model, optimizer)
+    return {"model": inner["model"], "optim": {f"replica{model.replica}": inner["optim"]},
+            "lowcomm": _boxed(model.outer_state(), model.module)}
+
+
+def _boxed(outer: dict[str, torch.Tensor], module) -> dict:
+    """The outer state's per-parameter tensors (keys "<kind>.<parameter name>") of
+    tensor-parallel pieces as boxes of the full tensors, so that every tp rank writes its own."""
+    placements = {n: placement_of(p) for n, p in module.named_parameters()
+                  if placement_of(p) is not None}
+    if not placements:
+        return outer
+    out = {}
+    for key, value in outer.items():
+        parts = key.split(".")
+        name = next((n for n in (".".join(parts[i:]) for i in range(1, len(parts)))
+                     if n in placements), None)
+        out[key] = value if name is None else Boxes.whole(value).placed(placements[name])
+    return out
 
 
 def load_lowcomm_state(model, optimizer, state: dict) -> None:
     """Put what DCP loaded into `state` (from `lowcomm_state`) into the model, the inner
     optimizer and the wrapper's outer state."""
-    set_state_dict(model.module, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"][f"replica{model.replica}"],
-                   options=StateDictOptions(strict=True))
-    model.load_outer_state(state["lowcomm"])
+    PLAIN.load(model, optimizer, {"model": state["model"],
+                                          "optim": state["optim"][f"replica{model.replica}"]})
+    model.load_outer_state(unboxed(state["lowcomm"]))
 
 
 class LowcommStateLayout(StateLayout):

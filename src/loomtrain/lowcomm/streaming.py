@@ -27,25 +27,60 @@ def build(model, optimizer, mesh, cfg, seed: int):
                            mix=cfg.mix), optimizer
 
 
-def split_fragments(names: list[str], fragments: int, blocks: str = "blocks") -> list[list[int]]:
+def split_fragments(names: list[str], fragments: int, blocks: str = "blocks",
+                    preceding: dict[str, int] | None = None) -> list[list[int]]:
     """The indices into `names` (parameter names in registration order, each once) of each of
     the `fragments` fragments. Block i (names "<blocks>.<i>.*") goes to fragment i mod F; any
     other parameter to the fragment of the block registered before it, or to fragment 0 before
-    the first block. Pure. Raises ValueError when the names hold fewer than F blocks."""
+    the first block. Pure. Raises ValueError when the names hold fewer than F blocks.
+
+    `preceding`: for one pipeline rank's parameters, {name: the block before it in the whole
+    model (-1: none)} of those outside blocks (`stage_preceding`); its fragments follow the
+    whole model's, and some may be empty there (other stages hold their blocks)."""
     pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)\.")
     block_of = [int(m.group(1)) if (m := pattern.match(n)) else None for n in names]
     count = len({b for b in block_of if b is not None})
-    if fragments < 1 or fragments > count:
+    if preceding is None and (fragments < 1 or fragments > count):
         raise ValueError(f"streaming DiLoCo makes {fragments} fragments of whole blocks "
                          f"(parameters named {blocks}.<i>.*), and this model has {count}: "
                          f"set lowcomm.fragments between 1 and {max(count, 1)}")
     out: list[list[int]] = [[] for _ in range(fragments)]
     current = 0
-    for index, block in enumerate(block_of):
+    for index, (name, block) in enumerate(zip(names, block_of)):
         if block is not None:
             current = block % fragments
+        elif preceding is not None:
+            current = max(preceding[name], 0) % fragments
         out[current].append(index)
-    assert all(out), f"a fragment without a block: blocks {sorted(set(block_of) - {None})}"
+    assert preceding is not None or all(out), \
+        f"a fragment without a block: blocks {sorted(set(block_of) - {None})}"
+    return out
+
+
+def stage_preceding(module: nn.Module, names: list[str], blocks: str = "blocks") -> dict | None:
+    """For a pipeline rank's module (parallel/pipeline/split.py's PipelineModule, whose
+    `layers` are the whole model's, in order): {name: the block before it in the whole model,
+    -1 for none} of its parameters outside blocks; None for a whole model. A parameter several
+    stages hold (`pp_copies`: the tied embedding and head) gets -1 everywhere: a whole model
+    registers it under its first name, the embedding's, before every block, and its copies
+    must sync at the same steps."""
+    from loomtrain.parallel.pipeline.split import PipelineModule
+
+    if not isinstance(module, PipelineModule):
+        return None
+    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)$")
+    before, last = {}, -1
+    for layer in module.layers:
+        for path in layer.owns:
+            if m := pattern.match(path):
+                last = int(m.group(1))
+            before[path] = last
+    params = dict(module.named_parameters())
+    out = {}
+    for name in names:
+        owner = next((p for p in before if name.startswith(p + ".")), None)
+        shared = getattr(params[name], "pp_copies", 1) > 1
+        out[name] = -1 if shared or owner is None else before[owner]
     return out
 
 
@@ -96,7 +131,8 @@ class StreamingDiLoCo(LocalSGD):
                              "their ratio")
         assert quantize in ("none", "int8") and 0.0 <= mix < 1.0, (quantize, mix)
         self.overlap_steps, self.quantize, self.mix = overlap_steps, quantize, mix
-        self.fragment_index = split_fragments(self.names, fragments)
+        self.fragment_index = split_fragments(self.names, fragments,
+                                              preceding=stage_preceding(module, self.names))
         self.fragment_params = [[self.params[i] for i in f] for f in self.fragment_index]
         self.offsets = sync_offsets(inner_steps, fragments)
         # theta_p: after the broadcast, every replica's copy is dp rank 0's parameters
@@ -117,6 +153,8 @@ class StreamingDiLoCo(LocalSGD):
         return len(self.fragment_index)
 
     def _flat(self, p: int) -> torch.Tensor:
+        if not self.fragment_params[p]:  # a pipeline rank that holds none of its blocks
+            return self.params[0].detach().new_empty(0)
         return _flatten_dense_tensors([t.detach() for t in self.fragment_params[p]])
 
     def _set_fragment(self, p: int, flat: torch.Tensor) -> None:
@@ -129,10 +167,10 @@ class StreamingDiLoCo(LocalSGD):
         all-reduce of each fragment whose sync step this is, lands those launched
         `overlap_steps` steps ago, and on `last` ends on one model (`end_period`). Returns
         whether a fragment was launched."""
-        self.step, self.differs = step, [True] * self.fragments
+        self.step, self.differs = step, [bool(f) for f in self.fragment_params]
         self._launched = self._landed = None
         for p, offset in enumerate(self.offsets):
-            if (step - offset) % self.inner_steps == 0:
+            if (step - offset) % self.inner_steps == 0 and self.fragment_params[p]:
                 self._launch(p, step)
         for sync in [s for s in self.in_flight if step >= s.launched_step + self.overlap_steps]:
             self._land(sync)
@@ -259,6 +297,8 @@ class StreamingDiLoCo(LocalSGD):
         self.differs = [False] * self.fragments
         for p, indices in enumerate(self.fragment_index):
             names = [self.names[i] for i in indices]
+            if not names:
+                continue
             theta = _flatten_dense_tensors([state[f"global.{n}"] for n in names])
             self.global_params[p].copy_(theta)
             if self.outer[p].defaults["momentum"]:

@@ -164,6 +164,22 @@ def weighted_groups(items, mesh) -> list[tuple[list[torch.Tensor], float]]:
     return list((grads, w) for w, grads in groups.items())
 
 
+def clip_replica_grads(params: list[nn.Parameter], max_norm: float, mesh) -> torch.Tensor:
+    """Clip the gradients of one replica's `params` (max_norm 0: only measure); returns the
+    norm before clipping, of the whole replica's gradient: its tp and pp ranks each hold
+    pieces of it (`grad_norm`), a dp rank holds all of its own replica's."""
+    if mesh.size("tp") == 1 and mesh.size("pp") == 1:
+        if max_norm > 0:
+            return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+                                       foreach=True)
+    held = [p for p in params if p.grad is not None]
+    total = grad_norm(weighted_groups(((p, p.grad) for p in held), mesh), mesh, "self")
+    if max_norm > 0:
+        nn.utils.clip_grads_with_norm_(held, max_norm, total, foreach=True)
+    return total
+
+
 class DataParallel(nn.Module):
     """`model = DataParallel(model, mesh)`; then `loss.backward(); optimizer.step()` as usual.
 
@@ -214,15 +230,7 @@ class DataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the (already reduced, replicated) gradients; returns the total norm before
         clipping (of the whole model's gradient, also when tensor parallelism split it)."""
-        params = [p for b in self.buckets for p in b.params]
-        if self.mesh.size("tp") == 1 and self.mesh.size("pp") == 1:
-            if max_norm > 0:
-                return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-            return nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        total = grad_norm(weighted_groups(((p, p.grad) for p in params), self.mesh), self.mesh, "self")
-        if max_norm > 0:
-            nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-        return total
+        return clip_replica_grads([p for b in self.buckets for p in b.params], max_norm, self.mesh)
 
     def sync_gradients(self) -> None:
         """Reduce the gradients accumulated under `no_sync()` now, outside any backward (the
@@ -403,5 +411,5 @@ def apply_data_parallel(model: nn.Module, mesh, cfg, compressor=None) -> DataPar
 
 
 __all__ = ["GRADIENT_REDUCES", "Bucket", "CompressionWindow", "DataParallel", "apply_data_parallel",
-           "broadcast_state", "build_buckets", "check_gradient_reduce", "grad_norm", "norm_weight",
-           "weighted_groups"]
+           "broadcast_state", "build_buckets", "check_gradient_reduce", "clip_replica_grads",
+           "grad_norm", "norm_weight", "weighted_groups"]

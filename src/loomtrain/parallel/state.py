@@ -68,12 +68,12 @@ class StateLayout:
         """Put what DCP loaded into `state` (from `to_load`) into the model and the
         optimizer."""
         module = getattr(model, "module", model)
-        optim = _unboxed(state["optim"])
+        optim = unboxed(state["optim"])
         own = get_state_dict(module, optimizer)[1]["param_groups"]
         optim["param_groups"] = [{**g, **saved, "params": g["params"]} for g, saved in
                                  zip(own, loaded_groups(optim["param_groups"],
                                                         [g["params"] for g in own]))]
-        set_state_dict(module, optimizer, model_state_dict=_unboxed(state["model"]),
+        set_state_dict(module, optimizer, model_state_dict=unboxed(state["model"]),
                        optim_state_dict=optim, options=StateDictOptions(strict=True))
 
     def check(self, keys, model) -> str | None:
@@ -125,10 +125,12 @@ def groups_to_load(keys) -> dict:
     return {k[len(_GROUPS):]: None for k in keys if k.startswith(_GROUPS)}
 
 
-def loaded_groups(loaded: dict, names: list[list[str]]) -> list[dict]:
+def loaded_groups(loaded: dict | list, names: list[list[str]]) -> list[dict]:
     """The hyperparameters that `groups_to_load`'s placeholders, filled, hold for each of this
     optimizer's groups (`names`: each group's parameter names): by index, or by the first of
     its parameters the checkpoint names; {} for a group it has nothing for."""
+    if isinstance(loaded, list):  # `hyperparameters` itself, filled in place (lowcomm's)
+        return loaded
     saved: dict[str, dict] = {}
     for key, value in loaded.items():
         owner, _, field = key.rpartition(".")
@@ -158,8 +160,8 @@ def _unsaved_alias(keys, module) -> str | None:
 _GROUPS, _STATE = "optim.param_groups.", "optim.state."
 
 
-def _unboxed(tree):
+def unboxed(tree):
     """The state dict with every `Boxes` replaced by the local tensor its views filled."""
     if isinstance(tree, dict):
-        return {k: _unboxed(v) for k, v in tree.items()}
+        return {k: unboxed(v) for k, v in tree.items()}
     return tree.local if isinstance(tree, Boxes) else tree

@@ -52,6 +52,19 @@ _PLAIN = ("sparse training runs in the plain data-parallel engine, whose replica
           "weights and the all-reduced gradient, so that every rank computes the same masks")
 
 
+_STAGED = ("under a pipeline each stage masks its own layers: N:M (sparsity.method=\"nm\") and "
+           "pruning with sparsity.distribution=\"uniform\" decide each layer from its own "
+           "weights, while the random masks are drawn by the layer's index in the whole model, "
+           "ERK spreads the density over all its layers and SAM perturbs by the whole "
+           "gradient's norm")
+
+
+def _stage_local(s) -> bool:
+    """Whether sparse training decides every layer from that layer alone (runs per stage)."""
+    local = s.method == "nm" or (s.method == "prune" and s.distribution == "uniform")
+    return local and s.sam == "none" and not s.sparse_comm
+
+
 class Sparsity(Component):
     """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
     that divide the layers' inputs, and the engine it runs in today: plain data parallelism."""
@@ -60,9 +73,12 @@ class Sparsity(Component):
     section, keys = "sparsity", SparsityConfig
     switches = (Switch("sparsity.method", "none"), Switch("sparsity.sam", "none"))
     summary = "masks, N:M, pruning, SET, RigL, SAM and ZO-SAM"
-    refuses = {other: Refusal(_PLAIN) for other in
-               ("tensor", "pipeline", "context", "zero", "bf16", "lowcomm", "compression",
-                "asyncsgd", "balance")}
+    refuses = {**{other: Refusal(_PLAIN) for other in
+                  ("tensor", "context", "zero", "bf16", "lowcomm", "compression", "asyncsgd",
+                   "balance")},
+               "pipeline": Refusal(_STAGED, when=lambda cfg: not _stage_local(cfg.sparsity),
+                                   partly="but N:M or uniform pruning, without SAM or "
+                                   "sparse_comm")}
     stage = FINISH  # masks the built model's weights at once (sparsity/training.py)
 
     @classmethod

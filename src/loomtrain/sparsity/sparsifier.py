@@ -22,13 +22,15 @@ KEY = "sparsity.mask."  # checkpoint keys: KEY + parameter name -> packed bits
 
 
 def sparse_layers(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, weight) of every trainable nn.Linear weight registered under one name only."""
+    """(name, weight) of every trainable nn.Linear weight registered under one name only, and
+    held by one pipeline stage only (a stage's copy of the tied head is the embedding too)."""
     uses: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     names = {id(p): n for n, p in module.named_parameters()}
     return [(names[id(m.weight)], m.weight) for m in module.modules()
-            if isinstance(m, nn.Linear) and m.weight.requires_grad and uses[id(m.weight)] == 1]
+            if isinstance(m, nn.Linear) and m.weight.requires_grad and uses[id(m.weight)] == 1
+            and getattr(m.weight, "pp_copies", 1) == 1]
 
 
 def layer_densities(shapes: list[tuple[int, ...]], density: float, distribution: str) -> list[float]:

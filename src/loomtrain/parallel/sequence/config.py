@@ -82,10 +82,12 @@ class Context(Component):
             raise ValueError(f'parallel.cp_method="auto" with parallel.pp={p.pp} is not supported '
                              "yet: it rewrites the whole model's traced graph, and a pipeline "
                              'stage is a slice of the model; use "ring" or "ulysses"')
-        if p.tp > 1 and method in ("lasp", "auto"):
-            raise ValueError(f"parallel.cp_method={method!r} with parallel.tp={p.tp} is not "
-                             'supported yet: use "ring" or "ulysses" (the kernels that run on '
-                             "each tensor-parallel rank's heads)")
+        if p.tp > 1 and method == "auto":
+            raise ValueError(f"parallel.cp_method='auto' with parallel.tp={p.tp} is not "
+                             "supported yet: it rewrites the attention calls of the unsplit "
+                             "model's traced graph, and tensor parallelism replaces its layers; "
+                             'use "ring", "ulysses" or "lasp" (the kernels that run on each '
+                             "tensor-parallel rank's heads)")
         heads = m.n_heads // p.tp  # each tensor-parallel rank's heads
         if method == "ulysses" and heads % p.cp:
             have = (f"model.n_heads={m.n_heads} over parallel.tp={p.tp} leaves {heads} per "

@@ -29,13 +29,13 @@ def make_plan(mesh, stage: int, hierarchical: bool = False, optimizer_shard: str
     all-reduced over `axis`. Hierarchical: shard inside the node ("dp.local"), replicate
     across nodes ("dp.cross"); `optimizer_shard="dp"` also splits the optimizer state across
     nodes. `axis`: the ranks that hold replicas of the model, "dp", or "dpcp" under context
-    parallelism, whose peers hold the same replica (as TorchTitan's FSDP shards over dp x cp)."""
+    parallelism, whose peers hold the same replica (as TorchTitan's FSDP shards over dp x cp;
+    hierarchical: "dpcp.local" and "dpcp.cross", its ranks on one node and across nodes)."""
     assert 0 <= stage <= 3 and optimizer_shard in ("node", "dp"), (stage, optimizer_shard)
-    assert axis == "dp" or not hierarchical, "hierarchical ZeRO shards inside a node over dp"
     if stage == 0:
         shard_axis, replica_axis = "self", axis
     elif hierarchical:
-        shard_axis, replica_axis = "dp.local", "dp.cross"
+        shard_axis, replica_axis = f"{axis}.local", f"{axis}.cross"
     else:
         shard_axis, replica_axis = axis, "self"
     return ShardPlan(

@@ -93,12 +93,6 @@ class Zero(EngineTimeline, Component):
                 'parallel.optimizer_shard="dp" splits the optimizer state across nodes in '
                 "hierarchical ZeRO; set parallel.hierarchical=true (flat ZeRO already splits it "
                 "over all dp ranks)")
-        if p.hierarchical and p.cp > 1:
-            raise ValueError(
-                f"parallel.hierarchical=true with parallel.cp={p.cp} is not supported yet: "
-                "hierarchical ZeRO shards inside a node over dp, and context-parallel peers "
-                "would need their own split of the node; flat ZeRO shards over dp x cp "
-                "(set parallel.hierarchical=false)")
 
 
 class BF16(Component):

@@ -82,7 +82,7 @@ def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
     if plan.stage < 3 and n_shard > 1:
         out += [metered("parameter all-gather after the step", "all_gather", plan.shard_axis,
                         n_shard, c * p, 1, name) for name, p in everything]
-    norm_ranks = n_shard * n_replica if plan.optimizer_axis == "dp" else n_shard
+    norm_ranks = n_shard * n_replica if plan.optimizer_axis in ("dp", "dpcp") else n_shard
     if norm_ranks > 1:
         out.append(metered("gradient norm (clip_grad_norm_)", "all_reduce", plan.optimizer_axis,
                            norm_ranks, 4))

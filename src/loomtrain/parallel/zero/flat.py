@@ -39,7 +39,7 @@ class ShardPlan:
     def optimizer_axis(self) -> str:
         """The group over which the optimizer ranges tile the unit (for norms)."""
         if self.optimizer_over_replicas and self.replica_ranks > 1:
-            return "dp"
+            return self.shard_axis.partition(".")[0]  # "dp", or "dpcp" under cp
         return self.shard_axis
 
 
