@@ -27,9 +27,12 @@ worlds take turns L T, T L, ... as in benchmarks/llama.py):
   left sharded over the vocabulary and the loss computed under `loss_parallel`, as
   TorchTitan's), then `fully_shard` on every block and on the stage over the dp mesh with
   reshard_after_forward=False (TorchTitan's default under pipeline parallelism), then a
-  `PipelineStage` under `Schedule1F1B`. For dp2 x tp2 x pp2 the dp mesh is FSDP2's HSDP mesh
-  of 2 replicas x 1 shard: replicated parameters and all-reduced gradients, DDP's layout
-  (TorchTitan refuses torch DDP with tp or pp). The clip: the norm of the DTensor gradients,
+  `PipelineStage` under `Schedule1F1B`. FSDP2 averages the gradients over dp, so each dp rank
+  divides its loss by its own tokens: the same gradient as loomtrain's sum of losses divided
+  by the global batch's tokens (the clip's norms agree: 4.0378 on the first step). For
+  dp2 x tp2 x pp2 the dp mesh is FSDP2's HSDP mesh of 2 replicas x 1 shard: replicated
+  parameters and all-reduced gradients, DDP's layout (TorchTitan refuses torch DDP with tp or
+  pp). The clip: the norm of the DTensor gradients,
   squared and summed over pp, as TorchTitan's `clip_grad_norm_`.
 
 Memory is the process's peak RSS during the timed steps, max over ranks (benchmarks/
@@ -171,11 +174,14 @@ def torch_side(model_cfg: dict, zero_stage: int, batch: int, seed: int):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
     tokens = batch * model_cfg["seq_len"]
+    # FSDP2 averages gradients over dp (a divide factor of 1 needs PREMUL_SUM, which gloo
+    # lacks): each dp rank divides by its own tokens, so the mean is the global batch's gradient
+    rank_tokens = tokens // DP
 
     def loss_fn(logits, y):
         # under the step's loss_parallel (a nested one would switch it off on leaving); the
         # schedule's backward seeds a plain tensor: the loss leaves the DTensor world here
-        return token_loss_sum(logits, y).to_local() / tokens
+        return token_loss_sum(logits, y).to_local() / rank_tokens
 
     micro = batch // DP
     pipe = Schedule1F1B(PipelineStage(stage, pp_rank, PP, torch.device("cpu"),
@@ -196,7 +202,7 @@ def torch_side(model_cfg: dict, zero_stage: int, batch: int, seed: int):
         optimizer.zero_grad(set_to_none=True)
         if not last:
             return torch.zeros(())
-        return sum(losses).detach() * tokens
+        return sum(losses).detach() * rank_tokens
     return stage, step
 
 
