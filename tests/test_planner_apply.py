@@ -348,7 +348,7 @@ def test_the_loom_space_is_what_loom_train_takes(name, n):
 
 def test_gpt3_tp_plans_run_with_a_padded_vocabulary():
     """GPT-3's vocabulary (50257, prime) no longer keeps its tp plans out of `loom train`:
-    tp pads it (parallel/tensor_config.py padded_vocab), and the cost model counts the
+    tp pads it (models/config.py padded_vocab), and the cost model counts the
     padded rows each rank holds."""
     from loomtrain.planner import specs
     from loomtrain.planner.cost import estimate, padded

@@ -6,7 +6,7 @@ the planner's cost model build on.
 
 from __future__ import annotations
 
-from loomtrain.parallel.tensor_config import padded_vocab
+from loomtrain.models.config import padded_vocab
 
 FP32_BYTES, INDEX_BYTES = 4, 8  # log-sum-exp, log-softmax, loss weight; int64 ids
 
@@ -80,7 +80,7 @@ def llama_layer_bytes(kind: str, b: int, t: int, m, c: int, tp: int = 1,
         rows = padded_vocab(m.vocab_size, tp) // tp
         return norm + FP32_BYTES * bt * (rows + 1) + INDEX_BYTES * bt + 2 * bt
     assert kind == "block", kind
-    heads, kv, head_dim = _llama_heads(m, tp)
+    heads, kv, head_dim = llama_heads(m, tp)
     attention = c * bt * 4 * heads * head_dim + FP32_BYTES * (bt * heads + 4 * t * head_dim)
     mlp = c * bt * 4 * (m.ffn_width // tp)
     window = c * t * t if m.sliding_window else 0
@@ -97,7 +97,7 @@ def llama_core_bytes(b: int, t: int, m, c: int, tp: int = 1) -> int:
     and k rotated, v: the kv heads, not their expansion) and o_proj keeps the output; freed
     are the log-sum-exp (fp32, heads), the expanded k and v beyond the kv heads, the sliding
     window's mask, and with qk_norm the attention output (o_proj keeps its own copy)."""
-    heads, kv, head_dim = _llama_heads(m, tp)
+    heads, kv, head_dim = llama_heads(m, tp)
     bt = b * t
     freed = FP32_BYTES * bt * heads + c * bt * 2 * (heads - kv) * head_dim
     if m.sliding_window:
@@ -107,7 +107,7 @@ def llama_core_bytes(b: int, t: int, m, c: int, tp: int = 1) -> int:
     return freed
 
 
-def _llama_heads(m, tp: int) -> tuple[int, int, int]:
+def llama_heads(m, tp: int) -> tuple[int, int, int]:
     """(query heads, kv heads, head_dim) on one of `tp` ranks: the kv heads split when tp
     divides them, one (replicated) per rank when tp is a multiple of them (kv_layout)."""
     kv = m.kv_heads // tp if m.kv_heads % tp == 0 else 1

@@ -144,3 +144,13 @@ def ffn_width(d_model: int) -> int:
     d_model 256, to a multiple of 8, so a tiny model's width stays near 8/3 * d_model."""
     multiple = 256 if d_model >= 256 else 8
     return multiple * math.ceil(8 * d_model / 3 / multiple)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary the tp ranks split: `vocab_size` rounded up to a multiple of tp, each
+    rank holding padded_vocab / tp rows of the embedding and head, the last rows zeros whose
+    logits are -inf (parallel/tensor_layers.py). Megatron-LM pads the same way, to a multiple
+    of make-vocab-size-divisible-by (128) x tp (megatron/training/tokenizer/tokenizer.py
+    `_vocab_size_with_padding`); loomtrain pads only as far as tp needs: checkpoints, exports
+    and the loss never see the padding, so no key chooses it (docs/tensor.md)."""
+    return -(-vocab_size // tp) * tp

@@ -42,7 +42,7 @@ class Placement:
     def take(self, full: torch.Tensor, length: int) -> torch.Tensor:
         """The local tensor, `length` long along `dim`, of `full` (a tensor of `shape`): the
         runs' entries, then zeros (the padded rows of a vocabulary tp does not divide,
-        parallel/tensor_config.py `padded_vocab`: held by no run, so checkpoints skip them)."""
+        models/config.py `padded_vocab`: held by no run, so checkpoints skip them)."""
         parts = [full.narrow(self.dim, start, n) for start, _, n in self.runs]
         held = sum(n for *_, n in self.runs)  # of_index's runs fill [0, held) in order
         if length > held:

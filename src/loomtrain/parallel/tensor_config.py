@@ -13,16 +13,6 @@ class TensorKeys(Section):
     sequence_parallel: bool = False
 
 
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """The vocabulary the tp ranks split: `vocab_size` rounded up to a multiple of tp, each
-    rank holding padded_vocab / tp rows of the embedding and head, the last rows zeros whose
-    logits are -inf (parallel/tensor_layers.py). Megatron-LM pads the same way, to a multiple
-    of make-vocab-size-divisible-by (128) x tp (megatron/training/tokenizer/tokenizer.py
-    `_vocab_size_with_padding`); loomtrain pads only as far as tp needs: checkpoints, exports
-    and the loss never see the padding, so no key chooses it (docs/tensor.md)."""
-    return -(-vocab_size // tp) * tp
-
-
 class TensorParallel(Component):
     """tp must split whole attention heads and the MLP's hidden width (the vocabulary is
     padded to a multiple of tp: `padded_vocab`); the llama's kv heads are split or

@@ -9,7 +9,7 @@ from __future__ import annotations
 from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_layer_bytes,
                                    mlp_layer_bytes)
 from loomtrain.estimate import Collective, DryRunPlan, metered
-from loomtrain.parallel.tensor_config import padded_vocab
+from loomtrain.models.config import padded_vocab
 
 
 def estimate_tensor(plan: DryRunPlan) -> None:

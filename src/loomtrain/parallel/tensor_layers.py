@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loomtrain.parallel.placement import Placement
-from loomtrain.parallel.tensor_config import padded_vocab
+from loomtrain.models.config import padded_vocab
 from loomtrain.parallel.tensor_comm import (CopyToTP, GatherFromSP, ReduceFromTP, ScatterToSP,
                                             SplitSeq, VocabParallelCrossEntropy)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from loomtrain.parallel.tensor_config import padded_vocab
+from loomtrain.models.config import padded_vocab
 from loomtrain.planner import comm_cost as C
 from loomtrain.planner.plan import Estimate, Plan, StageCosts, StepCosts
 from loomtrain.planner.presets import ModelShape
@@ -88,7 +88,7 @@ class _Layer:
 
 def padded(model: ModelShape, tp: int) -> ModelShape:
     """`model` as each of `tp` ranks holds and computes it: its vocabulary padded to a
-    multiple of tp (parallel/tensor_config.py `padded_vocab`); the useful FLOPs of MFU keep
+    multiple of tp (models/config.py `padded_vocab`); the useful FLOPs of MFU keep
     the real one."""
     vocab = padded_vocab(model.vocab_size, tp)
     return model if vocab == model.vocab_size else replace(model, vocab_size=vocab)

@@ -380,15 +380,15 @@ def saved_tensors(path: Path, prefix: str) -> dict[str, tuple[tuple[int, ...], t
 def load_model_state(path: Path, model=None) -> dict[str, torch.Tensor]:
     """Single process, no process group, no model needed: the model's tensors, consolidated
     from every rank's part into full CPU tensors (names without the `model.` prefix). With
-    `model` (built on any device), less its non-persistent buffers (`not_saved`)."""
+    `model` (built on any device), less its non-persistent buffers (`unsaved_buffers`)."""
     state = load_tensors(path, "model.")
     if not state:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors")
-    left_out = not_saved(model)
+    left_out = unsaved_buffers(model)
     return {k: v for k, v in state.items() if k not in left_out}
 
 
-def not_saved(model) -> set[str]:
+def unsaved_buffers(model) -> set[str]:
     """Names of `model`'s non-persistent buffers (functions of the config: the llama's rope
     frequencies), which ZeRO checkpoints written before 2026-12-06 held: a checkpoint's
     tensors under these names are left out, not loaded."""

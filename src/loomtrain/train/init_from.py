@@ -81,7 +81,7 @@ def model_mismatch(cfg, found: Path) -> str | None:
     saved = {k.removeprefix("model."): list(m.size)
              for k, m in checkpoint.read_metadata(found).state_dict_metadata.items()
              if k.startswith("model.") and hasattr(m, "size")}
-    for name in checkpoint.not_saved(model):
+    for name in checkpoint.unsaved_buffers(model):
         saved.pop(name, None)
     for name in sorted(set(ours) | set(saved)):
         if ours.get(name) != saved.get(name):

@@ -7,7 +7,7 @@ Formulas: docs/dry-run.md, "Context parallelism".
 
 from __future__ import annotations
 
-from loomtrain.activations import FP32_BYTES, _llama_heads
+from loomtrain.activations import FP32_BYTES, llama_heads
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
 from loomtrain.estimate import Collective, DryRunPlan, metered
@@ -55,7 +55,7 @@ def block_collectives(m, micro_batch: int, cp: int, tp: int, method: str,
       backward, its adjoint reduce-scatter of the same N states' gradients.
     """
     b, t = micro_batch, m.seq_len
-    heads, kv, e = _llama_heads(m, tp)
+    heads, kv, e = llama_heads(m, tp)
     if method == "ring":
         x = c * b * kv * t * e
         sends = [_send("ring: k and v blocks", cp, x, 2 * (cp - 1))]
