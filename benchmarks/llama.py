@@ -39,8 +39,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import sys
 import time
 
 import torch
@@ -59,10 +57,12 @@ from worlds import (
     closing_worlds,
     free_port,
     joined_world,
+    pair_figures,
     peak_rss_bytes,
     pin_mmap_threshold,
     reset_peak_rss,
     serve_commands,
+    take_turns,
 )
 
 from loomtrain.mesh import build_mesh
@@ -183,19 +183,7 @@ def run_pair(pair: tuple[str, str], args, model_cfg: dict, start: float) -> tupl
         for e in pair:
             worlds[e] = World(e, WORLD, _rank_main, (e, free_port(), model_cfg, args.batch,
                                                      args.seed, args.warmup), args.timeout_s)
-        first = {e: w.collect() for e, w in worlds.items()}
-        rounds: dict[str, list[dict]] = {e: [] for e in pair}
-        for i in range(args.rounds):
-            for e in pair if i % 2 == 0 else pair[::-1]:
-                got = worlds[e].command(("round", args.steps))
-                r = dict(got[0], peak_mem_bytes=max(g["peak_mem_bytes"] for g in got.values()))
-                rounds[e].append(r)
-                print(f"round {i + 1}/{args.rounds} {e:>15}: {r['tokens_per_s']:7.1f} tok/s, "
-                      f"step {r['step_s']:5.2f} s, peak {r['peak_mem_bytes'] / 2**20:6.0f} MiB "
-                      f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-    return rounds, {e: {"first_step_loss": f[0]["first_step_loss"],
-                        "peak_reset": all(r["peak_reset"] for r in f.values())}
-                    for e, f in first.items()}
+        return take_turns(worlds, args.rounds, args.steps, "", start)
 
 
 def summarize(results: dict, args, model_cfg: dict, parameters: int) -> dict:
@@ -208,17 +196,10 @@ def summarize(results: dict, args, model_cfg: dict, parameters: int) -> dict:
     targets = {}
     for name, (lt, tt) in PAIRS.items():
         rounds, first = results[name]
-        for e in (lt, tt):
-            out[f"{e}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rounds[e])
-            out[f"{e}_peak_mem_bytes"] = rounds[e][-1]["peak_mem_bytes"]
-            out[f"{e}_first_step_loss"] = first[e]["first_step_loss"]
-            out[f"{e}_last_step_loss"] = rounds[e][-1]["last_step_loss"]
-            out[f"{e}_per_round_tokens_per_s"] = [round(r["tokens_per_s"], 1) for r in rounds[e]]
-        out[f"{name}_ratio"] = statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
-                                                 for a, b in zip(rounds[lt], rounds[tt]))
-        out[f"{name}_mem_ratio"] = out[f"{lt}_peak_mem_bytes"] / out[f"{tt}_peak_mem_bytes"]
-        ref = first[tt]["first_step_loss"]
-        out[f"{name}_first_step_loss_rel_diff"] = abs(first[lt]["first_step_loss"] - ref) / ref
+        figures = pair_figures(rounds, first, lt, tt)
+        for key in ("ratio", "mem_ratio", "first_step_loss_rel_diff"):  # named by the pair
+            figures[f"{name}_{key}"] = figures.pop(key)
+        out.update(figures)
         targets[f"{name}_ratio_ge_1"] = out[f"{name}_ratio"] >= 1.0
         targets[f"{name}_mem_le_torch"] = out[f"{name}_mem_ratio"] <= 1.0
     out["targets"] = targets

@@ -46,8 +46,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import sys
 import time
 
 import torch
@@ -59,10 +57,12 @@ from worlds import (
     closing_worlds,
     free_port,
     joined_world,
+    pair_figures,
     peak_rss_bytes,
     pin_mmap_threshold,
     reset_peak_rss,
     serve_commands,
+    take_turns,
 )
 
 from loomtrain.models import build_model, token_loss_sum
@@ -280,25 +280,12 @@ def _rank_main(rank: int, engine: str, port: int, model_cfg: dict, zero_stage: i
 
 def run_layout(zero_stage: int, args, model_cfg: dict, start: float) -> tuple[dict, dict]:
     """Both engines' worlds of one layout side by side, `args.rounds` rounds in turns."""
-    engines = ("loomtrain", "torch")
     with closing_worlds({}) as worlds:
-        for e in engines:
+        for e in ("loomtrain", "torch"):
             worlds[e] = World(e, WORLD, _rank_main, (e, free_port(), model_cfg, zero_stage,
                                                      args.batch, args.seed, args.warmup),
                               args.timeout_s)
-        first = {e: w.collect() for e, w in worlds.items()}
-        rounds: dict[str, list[dict]] = {e: [] for e in engines}
-        for i in range(args.rounds):
-            for e in engines if i % 2 == 0 else engines[::-1]:
-                got = worlds[e].command(("round", args.steps))
-                r = dict(got[0], peak_mem_bytes=max(g["peak_mem_bytes"] for g in got.values()))
-                rounds[e].append(r)
-                print(f"zero {zero_stage} round {i + 1}/{args.rounds} {e:>9}: "
-                      f"{r['tokens_per_s']:7.1f} tok/s, peak {r['peak_mem_bytes'] / 2**20:6.0f} "
-                      f"MiB ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-    return rounds, {e: {"first_step_loss": f[0]["first_step_loss"],
-                        "peak_reset": all(r["peak_reset"] for r in f.values())}
-                    for e, f in first.items()}
+        return take_turns(worlds, args.rounds, args.steps, f"zero {zero_stage} ", start)
 
 
 def summarize(results: dict, args, model_cfg: dict, parameters: int) -> dict:
@@ -307,19 +294,8 @@ def summarize(results: dict, args, model_cfg: dict, parameters: int) -> dict:
            "rounds": args.rounds, "steps": args.steps, "warmup_steps": args.warmup}
     targets = {}
     for name, (rounds, first) in results.items():
-        row = {}
-        for e in ("loomtrain", "torch"):
-            row[f"{e}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rounds[e])
-            row[f"{e}_peak_mem_bytes"] = rounds[e][-1]["peak_mem_bytes"]
-            row[f"{e}_first_step_loss"] = first[e]["first_step_loss"]
-            row[f"{e}_last_step_loss"] = rounds[e][-1]["last_step_loss"]
-            row[f"{e}_per_round_tokens_per_s"] = [round(r["tokens_per_s"], 1) for r in rounds[e]]
+        row = pair_figures(rounds, first, "loomtrain", "torch")
         row["loomtrain_wire_bytes_per_step"] = rounds["loomtrain"][-1]["wire_bytes_per_step"]
-        row["ratio"] = statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
-                                         for a, b in zip(rounds["loomtrain"], rounds["torch"]))
-        row["mem_ratio"] = row["loomtrain_peak_mem_bytes"] / row["torch_peak_mem_bytes"]
-        ref = first["torch"]["first_step_loss"]
-        row["first_step_loss_rel_diff"] = abs(first["loomtrain"]["first_step_loss"] - ref) / ref
         targets[f"{name}_ratio_ge_1"] = row["ratio"] >= 1.0
         targets[f"{name}_mem_le_torch"] = row["mem_ratio"] <= 1.0
         out[name] = row

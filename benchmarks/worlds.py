@@ -13,6 +13,7 @@ import os
 import queue
 import resource
 import socket
+import statistics
 import sys
 import time
 
@@ -132,6 +133,49 @@ def closing_worlds(worlds: dict[str, World]):
         for world in worlds.values():
             world.kill()
         raise
+
+
+def take_turns(worlds: dict[str, World], rounds: int, steps: int, label: str,
+               start: float) -> tuple[dict, dict]:
+    """Two engines' worlds, set up side by side: their first results, then `rounds` rounds of
+    ("round", steps) each, in turns A B, B A, ... so that a drift of the machine's load falls
+    on both alike. Returns (rounds per engine, each round's result from rank 0 with the peak
+    memory the max over ranks; per engine its first step's loss and whether every rank's
+    peak was reset after set-up)."""
+    first = {e: w.collect() for e, w in worlds.items()}
+    engines = list(worlds)
+    done: dict[str, list[dict]] = {e: [] for e in engines}
+    for i in range(rounds):
+        for e in engines if i % 2 == 0 else engines[::-1]:
+            got = worlds[e].command(("round", steps))
+            r = dict(got[0], peak_mem_bytes=max(g["peak_mem_bytes"] for g in got.values()))
+            done[e].append(r)
+            print(f"{label}round {i + 1}/{rounds} {e:>15}: {r['tokens_per_s']:7.1f} tok/s, "
+                  f"step {r['step_s']:5.2f} s, peak {r['peak_mem_bytes'] / 2**20:6.0f} MiB "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    return done, {e: {"first_step_loss": f[0]["first_step_loss"],
+                      "peak_reset": all(r["peak_reset"] for r in f.values())}
+                  for e, f in first.items()}
+
+
+def pair_figures(rounds: dict, first: dict, ours: str, theirs: str) -> dict:
+    """`take_turns`' results as figures: per engine the median tokens/s, the peak memory (the
+    last round's: it only grows), the first- and last-step losses and the tokens/s of every
+    round; "ratio", the median over rounds of ours / theirs (round i of both ran next to each
+    other), "mem_ratio" and the first step's relative loss difference."""
+    out = {}
+    for e in (ours, theirs):
+        out[f"{e}_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rounds[e])
+        out[f"{e}_peak_mem_bytes"] = rounds[e][-1]["peak_mem_bytes"]
+        out[f"{e}_first_step_loss"] = first[e]["first_step_loss"]
+        out[f"{e}_last_step_loss"] = rounds[e][-1]["last_step_loss"]
+        out[f"{e}_per_round_tokens_per_s"] = [round(r["tokens_per_s"], 1) for r in rounds[e]]
+    out["ratio"] = statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
+                                     for a, b in zip(rounds[ours], rounds[theirs]))
+    out["mem_ratio"] = out[f"{ours}_peak_mem_bytes"] / out[f"{theirs}_peak_mem_bytes"]
+    ref = first[theirs]["first_step_loss"]
+    out["first_step_loss_rel_diff"] = abs(first[ours]["first_step_loss"] - ref) / ref
+    return out
 
 
 def serve_commands(rank: int, commands, results, handlers: dict) -> None:
