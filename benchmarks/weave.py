@@ -309,6 +309,8 @@ def summarize(results: dict, args, model_cfg: dict, parameters: int) -> dict:
                      "tokens_per_step": args.batch * model_cfg["seq_len"], "seed": args.seed,
                      "optimizer": f"AdamW lr {LR}, clip {CLIP}", "dtype": "fp32",
                      "backend": "gloo on 127.0.0.1", "threads_per_rank": 1,
+                     "peak_reset_after_setup": all(f["peak_reset"] for _, first in results.values()
+                                                   for f in first.values()),
                      "torch": torch.__version__}
     return out
 
