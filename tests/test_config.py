@@ -116,8 +116,6 @@ CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
     (CP2 + ["--set", "parallel.tp=2", "--set", 'parallel.cp_method="ulysses"', "--set",
             "parallel.sequence_parallel=true", "--set", "model.seq_len=34"],
      "splits each cp rank's model.seq_len/parallel.cp = 17 tokens over parallel.tp=2"),
-    (CP2 + ["--set", "parallel.tp=2", "--set", 'parallel.cp_method="auto"'],
-     "parallel.cp_method='auto' with parallel.tp=2 is not supported yet"),
     (CP2 + ["--set", 'model.name="mlp"'], "model.name='mlp' has none"),
     (CP2 + ["--set", 'parallel.cp_method="auto"', "--set", "model.dropout=0.1"],
      'parallel.cp_method="auto" rewrites the model\'s causal scaled_dot_product_attention calls, '
@@ -129,8 +127,9 @@ CP2 = ["--nproc", "4", "--set", "parallel.cp=2"]
     (["--set", 'parallel.cp_method="ring"'], "it needs parallel.cp > 1"),
     (["--set", "data.balance=true"], "data.balance=true deals the documents of packed rows to ranks: it needs data.packing=true"),
     (["--set", "data.balance=true", "--set", "data.packing=true", "--set", "model.attention=\"linear\""], "data.balance=true splits long documents with ring attention"),
-    (CP2 + ["--set", 'parallel.cp_method="auto"'],
-     'loom train --dry-run does not model parallel.cp_method="auto"'),
+    (CP2 + ["--set", 'parallel.cp_method="auto"', "--set", "parallel.activation_budget_mb=1"],
+     'loom train --dry-run does not model parallel.cp_method="auto" with '
+     "parallel.activation_budget_mb"),
 ])
 def test_sequence_settings_refused(capsys, args, expected):
     assert expected in _refused(capsys, ["train", "--dry-run", *args])
@@ -158,10 +157,9 @@ PP2 = ["--nproc", "4", "--set", "parallel.pp=2"]
      "parallel.microbatches=4 must equal train.global_batch / (dp * train.micro_batch) = 32/(2*8) = 2; "
      "set train.micro_batch=4 (or leave parallel.microbatches unset)"),
     (["--nproc", "4", "--set", "parallel.pp=2", "--set", "parallel.cp=2",
-      "--set", 'parallel.cp_method="auto"'],
-     'parallel.cp_method="auto" with parallel.pp=2 is not supported yet: it rewrites the whole '
-     "model's traced graph, and a pipeline stage is a slice of the model; use \"ring\" or "
-     '"ulysses"'),
+      "--set", 'parallel.cp_method="auto"', "--set", "parallel.activation_budget_mb=1"],
+     'parallel.cp_method="auto" under parallel.pp=2 chooses only the kernel: the pipeline '
+     "recomputes per micro-batch itself"),
     ([*PP2, "--set", 'parallel.schedule="interleaved"'],
      'parallel.schedule="interleaved" needs parallel.virtual_stages >= 2 (got 1) and micro-batches '
      "divisible by parallel.pp=2 (got 2)"),

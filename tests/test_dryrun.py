@@ -190,6 +190,15 @@ def test_dry_run_text_names_mesh_memory_and_collectives(tiny):
         assert word in text, word
 
 
+
+def test_dry_run_text_of_ulysses_and_auto_under_data_parallel(tiny):
+    # the grouped lines name every algorithm (the all-to-all once raised KeyError); "auto"
+    # runs the kernel its plan chooses for these heads: two heads over cp 2, Ulysses
+    for method in ("ulysses", "auto"):
+        text = dry_run(tiny(parallel={"nproc": 4, "cp": 2, "cp_method": method}))
+        assert "all_to_all over cp (2 ranks)" in text and "((N-1)/N x S each)" in text, method
+
+
 # --- ZeRO: the engine's collectives and memory, by hand ----------------------------------------
 
 
@@ -464,6 +473,11 @@ CASES = {
          {"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 3},
           "train": {"global_batch": 8}}),
         ("tp 2 x dp 2, data parallel", {"parallel": {"tp": 2}, "train": {"global_batch": 8}}),
+        # automatic sequence parallelism rewrites the tp model's trace: one head per tp rank,
+        # so its plan chooses the ring
+        ("tp 2 x cp 2, cp_method auto, sequence parallel",
+         {"parallel": {"tp": 2, "cp": 2, "cp_method": "auto", "sequence_parallel": True},
+          "train": {"global_batch": 4}}),
         # 4 layers in 4 stages: rank 0 holds stages 0 and 2, sends both ways
         ("pp 2 x dp 2, interleaved, ZeRO-1",
          {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero_stage": 1},

@@ -46,6 +46,10 @@ PAIRS = [  # world 4: the pipeline with each axis it refused before issue 28 (tp
     # sharded inside a "node" of dp x cp peers, replicated across the two
     _layout({"cp": 2, "zero_stage": 3, "hierarchical": True, "ranks_per_node": 2}),
     _layout({"pp": 2, "cp": 2, "schedule": "1f1b"}, LINEAR),
+    # automatic sequence parallelism: the tp model's trace rewritten (one head per tp rank:
+    # the ring); under a pipeline the kernel its plan would choose (two heads: Ulysses)
+    _layout({"cp": 2, "tp": 2, "cp_method": "auto", "sequence_parallel": True}),
+    _layout({"pp": 2, "cp": 2, "cp_method": "auto", "schedule": "1f1b"}),
     _layout({"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved",
              "virtual_stages": 2}, LLAMA),
 ]

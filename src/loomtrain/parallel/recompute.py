@@ -71,7 +71,7 @@ class Recompute(Component):
         if p.recompute == "selective" and m.name == "mlp":
             raise ValueError('parallel.recompute="selective" recomputes the attention core; '
                              f'model.name={m.name!r} has none: use "full"')
-        if p.recompute != "none" and p.cp > 1 and p.cp_method == "auto":
+        if p.recompute != "none" and p.cp > 1 and p.cp_method == "auto" and p.pp == 1:
             raise ValueError('parallel.cp_method="auto" checkpoints blocks itself, by '
                              "parallel.activation_budget_mb: leave parallel.recompute at "
                              f"\"none\" (got {p.recompute!r})")

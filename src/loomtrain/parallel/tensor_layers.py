@@ -19,6 +19,8 @@ from loomtrain.parallel.tensor_comm import (CopyToTP, GatherFromSP, ReduceFromTP
 class SequenceSplit(nn.Module):
     """After `inner`: keep my sequence chunk (enters a sequence-parallel region)."""
 
+    traced_whole = True  # a leaf of automatic sequence parallelism's fx trace
+
     def __init__(self, inner: nn.Module, mesh, axis: str):
         super().__init__()
         self.inner, self.mesh, self.axis = inner, mesh, axis
@@ -33,6 +35,8 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
     are whole sums on every tp rank when backward returns, whatever engine runs the step.
     (Megatron instead all-reduces these gradients in one bucket after backward; one small
     all-reduce per parameter inside backward keeps the dp/ZeRO engines unaware of tp.)"""
+
+    traced_whole = True  # a leaf of automatic sequence parallelism's fx trace
 
     def __init__(self, norm: nn.LayerNorm, mesh, axis: str):
         super().__init__(norm.normalized_shape, norm.eps, norm.elementwise_affine,
@@ -72,6 +76,8 @@ class ColumnParallelLinear(nn.Module):
     `linear` keeps its weight as (in, out), as GPT-2's Conv1D does, and so does the piece, so
     its checkpoint names and layout stay the model's."""
 
+    traced_whole = True  # a leaf of automatic sequence parallelism's fx trace
+
     def __init__(self, linear: nn.Module, rows: torch.Tensor, mesh, axis: str = "tp",
                  sequence_parallel: bool = False, enters: bool = True, transposed: bool = False):
         super().__init__()
@@ -90,6 +96,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """The columns `cols` (input features) of `linear`; the partial outputs are all-reduced,
     then the (replicated) bias is added once. `transposed`: as ColumnParallelLinear's."""
+
+    traced_whole = True  # a leaf of automatic sequence parallelism's fx trace
 
     def __init__(self, linear: nn.Module, cols: torch.Tensor, mesh, axis: str = "tp",
                  sequence_parallel: bool = False, transposed: bool = False):
@@ -117,6 +125,8 @@ class VocabParallelEmbedding(nn.Module):
     chunk of the sequence (Megatron's embedding under sequence parallelism). When tp does not
     divide V, the rows from V on are padding: zeros no token looks up, outside the placement
     (checkpoints hold the V real rows); `vocab_rows` of mine are real."""
+
+    traced_whole = True  # a leaf of automatic sequence parallelism's fx trace
 
     def __init__(self, embedding: nn.Embedding, mesh, axis: str = "tp",
                  sequence_parallel: bool = False):
@@ -146,6 +156,8 @@ class VocabParallelHead(nn.Module):
     padded rows' logits are -inf, not computed: they never win an argmax, the softmax gives
     them 0, so the loss is the unpadded one and no gradient reaches those rows (they stay
     zero). Megatron leaves them as trained logits of classes no target names."""
+
+    traced_whole = True  # a leaf of automatic sequence parallelism's fx trace
 
     def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False,
                  head: nn.Linear | None = None):

@@ -254,7 +254,8 @@ def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
 
 
 _HOW = {"ring_all_reduce": "2(N-1)/N x S", "ring_reduce_scatter": "ring, (N-1)/N x S",
-        "ring_all_gather": "(N-1)/N x S", "send": "S, point to point"}
+        "ring_all_gather": "(N-1)/N x S", "all_to_all": "(N-1)/N x S",
+        "send": "S, point to point", "tree_broadcast": "S per tree child"}
 
 
 def _how(op: str, algorithm: str) -> str:

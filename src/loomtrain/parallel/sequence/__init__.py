@@ -10,12 +10,26 @@ from loomtrain.parallel.sequence.runtime import SequenceRuntime, sequence_of
 
 def resolve_method(cfg) -> str:
     """The kernel `cfg` (the whole Config) asks for: `parallel.cp_method`, by default ring
-    attention for softmax and LASP for linear attention; "local" at cp = 1."""
+    attention for softmax and LASP for linear attention; "local" at cp = 1; "auto" under a
+    pipeline, the kernel it chooses there."""
     if cfg.parallel.cp == 1:
         return "local"
+    if cfg.parallel.cp_method == "auto" and cfg.parallel.pp > 1:
+        return staged_kernel(cfg)
     if cfg.parallel.cp_method is not None:
         return cfg.parallel.cp_method
     return "lasp" if cfg.model.attention == "linear" else "ring"
+
+
+def staged_kernel(cfg) -> str:
+    """What cp_method="auto" runs under a pipeline: the kernel its plan would choose for these
+    heads (auto.py `choose_method`), in the model's own attention modules, as "ring" and
+    "ulysses" run there. A stage is a slice of the model that the pipeline runs layer by
+    layer, not the model's traced forward, and the pipeline recomputes per micro-batch
+    itself (docs/sequence-auto.md, "Under a pipeline")."""
+    from loomtrain.parallel.sequence.auto import choose_method
+
+    return choose_method([cfg.model.n_heads // cfg.parallel.tp], cfg.parallel.cp)
 
 
 def apply_sequence(model, mesh, cfg):
@@ -41,4 +55,4 @@ def apply_sequence(model, mesh, cfg):
     return model
 
 
-__all__ = ["SequenceRuntime", "apply_sequence", "resolve_method", "sequence_of"]
+__all__ = ["SequenceRuntime", "apply_sequence", "resolve_method", "sequence_of", "staged_kernel"]

@@ -78,7 +78,8 @@ class _BlockTracer(fx.Tracer):
         self.leaves = leaves
 
     def is_leaf_module(self, module: nn.Module, name: str) -> bool:
-        return id(module) in self.leaves or super().is_leaf_module(module, name)
+        return (id(module) in self.leaves or getattr(module, "traced_whole", False)
+                or super().is_leaf_module(module, name))
 
 
 def _defaults(forward, passed: int, keywords) -> dict:
@@ -221,5 +222,7 @@ def owned_bytes(gm: fx.GraphModule, skip=()) -> int:
 def run_meta(report: AttentionReport, micro_batch: int, tokens: int) -> None:
     """Run the report's graphs on meta token ids (micro_batch, tokens), tensors made in the
     forward on the meta device too: every node's value is left in node.meta["val"]."""
-    with torch.device("meta"):
+    from loomtrain import comm
+
+    with torch.device("meta"), comm.shapes_only():  # a tensor-parallel layer's collectives
         _MetaRun(report.top, report.blocks).run(torch.zeros(micro_batch, tokens, dtype=torch.long))

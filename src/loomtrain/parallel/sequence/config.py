@@ -78,16 +78,12 @@ class Context(Component):
             other = "lasp" if method == "ring" else "ring"
             raise ValueError(f"parallel.cp_method={method!r} is for {needs} attention, but "
                              f"model.attention={m.attention!r}: use {other!r} or \"ulysses\"")
-        if p.pp > 1 and method == "auto":
-            raise ValueError(f'parallel.cp_method="auto" with parallel.pp={p.pp} is not supported '
-                             "yet: it rewrites the whole model's traced graph, and a pipeline "
-                             'stage is a slice of the model; use "ring" or "ulysses"')
-        if p.tp > 1 and method == "auto":
-            raise ValueError(f"parallel.cp_method='auto' with parallel.tp={p.tp} is not "
-                             "supported yet: it rewrites the attention calls of the unsplit "
-                             "model's traced graph, and tensor parallelism replaces its layers; "
-                             'use "ring", "ulysses" or "lasp" (the kernels that run on each '
-                             "tensor-parallel rank's heads)")
+        if p.pp > 1 and method == "auto" and p.activation_budget_mb is not None \
+                and p.schedule != "optimal":
+            raise ValueError(f'parallel.cp_method="auto" under parallel.pp={p.pp} chooses only '
+                             "the kernel: the pipeline recomputes per micro-batch itself, so "
+                             "parallel.activation_budget_mb is for its schedule=\"optimal\"; "
+                             "set parallel.recompute instead, or leave the budget unset")
         heads = m.n_heads // p.tp  # each tensor-parallel rank's heads
         if method == "ulysses" and heads % p.cp:
             have = (f"model.n_heads={m.n_heads} over parallel.tp={p.tp} leaves {heads} per "

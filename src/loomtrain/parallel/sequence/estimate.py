@@ -11,22 +11,21 @@ from loomtrain.activations import FP32_BYTES, llama_heads
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
 from loomtrain.estimate import Collective, DryRunPlan, metered
+from loomtrain.parallel.sequence import resolve_method, staged_kernel
 from loomtrain.parallel.tensor_estimate import layer_counts
 
 
 def estimate_context(plan: DryRunPlan) -> None:
     """The `Context` component's hook: the cp collectives of the blocks this rank runs (a
     pipeline rank's, `plan.layers`), for every micro-batch of a step and every evaluation
-    forward. cp_method="auto" is refused: its plan is chosen by tracing the model."""
+    forward. cp_method="auto" runs the kernel its plan chooses."""
     cfg = plan.cfg
     p = cfg.parallel
     if p.cp == 1:
         return  # packing alone changes no estimate
-    method = p.cp_method or ("lasp" if cfg.model.attention == "linear" else "ring")
+    method = resolve_method(cfg)
     if method == "auto":
-        raise ConfigError('loom train --dry-run does not model parallel.cp_method="auto" (its '
-                          "plan comes from tracing the model): run without --dry-run, or name "
-                          'the kernel, "ring" or "ulysses"')
+        method = _traced_kernel(cfg)
     blocks = layer_counts(cfg.model, plan.layers)["block"]
     forwards = 2 if p.recompute == "full" else 1  # full recomputation reruns the attention
     forward, backward = block_collectives(plan.local_model, cfg.train.micro_batch, p.cp, p.tp,
@@ -36,6 +35,18 @@ def estimate_context(plan: DryRunPlan) -> None:
     plan.collectives += [_times(x, blocks * a) for x in backward]
     plan.eval_collectives += [_times(x, blocks * plan.eval_forwards, cfg.run.eval_every,
                                      "validation ") for x in forward if plan.eval_forwards]
+
+
+def _traced_kernel(cfg) -> str:
+    """The kernel cp_method="auto" chooses without a pipeline, where it rewrites the traced
+    model: every GPT attention call has the same heads, so the plan's choice is the staged
+    one. A budget may make it checkpoint blocks, decided from traced shapes: refused."""
+    if cfg.parallel.activation_budget_mb is not None:
+        raise ConfigError('loom train --dry-run does not model parallel.cp_method="auto" with '
+                          "parallel.activation_budget_mb (whether it checkpoints the blocks "
+                          "comes from tracing the model): run without --dry-run, or leave the "
+                          "budget unset")
+    return staged_kernel(cfg)
 
 
 def block_collectives(m, micro_batch: int, cp: int, tp: int, method: str,
