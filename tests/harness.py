@@ -1,10 +1,15 @@
 """Multi-process test harness: run a function on N gloo ranks on 127.0.0.1.
 
-`run_world(fn, world, *args, timeout_s=...)` spawns `world` processes, each initializes a gloo
+`run_world(fn, world, *args, timeout_s=...)` starts `world` processes, each initializes a gloo
 process group on a free port with a short collective timeout, runs `fn(rank, world, *args)`,
-and sends back its return value (or its traceback). The harness fails the test if any rank
-raises, or if the whole world has not finished within `timeout_s` (the processes are then
-killed), so a hang fails instead of blocking CI. `fn` must be importable (module level).
+and sends back its return value (or its traceback). The processes fork from a server that has
+imported torch and loomtrain once (multiprocessing's "forkserver"), not spawned afresh: a
+spawned rank imports torch itself, seconds of CPU per rank, which summed over the suite's
+worlds came to minutes. Each rank takes the caller's environment, working directory and
+sys.path (before `fn` and `args` are unpickled), as a spawned one would. The harness fails the
+test if any rank raises, or if the whole world has not finished within `timeout_s` (the
+processes are then killed), so a hang fails instead of blocking CI. `fn` must be importable
+(module level).
 
 For tests of whole `loom train` processes: `alive` and `wait_until` (a launcher's ranks:
 train/restart.py `rank_pids`).
@@ -16,6 +21,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -29,16 +35,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, collective_timeout_s, fn, args, queue):
+# imported once by the fork server, before any rank: what every rank needs (the rest, such as
+# the test module that defines `fn`, each rank imports on unpickling it)
+PRELOAD = ["torch", "torch.distributed", "loomtrain.train.run", "loomtrain.train.launch"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank, world, port, collective_timeout_s, call, queue, env, cwd, path):
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's, not the fork server's (started by an earlier world)
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
+        fn, args = pickle.loads(call)
         result = fn(rank, world, *args)
         # plain pickle: tensors travel by value, not as shared memory that dies with the rank
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -53,10 +75,11 @@ def run_world(fn, world: int, *args, timeout_s: float = 120.0, collective_timeou
               expect_errors: bool = False) -> list:
     """Returns the per-rank results in rank order. With `expect_errors`, a failing rank's entry
     is its traceback text (a string) instead of raising."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, fn, args, queue))
+    caller = (pickle.dumps((fn, args)), queue, dict(os.environ), os.getcwd(), list(sys.path))
+    procs = [ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, *caller))
              for r in range(world)]
     for p in procs:
         p.start()
