@@ -267,7 +267,8 @@ def test_a_split_replica_trains_as_its_whole_replica(split_replicas, one_rank, t
     ref = {1: one_rank[1], 2: two_ranks[1][0][1]}[SPLITS[i][2]]["records"]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, SPLIT_STEPS + 1))
     # the same perturbations and updates; the losses sum the same terms in other orders
-    # (tensor-parallel matmuls and all-reduces): measured within 1e-6 relative
+    # (tensor-parallel matmuls and all-reduces): measured within 2e-6 relative
+    # (and a z drawn per piece instead of sliced from the whole tensor: 2e-3)
     for key in ("loss", "val_loss"):
         pairs = [(a[key], b[key]) for a, b in zip(got, ref) if key in b]
         assert max(abs(a - b) / abs(b) for a, b in pairs) < 1e-4, (key, pairs)
