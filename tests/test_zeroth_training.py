@@ -27,11 +27,13 @@ from loomtrain.train.metrics import read_metrics
 from loomtrain.train.run import train_loop, train_worker
 from loomtrain.train.task import build_task_model
 from loomtrain.zeroth import hyper_keys, pair_exchange_bytes
+from loomtrain.zeroth.distributed import loss_broadcast_bytes
 
 
 def _run(cfg, run_dir: Path, resume: Path | None = None) -> dict:
     """run.train_loop on this rank, one thread (the two cores are shared), with each save's
-    parameters kept: {step: this rank's model state}, and the model's gradient status."""
+    parameters kept: {step: this rank's model state}, the model's gradient status and what
+    the meter counted over the run ("counts": {(axis, op): OpCount})."""
     mesh = init_distributed(cfg)
     torch.set_num_threads(1)
     saved, real_save = {}, trainer.save
@@ -47,6 +49,7 @@ def _run(cfg, run_dir: Path, resume: Path | None = None) -> dict:
         train_loop(cfg, run_dir, resume, mesh, trainer.StopFlag())
     finally:
         trainer.save = real_save
+    saved["counts"] = dict(mesh.meter.counts)
     return saved
 
 
@@ -87,9 +90,17 @@ def _assert_loss_falls(records):
 STEPS = 150
 
 
-def test_mezo_trains_one_rank_from_forward_passes_only(tmp_path, corpus):
-    tree = _zo_tree(tmp_path, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2})
-    [run] = run_world(_train, 1, [tree], True, timeout_s=120)[0]
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, corpus) -> list[dict]:
+    """150 MeZO steps on one rank, then the one-rank reference of a split replica
+    (SPLITS), in one spawned world."""
+    root = tmp_path_factory.mktemp("one_rank")
+    tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2})
+    return run_world(_train, 1, [tree, _split_tree(root, corpus, 1)], True, timeout_s=150)[0]
+
+
+def test_mezo_trains_one_rank_from_forward_passes_only(one_rank):
+    run = one_rank[0]
     records = run["records"]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     _assert_loss_falls(records)
@@ -101,10 +112,18 @@ def test_mezo_trains_one_rank_from_forward_passes_only(tmp_path, corpus):
     assert {r["lr"] for r in records} != {last["lr"]}  # the schedule: warmup, cosine
 
 
-def test_mezo_on_two_ranks_exchanges_only_pairs_and_stays_identical(tmp_path, corpus):
-    tree = _zo_tree(tmp_path, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2},
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, corpus) -> tuple[dict, list[list[dict]]]:
+    """150 MeZO steps on two ranks, then the dp2 reference of a split replica (SPLITS), in
+    one spawned world: (the first run's tree, every rank's runs)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2},
                     parallel={"nproc": 2}, checkpoint={"every": STEPS // 2})
-    ranks = run_world(_train, 2, [tree], timeout_s=180)
+    return tree, run_world(_train, 2, [tree, _split_tree(root, corpus, 2)], timeout_s=200)
+
+
+def test_mezo_on_two_ranks_exchanges_only_pairs_and_stays_identical(two_ranks):
+    tree, ranks = two_ranks
     records = ranks[0][0]["records"]
     _assert_loss_falls(records)
     # every record covers one step (log_every=1): one all-gather of the pairs, the control
@@ -137,21 +156,26 @@ METHOD_KEYS = {"mezo-svrg": {"svrg_every": 2, "svrg_batches": 2}, "sparse-mezo":
                "helene": {"hessian_every": 2}, "zo-adam": {"n_perturbations": 2}}
 
 
+def _resumed(rank, cfg, run_dir: Path) -> dict:
+    """The run in `run_dir` as it stood at its first checkpoint (a copy without the last
+    one), resumed from it: {"resumed": its `_run`, "resumed_records": rank 0's records}."""
+    resumed_dir = run_dir.with_name(run_dir.name + "-resumed")
+    if rank == 0:
+        shutil.copytree(run_dir, resumed_dir)
+        shutil.rmtree(checkpoint.step_dir(resumed_dir, cfg.train.steps))
+    comm.barrier(init_distributed(cfg))
+    resumed = _run(cfg, resumed_dir, checkpoint.step_dir(resumed_dir, cfg.checkpoint.every))
+    return {"resumed": resumed, "resumed_records": read_metrics(resumed_dir) if rank == 0 else None}
+
+
 def _every_method(rank, world, trees):
     out = {}
     for tree in trees:
         cfg = config_from_dict(tree)
         run_dir = Path(cfg.run.dir) / cfg.run.name
-        full = _run(cfg, run_dir)
-        resumed_dir = run_dir.with_name(run_dir.name + "-resumed")
-        if rank == 0:  # the run as it stood at its checkpoint of step 3
-            shutil.copytree(run_dir, resumed_dir)
-            shutil.rmtree(checkpoint.step_dir(resumed_dir, 6))
-        comm.barrier(init_distributed(cfg))
-        resumed = _run(cfg, resumed_dir, checkpoint.step_dir(resumed_dir, 3))
-        out[cfg.optim.name] = {"full": full, "resumed": resumed,
+        out[cfg.optim.name] = {"full": _run(cfg, run_dir),
                                "records": read_metrics(run_dir) if rank == 0 else None,
-                               "resumed_records": read_metrics(resumed_dir) if rank == 0 else None}
+                               **_resumed(rank, cfg, run_dir)}
     return out
 
 
@@ -199,6 +223,77 @@ def test_a_resumed_run_continues_bitwise(every_method, name):
     assert [r["zo_grad"] for r in run["resumed_records"]] == [r["zo_grad"] for r in run["records"]]
     full, resumed = run["full"][6], run["resumed"][6]
     assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+# replicas split by tensor and pipeline parallelism (docs/zeroth.md, "Split replicas"), at
+# world 4, each against the same run on its whole replica: zo-adam (2 probes) over tp2 x pp2,
+# checkpointed at step 6 and resumed from it, against one rank; MeZO over dp2 x tp2 with
+# sequence parallelism against dp2 alone (whose pairs equal one process's:
+# test_zeroth_distributed.py)
+SPLITS = [("zo-adam", {"tp": 2, "pp": 2}, 1), ("mezo", {"tp": 2, "sequence_parallel": True}, 2)]
+SPLIT_STEPS = 12
+
+
+def _split_tree(root, corpus, world: int, split: int | None = None) -> dict:
+    """SPLITS[split]'s run at world 4, or (split None) the reference run on `world` ranks."""
+    i = split if split is not None else next(i for i, s in enumerate(SPLITS) if s[2] == world)
+    name, parallel, _ = SPLITS[i]
+    return _zo_tree(root, corpus, name, run_name=f"split{i}-{world}",
+                    optim=METHOD_KEYS.get(name, {}), train={"steps": SPLIT_STEPS},
+                    parallel={"nproc": world, **(parallel if split is not None else {})},
+                    checkpoint={"every": SPLIT_STEPS // 2 if split == 0 else 0})
+
+
+def _split_world(rank, world, trees):
+    """`_train` without backward, a run that checkpoints also resumed (`_resumed`)."""
+    out = _train(rank, world, trees, backward_refused=True)
+    for tree, run in zip(trees, out):
+        cfg = config_from_dict(tree)
+        if cfg.checkpoint.every:
+            run.update(_resumed(rank, cfg, Path(cfg.run.dir) / cfg.run.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def split_replicas(tmp_path_factory, corpus) -> list[list[dict]]:
+    root = tmp_path_factory.mktemp("split")
+    trees = [_split_tree(root, corpus, 4, i) for i in range(len(SPLITS))]
+    return run_world(_split_world, 4, trees, timeout_s=300)
+
+
+@pytest.mark.parametrize("i", range(len(SPLITS)))
+def test_a_split_replica_trains_as_its_whole_replica(split_replicas, one_rank, two_ranks, i):
+    got = split_replicas[0][i]["records"]
+    ref = {1: one_rank[1], 2: two_ranks[1][0][1]}[SPLITS[i][2]]["records"]
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, SPLIT_STEPS + 1))
+    # the same perturbations and updates; the losses sum the same terms in other orders
+    # (tensor-parallel matmuls and all-reduces): measured within 2e-6 relative
+    # (and a z drawn per piece instead of sliced from the whole tensor: 2e-3)
+    for key in ("loss", "val_loss"):
+        pairs = [(a[key], b[key]) for a, b in zip(got, ref) if key in b]
+        assert max(abs(a - b) / abs(b) for a, b in pairs) < 1e-4, (key, pairs)
+
+
+def test_a_split_replica_resumes_bitwise(split_replicas):
+    run = split_replicas[0][0]
+    assert [r["loss"] for r in run["resumed_records"]] == [r["loss"] for r in run["records"]]
+    for rank in split_replicas:  # every rank's pieces (zo-adam's m and v restored: they move it)
+        full, resumed = rank[0]["saved"][SPLIT_STEPS], rank[0]["resumed"][SPLIT_STEPS]
+        assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_a_pipeline_sends_each_probe_loss_from_its_last_stage(split_replicas):
+    # tp2 x pp2 with 2 probes: 4 forwards a step, each loss broadcast over pp from the last
+    # stage (pp rank 1) as one float64: 8 bytes sent by it, nothing by stage 0 (a tree of 2)
+    forwards = 2 * 2 * SPLIT_STEPS
+    for rank, runs in enumerate(split_replicas):
+        pp_rank = rank // 2  # the mesh's tp is innermost
+        expected = {"calls": forwards, "payload": 8 * forwards,
+                    "wire": 8 * forwards * (pp_rank == 1)}
+        assert loss_broadcast_bytes(2, pp_rank, forwards) == expected
+        count = runs[0]["saved"]["counts"][("pp", "zo_loss")]
+        assert (count.calls, count.payload_bytes, count.wire_bytes) == tuple(expected.values())
+        assert ("pp", "zo_loss") not in runs[1]["saved"]["counts"]  # no pipeline, no broadcast
 
 
 def test_trainable_parameters_are_the_only_ones_that_change(tmp_path, corpus):
@@ -284,9 +379,15 @@ def _cfg(tmp_path, corpus, **sections):
     ({"optim": {"name": "mezo"}, "train": {"weight_decay": 0.0}},
      r"train.weight_decay=0.0 is a setting of backprop's optimizer"),
     ({"optim": {"name": "mezo"}, "train": {"optimizer": "sgd"}}, r"train.optimizer='sgd'"),
-    ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "tp": 2}},
-     r"optim.name='mezo' with parallel.tp=2 is not supported: the ranks are data-parallel"),
-    ({"optim": {"name": "helene"}, "parallel": {"nproc": 2, "pp": 2}}, r"parallel.pp=2"),
+    ({"optim": {"name": "helene"}, "parallel": {"nproc": 2, "tp": 2}},
+     r"optim.name='helene' with parallel.tp=2 is not supported yet: sparse MeZO's magnitude "
+     r"thresholds and HELENE's clipping floor are taken over each whole tensor"),
+    ({"optim": {"name": "sparse-mezo"}, "parallel": {"nproc": 2, "pp": 2}},
+     r"optim.name='sparse-mezo' with parallel.pp=2 is not supported yet"),
+    ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "cp": 2}},
+     r"parallel.cp=2 is not supported yet: the probes run"),
+    ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "pp": 2, "schedule": "async"}},
+     r"parallel.schedule='async' is not supported: its runtime steps"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "zero_stage": 1}},
      r"parallel.zero_stage=1 is not supported: ZeRO shards gradients"),
     ({"optim": {"name": "mezo"}, "train": {"precision": "bf16"}}, r"train.precision='bf16'"),

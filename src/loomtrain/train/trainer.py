@@ -62,7 +62,7 @@ def step(built: Built, batches, global_tokens: float, grad_clip: float):
                          for c in built.applied)
         return loss_sum if loss_sum is not None else _forward_backward(built, batches, global_tokens)
 
-    loss_sum = first(c.gradient(built, forward_backward, lambda: _forward_loss(built, batches))
+    loss_sum = first(c.gradient(built, forward_backward, lambda: forward_loss(built, batches))
                      for c in built.applied)
     if loss_sum is None:
         loss_sum = forward_backward()
@@ -92,10 +92,23 @@ def _forward_backward(built: Built, batches, global_tokens: float) -> torch.Tens
 
 
 @torch.no_grad()
-def _forward_loss(built: Built, batches) -> torch.Tensor:
-    """This rank's loss sum over the micro-batches, forwards only (zeroth-order probes)."""
-    return sum(built.loss_sum(built.model(x), y).double()
-               for x, y in (built.local(b) for b in batches))
+def forward_loss(built: Built, batches) -> torch.Tensor | None:
+    """This rank's loss sum over the micro-batches (float64), forwards only (zeroth-order
+    probes); None off a pipeline's last stage, which holds no output."""
+    total = None
+    for x, y in (built.local(b) for b in batches):
+        out = forward_only(built, x)
+        if out is not None:
+            loss = built.loss_sum(out, y).double()
+            total = loss if total is None else total + loss
+    return total
+
+
+def forward_only(built: Built, x):
+    """The output for `x` of a forward without backward: the pipeline's stage after stage
+    (None off its last stage) where one runs the model, else the model's own."""
+    owned = first(c.forward_only(built, x) for c in built.applied)
+    return owned[0] if owned is not None else built.model(x)
 
 
 def evaluate(model, sampler, cfg: Config, mesh, device, loss_fn=token_loss_sum) -> float:
@@ -132,8 +145,7 @@ def validate(built: Built, sampler, device) -> dict:
     for i in range(rounds):
         samples = mine[i] if i < len(mine) else (mine or [range(cfg.train.micro_batch)])[0]
         x, y = built.local(load_rows(sampler, samples, cfg, device))
-        owned = first(c.forward_only(built, x) for c in built.applied)
-        out = owned[0] if owned is not None else model(x)
+        out = forward_only(built, x)
         if i < len(mine) and out is not None:  # under pp, the last stage has the output
             total[0] += loss_fn(out, y).double()
             total[1] += (y != IGNORE_INDEX).sum()

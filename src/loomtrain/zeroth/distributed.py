@@ -2,7 +2,8 @@
 own seeds on its own batch, the ranks all-gather their (seed, projected gradient) pairs and
 every rank applies them all, so the parameters stay bitwise identical with no parameter or
 gradient communication. Packing, bytes per step and the seed check: docs/zeroth.md,
-"Distributed: seeds and scalars only".
+"Distributed: seeds and scalars only". A replica split into pipeline stages: its last stage
+sends each probe's loss to the others (`shared_loss`; docs/zeroth.md, "Split replicas").
 """
 
 from __future__ import annotations
@@ -15,12 +16,37 @@ from loomtrain import comm
 from loomtrain.zeroth.optimizers import Pair
 
 PAIR_BYTES = 12  # an int64 seed and a float32 projected gradient
+LOSS_BYTES = 8  # a probe's loss, float64 (exactly the last stage's float32 loss), over pp
 
 
 def pair_exchange_bytes(world: int, n_perturbations: int) -> dict[str, int]:
     """The bytes of one step's exchange: {"payload": gathered tensor, "wire": sent per rank}."""
     payload = world * n_perturbations * PAIR_BYTES
     return {"payload": payload, "wire": comm.wire_bytes("ring_all_gather", payload, world)}
+
+
+def loss_broadcast_bytes(pp: int, pp_rank: int, forwards: int) -> dict[str, int]:
+    """The bytes `forwards` probe forwards send over pp on pipeline rank `pp_rank`: one
+    broadcast of LOSS_BYTES each from the last stage (rank pp - 1) down gloo's binomial
+    tree ({"calls", "payload", "wire"}: the wire bytes this rank sends; over the pp group,
+    (pp - 1) x LOSS_BYTES per forward)."""
+    if pp == 1:
+        return {"calls": 0, "payload": 0, "wire": 0}
+    wire = comm.wire_bytes("tree_broadcast", LOSS_BYTES, pp, from_root=(pp_rank + 1) % pp)
+    return {"calls": forwards, "payload": forwards * LOSS_BYTES, "wire": forwards * wire}
+
+
+def shared_loss(loss: torch.Tensor | None, mesh) -> torch.Tensor:
+    """A probe's loss on every stage of a pipeline: `loss` is the last stage's (None on the
+    others, which hold no output), broadcast over pp as one float64. Without a pipeline,
+    `loss` itself (tensor-parallel ranks already share it: the vocabulary-parallel loss)."""
+    pp = mesh.size("pp")
+    if pp == 1:
+        return loss
+    sent = (torch.empty(1, dtype=torch.float64, device=mesh.device) if loss is None
+            else loss.detach().double().reshape(1))
+    comm.broadcast(sent, mesh, "pp", src_local=pp - 1, name="zo_loss")
+    return sent[0]
 
 
 def pack_pairs(pairs: Sequence[Pair], device) -> torch.Tensor:

@@ -3,7 +3,8 @@ module, and restored bitwise.
 
 MeZO (Malladi et al., arXiv 2305.17333, Algorithm 1); sparse MeZO's masks (Liu et al., arXiv
 2402.15751). Seeds, why whole-model perturbation is not exact, the hooks and their
-requirement on models: docs/zeroth.md, "Exact restoration".
+requirement on models: docs/zeroth.md, "Exact restoration"; a model split by tensor or
+pipeline parallelism: "Split replicas".
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
+
+from loomtrain.parallel.placement import placement_of
 
 _MASK64 = (1 << 64) - 1
 
@@ -73,15 +76,26 @@ class _Probe:
     seen: set[int] = field(default_factory=set)
 
 
+def parameter_indices(model: nn.Module) -> dict[str, int]:
+    """Every name of `model`'s parameters (a tied parameter's each) -> the parameter's index
+    in `model.parameters()`: the model-wide index that seeds its z."""
+    first: dict[int, int] = {}
+    return {name: first.setdefault(id(p), len(first))
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
 class Perturber:
     """The perturbation engine over `model` and its trainable parameters.
 
     `params`: the trainable subset (default: every parameter with requires_grad); everything
     else is never touched. Positions in `self.params` (model order) index per-parameter
-    state; `self.indices` are the model-wide indices that seed z.
+    state; `self.indices` are the model-wide indices that seed z. `whole`: for a model that
+    is this rank's part of a split one (tensor or pipeline parallel, names kept), the whole
+    model's `parameter_indices`, so that a piece's z is the slice of the whole tensor's.
     """
 
-    def __init__(self, model: nn.Module, params: Iterable[nn.Parameter] | None = None):
+    def __init__(self, model: nn.Module, params: Iterable[nn.Parameter] | None = None,
+                 whole: dict[str, int] | None = None):
         named = list(model.named_parameters())
         index = {id(p): i for i, (_, p) in enumerate(named)}
         chosen = [p for _, p in named if p.requires_grad] if params is None else list(params)
@@ -94,9 +108,9 @@ class Perturber:
                              "are not parameters of the model")
         order = sorted(index[pid] for pid in ids)
         self.model = model
-        self.indices = order
         self.params = [named[i][1] for i in order]
         self.names = [named[i][0] for i in order]
+        self.indices = order if whole is None else [whole[name] for name in self.names]
         self._position = {id(p): pos for pos, p in enumerate(self.params)}
         self.thresholds: list[float] | None = None  # sparse MeZO's masks, per position
         self._owners = []
@@ -117,13 +131,20 @@ class Perturber:
         return self.params[pos].detach().abs() <= self.thresholds[pos]
 
     def direction(self, pos: int, seed: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """z of position `pos` under `seed` (times `mask` if given), freshly generated."""
+        """z of position `pos` under `seed` (times `mask` if given), freshly generated. A
+        tensor-parallel piece's is its slice of the whole tensor's z (its placement,
+        parallel/placement.py; zeros on a padded vocabulary's rows): the whole tensor's is
+        drawn, then cut, so that every layout perturbs as one process does."""
         p = self.params[pos]
         gen = self._generators.get(p.device)
         if gen is None:
             gen = self._generators[p.device] = torch.Generator(device=p.device)
         gen.manual_seed(mix_seed(seed, self.indices[pos]))
-        z = torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+        placement = placement_of(p)
+        shape = p.shape if placement is None else placement.shape
+        z = torch.randn(shape, generator=gen, device=p.device, dtype=p.dtype)
+        if placement is not None:
+            z = placement.take(z, p.shape[placement.dim])
         return z if mask is None else z.mul_(mask)
 
     def direction_sum(self, pos: int, pairs: Sequence[tuple[int, float]]) -> torch.Tensor:

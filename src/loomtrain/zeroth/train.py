@@ -13,37 +13,45 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from loomtrain.component import Built
+from loomtrain.component import PIPELINE, SPLIT
 from loomtrain.errors import CheckpointError, ConfigError
-from loomtrain.models import token_loss_sum
 from loomtrain.optim import lr_at
 from loomtrain.train import checkpoint
+from loomtrain.train.apply import build_run
 from loomtrain.train.batches import batches_of_step, target_tokens
-from loomtrain.train.init_from import load_init_weights
+from loomtrain.train.components import COMPONENTS
 from loomtrain.train.loop import Stepped, SyncMode, SyncStep, train_sync
 from loomtrain.train.task import build_task_model
+from loomtrain.train.trainer import forward_loss
 from loomtrain.zeroth import (STATE_PER_PARAMETER, SeedScalarExchange, ZOOptimizer,
                               build_zo_optimizer, hyper_keys)
+from loomtrain.zeroth.distributed import shared_loss
+from loomtrain.zeroth.perturb import parameter_indices
 from loomtrain.zeroth.state import ZEROTH
 
 
 class ZerothMode(SyncMode):
-    """The zeroth-order mode of the run loop (train/loop.py): the plain model, no components;
-    a step probes the loss and the dp ranks exchange only seeds and scalars."""
+    """The zeroth-order mode of the run loop (train/loop.py): the model split by the
+    components that split it (tensor and pipeline parallelism), no replica engine; a step
+    probes the loss and the dp ranks exchange only seeds and scalars."""
 
     nonfinite = "projected gradient"
 
     def __init__(self, cfg, mesh, data, fresh: bool):
-        model = build_task_model(cfg).to(mesh.device)
-        if fresh and cfg.train.init_from is not None:
-            self.init = load_init_weights(model, cfg)
-        opt = build_optimizer(cfg, model)
+        with torch.device("meta"):  # the whole model's names: they index each piece's seeds
+            whole = build_task_model(cfg)
+        splits = [c for c in type(cfg).components or COMPONENTS if c.stage in (SPLIT, PIPELINE)]
+        built, setup = build_run(cfg, mesh, lambda model: build_optimizer(cfg, model, whole),
+                                 fresh, splits)
         # a checkpoint layout of its own; loom.json names the method, which alone resumes it
-        super().__init__(Built(model=model, mesh=mesh, cfg=cfg, loss_sum=token_loss_sum,
-                               optimizer=opt, layout=ZEROTH, meta={"optim": opt.name}), data)
-        self.description = f"{data.description}; {describe(model, opt)}"
+        built.layout, built.meta["optim"] = ZEROTH, built.optimizer.name
+        super().__init__(built, data)
+        self.init = setup.init
+        self.description = f"{data.description}; {describe(setup.parameters, built.optimizer)}"
         self.exchange = KeptPairs(SeedScalarExchange(mesh, "dp"))
         self.schedule = schedule(cfg)
+        # under a pipeline every stage learns the loss; its last stage alone records it
+        self.records_loss = mesh.local_rank("pp") == mesh.size("pp") - 1
 
     def load(self, step: int):
         """Step `step`'s rows (a refresh: those of steps step .. step + svrg_batches - 1)."""
@@ -55,15 +63,16 @@ class ZerothMode(SyncMode):
 
     def run(self, step: int, work) -> Stepped:
         (groups, refresh), global_tokens = work
-        opt, model, exchange = self.built.optimizer, self.built.model, self.exchange
+        opt, exchange = self.built.optimizer, self.exchange
         lr = lr_at(step, self.schedule)
         skipped = opt.skipped_steps
         targets = sum(target_tokens(batches) for batches in groups)
         if refresh:
-            loss = opt.refresh([batch_loss(model, b) for b in groups], exchange, lr)
+            loss = opt.refresh([batch_loss(self.built, b) for b in groups], exchange, lr)
         else:
-            loss = opt.step(batch_loss(model, groups[0]), exchange, lr)
-        loss_sum = torch.tensor(loss * targets, dtype=torch.float64, device=self.mesh.device)
+            loss = opt.step(batch_loss(self.built, groups[0]), exchange, lr)
+        loss_sum = torch.tensor(loss * targets * self.records_loss, dtype=torch.float64,
+                                device=self.mesh.device)
         return Stepped(opt.skipped_steps == skipped, global_tokens,
                        detail=SyncStep(loss_sum, global_tokens, lr, self._fields))
 
@@ -81,17 +90,18 @@ def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     return train_sync(ZerothMode, cfg, run_dir, resume, mesh, stop)
 
 
-def build_optimizer(cfg, model: nn.Module) -> ZOOptimizer:
+def build_optimizer(cfg, model: nn.Module, whole: nn.Module | None = None) -> ZOOptimizer:
     """The [optim] method over the parameters `optim.trainable` selects, with every parameter's
     requires_grad turned off; unset keys take the method's defaults, seeds derive from
-    run.seed."""
+    run.seed. `whole`: the whole model (on the meta device) of which `model` is this rank's
+    part, split by tensor or pipeline parallelism: its parameters' indices seed the pieces."""
     o = cfg.optim
-    trainable = select_trainable(model, o.trainable)
+    trainable = select_trainable(model, o.trainable, whole)
     model.requires_grad_(False)
     hyper = {k: getattr(o, k) for k in hyper_keys(o.name)
              if k not in ("lr", "seed") and getattr(o, k) is not None}
     return build_zo_optimizer(o.name, model, trainable, lr=schedule(cfg).lr, seed=cfg.run.seed,
-                              **hyper)
+                              whole=None if whole is None else parameter_indices(whole), **hyper)
 
 
 def schedule(cfg):
@@ -106,16 +116,18 @@ def _matches(name: str, pattern: str) -> bool:
     return name.startswith(pattern)
 
 
-def select_trainable(model: nn.Module, patterns: list[str]) -> list[nn.Parameter]:
+def select_trainable(model: nn.Module, patterns: list[str],
+                     whole: nn.Module | None = None) -> list[nn.Parameter]:
     """The parameters whose names (any of a tied parameter's names) match a pattern, in model
-    order, each once; all of them for no pattern. A pattern that matches nothing is a
+    order, each once; all of them for no pattern. A pattern that matches nothing of `whole`
+    (default: `model`; a split model's part may hold none of what it matches) is a
     ConfigError naming the model's parameters."""
     named = list(model.named_parameters(remove_duplicate=False))
     if not patterns:
         return list(dict.fromkeys(p for _, p in named))
+    names = [name for name, _ in (whole or model).named_parameters(remove_duplicate=False)]
     for pattern in patterns:
-        if not any(_matches(name, pattern) for name, _ in named):
-            names = [name for name, _ in named]
+        if not any(_matches(name, pattern) for name in names):
             shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
             raise ConfigError(f"optim.trainable: {pattern!r} matches no parameter of the model; "
                               f"its parameters are {shown}. Give name prefixes (\"blocks.1.\": "
@@ -143,21 +155,25 @@ def check_resume(cfg, path: Path) -> None:
             f"train.init_from={str(path)!r}; nothing in the run folder was changed")
 
 
-def describe(model: nn.Module, opt: ZOOptimizer) -> str:
-    total = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+def describe(parameters: int, opt: ZOOptimizer) -> str:
+    """`parameters`: the whole model's; the trained ones are this rank's (its pieces under
+    tensor or pipeline parallelism)."""
     trained = opt.perturber.numel()
     state = STATE_PER_PARAMETER[opt.name]
-    return (f"{total:,} parameters, {trained:,} trained by {opt.name} ({opt.n_perturbations} "
-            f"probe(s) per rank and step; state {state} x {trained:,} values)")
+    return (f"{parameters:,} parameters, {trained:,} trained by {opt.name} on this rank "
+            f"({opt.n_perturbations} probe(s) per rank and step; state {state} x {trained:,} "
+            "values)")
 
 
-def batch_loss(model: nn.Module, batches: list) -> Callable[[], torch.Tensor]:
-    """The mean target loss of `batches` (micro-batches summed, divided by their targets)."""
+def batch_loss(built, batches: list) -> Callable[[], torch.Tensor]:
+    """The mean target loss of `batches` (micro-batches summed, divided by their targets),
+    through the split model's forward (a pipeline's stage after stage), on every rank: a
+    pipeline's last stage sends it to the others (`shared_loss`)."""
     targets = target_tokens(batches)
 
-    @torch.no_grad()
     def loss_fn() -> torch.Tensor:
-        return sum(token_loss_sum(model(x), y) for x, y in batches) / targets
+        total = forward_loss(built, batches)
+        return shared_loss(None if total is None else total / targets, built.mesh)
     return loss_fn
 
 
