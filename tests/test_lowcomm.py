@@ -80,16 +80,20 @@ SPLIT_STEPS = 8
 # sparse training on split models against whole replicas (dp4: the single-process maths), 12
 # steps, the final checkpoint's masks compared too: RigL with ERK densities and SAM (random
 # initial masks of the whole layers, RigL's gathered weights and gradients, SAM's whole
-# gradient norm), and ERK magnitude pruning (gathered weights and masks)
+# gradient norm), ERK magnitude pruning (gathered weights and masks), and 8:32 N:M, whose
+# groups of 32 inputs straddle the two tp pieces of attn.proj (16 inputs each)
 RIGL_SAM = {"method": "rigl", "density": 0.3, "update_every": 2, "sam": "sam"}
 PRUNE_ERK = {"method": "prune", "density": 0.3, "update_every": 2}
-SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals)
-    ("sparse_rigl", RIGL_SAM, {}, None),
+NM_WIDE = {"method": "nm", "n": 8, "m": 32}
+SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals, final density)
+    ("sparse_rigl", RIGL_SAM, {}, None, 0.3),
     ("sparse_rigl_tp_sp", {**RIGL_SAM, "sparse_comm": True}, {"tp": 2, "sequence_parallel": True},
-     "sparse_rigl"),
-    ("sparse_rigl_pp_tp", RIGL_SAM, {"pp": 2, "tp": 2}, "sparse_rigl"),
-    ("sparse_prune", PRUNE_ERK, {}, None),
-    ("sparse_prune_cp_tp", PRUNE_ERK, {"cp": 2, "tp": 2}, "sparse_prune"),
+     "sparse_rigl", 0.3),
+    ("sparse_rigl_pp_tp", RIGL_SAM, {"pp": 2, "tp": 2}, "sparse_rigl", 0.3),
+    ("sparse_prune", PRUNE_ERK, {}, None, 0.3),
+    ("sparse_prune_cp_tp", PRUNE_ERK, {"cp": 2, "tp": 2}, "sparse_prune", 0.3),
+    ("sparse_nm", NM_WIDE, {}, None, 0.25),
+    ("sparse_nm_tp", NM_WIDE, {"tp": 2}, "sparse_nm", 0.25),
 ]
 SPARSE_STEPS = 12
 
@@ -179,7 +183,7 @@ def world4(tmp_path_factory, corpus):
     jobs += [("diloco_h2_tp", stopped, 4, False), ("diloco_h2_tp", stopped, None, True)]
     jobs += [(name, tree({}, parallel, sparsity=sparsity, train={"steps": SPARSE_STEPS},
                          checkpoint={"every": SPARSE_STEPS}), None, False)
-             for name, sparsity, parallel, _ in SPARSE]
+             for name, sparsity, parallel, *_ in SPARSE]
     runs = run_world(_runs, 4, jobs, str(tmp_path / "w4"), True, timeout_s=600)
     return runs[0][0], [sent for _, sent in runs], tmp_path / "w4"
 
@@ -241,15 +245,16 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
 
 def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     """RigL with SAM over dp2 x tp2 with sequence parallelism and sparse_comm, and over pp2 x
-    tp2; ERK pruning over cp2 x tp2: the losses and the final masks of the whole run (dp4).
+    tp2; ERK pruning over cp2 x tp2; 8:32 N:M over dp2 x tp2: the losses and the final masks
+    of the whole run (dp4).
     Each mask decision is taken on the whole layer (sparsity/split.py); the gradients are the
     same sums in other orders (~1e-7 relative in the loss measured here, 1e-4 the bound), and
     no ranking of the 12 steps' weights or gradients is close enough to flip on that
     rounding: the masks are equal bit for bit."""
     out, _, root = world4
-    for name, _, _, whole in SPARSE:
+    for name, _, _, whole, density in SPARSE:
         records = out[name][0]
-        assert records[-1]["density"] == pytest.approx(0.3, abs=1e-3), name  # counted whole
+        assert records[-1]["density"] == pytest.approx(density, abs=1e-3), name  # counted whole
         if whole is None:
             continue
         assert _rel(_losses(records), _losses(out[whole][0])) < 1e-4, name
