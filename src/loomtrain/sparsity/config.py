@@ -170,20 +170,16 @@ def _check_nm(s: SparsityConfig, cfg) -> None:
     """N:M groups run along each masked nn.Linear's inputs (masks.nm_mask), so m must divide
     every such width: read off the model built on the meta device, which knows them all
     (d_model, the GPT's mlp_ratio x d_model, the llama's ffn_hidden, the digits' 64 pixels)."""
-    import torch
-
-    from loomtrain.sparsity.sparsifier import sparse_layers
-    from loomtrain.train.task import build_task_model, is_classification
+    from loomtrain.sparsity.sparsifier import whole_layers
+    from loomtrain.train.task import is_classification
 
     if s.n >= s.m:
         raise ValueError(f"sparsity.n={s.n} must be less than sparsity.m={s.m} (N:M keeps n of "
                          "every m weights; 2:4 is the one sparse tensor cores run)")
     if is_classification(cfg) and cfg.model.name != "mlp":
         return  # no model to build: the [data] rules refuse the pairing, with their reason
-    with torch.device("meta"):
-        layers = sparse_layers(build_task_model(cfg))
-    for name, weight in layers:
-        width = weight.shape[1]
+    for name, shape in whole_layers(cfg):
+        width = shape[1]
         if width % s.m:
             what = (f"model.d_model = {width}" if width == cfg.model.d_model
                     else f"the {width} inputs of {name}")

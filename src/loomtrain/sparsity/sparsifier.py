@@ -36,6 +36,15 @@ def sparse_layers(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
             and getattr(m.weight, "pp_copies", 1) == 1]
 
 
+def whole_layers(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the sparse layers of the model `cfg` trains, whole, in their order
+    (the order that seeds each layer's random mask): built on the meta device, no memory."""
+    from loomtrain.train.task import build_task_model
+
+    with torch.device("meta"):
+        return [(name, tuple(p.shape)) for name, p in sparse_layers(build_task_model(cfg))]
+
+
 def layer_densities(shapes: list[tuple[int, ...]], density: float, distribution: str) -> list[float]:
     return (erk_densities if distribution == "erk" else uniform_densities)(shapes, density)
 
@@ -48,7 +57,7 @@ class Sparsifier:
     its default `end_step` (75% of training).
 
     A split model (tensor or pipeline parallel) passes `whole`, the (name, shape) of the whole
-    model's sparse layers (split.whole_layers), and the `mesh`: this rank masks the layers it
+    model's sparse layers (`whole_layers`), and the `mesh`: this rank masks the layers it
     holds (by name), each decision taken on the whole layer (its tp pieces gathered,
     split.Pieces) with the whole model's layer index and densities, then cut to its piece, so
     the masks are the single-process run's (docs/sparsity.md, "Split models")."""

@@ -1,9 +1,9 @@
 """Sparse training on a split model: the communication that makes every mask decision the
 whole model's. Tensor parallelism leaves a rank a piece of a layer (`Pieces`: the tp ranks'
 pieces gathered into the whole weight, mask or gradient, and the whole cut back to this
-rank's piece); a pipeline leaves it some of the layers (`whole_layers`: the whole model's
-sparse layers, read off the model built on the meta device, which sets every layer's index
-and density); `whole_counts` sums the kept weights over the ranks that hold different parts.
+rank's piece); a pipeline leaves it some of the layers (the whole model's list,
+sparsifier.whole_layers, sets every layer's index and density); `whole_counts` sums the kept
+weights over the ranks that hold different parts.
 
 Why gathering rather than a distributed k-th value, and the bytes per mask update:
 docs/sparsity.md, "Split models".
@@ -16,16 +16,6 @@ import torch.nn as nn
 
 from loomtrain import comm
 from loomtrain.parallel.placement import placement_of
-
-
-def whole_layers(cfg) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of the sparse layers of the model `cfg` trains, whole, in their order
-    (the order that seeds each layer's random mask): built on the meta device, no memory."""
-    from loomtrain.sparsity.sparsifier import sparse_layers
-    from loomtrain.train.task import build_task_model
-
-    with torch.device("meta"):
-        return [(name, tuple(p.shape)) for name, p in sparse_layers(build_task_model(cfg))]
 
 
 class Pieces:

@@ -14,8 +14,7 @@ import torch
 
 from loomtrain.errors import CheckpointError, ConfigError
 from loomtrain.sparsity.sam import SharpnessAware
-from loomtrain.sparsity.sparsifier import KEY, Sparsifier
-from loomtrain.sparsity.split import whole_layers
+from loomtrain.sparsity.sparsifier import KEY, Sparsifier, whole_layers
 from loomtrain.train import checkpoint
 
 
