@@ -76,11 +76,7 @@ class Sparsity(Component):
     switches = (Switch("sparsity.method", "none"), Switch("sparsity.sam", "none"))
     summary = "masks, N:M, pruning, SET, RigL, SAM and ZO-SAM"
     refuses = {"tensor": Refusal(_ZO_SPLIT, when=_zo_sam, partly='with sparsity.sam="zo-sam"'),
-               "pipeline": Refusal(_ZO_SPLIT + "; sparse_comm under a pipeline (the stages' "
-                                   "data-parallel engines sending only kept entries) is not "
-                                   "checked against the single-process run yet",
-                                   when=lambda cfg: _zo_sam(cfg) or cfg.sparsity.sparse_comm,
-                                   partly='with sparsity.sam="zo-sam" or sparse_comm'),
+               "pipeline": Refusal(_ZO_SPLIT, when=_zo_sam, partly='with sparsity.sam="zo-sam"'),
                "context": Refusal("ZO-SAM's probe losses would be summed over dp and cp; that "
                                   "is not checked against the single-process run yet (SAM, "
                                   "sparsity.sam=\"sam\", runs)", when=_zo_sam,
