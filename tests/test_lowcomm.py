@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_tree
 from harness import StopBefore, run_world
@@ -76,6 +77,26 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
                                                "density": 0.3, "update_every": 2}}),
 ]
 SPLIT_STEPS = 8
+# sparse training on split models against whole replicas (dp4: the single-process maths), 12
+# steps, the final checkpoint's masks compared too: RigL with ERK densities and SAM (random
+# initial masks of the whole layers, RigL's gathered weights and gradients, SAM's whole
+# gradient norm), ERK magnitude pruning (gathered weights and masks), and 8:32 N:M, whose
+# groups of 32 inputs straddle the two tp pieces of attn.proj (16 inputs each)
+RIGL_SAM = {"method": "rigl", "density": 0.3, "update_every": 2, "sam": "sam"}
+PRUNE_ERK = {"method": "prune", "density": 0.3, "update_every": 2}
+NM_WIDE = {"method": "nm", "n": 8, "m": 32}
+SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals, final density)
+    ("sparse_rigl", RIGL_SAM, {}, None, 0.3),
+    ("sparse_rigl_tp_sp", {**RIGL_SAM, "sparse_comm": True}, {"tp": 2, "sequence_parallel": True},
+     "sparse_rigl", 0.3),
+    ("sparse_rigl_pp_tp", RIGL_SAM, {"pp": 2, "tp": 2}, "sparse_rigl", 0.3),
+    ("sparse_rigl_pp", {**RIGL_SAM, "sparse_comm": True}, {"pp": 2}, "sparse_rigl", 0.3),
+    ("sparse_prune", PRUNE_ERK, {}, None, 0.3),
+    ("sparse_prune_cp_tp", PRUNE_ERK, {"cp": 2, "tp": 2}, "sparse_prune", 0.3),
+    ("sparse_nm", NM_WIDE, {}, None, 0.25),
+    ("sparse_nm_tp", NM_WIDE, {"tp": 2}, "sparse_nm", 0.25),
+]
+SPARSE_STEPS = 12
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +182,11 @@ def world4(tmp_path_factory, corpus):
               None, False) for name, lowcomm, parallel, train, other in SPLIT]
     stopped = tree(SPLIT[0][1], {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
     jobs += [("diloco_h2_tp", stopped, 4, False), ("diloco_h2_tp", stopped, None, True)]
-    runs = run_world(_runs, 4, jobs, str(tmp_path / "w4"), True, timeout_s=480)
-    return runs[0][0], [sent for _, sent in runs]
+    jobs += [(name, tree({}, parallel, sparsity=sparsity, train={"steps": SPARSE_STEPS},
+                         checkpoint={"every": SPARSE_STEPS}), None, False)
+             for name, sparsity, parallel, *_ in SPARSE]
+    runs = run_world(_runs, 4, jobs, str(tmp_path / "w4"), True, timeout_s=600)
+    return runs[0][0], [sent for _, sent in runs], tmp_path / "w4"
 
 
 def test_world4_diloco_converges_on_a_quarter_of_the_bytes(world4):
@@ -186,7 +210,7 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     whole ones: the same maths split differently. Each rank syncs its own pieces over dp;
     local SGD with H=1 and plain SGD is synchronous data parallelism. Also in this spawn:
     gradient compression and sparse training under a pipeline."""
-    out, sent = world4
+    out, sent, _ = world4
     # the same sums in other orders (a gradient norm from tp and pp pieces, the cp peers'
     # gradients summed, a vocabulary-parallel loss): ~1e-7 relative measured here, 1e-4 the
     # bound. Local SGD with H=1 against synchronous DP as well (test_world2_parities_and_resume)
@@ -218,6 +242,39 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     held = sum(p.numel() for p in model.parameters()) + model.tok_emb.weight.numel()
     replica = sent[0]["diloco_h2"] + sent[2]["diloco_h2"]
     assert replica == 4 * 4 * held + 2 * (8 * SPLIT_STEPS + 16), (replica, held)
+
+
+def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
+    """RigL with SAM over dp2 x tp2 with sequence parallelism and sparse_comm, over pp2 x
+    tp2, and over dp2 x pp2 with sparse_comm; ERK pruning over cp2 x tp2; 8:32 N:M over dp2 x tp2: the losses and the final masks
+    of the whole run (dp4).
+    Each mask decision is taken on the whole layer (sparsity/split.py); the gradients are the
+    same sums in other orders (~2e-7 relative in the loss measured here, 1e-4 the bound), and
+    no ranking of the 12 steps' weights or gradients is close enough to flip on that
+    rounding: the masks are equal bit for bit."""
+    out, _, root = world4
+    for name, _, _, whole, density in SPARSE:
+        records = out[name][0]
+        assert records[-1]["density"] == pytest.approx(density, abs=1e-3), name  # counted whole
+        if whole is None:
+            continue
+        assert _rel(_losses(records), _losses(out[whole][0])) < 1e-4, name
+        masks, reference = (checkpoint.load_tensors(checkpoint.list_checkpoints(root / n)[-1],
+                                                    "sparsity.mask.") for n in (name, whole))
+        assert sorted(masks) == sorted(reference) and len(masks) == 8, (name, sorted(masks))
+        assert all(torch.equal(masks[k], reference[k]) for k in masks), name
+        if name.startswith("sparse_rigl"):  # SAM's two passes
+            assert records[-1]["backward_per_step"] == 2, name
+    # over dp2 x tp2 and dp2 x pp2 the dp engine all-reduced only the kept entries (and the
+    # dense ones)
+    for name in ("sparse_rigl_tp_sp", "sparse_rigl_pp"):
+        assert any((r.get("sparse_comm_ratio") or 1.0) > 1.5 for r in out[name][0]), name
+    # the masks moved: RigL swapped (each update that changed a mask moved the version) and
+    # pruning shrank from dense to 30%
+    version = checkpoint.load_tensors(checkpoint.list_checkpoints(root / "sparse_rigl")[-1],
+                                      "sparsity.")["version"]
+    assert int(version) >= 3, int(version)
+    assert out["sparse_prune"][0][0]["density"] == 1.0
 
 
 @pytest.mark.parametrize("lowcomm,other,why", [

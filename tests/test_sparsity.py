@@ -256,11 +256,13 @@ def test_sam_and_zo_sam_passes_masks_and_bitwise_restore():
     ({"sparsity": {"rho": 0.1}}, 'sparsity.sam="none"'),
     ({"sparsity": {"sam": "sam", "zo_eps": 0.01}}, "sparsity.zo_eps is the probe step"),
     ({"sparsity": {"sparse_comm": True}}, "choose a sparsity method"),
-    ({"sparsity": {"method": "rigl"}, "parallel": {"nproc": 2, "tp": 2}},
-     "sparsity.method='rigl' with parallel.tp=2 is not supported yet"),
-    # under a pipeline: N:M and uniform pruning only (each stage decides its own layers)
-    ({"sparsity": {"method": "prune"}, "parallel": {"nproc": 2, "pp": 2}},
-     "sparsity.method='prune' with parallel.pp=2 is not supported yet: under a pipeline"),
+    # a split model runs every method and SAM; ZO-SAM's directions are drawn per local tensor
+    ({"sparsity": {"sam": "zo-sam"}, "parallel": {"nproc": 2, "tp": 2}},
+     "sparsity.sam='zo-sam' with parallel.tp=2 is not supported yet: ZO-SAM draws"),
+    ({"sparsity": {"method": "rigl", "sam": "zo-sam"}, "parallel": {"nproc": 2, "pp": 2}},
+     "with parallel.pp=2 is not supported yet: ZO-SAM draws"),
+    ({"sparsity": {"method": "rigl"}, "parallel": {"nproc": 2, "zero_stage": 2}},
+     "with parallel.zero_stage=2 is not supported yet: the sharded engine"),
     ({"sparsity": {"sam": "zo-sam"}, "parallel": {"nproc": 2, "zero_stage": 1}},
      "sparsity.sam='zo-sam' with parallel.zero_stage=1"),
     ({"sparsity": {"method": "static"}, "compression": {"method": "topk"}}, "compression.method"),

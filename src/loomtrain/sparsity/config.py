@@ -48,37 +48,50 @@ class SparsityConfig(Section):
     sparse_comm: bool = False
 
 
-_PLAIN = ("sparse training runs in the plain data-parallel engine, whose replicas hold whole fp32 "
-          "weights and the all-reduced gradient, so that every rank computes the same masks")
+# what still refuses sparse training, and why (the split models that run: docs/sparsity.md,
+# "Split models")
+_SHARDED = ("the sharded engine holds each rank's flat shard of the reduced gradient and of the "
+            "fp32 master weights (bf16 runs it too), so the masks would have to be cut along "
+            "its flat shard ranges and applied inside its step, and at ZeRO-3 to the parameters "
+            "it gathers per unit; that is not built yet")
+_ZO_SPLIT = ("ZO-SAM draws its probe direction z per parameter of the rank's own model "
+             "(loomtrain.zeroth's Perturber), so a tensor-parallel piece or a pipeline stage "
+             "would draw another z than the whole model's; SAM (sparsity.sam=\"sam\") runs")
+_APART = ("the replicas step apart between syncs, so each would update its masks from its own "
+          "weights and gradient and the masks would diverge")
 
 
-_STAGED = ("under a pipeline each stage masks its own layers: N:M (sparsity.method=\"nm\") and "
-           "pruning with sparsity.distribution=\"uniform\" decide each layer from its own "
-           "weights, while the random masks are drawn by the layer's index in the whole model, "
-           "ERK spreads the density over all its layers and SAM perturbs by the whole "
-           "gradient's norm")
-
-
-def _stage_local(s) -> bool:
-    """Whether sparse training decides every layer from that layer alone (runs per stage)."""
-    local = s.method == "nm" or (s.method == "prune" and s.distribution == "uniform")
-    return local and s.sam == "none" and not s.sparse_comm
+def _zo_sam(cfg) -> bool:
+    return cfg.sparsity.sam == "zo-sam"
 
 
 class Sparsity(Component):
     """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
-    that divide the layers' inputs, and the engine it runs in today: plain data parallelism."""
+    that divide the layers' inputs; it runs on whole replicas and on models split by tp, pp
+    and cp (each mask decision the whole layer's: sparsity/split.py), not in the sharded
+    engine yet."""
 
     name = "sparsity"
     section, keys = "sparsity", SparsityConfig
     switches = (Switch("sparsity.method", "none"), Switch("sparsity.sam", "none"))
     summary = "masks, N:M, pruning, SET, RigL, SAM and ZO-SAM"
-    refuses = {**{other: Refusal(_PLAIN) for other in
-                  ("tensor", "context", "zero", "bf16", "lowcomm", "compression", "asyncsgd",
-                   "balance")},
-               "pipeline": Refusal(_STAGED, when=lambda cfg: not _stage_local(cfg.sparsity),
-                                   partly="but N:M or uniform pruning, without SAM or "
-                                   "sparse_comm")}
+    refuses = {"tensor": Refusal(_ZO_SPLIT, when=_zo_sam, partly='with sparsity.sam="zo-sam"'),
+               "pipeline": Refusal(_ZO_SPLIT, when=_zo_sam, partly='with sparsity.sam="zo-sam"'),
+               "context": Refusal("ZO-SAM's probe losses would be summed over dp and cp; that "
+                                  "is not checked against the single-process run yet (SAM, "
+                                  "sparsity.sam=\"sam\", runs)", when=_zo_sam,
+                                  partly='with sparsity.sam="zo-sam"'),
+               "zero": Refusal(_SHARDED), "bf16": Refusal(_SHARDED),
+               "lowcomm": Refusal(_APART),
+               "compression": Refusal("RigL regrows by the exact all-reduced gradient, and "
+                                      "sparse_comm replaces the same bucket all-reduce that "
+                                      "compression replaces"),
+               "asyncsgd": Refusal("the parameter server's workers compute gradients alone, on "
+                                   "stale weights: there is no step at which every rank holds "
+                                   "the same weights to decide the masks from"),
+               "balance": Refusal("not checked against the single-process run yet: the hybrid "
+                                  "runtime deals each rank its own share of the step's tokens "
+                                  "(plain context parallelism runs)")}
     stage = FINISH  # masks the built model's weights at once (sparsity/training.py)
 
     @classmethod
@@ -153,20 +166,16 @@ def _check_nm(s: SparsityConfig, cfg) -> None:
     """N:M groups run along each masked nn.Linear's inputs (masks.nm_mask), so m must divide
     every such width: read off the model built on the meta device, which knows them all
     (d_model, the GPT's mlp_ratio x d_model, the llama's ffn_hidden, the digits' 64 pixels)."""
-    import torch
-
-    from loomtrain.sparsity.sparsifier import sparse_layers
-    from loomtrain.train.task import build_task_model, is_classification
+    from loomtrain.sparsity.sparsifier import whole_layers
+    from loomtrain.train.task import is_classification
 
     if s.n >= s.m:
         raise ValueError(f"sparsity.n={s.n} must be less than sparsity.m={s.m} (N:M keeps n of "
                          "every m weights; 2:4 is the one sparse tensor cores run)")
     if is_classification(cfg) and cfg.model.name != "mlp":
         return  # no model to build: the [data] rules refuse the pairing, with their reason
-    with torch.device("meta"):
-        layers = sparse_layers(build_task_model(cfg))
-    for name, weight in layers:
-        width = weight.shape[1]
+    for name, shape in whole_layers(cfg):
+        width = shape[1]
         if width % s.m:
             what = (f"model.d_model = {width}" if width == cfg.model.d_model
                     else f"the {width} inputs of {name}")

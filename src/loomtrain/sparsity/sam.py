@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from loomtrain import comm
+from loomtrain.parallel.data import clip_replica_grads
 from loomtrain.zeroth.perturb import Perturber, mix_seed, rng_state, set_rng_state
 
 _ZO_STREAM = 0x2050  # the seed stream of ZO-SAM's probe directions
@@ -33,7 +34,8 @@ class MaskedPerturber(Perturber):
 class SharpnessAware:
     """`kind` "sam" or "zo-sam" over the trainable parameters of `module` (unwrapped: the
     engine's `.module`). `mask_gradients()` and `masks()` come from the sparsifier (no-ops
-    without one); `axis`: the mesh axis whose ranks split the batch (ZO-SAM's all-reduce)."""
+    without one); `axis`: the mesh axis whose ranks split the batch (ZO-SAM's all-reduce).
+    On a model split by tp or pp, SAM's norm is the whole gradient's (`clip_replica_grads`)."""
 
     def __init__(self, kind: str, module: nn.Module, rho: float, mesh, axis: str = "dp",
                  seed: int = 0, zo_eps: float = 1e-3,
@@ -55,8 +57,7 @@ class SharpnessAware:
         if self.kind == "sam":
             loss_sum = forward_backward()
             self._mask_gradients()
-            grads = [p.grad for p in self.params if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else 0.0
+            norm = clip_replica_grads(self.params, 0.0, self.mesh)
             scale = float(self.rho / (norm + 1e-12))
             with self._perturbed(lambda p: p.grad, scale):
                 self._zero_grad()

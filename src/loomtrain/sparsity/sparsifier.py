@@ -8,6 +8,8 @@ Scope, methods, the loop it is used in and its costs: docs/sparsity.md, "What is
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -15,6 +17,7 @@ from loomtrain.sparsity.dst import cosine_fraction, rigl_update, set_update, swa
 from loomtrain.sparsity.masks import (active_count, cubic_density, erk_densities, magnitude_mask,
                                       nm_mask, pack_mask, random_mask, uniform_densities,
                                       unpack_mask)
+from loomtrain.sparsity.split import Pieces, whole_counts
 from loomtrain.zeroth.perturb import mix_seed
 
 _INIT_STREAM, _SET_STREAM = 0x5EED, 0x5E7  # seed streams: initial masks, SET's regrowth
@@ -33,6 +36,15 @@ def sparse_layers(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
             and getattr(m.weight, "pp_copies", 1) == 1]
 
 
+def whole_layers(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the sparse layers of the model `cfg` trains, whole, in their order
+    (the order that seeds each layer's random mask): built on the meta device, no memory."""
+    from loomtrain.train.task import build_task_model
+
+    with torch.device("meta"):
+        return [(name, tuple(p.shape)) for name, p in sparse_layers(build_task_model(cfg))]
+
+
 def layer_densities(shapes: list[tuple[int, ...]], density: float, distribution: str) -> list[float]:
     return (erk_densities if distribution == "erk" else uniform_densities)(shapes, density)
 
@@ -42,31 +54,47 @@ class Sparsifier:
 
     `version` counts mask changes (an engine that sends only masked gradient entries rebuilds
     its index lists when it moves). `cfg` is the [sparsity] section; `total_steps` resolves
-    its default `end_step` (75% of training)."""
+    its default `end_step` (75% of training).
 
-    def __init__(self, model: nn.Module, cfg, seed: int, total_steps: int):
+    A split model (tensor or pipeline parallel) passes `whole`, the (name, shape) of the whole
+    model's sparse layers (`whole_layers`), and the `mesh`: this rank masks the layers it
+    holds (by name), each decision taken on the whole layer (its tp pieces gathered,
+    split.Pieces) with the whole model's layer index and densities, then cut to its piece, so
+    the masks are the single-process run's (docs/sparsity.md, "Split models")."""
+
+    def __init__(self, model: nn.Module, cfg, seed: int, total_steps: int,
+                 whole: list[tuple[str, tuple[int, ...]]] | None = None, mesh=None):
         module = getattr(model, "module", model)
-        self.cfg, self.seed = cfg, seed
-        self.layers = sparse_layers(module)
-        if not self.layers:
+        self.cfg, self.seed, self.mesh = cfg, seed, mesh
+        if whole is None:
+            whole = [(name, tuple(p.shape)) for name, p in sparse_layers(module)]
+        if not whole:
             raise ValueError("the model has no nn.Linear weight to sparsify")
+        self.whole = whole
+        self.index = {name: i for i, (name, _) in enumerate(whole)}
+        params = dict(module.named_parameters())
+        self.layers = [(name, params[name]) for name, _ in whole if name in params]
+        self.pieces = {name: Pieces(p, mesh) for name, p in self.layers}
         self.end_step = cfg.end_step if cfg.end_step is not None else max(1, round(0.75 * total_steps))
-        shapes = [tuple(p.shape) for _, p in self.layers]
+        shapes = [shape for _, shape in whole]
         if cfg.method == "nm":
             self.densities = [cfg.n / cfg.m] * len(shapes)
         else:
             self.densities = layer_densities(shapes, cfg.density, cfg.distribution)
-        self.masks: dict[str, torch.Tensor] = {}
-        for i, (name, p) in enumerate(self.layers):
-            if cfg.method == "nm":
-                self.masks[name] = nm_mask(p, cfg.n, cfg.m)
-            elif cfg.method == "prune":  # dense until the schedule starts
-                self.masks[name] = torch.ones_like(p, dtype=torch.bool)
-            else:
-                gen = torch.Generator(device=p.device).manual_seed(mix_seed(seed, _INIT_STREAM, i))
-                self.masks[name] = random_mask(p.shape, active_count(p.numel(), self.densities[i]), gen)
+        self.masks: dict[str, torch.Tensor] = {
+            name: self.pieces[name].piece(self._initial(name, p)) for name, p in self.layers}
         self.version = 0
         self.apply()
+
+    def _initial(self, name: str, p: nn.Parameter) -> torch.Tensor:
+        """Layer `name`'s whole initial mask."""
+        cfg, i, shape = self.cfg, self.index[name], self.whole[self.index[name]][1]
+        if cfg.method == "nm":
+            return nm_mask(self.pieces[name].whole(p), cfg.n, cfg.m)
+        if cfg.method == "prune":  # dense until the schedule starts
+            return torch.ones(shape, dtype=torch.bool, device=p.device)
+        gen = torch.Generator(device=p.device).manual_seed(mix_seed(self.seed, _INIT_STREAM, i))
+        return random_mask(shape, active_count(math.prod(shape), self.densities[i]), gen)
 
     # --- every step ---
     @torch.no_grad()
@@ -114,13 +142,16 @@ class Sparsifier:
     @torch.no_grad()
     def update(self, t: int, dense_grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The method's mask update after step t (call when `update_due(t)`). New connections'
-        weights are 0 and dropped ones are zeroed. Returns {name: positions whose mask changed}
-        for the layers that changed; `version` moves if any did."""
+        weights are 0 and dropped ones are zeroed. Returns {name: positions of this rank's
+        piece whose mask changed} for the layers whose whole mask changed; `version` moves if
+        any did (on every rank alike: the decisions are the whole layers')."""
         changed = {}
-        for i, (name, p) in enumerate(self.layers):
-            old = self.masks[name]
-            new = self._updated(i, name, p, old, t, dense_grads)
-            if not torch.equal(new, old):
+        for name, p in self.layers:
+            pieces, old = self.pieces[name], self.masks[name]
+            whole_old = pieces.whole(old)
+            whole_new = self._updated(name, p, whole_old, t, dense_grads)
+            if not torch.equal(whole_new, whole_old):
+                new = pieces.piece(whole_new)
                 changed[name] = new ^ old
                 self.masks[name] = new
         if changed:
@@ -131,18 +162,20 @@ class Sparsifier:
                     p.masked_fill_(changed[name] & self.masks[name], 0.0)  # new connections
         return changed
 
-    def _updated(self, i: int, name: str, p: torch.Tensor, old: torch.Tensor, t: int,
+    def _updated(self, name: str, p: torch.Tensor, old: torch.Tensor, t: int,
                  dense_grads) -> torch.Tensor:
-        method, active = self.cfg.method, int(old.sum())
+        """Layer `name`'s whole new mask from its whole old one."""
+        i, pieces = self.index[name], self.pieces[name]
+        method, active, numel = self.cfg.method, int(old.sum()), old.numel()
         if method == "prune":
-            keep = active_count(p.numel(), self.target_density(i, t))
-            return old if keep >= active else magnitude_mask(p, keep, allowed=old)
-        k = swap_count(active, p.numel(), self.fraction(t))
+            keep = active_count(numel, self.target_density(i, t))
+            return old if keep >= active else magnitude_mask(pieces.whole(p), keep, allowed=old)
+        k = swap_count(active, numel, self.fraction(t))
         if method == "set":
             gen = torch.Generator(device=p.device).manual_seed(mix_seed(self.seed, _SET_STREAM, t, i))
-            return set_update(p, old, k, gen)
+            return set_update(pieces.whole(p), old, k, gen)
         assert dense_grads is not None, "RigL's update needs the step's dense gradients"
-        return rigl_update(p, old, k, dense_grads[name])
+        return rigl_update(pieces.whole(p), old, k, pieces.whole(dense_grads[name]))
 
     @torch.no_grad()
     def reset_optimizer_state(self, optimizer: torch.optim.Optimizer,
@@ -160,21 +193,40 @@ class Sparsifier:
     def masks_by_param(self) -> dict[nn.Parameter, torch.Tensor]:
         return {p: self.masks[name] for name, p in self.layers}
 
+    def kept_per_layer(self) -> tuple[list[int], list[int]]:
+        """(kept weights, weights) of every layer of the whole model, summed over the ranks
+        that hold its parts (collective over tp and pp on a split model)."""
+        counts = torch.zeros((2, len(self.whole)), dtype=torch.float64)
+        for name, mask in self.masks.items():
+            if self.pieces[name].counted():
+                counts[0, self.index[name]] = int(mask.sum())
+                counts[1, self.index[name]] = 1.0  # the layer is held
+        counts = whole_counts(counts.to(self._device()), self.mesh).cpu()
+        held = [math.prod(shape) if counts[1, i] else 0 for i, (_, shape) in enumerate(self.whole)]
+        return [int(k) for k in counts[0]], held
+
+    def _device(self):
+        return self.mesh.device if self.mesh is not None else torch.device("cpu")
+
     def density_per_layer(self) -> dict[str, float]:
-        return {name: int(m.sum()) / m.numel() for name, m in self.masks.items()}
+        kept, numel = self.kept_per_layer()
+        return {name: k / n for (name, _), k, n in zip(self.whole, kept, numel) if n}
 
     def density(self) -> float:
         """Kept weights over all weights of the sparse layers."""
-        return sum(int(m.sum()) for m in self.masks.values()) / sum(m.numel() for m in self.masks.values())
+        kept, numel = self.kept_per_layer()
+        return sum(kept) / sum(numel)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """{KEY + name: packed mask bits}, plus the version (identical on every rank)."""
-        state = {KEY + name: pack_mask(m) for name, m in self.masks.items()}
+        """{KEY + name: packed bits of the whole mask}, plus the version: the same on every
+        rank that holds the layer (collective over tp on a split model)."""
+        state = {KEY + name: pack_mask(self.pieces[name].whole(m)) for name, m in self.masks.items()}
         state["sparsity.version"] = torch.tensor(self.version, dtype=torch.int64)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, p in self.layers:
-            self.masks[name] = unpack_mask(state[KEY + name], p.shape).to(p.device)
+            whole = unpack_mask(state[KEY + name], self.whole[self.index[name]][1])
+            self.masks[name] = self.pieces[name].piece(whole.to(p.device))
         self.version = int(state["sparsity.version"])
         self.apply()

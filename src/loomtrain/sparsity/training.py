@@ -14,7 +14,7 @@ import torch
 
 from loomtrain.errors import CheckpointError, ConfigError
 from loomtrain.sparsity.sam import SharpnessAware
-from loomtrain.sparsity.sparsifier import KEY, Sparsifier
+from loomtrain.sparsity.sparsifier import KEY, Sparsifier, whole_layers
 from loomtrain.train import checkpoint
 
 
@@ -22,7 +22,10 @@ class SparseTraining:
     def __init__(self, model, optimizer, cfg, mesh):
         s = cfg.sparsity
         self.model, self.optimizer = model, optimizer
-        self.sparsifier = Sparsifier(model, s, cfg.run.seed, cfg.train.steps) if s.method != "none" else None
+        self.sparsifier = None
+        if s.method != "none":  # the whole model's layers: the same masks under any split
+            self.sparsifier = Sparsifier(model, s, cfg.run.seed, cfg.train.steps,
+                                         whole_layers(cfg), mesh)
         self.sam = None
         if s.sam != "none":
             masks = self.sparsifier.masks_by_param if self.sparsifier else dict
