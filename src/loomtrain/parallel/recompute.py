@@ -104,21 +104,25 @@ class Recompute(Component):
 
 
 def recomputed_activation_bytes(m, micro_batch: int, c: int, recompute: str, tp: int = 1,
-                                sequence_parallel: bool = False) -> int:
+                                sequence_parallel: bool = False, offloaded: int = 0) -> int:
     """One micro-batch's activation peak outside a pipeline, on one of `tp` ranks (the
-    layers' bytes: pipeline/estimate.py `layer_activation_bytes`). "selective": every block
-    keeps its bytes but the attention core's (`core_bytes`). "full": each block keeps only
-    its input X = c b t d (the checkpoint's; t / tp tokens under sequence parallelism), so the forward ends holding the embedding's,
-    L inputs and the head's; in backward the head's are freed before the last block reruns
-    its forward and holds its own bytes again (its input among them): the larger of the
-    two."""
+    layers' bytes: pipeline/estimate.py `layer_activation_bytes`), with the first `offloaded`
+    blocks' saved tensors in host memory (parallel/offload.py, each copy done where it starts).
+    What a block keeps from its forward to its backward, a: all its bytes B ("none"), B less
+    its attention core ("selective"), only its input X = c b t d ("full": t / tp tokens under
+    sequence parallelism), which its rerun tops up by r = B - X while its backward runs. The
+    forward ends holding the embedding's, the L - n kept blocks' and the head's; the backward
+    of a block holds the embedding's, a + r, the kept blocks' below it and, below an offloaded
+    block (or the first kept one), the block reloaded ahead: the larger of the two."""
     from loomtrain.parallel.pipeline.estimate import core_bytes, layer_activation_bytes
 
     def layer(kind):
         return layer_activation_bytes(m, kind, micro_batch, c, tp, sequence_parallel)
 
     embed, block, head = layer("embed"), layer("blocks.0"), layer("head")
-    if recompute == "selective":
-        return embed + m.n_layers * (block - core_bytes(m, micro_batch, c, tp)) + head
     x = c * micro_batch * m.seq_len * m.d_model // (tp if sequence_parallel else 1)
-    return embed + m.n_layers * x + max(head, block - x)
+    kept = {"full": x, "selective": block - core_bytes(m, micro_batch, c, tp)}.get(recompute, block)
+    rerun = block - x if recompute == "full" else 0
+    L, n = m.n_layers, offloaded
+    held = max(1, L - n, 2 if n and L > 1 else 1)  # blocks' bytes while one runs backward
+    return embed + max((L - n) * kept + head, held * kept + rerun)

@@ -11,6 +11,7 @@ from loomtrain.component import Component, Refusal, Switch
 from loomtrain.data.config import ByFile, Digits
 from loomtrain.lowcomm.config import Lowcomm
 from loomtrain.parallel.config import DataParallelComponent
+from loomtrain.parallel.offload import ActivationOffload
 from loomtrain.parallel.pipeline.config import AsyncPipeline, Pipeline
 from loomtrain.parallel.recompute import Recompute
 from loomtrain.parallel.sequence.config import Balance, Context, Packing
@@ -45,6 +46,7 @@ class Timeline(Component):
 # replica methods), the training modes, the data and the run's own features.
 COMPONENTS: tuple[type[Component], ...] = (
     DataParallelComponent, TensorParallel, Zero, BF16, SimulatedLink, AsyncSGD, Straggler,
-    Pipeline, AsyncPipeline, Context, Packing, Balance, Recompute, Lowcomm, Compression, Sparsity,
+    Pipeline, AsyncPipeline, Context, Packing, Balance, Recompute, ActivationOffload,
+    Lowcomm, Compression, Sparsity,
     Digits, ByFile, InitFrom, Zeroth, Plan, Timeline,
 )

@@ -114,6 +114,9 @@ def _activation_why(run: DryRun, cfg, dtype: str = "") -> str:
     tokens = f"{t.micro_batch} x {m.seq_len // cp} tokens{mine}{dtype}{_dropout(m)}"
     recompute = "" if cfg.parallel.recompute == "none" else f", recompute {cfg.parallel.recompute!r}"
     if pipe is None:
+        offload = run.offload  # the first blocks' saved tensors in host memory
+        if offload is not None:
+            recompute += f", the first {offload} of {m.n_layers} blocks offloaded"
         return f"saved for backward, one micro-batch of {tokens}{recompute}"
     return (f"rank 0's peak over the {pipe.schedule.name} step: {pipe.sim.peak_stash[0]} "
             f"micro-batch(es) of {tokens} stashed{recompute} (docs/dry-run.md)")

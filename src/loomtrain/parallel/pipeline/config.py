@@ -10,8 +10,9 @@ from pydantic import Field
 from loomtrain.component import (PIPELINE, REPLICATE, Built, Component, Refusal, Section, Switch,
                                  changed_keys)
 
-# a pipeline setting set while parallel.pp = 1 is refused (it would be silently ignored)
-_PIPELINE_ONLY = ("microbatches", "offload_activations", "split_points", "virtual_stages")
+# a pipeline setting set while parallel.pp = 1 is refused (it would be silently ignored);
+# offload_activations at pp = 1 is parallel/offload.py's
+_PIPELINE_ONLY = ("microbatches", "split_points", "virtual_stages")
 
 
 class PipelineKeys(Section):
@@ -21,7 +22,8 @@ class PipelineKeys(Section):
     virtual_stages: int = Field(1, ge=1)  # stages per rank (interleaved: 2 or more)
     # parallel.recompute is the Recompute component's key (parallel/recompute.py); under a
     # pipeline the runtime recomputes each micro-batch
-    offload_activations: float = Field(0.0, ge=0.0, le=1.0)  # fraction of stashed activations
+    # fraction of stashed (micro-batch, stage) pairs; at pp = 1 of the blocks (parallel/offload.py)
+    offload_activations: float = Field(0.0, ge=0.0, le=1.0)
     pipeline_balance: Literal["params", "time"] = "params"  # what stages are balanced by
     split_points: list[int] = []  # first layer of stages 1.. (layers: embed, blocks, head)
     # schedule="optimal": each rank's activation memory limit (None: what 1F1B's busiest

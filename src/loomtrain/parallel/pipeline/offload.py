@@ -26,7 +26,7 @@ class Saved:
 class ActivationStash:
     def __init__(self, params, device: torch.device):
         self.device = device
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._params = list(params)
         self._pairs: dict[tuple[int, int], list[Saved]] = {}
         self._offloaded: set[tuple[int, int]] = set()
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="offload")
@@ -55,6 +55,9 @@ class ActivationStash:
         (the received stage input, kept for backward anyway) count too."""
         saved = self._pairs.setdefault(key, [])
         seen = {r.tensor.untyped_storage().data_ptr() for r in saved if r.tensor is not None}
+        # the weights' storages as they are now: ZeRO-3 gathers a unit into a buffer it
+        # frees after the forward (a weight copied out then would be a copy of nothing)
+        weights = {p.untyped_storage().data_ptr() for p in self._params}
 
         def keep(t: torch.Tensor) -> Saved:
             storage = t.untyped_storage()
@@ -71,7 +74,7 @@ class ActivationStash:
                 keep(t)
 
         def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() in self._param_storages or t.device != self.device:
+            if t.untyped_storage().data_ptr() in weights or t.device != self.device:
                 return t  # a weight (or a CPU index tensor): not an activation
             return keep(t)
 
