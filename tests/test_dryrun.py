@@ -723,16 +723,54 @@ def test_interleaved_dry_run_names_every_stage_of_every_rank(tiny):
 
 
 def test_dry_run_refuses_schedules_not_built_yet(tiny):
-    with pytest.raises(ConfigError, match="parallel.schedule='optimal': unknown pipeline schedule"):
-        dryrun.estimate(tiny(parallel={"nproc": 2, "pp": 2, "schedule": "optimal"}))
+    with pytest.raises(ConfigError, match="parallel.schedule='async': unknown pipeline schedule"):
+        dryrun.estimate(tiny(parallel={"nproc": 2, "pp": 2, "schedule": "async"}))
+
+
+def _tp_calls(est) -> dict:
+    return {c.purpose: c.calls for c in est.collectives if c.axis == "tp" and c.every_steps == 1}
+
+
+def _one_pair_mb(est, stage: int) -> float:
+    """MiB one micro-batch of `stage` saves, as the optimal schedule's profile counts it."""
+    memory = est.pipeline.memory[stage]
+    return (memory.stashed + memory.received) / 2**20
+
+
+def test_dry_run_plans_the_optimal_schedule_as_the_runtime(tiny):
+    """schedule="optimal": the runtime's plan (`plan_for_config`) under the dry run's unit
+    costs (pipeline/estimate.py `unit_costs`). Below two micro-batches of stage 0, rank 0
+    cannot keep them all: its peak falls under 1F1B's, and each micro-batch it recomputes
+    reruns its stage's tp forward collectives (the embedding's and two per block)."""
+    def run(**keys):  # 2 micro-batches: a small MILP
+        return tiny(model={"n_layers": 6}, train={"global_batch": 4},
+                    parallel={"nproc": 4, "pp": 2, "tp": 2, **keys})
+    plain = dryrun.estimate(run(schedule="1f1b"))
+    cfg = run(schedule="optimal", activation_budget_mb=1.8 * _one_pair_mb(plain, 0))
+    est = dryrun.estimate(cfg)
+    s = est.pipeline.schedule
+    recomputed = {m for m, stage in s.recompute if stage == 0}
+    assert s.name == "optimal" and recomputed and est.pipeline.peaks[0] < plain.pipeline.peaks[0]
+    forward = {"embedding lookup (vocabulary-parallel)": 1,
+               "attention and MLP outputs (row-parallel proj)": 2 * 3}  # blocks 0-2
+    assert _tp_calls(est) == {k: n + len(recomputed) * forward.get(k, 0)
+                              for k, n in _tp_calls(plain).items()}
+    assert f"pp rank 0: of 2 micro-batches, 0 offloaded, {len(recomputed)} recomputed" in dry_run(cfg)
 
 
 def test_pipeline_collectives_match_the_meter(tiny, tmp_path):
     """A real pp=2 run on 2 ranks: rank 0's metered bytes per op, record by record, are the
-    dry run's (4 micro-batches, 3 evaluation forwards after every step)."""
+    dry run's (4 micro-batches, 3 evaluation forwards after every step); the optimal schedule
+    under a budget of 1.5 micro-batches of the larger stage (whatever it keeps, offloads or
+    recomputes: without tp or cp its collectives are the same)."""
+    def pp2(**keys):
+        return tiny(model={"n_layers": 6}, parallel={"nproc": 2, "pp": 2, **keys})
+    plain = dryrun.estimate(pp2(schedule="1f1b"))
+    budget = 1.5 * max(_one_pair_mb(plain, s) for s in (0, 1))
     cases = [({}, {"pp": 2, "schedule": "1f1b"}),
              ({}, {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}),
-             (LLAMA_RUN | {"tie_embeddings": True}, {"pp": 2, "schedule": "1f1b"})]
+             (LLAMA_RUN | {"tie_embeddings": True}, {"pp": 2, "schedule": "1f1b"}),
+             ({}, {"pp": 2, "schedule": "optimal", "activation_budget_mb": budget})]
     cfgs = [tiny(model={"n_layers": 6, **model}, run={"eval_every": 1, "eval_batches": 3},
                  train={"steps": 2}, parallel={"nproc": 2, **case}) for model, case in cases]
     dirs = [str(tmp_path / f"run{i}") for i in range(len(cfgs))]

@@ -51,6 +51,18 @@ def test_zero_memory_per_stage(stage):
     assert offloaded.memory["optimizer"] == 0
 
 
+def test_activation_offload_without_a_pipeline_keeps_two_blocks_at_least():
+    """pp = 1 (parallel/offload.py): the first round(f L) blocks' stash leaves the device, but
+    the backward holds the embedding's and two blocks' (the dry run's formula)."""
+    m = preset("gpt3-1.3b")
+    cluster = ClusterSpec(H100, 8, 8)
+    kept = {f: estimate(m, cluster, Plan(dp=8, micro_batch=1, offload_activations=f)).memory[
+        "activations"] for f in (0.0, 0.5, 1.0)}
+    block = (kept[0.0] - kept[0.5]) / round(0.5 * m.n_layers)
+    assert block > 0 and kept[1.0] < kept[0.5] < kept[0.0]
+    assert kept[1.0] == pytest.approx(max(kept[0.0] - m.n_layers * block, 2 * block), rel=0.01)
+
+
 def test_data_parallel_wire_bytes_and_time_are_the_ring_formulas():
     m, n = preset("gpt3-125m"), 4
     cluster = ClusterSpec(H100, n, 8)

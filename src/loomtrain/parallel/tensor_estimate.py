@@ -31,11 +31,14 @@ def estimate_tensor(plan: DryRunPlan) -> None:
 
 def _add_collectives(plan: DryRunPlan, at: int) -> None:
     cfg = plan.cfg
-    p = cfg.parallel
+    p, pipe = cfg.parallel, plan.parts.get("pipeline")
+    # a planned schedule (optimal) reruns the forward of the pairs it chose (rank 0's stage 0)
+    planned = pipe is not None and bool(pipe.schedule.recompute)
     plan.collectives[at:at] = tensor_collectives(
         plan.local_model, cfg.train.micro_batch, p.tp, p.sequence_parallel,
         cfg.accumulation_steps, plan.compute_bytes, plan.eval_forwards, cfg.run.eval_every,
-        plan.layers, p.recompute, p.pp > 1)
+        plan.layers, "full" if planned else p.recompute, p.pp > 1,
+        sum(s % p.pp == 0 for _, s in pipe.schedule.recompute) if planned else None)
 
 
 def rerun_ops(forward: list, kind: str, recompute: str, pipelined: bool) -> list:
@@ -64,25 +67,28 @@ def layer_counts(m, layers: list[str] | None) -> dict[str, int]:
 def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, accumulation: int,
                        compute_bytes: int, eval_forwards: int = 0, eval_every: int = 1,
                        layers: list[str] | None = None, recompute: str = "none",
-                       pipelined: bool = False) -> list[Collective]:
+                       pipelined: bool = False, reruns: int | None = None) -> list[Collective]:
     """The tp-axis collectives of one step of `accumulation` micro-batches through `layers`
     (a pipeline rank's; None: the whole model), in the layout
     `loomtrain.parallel.apply_tensor_parallel` builds, then the evaluation forwards: each
     layer's forward ops once per micro-batch, and those `rerun_ops` names again
     (recomputation), its backward ops once (`_layer_ops` has them), the gradient norm's 4-byte
     all-reduce once. With a pipeline, zero-bubble's deferred weight gradients communicate
-    nothing: a layer's backward ops run in its input-gradient pass.
+    nothing: a layer's backward ops run in its input-gradient pass. `reruns`: how many of the
+    micro-batches are recomputed (None: all of them, under "full").
     """
     if tp == 1:
         return []
     counts = layer_counts(m, layers)
     ops = _layer_ops(m, micro_batch, tp, sequence_parallel, compute_bytes)
     a = accumulation
+    r = a if reruns is None else reruns
     step, forward = [], []
     for kind, n in counts.items():
         fwd, bwd = ops[kind]
         forward += [(x, n) for x in fwd]
-        step += [(x, n * a) for x in fwd + rerun_ops(fwd, kind, recompute, pipelined) + bwd]
+        step += ([(x, n * a) for x in fwd] + [(x, n * r) for x in rerun_ops(fwd, kind, recompute, pipelined)]
+                 + [(x, n * a) for x in bwd])
     out = [metered(purpose, op, "tp", tp, payload, calls)
            for (purpose, op, payload), calls in _merged(step)]
     out.append(metered("gradient norm over tp", "all_reduce", "tp", tp, FP32_BYTES))

@@ -223,6 +223,30 @@ def _groups(layers: list[_Layer], rng: range, uniform: bool) -> list[tuple[_Laye
     return out + ([(layers[last], 1)] if rng.stop == last + 1 else [])
 
 
+def _offloaded(groups, fraction: float) -> list[_Layer]:
+    """pp = 1: the blocks parallel/offload.py offloads, the first round(f L)."""
+    blocks = [x for x, n in groups if x.kind == "block" for _ in range(n)]
+    return blocks[:round(fraction * len(blocks))]
+
+
+def _offloaded_blocks_kept(groups, fraction: float) -> float:
+    """pp = 1, a fraction offloaded: the stash less the offloaded blocks', but at least the
+    embedding's and two blocks' (the backward runs one while the one ahead reloads:
+    recompute.py `recomputed_activation_bytes`, the dry run's formula)."""
+    off = _offloaded(groups, fraction)
+    embed = sum(x.stash_bytes * n for x, n in groups if x.kind == "embed")
+    return max(_total(groups, "stash_bytes") - sum(x.stash_bytes for x in off),
+               embed + 2 * max((x.stash_bytes for x in off), default=0))
+
+
+def _offloaded_blocks_exposed_s(groups, fraction: float, link_bytes_per_s: float) -> float:
+    """pp = 1: the copy time each way that compute does not hide. A block's copy out runs
+    beside the next block's forward, its copy back beside the backward of the block after
+    it (longer than a forward): what exceeds a block's forward shows."""
+    return sum(max(0.0, x.stash_bytes / link_bytes_per_s - x.forward_s)
+               for x in _offloaded(groups, fraction))
+
+
 def _total(groups, field: str) -> float:
     return sum(getattr(x, field) * n for x, n in groups)
 
@@ -305,9 +329,12 @@ def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict
             in_flight = min(m * v, 2 * (p - 1 - rank) + (v - 1) * p + 1)
         else:  # 1f1b, zb-h1: rank r holds p - r microbatches (Narayanan et al. 2021, sec. 2.2)
             in_flight = min(m, p - rank)
-        kept = stash * in_flight * (1 - plan.offload_activations)
-        if plan.offload_activations:
-            kept += stash  # the microbatch being computed stays on the device
+        if p == 1 and plan.offload_activations:
+            kept = _offloaded_blocks_kept(groups[0], plan.offload_activations)
+        else:
+            kept = stash * in_flight * (1 - plan.offload_activations)
+            if plan.offload_activations:
+                kept += stash  # the microbatch being computed stays on the device
         weights = params * WEIGHT_BYTES[prec] / (inside if z == 3 else 1)
         grads = params * GRAD_BYTES[prec] / (inside if z >= 2 else 1)
         optimizer = params * OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1)
@@ -352,7 +379,9 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
         sync_s, gather_s, _ = memo[params, units]
         offload = 0.0
         stash = _total(g, "stash_bytes")
-        if plan.offload_activations:
+        if plan.offload_activations and plan.pp == 1:
+            offload = _offloaded_blocks_exposed_s(g, plan.offload_activations, d.host_link_bytes_per_s)
+        elif plan.offload_activations:
             offload = plan.offload_activations * stash / d.host_link_bytes_per_s
         out.append(StageCosts(
             forward_s=_total(g, "forward_s"), backward_input_s=_total(g, "input_s"),

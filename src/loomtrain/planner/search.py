@@ -196,6 +196,8 @@ class _Run:
         a, c = self.layers(plan)[4:]
         stash = a if plan.recompute == "none" else c
         chunks = plan.virtual_stages if plan.offload_activations else 1
+        if plan.offload_activations and plan.pp == 1:  # all but two blocks may leave
+            stash = 0
         return self.shape.params / (plan.tp * plan.pp) * per_param + stash / (plan.pp * chunks)
 
     def fits(self, plan: Plan, groups) -> bool:

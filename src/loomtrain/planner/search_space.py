@@ -110,14 +110,13 @@ class Space:
 
     def offload_variants(self, plan: Plan) -> list[dict]:
         """Offload, tried only for a plan that does not fit without it: the optimizer state
-        to the host (ZeRO >= 1, as ZeRO-Offload) and a share of the stashed activations
-        (with a pipeline only: without one a single microbatch is in flight, which offload
-        keeps on the device anyway)."""
+        to the host (ZeRO >= 1, as ZeRO-Offload) and a share of the stashed activations (of
+        the micro-batches in flight with a pipeline, of the blocks without one)."""
         if "offload_optimizer" in self.fix or "offload_activations" in self.fix:
             return []  # fixed: the sync variants already carry them
         opts = (False, True) if plan.zero_stage >= 1 else (False,)
-        acts = OFFLOAD_ACTIVATIONS if plan.pp > 1 else (0.0,)
-        return [dict(offload_optimizer=o, offload_activations=a) for o in opts for a in acts if o or a]
+        return [dict(offload_optimizer=o, offload_activations=a) for o in opts
+                for a in OFFLOAD_ACTIVATIONS if o or a]
 
 
 def check_fix(shape: ModelShape, cluster: ClusterSpec, batch: int, fix: dict) -> None:

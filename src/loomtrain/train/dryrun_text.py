@@ -75,11 +75,25 @@ def _pipeline_lines(pipe: PipelineEstimate, cfg) -> list[str]:
                    f"{pipe.sim.peak_stash[r]} micro-batch(es), activations {fmt_bytes(pipe.peaks[r])}")
     for name, _, ranks in split.shared:
         out.append(f"  tied: {name} is held by pp ranks {ranks}; its gradient is summed over pp")
+    if s.name not in BUBBLE:  # planned: docs/dry-run.md, "The memory-budgeted schedule"
+        return out + _planned_lines(s)
     copies = ", offload and reload 0.5" if p.offload_activations else ""
     out.append(f"  bubble: {BUBBLE[s.name]} = {pipe.bubble_theory:.1%} in theory; simulated "
                f"{pipe.sim.bubble:.1%} (unit times F 1, B 2 = I 1 + W 1{copies}; free communication)")
     out.append(f"  recompute {p.recompute!r}; offload_activations {p.offload_activations:g} of each "
                "rank's stashed micro-batches")
+    return out
+
+
+def _planned_lines(s) -> list[str]:
+    """What the optimal schedule's plan chose for each rank's (micro-batch, stage) pairs."""
+    out = [f"  planned with unit times (F 1, I 1, W 1, each copy 0.5) and the formulas' bytes; "
+           f"the run plans with measured ones, and may choose otherwise"]
+    for r, actions in enumerate(s.actions):
+        offloaded = sum(a.kind == "OFFLOAD" for a in actions)
+        recomputed = sum(stage % s.pp == r for _, stage in s.recompute)
+        out.append(f"  pp rank {r}: of {s.microbatches} micro-batches, {offloaded} offloaded, "
+                   f"{recomputed} recomputed, the others kept")
     return out
 
 

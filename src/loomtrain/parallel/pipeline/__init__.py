@@ -151,8 +151,7 @@ def _optimal_pipeline(model, mesh, cfg, materialize, loss_sum) -> PipelineModule
     costs = [StageCosts(f=t["f"], b=t["b"], i=t["i"], w=t["w"], offload=t["offload"],
                         reload=t["reload"], activation_bytes=t["act"],
                         input_bytes=min(t["input"], t["act"])) for t in table]
-    budget = (p.activation_budget_mb * 2**20 if p.activation_budget_mb is not None
-              else one_f_one_b_peak(costs, p.pp, microbatches))
+    budget = optimal_budget(p, microbatches, costs)
     try:  # on every rank: a budget no schedule fits stops them all, not rank 0 alone
         check_budget(p.pp, microbatches, costs, budget)
     except ValueError as err:
@@ -162,6 +161,14 @@ def _optimal_pipeline(model, mesh, cfg, materialize, loss_sum) -> PipelineModule
     module.runtime.use(broadcast_schedule(plan, mesh))
     module.runtime.costs = costs
     return module
+
+
+def optimal_budget(p, microbatches: int, costs) -> float:
+    """schedule="optimal"'s activation bytes per rank: parallel.activation_budget_mb, else
+    what 1F1B's busiest rank stashes (`one_f_one_b_peak`)."""
+    if p.activation_budget_mb is not None:
+        return p.activation_budget_mb * 2**20
+    return one_f_one_b_peak(costs, p.pp, microbatches)
 
 
 def one_f_one_b_peak(costs, pp: int, microbatches: int) -> float:

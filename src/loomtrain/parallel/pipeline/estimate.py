@@ -115,19 +115,23 @@ def stage_memory(m, layers: list[str], micro_batch: int, c: int, recompute: str,
     return StageMemory(saved - received - core, received, output, 0, inputs, grads)
 
 
-def activation_peak(spans, memory: list[StageMemory]) -> int:
+def activation_peak(spans, memory: list[StageMemory], recomputed=frozenset(),
+                    rerun_memory: list[StageMemory] | None = None) -> int:
     """A rank's peak activation bytes over its simulated timeline (`SimResult.spans[rank]`,
     schedules.live_peak), as runtime.py holds them. A pair adds stashed, received and output
     at its forward's end and recomputed at its backward's start; B's end frees it all. Under
     zero-bubble, I's end frees the autograd graph and the output, and W keeps the Linear
     inputs and output gradients until its end. An offloaded pair's activations live in the
     stash instead, off the device from OFFLOAD's end to RELOAD's start, and the stash keeps
-    them (and the input) until the pair's release (B's or W's end)."""
+    them (and the input) until the pair's release (B's or W's end). The pairs in `recomputed`
+    (a planned schedule's choice) count as `rerun_memory` says (recompute="full")."""
     spans = list(spans)
     offloaded = {(a.microbatch, a.stage) for a, _, _ in spans if a.kind == S.OFFLOAD}
 
     def change(a: S.Action) -> tuple[int, int]:
-        s, stash = memory[a.stage], (a.microbatch, a.stage) in offloaded
+        pair = (a.microbatch, a.stage)
+        s = (rerun_memory if pair in recomputed else memory)[a.stage]
+        stash = pair in offloaded
         whole = s.stashed + s.held + s.recomputed
         if a.kind == S.I:
             kept = s.output if stash else whole - s.weight_inputs
@@ -236,17 +240,32 @@ class PipelineEstimate:
     eval_sends: list[Collective]  # rank 0's, every evaluation
 
 
+def stage_memories(split: PipelineSplit, cfg, c: int, m, recompute: str) -> list[StageMemory]:
+    """Every stage's StageMemory under `recompute`."""
+    p, last = cfg.parallel, len(split.stage_layers) - 1
+    return [stage_memory(m, names, cfg.train.micro_batch, c, recompute, s == 0, s == last, p.tp,
+                         p.sequence_parallel)
+            for s, names in enumerate(split.stage_layers)]
+
+
 def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
                       eval_forwards: int, m=None) -> PipelineEstimate:
-    """`m`: the [model] keys as a rank runs them (DryRunPlan.local_model; None: cfg.model)."""
-    p, b = cfg.parallel, cfg.train.micro_batch
-    m, last = m or cfg.model, len(split.stage_layers) - 1
-    memory = [stage_memory(m, names, b, c, p.recompute, s == 0, s == last, p.tp,
-                           p.sequence_parallel)
-              for s, names in enumerate(split.stage_layers)]
-    sim = S.simulate(schedule)
-    peaks = [activation_peak(spans, memory) for spans in sim.spans]
-    theory = S.bubble_theory(schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages)
+    """`m`: the [model] keys as a rank runs them (DryRunPlan.local_model; None: cfg.model).
+    A planned schedule (optimal) is simulated with the unit times it was planned with, its
+    recomputed backwards longer by a forward."""
+    m = m or cfg.model
+    memory = stage_memories(split, cfg, c, m, cfg.parallel.recompute)
+    if schedule.name in S.SCHEDULES:
+        sim = S.simulate(schedule)
+        theory = S.bubble_theory(schedule.name, schedule.pp, schedule.microbatches,
+                                 schedule.virtual_stages)
+    else:
+        from loomtrain.parallel.pipeline.optimal_costs import action_times
+
+        sim = S.simulate(schedule, action_times(unit_costs(memory), schedule.recompute))
+        theory = sim.bubble
+    rerun = stage_memories(split, cfg, c, m, "full")
+    peaks = [activation_peak(spans, memory, schedule.recompute, rerun) for spans in sim.spans]
     shared = [(name, nbytes) for name, nbytes, _ in split.shared]
     return PipelineEstimate(split, schedule, sim, memory, peaks, theory,
                             pipeline_collectives(schedule, 0, split.boundary_bytes, shared),
@@ -263,11 +282,15 @@ def estimate_pipeline(plan: DryRunPlan) -> None:
     from loomtrain.parallel.pipeline import build_schedule
 
     cfg = plan.cfg
+    plan.model, split = split_on_meta(plan.model, plan.mesh, cfg)
     try:
-        schedule = build_schedule(cfg)
+        if cfg.parallel.schedule == "optimal":
+            memory = stage_memories(split, cfg, plan.compute_bytes, plan.local_model, "none")
+            schedule = planned_schedule(cfg, unit_costs(memory))
+        else:
+            schedule = build_schedule(cfg)
     except ValueError as err:
         raise ConfigError(f"parallel.schedule={cfg.parallel.schedule!r}: {err}") from None
-    plan.model, split = split_on_meta(plan.model, plan.mesh, cfg)
     pipe = pipeline_estimate(split, schedule, cfg, plan.compute_bytes, plan.eval_forwards,
                              plan.local_model)
     plan.layers = [x for s in range(0, schedule.stages, schedule.pp)
@@ -276,3 +299,30 @@ def estimate_pipeline(plan: DryRunPlan) -> None:
     plan.collectives += pipe.collectives
     plan.eval_collectives += pipe.eval_sends
     plan.parts["pipeline"] = pipe
+
+
+def unit_costs(memory: list[StageMemory]):
+    """schedule="optimal"'s StageCosts as the dry run knows them: the simulator's unit times
+    (schedules.DEFAULT_TIMES: F 1, B 2 = I 1 + W 1, each copy 0.5) for the ones the runtime
+    measures (profile.py), and each stage's bytes by the formulas: what its forward saves
+    (its received input among them, as the profile's stash counts) and the input that stays
+    when it is recomputed."""
+    from loomtrain.parallel.pipeline.optimal_costs import StageCosts
+
+    t = S.DEFAULT_TIMES
+    return [StageCosts(f=t[S.F], b=t[S.B], i=t[S.I], w=t[S.W], offload=t[S.OFFLOAD],
+                       reload=t[S.RELOAD], activation_bytes=s.stashed + s.received,
+                       input_bytes=s.received) for s in memory]
+
+
+def planned_schedule(cfg, costs) -> S.Schedule:
+    """The schedule the runtime plans (pipeline/__init__.py `_optimal_pipeline`), by the same
+    functions (`optimal_budget`, `check_budget`, `plan_for_config`), from `costs`.
+    ValueError: no schedule fits the budget."""
+    from loomtrain.parallel.pipeline import optimal_budget
+    from loomtrain.parallel.pipeline.optimal import check_budget, plan_for_config
+
+    p, microbatches = cfg.parallel, cfg.accumulation_steps
+    budget = optimal_budget(p, microbatches, costs)
+    check_budget(p.pp, microbatches, costs, budget)
+    return plan_for_config(p.pp, microbatches, costs, budget)
