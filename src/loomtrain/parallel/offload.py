@@ -35,7 +35,8 @@ class BlockOffload:
         blocks = [module for _, module in find_units(model)]
         self.count = offloaded_blocks(len(blocks), fraction)
         self.stash = ActivationStash(model.parameters(), device)
-        self._latest: dict[int, tuple[int, int]] = {}  # each block's last offloaded pair
+        # each block's last offloaded pair, linked to the next block's pair of its micro-batch
+        self._latest: dict[int, list] = {}
         self._forwards = 0
         # block `count` is kept, but its backward starts the reload of the last offloaded one
         for k, block in enumerate(blocks[:self.count + 1]):
@@ -46,32 +47,35 @@ class BlockOffload:
                   if isinstance(t, torch.Tensor) and t.requires_grad]
         if not torch.is_grad_enabled() or not inputs:  # evaluation, decoding
             return forward(*args, **kwargs)
+        before = self._latest.get(k - 1)  # [its key, ours]: block k - 1 ran just before
         if k == self.count:
             out = forward(*args, **kwargs)
-            self._when_reached(out, k)
+            self._when_reached(out, [None, None], before)
             return out
         key, self._forwards = (self._forwards, k), self._forwards + 1
         with self.stash.saving(key):
             out = forward(*args, **kwargs)
         self.stash.offload(key)
-        self._latest[k] = key
+        if before is not None:
+            before[1] = key
+        link = self._latest[k] = [key, None]
         torch.autograd.graph.register_multi_grad_hook(
             inputs, lambda grads: self.stash.release(key))
-        self._when_reached(out, k)
+        self._when_reached(out, link, before)
         return out
 
-    def _when_reached(self, out: torch.Tensor, k: int) -> None:
-        """When the backward reaches block k (the gradient of its output): the pair of block
-        k + 1, whose backward this gradient ends, is released first (its input's hook would
-        release it too, maybe after the reloads), then block k's own pair and block k - 1's
-        (the next to go back through) are reloaded. Keys are read then: the pairs of the
-        micro-batch whose backward runs."""
+    def _when_reached(self, out: torch.Tensor, link: list, before: list | None) -> None:
+        """When the backward reaches the block that made `out` (its output's gradient): the
+        next block's pair (link[1]), whose backward this gradient ends, is released first (its
+        input's hook would release it too, maybe after the reloads), then the block's own pair
+        (link[0]) and the block before's (the next to go back through) are reloaded. The
+        links are made in forward, per micro-batch: two graphs alive at once stay apart."""
         def reached(grad):
-            if k + 1 < self.count:
-                self.stash.release(self._latest[k + 1])
-            for j in (k, k - 1):
-                if 0 <= j < self.count:
-                    self.stash.reload(self._latest[j])
+            if link[1] is not None:
+                self.stash.release(link[1])
+            for key in (link[0], before and before[0]):
+                if key is not None:
+                    self.stash.reload(key)
         if out.requires_grad:
             out.register_hook(reached)
 
@@ -83,7 +87,9 @@ class ActivationOffload(Component):
     name = "offload"
     switches = (Switch("parallel.offload_activations", 0.0),)
     summary = "the saved activations of the first blocks wait in host memory"
-    stage = CONTEXT + 6  # after recomputation: its checkpoint saves nothing through the stash
+    # after recomputation, so outside its checkpoint: the stash gets what the checkpoint
+    # saves (the block's input), and the rerun in backward saves nothing through it
+    stage = CONTEXT + 6
     refuses = {
         "asyncsgd": Refusal("activation offload runs with data, tensor and context parallelism "
                             "and ZeRO today"),

@@ -30,15 +30,14 @@ def estimate_tensor(plan: DryRunPlan) -> None:
 
 
 def _add_collectives(plan: DryRunPlan, at: int) -> None:
+    from loomtrain.parallel.pipeline.estimate import recomputed_microbatches
+
     cfg = plan.cfg
-    p, pipe = cfg.parallel, plan.parts.get("pipeline")
-    # a planned schedule (optimal) reruns the forward of the pairs it chose (rank 0's stage 0)
-    planned = pipe is not None and bool(pipe.schedule.recompute)
+    p, reruns = cfg.parallel, recomputed_microbatches(plan)
     plan.collectives[at:at] = tensor_collectives(
         plan.local_model, cfg.train.micro_batch, p.tp, p.sequence_parallel,
         cfg.accumulation_steps, plan.compute_bytes, plan.eval_forwards, cfg.run.eval_every,
-        plan.layers, "full" if planned else p.recompute, p.pp > 1,
-        sum(s % p.pp == 0 for _, s in pipe.schedule.recompute) if planned else None)
+        plan.layers, "full" if reruns else p.recompute, p.pp > 1, reruns)
 
 
 def rerun_ops(forward: list, kind: str, recompute: str, pipelined: bool) -> list:

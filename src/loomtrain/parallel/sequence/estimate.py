@@ -11,6 +11,7 @@ from loomtrain.activations import FP32_BYTES, llama_heads
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
 from loomtrain.estimate import Collective, DryRunPlan, metered
+from loomtrain.parallel.pipeline.estimate import recomputed_microbatches
 from loomtrain.parallel.sequence import resolve_method, staged_kernel
 from loomtrain.parallel.tensor_estimate import layer_counts
 
@@ -27,11 +28,12 @@ def estimate_context(plan: DryRunPlan) -> None:
     if method == "auto":
         method = _traced_kernel(cfg)
     blocks = layer_counts(cfg.model, plan.layers)["block"]
-    forwards = 2 if p.recompute == "full" else 1  # full recomputation reruns the attention
     forward, backward = block_collectives(plan.local_model, cfg.train.micro_batch, p.cp, p.tp,
                                           method, plan.compute_bytes)
     a = cfg.accumulation_steps
-    plan.collectives += [_times(x, blocks * a * forwards) for x in forward]
+    # a recomputed micro-batch reruns the attention (full recomputation, a planned schedule's)
+    forwards = a + recomputed_microbatches(plan)
+    plan.collectives += [_times(x, blocks * forwards) for x in forward]
     plan.collectives += [_times(x, blocks * a) for x in backward]
     plan.eval_collectives += [_times(x, blocks * plan.eval_forwards, cfg.run.eval_every,
                                      "validation ") for x in forward if plan.eval_forwards]
