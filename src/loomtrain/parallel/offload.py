@@ -110,7 +110,7 @@ class ActivationOffload(Component):
         if p.pp == 1 and p.offload_activations and not offloaded_blocks(blocks, p.offload_activations):
             raise ValueError(f"parallel.offload_activations={p.offload_activations} offloads "
                              f"round(f x blocks) = 0 of the model's {blocks} blocks at "
-                             f"parallel.pp=1: raise it to at least {0.5 / blocks:.3g}, or set 0")
+                             f"parallel.pp=1: raise it above {0.5 / blocks:.3g}, or set 0")
 
     @classmethod
     def apply(cls, built: Built) -> None:
