@@ -1,9 +1,10 @@
 """Local SGD and DiLoCo (lowcomm/): the two equalities that pin them to known algorithms, a
-convergence and bytes check, resume, replicas split over tp, pp or cp against whole ones, and
-the [lowcomm] config rules.
+convergence and bytes check, resume, replicas split over tp, pp or cp or ZeRO-sharded against
+whole ones, and the [lowcomm] config rules.
 
 One spawn per world size: world 2 runs the parity and resume cases and the whole replicas,
-world 4 the convergence and bytes case and the split replicas (dp2 x tp2, pp2 or cp2)."""
+world 4 the convergence and bytes case, the split replicas (dp2 x tp2, pp2 or cp2) and the
+ZeRO-sharded ones (two nodes of two ranks)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _runs(rank, world, jobs, root, metered=False):
     """Run every job (name, config tree, stop-before step or None, resume from the newest
     checkpoint of this run folder) in turn in this one world; rank 0 returns each run's
     metrics records and its checkpoint names. `metered`: every rank also returns each run's
-    wire bytes of all-reduces over dp, as (rank 0's answer or None, {name: bytes})."""
+    wire bytes of all-reduces over dp and over dp.cross, as (rank 0's answer or None,
+    {name: {axis: bytes}})."""
     out, sent = {}, {}
     for name, tree, stop_before, resume in jobs:
         cfg = config_from_dict(tree)
@@ -40,7 +42,8 @@ def _runs(rank, world, jobs, root, metered=False):
         stop = StopBefore(stop_before) if stop_before is not None else trainer.StopFlag()
         train_loop(cfg, run_dir, latest, mesh, stop)
         out[name] = (read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(run_dir)])
-        sent[name] = mesh.meter.total("wire_bytes", op="all_reduce", axis="dp")
+        sent[name] = {axis: mesh.meter.total("wire_bytes", op="all_reduce", axis=axis)
+                      for axis in ("dp", "dp.cross")}
     answer = out if rank == 0 else None
     return (answer, sent) if metered else answer
 
@@ -76,6 +79,15 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
                                                "density": 0.3, "update_every": 2}}),
 ]
 SPLIT_STEPS = 8
+# replicas ZeRO-sharded over the 2 ranks of a node, synced across the 2 nodes, each against
+# the whole replicas (dp2) of the SPLIT case named: (name, [parallel] beside 2 ranks per node,
+# [train], reference)
+ZERO_NODE = {"ranks_per_node": 2}
+SHARDED = [
+    ("local_sgd_zero1_clip", {"zero_stage": 1}, {"grad_clip": 0.5}, "local_sgd_h2_clip"),
+    ("streaming_zero2", {"zero_stage": 2}, {}, "streaming"),
+    ("diloco_zero3_bf16", {"zero_stage": 3}, {"precision": "bf16"}, "diloco_h2"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +114,9 @@ def world2(tmp_path_factory, corpus):
             ("h2_mid", tree(**h2), None, True)]
     jobs += [(name, tree(lowcomm, train={"steps": SPLIT_STEPS, **train}, **other), None, False)
              for name, lowcomm, _, train, other in SPLIT]
+    # whole replicas in bf16 (the sharded engine at stage 0: fp32 master weights)
+    jobs += [("diloco_h2_bf16", tree(SPLIT[0][1], train={"steps": SPLIT_STEPS,
+                                                         "precision": "bf16"}), None, False)]
     return run_world(_runs, 2, jobs, str(tmp_path / "w2"), timeout_s=360)[0]
 
 
@@ -161,6 +176,13 @@ def world4(tmp_path_factory, corpus):
               None, False) for name, lowcomm, parallel, train, other in SPLIT]
     stopped = tree(SPLIT[0][1], {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
     jobs += [("diloco_h2_tp", stopped, 4, False), ("diloco_h2_tp", stopped, None, True)]
+    by_name = {name: lowcomm for name, lowcomm, *_ in SPLIT}
+    jobs += [(name, tree(by_name[reference], {**ZERO_NODE, **parallel},
+                         train={"steps": SPLIT_STEPS, **train}), None, False)
+             for name, parallel, train, reference in SHARDED]
+    zero3 = tree(by_name["diloco_h2"], {**ZERO_NODE, "zero_stage": 3},
+                 train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
+    jobs += [("diloco_zero3", zero3, 4, False), ("diloco_zero3", zero3, None, True)]
     runs = run_world(_runs, 4, jobs, str(tmp_path / "w4"), True, timeout_s=480)
     return runs[0][0], [sent for _, sent in runs]
 
@@ -216,8 +238,35 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     # all-reduces over dp its logged loss (8 bytes a step) and 16 bytes at the final validation
     model = build_model(config_from_dict(tiny_tree(tmp_path, corpus)).model)
     held = sum(p.numel() for p in model.parameters()) + model.tok_emb.weight.numel()
-    replica = sent[0]["diloco_h2"] + sent[2]["diloco_h2"]
+    replica = sent[0]["diloco_h2"]["dp"] + sent[2]["diloco_h2"]["dp"]
     assert replica == 4 * 4 * held + 2 * (8 * SPLIT_STEPS + 16), (replica, held)
+
+
+def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_path, corpus):
+    """2 replicas, each ZeRO-sharded over the 2 ranks of a node (ranks_per_node=2), synced
+    across the 2 nodes, against 2 whole ones: each rank syncs its slices of the fp32 master
+    weights with the rank that holds the same slices on the other node."""
+    out, sent = world4
+    # fp32: the same sums in other orders (a replica's gradient reduce-scattered over its
+    # ranks, its norm summed from the shards): ~5e-8 relative measured here, 1e-4 the bound.
+    # bf16 (the replicas compute in bf16, the outer step on the fp32 master weights) against
+    # the fp32 whole replicas: measured 7e-5 sharded and whole, 2% the bound
+    for name, _, train, reference in SHARDED + [("diloco_zero3", {}, {}, "diloco_h2")]:
+        bound = 0.02 if train.get("precision") == "bf16" else 1e-4
+        got, whole = _losses(out[name][0]), _losses(world2[reference][0])
+        assert _rel(got, whole) < bound, (name, got, whole)
+    assert _rel(_losses(world2["diloco_h2_bf16"][0]), _losses(world2["diloco_h2"][0])) < 0.02
+    # stopped at step 4 (a sync, a checkpoint: each replica's optimizer slices and the outer
+    # momentum's as boxes), resumed: the 1e-4 above holds across the resume
+    assert out["diloco_zero3"][1] == ["step_00000004", "step_00000008"]
+    # DiLoCo, 8 steps, H=2: 4 outer all-reduces over dp.cross of each rank's slices, a ring
+    # over 2 replicas sending 2 (2 - 1) / 2 = 1 x the payload. A replica's ranks (0 and 1, one
+    # node) hold every parameter once between them (the padding of ZeRO's flat units is not
+    # synced): 4 syncs x 4 bytes x the model's parameters, the whole replica's bytes
+    model = build_model(config_from_dict(tiny_tree(tmp_path, corpus)).model)
+    parameters = sum(p.numel() for p in model.parameters())
+    replica = sum(sent[r]["diloco_zero3_bf16"]["dp.cross"] for r in (0, 1))
+    assert replica == 4 * 4 * parameters, (replica, parameters)
 
 
 @pytest.mark.parametrize("lowcomm,other,why", [
@@ -234,8 +283,13 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
      'only lowcomm.algorithm="local_sgd"'),
     ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "pp": 2}, "run": {"max_restarts": 1}},
      "parallel.pp=2 splits each replica over 2 processes"),
-    ({"algorithm": "local_sgd"}, {"parallel": {"nproc": 2, "zero_stage": 1}}, "parallel.zero_stage=1"),
-    ({"algorithm": "diloco"}, {"train": {"precision": "bf16"}}, "train.precision='bf16'"),
+    ({"algorithm": "local_sgd"}, {"parallel": {"nproc": 2, "zero_stage": 1}},
+     "parallel.ranks_per_node=unset puts all parallel.nproc=2 ranks on one node"),
+    ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "zero_stage": 2,
+                                            "hierarchical": True}}, "set parallel.hierarchical=false"),
+    ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "zero_stage": 3,
+                                            "pp": 2}}, "parallel.pp=2: replicas that are both"),
+    ({"algorithm": "hpsgd"}, {"train": {"precision": "bf16"}}, "train.precision='bf16'"),
     ({"algorithm": "diloco"}, {"data": {"packing": True}}, "data.packing=True"),
     ({"algorithm": "diloco", "outer_momentum": 0.0}, {}, "greater than 0"),
 ])

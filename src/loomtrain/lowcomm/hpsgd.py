@@ -29,7 +29,7 @@ class HPSGD(LocalSGD):
     What a benchmark reads: `sync_wait_s` (seconds waited for syncs, in total), `syncs` (syncs
     merged), and the timeline spans of a step when `timeline` is set (the trainer sets it)."""
 
-    def __init__(self, module: nn.Module, mesh, overlap_steps: int = 1, axis: str = "dp"):
+    def __init__(self, module: nn.Module, mesh, overlap_steps: int = 1, axis: str | None = None):
         super().__init__(module, mesh, inner_steps=1, axis=axis)
         if overlap_steps not in (0, 1):
             raise ValueError(f"HPSGD keeps at most one step's sync in flight: overlap_steps="

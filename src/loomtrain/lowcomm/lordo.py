@@ -54,7 +54,7 @@ class LoRDO(DiLoCo):
 
     def __init__(self, module: nn.Module, optimizer: LowRankAdamW, mesh, inner_steps: int,
                  outer_lr: float = 1.0, outer_momentum: float = 0.9, nesterov: bool = False,
-                 axis: str = "dp"):
+                 axis: str | None = None):
         super().__init__(module, mesh, inner_steps, outer_lr, outer_momentum, nesterov, axis)
         self.optimizer = optimizer
         ranks = dict((id(p), r) for p, r in optimizer.projected())
