@@ -80,9 +80,9 @@ _REPLICAS = "its replicas are whole fp32 models over dp"
 # with the ranks that hold the same slices in the other replicas (lowcomm/local_sgd.py)
 SHARDED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
 _SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slices of the fp32 "
-                "master weights); HPSGD and DASO reduce the parameters' own gradients every step, "
-                "DreamDDP syncs the whole model's layers timed in its own backward, and LoRDO steps "
-                "its own low-rank optimizer, not ZeRO's elementwise one over slices")
+                "master weights); HPSGD and DASO reduce the parameters' own gradients every "
+                "step, DreamDDP syncs the whole model's layers timed in its own backward, and "
+                "LoRDO steps its own low-rank optimizer, not ZeRO's elementwise one over slices")
 # the algorithms whose replica may itself be split over tp, pp and cp: each rank syncs its own
 # pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models. DreamDDP's
 # units are the whole model's layers, timed in the wrapper's forward: not a pipeline's stages
