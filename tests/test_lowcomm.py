@@ -72,6 +72,9 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
     ("noloco", {"algorithm": "noloco", "inner_steps": 2}, {"tp": 2}, {}, {}),
     # H=1: one schedule (every unit at every step), whatever DreamDDP measures
     ("dreamddp_h1", {"algorithm": "dreamddp"}, {"cp": 2}, SGD, {}),
+    ("hpsgd", {"algorithm": "hpsgd"}, {"tp": 2}, {}, {}),
+    # the last stage's tied head is not projected, as the whole model's is not
+    ("lordo", {"algorithm": "lordo", "inner_steps": 2, "rank": 4}, {"pp": 2}, {}, {}),
     # sparse training in synchronous DP, each stage masking its own layers (the rules that
     # decide a layer from its own weights): the single spawn of this issue's checks
     ("nm", {}, {"pp": 2}, {}, {"sparsity": {"method": "nm"}}),
@@ -79,6 +82,8 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
                                                "density": 0.3, "update_every": 2}}),
 ]
 SPLIT_STEPS = 8
+# more split layouts in world 4 only, each against the whole replicas of the SPLIT case named
+SPLIT_ALSO = [("hpsgd_cp", "hpsgd", {"cp": 2}), ("lordo_cp", "lordo", {"cp": 2})]
 # replicas ZeRO-sharded over the 2 ranks of a node, synced across the 2 nodes, each against
 # the whole replicas (dp2) of the SPLIT case named: (name, [parallel] beside 2 ranks per node,
 # [train], reference)
@@ -154,8 +159,10 @@ def world4(tmp_path_factory, corpus):
     """One world-4 spawn: DiLoCo against synchronous DP over 4 whole replicas, and 2 replicas
     each split over 2 ranks (tp, pp or cp): the SPLIT layouts, local SGD with H=1 over tp with
     sequence parallelism and synchronous DP over pp with top-k compression keeping every value
-    (20 steps, plain SGD), DreamDDP with H=2 over tp, and a DiLoCo run over tp stopped at a sync and
-    resumed. Returns (rank 0's runs, every rank's dp all-reduce bytes per run)."""
+    (20 steps, plain SGD), DreamDDP with H=2 over tp, a DiLoCo run over tp stopped at a sync and
+    resumed, the SPLIT_ALSO layouts, and 2 replicas each ZeRO-sharded over a node of 2 ranks
+    (SHARDED, and DiLoCo with ZeRO-3 stopped at a sync and resumed). Returns (rank 0's runs,
+    every rank's all-reduce bytes over dp and dp.cross per run)."""
     tmp_path = tmp_path_factory.mktemp("lowcomm_w4")
 
     def tree(lowcomm, parallel=None, **sections):
@@ -177,6 +184,8 @@ def world4(tmp_path_factory, corpus):
     stopped = tree(SPLIT[0][1], {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
     jobs += [("diloco_h2_tp", stopped, 4, False), ("diloco_h2_tp", stopped, None, True)]
     by_name = {name: lowcomm for name, lowcomm, *_ in SPLIT}
+    jobs += [(name, tree(by_name[reference], parallel, train={"steps": SPLIT_STEPS}), None, False)
+             for name, reference, parallel in SPLIT_ALSO]
     jobs += [(name, tree(by_name[reference], {**ZERO_NODE, **parallel},
                          train={"steps": SPLIT_STEPS, **train}), None, False)
              for name, parallel, train, reference in SHARDED]
@@ -212,8 +221,9 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     # the same sums in other orders (a gradient norm from tp and pp pieces, the cp peers'
     # gradients summed, a vocabulary-parallel loss): ~1e-7 relative measured here, 1e-4 the
     # bound. Local SGD with H=1 against synchronous DP as well (test_world2_parities_and_resume)
-    for name in ["local_sgd_sgd", "diloco_h2_tp"] + [name for name, *_ in SPLIT]:
-        reference = "diloco_h2" if name == "diloco_h2_tp" else name
+    also = {"diloco_h2_tp": "diloco_h2", **{name: ref for name, ref, _ in SPLIT_ALSO}}
+    for name in ["local_sgd_sgd", *also] + [name for name, *_ in SPLIT]:
+        reference = also.get(name, name)
         got, whole = _losses(out[name][0]), _losses(world2[reference][0])
         assert _rel(got, whole) < 1e-4, (name, got, whole)
     for name in ("local_sgd_sgd", "topk_all_pp"):
@@ -278,7 +288,9 @@ def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_pat
      'outer_optimizer="sgd" has none'),
     ({"algorithm": "diloco", "inner_steps": 4}, {"checkpoint": {"every": 6}},
      "set checkpoint.every=8"),
-    ({"algorithm": "hpsgd"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
+    ({"algorithm": "lordo"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
+    ({"algorithm": "hpsgd"}, {"parallel": {"nproc": 2, "pp": 2}},
+     "HPSGD's sync leaves at that forward"),
     ({"algorithm": "dreamddp"}, {"parallel": {"nproc": 2, "pp": 2}},
      'only lowcomm.algorithm="local_sgd"'),
     ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "pp": 2}, "run": {"max_restarts": 1}},

@@ -83,11 +83,20 @@ _SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slic
                 "master weights); HPSGD and DASO reduce the parameters' own gradients every "
                 "step, DreamDDP syncs the whole model's layers timed in its own backward, and "
                 "LoRDO steps its own low-rank optimizer, not ZeRO's elementwise one over slices")
-# the algorithms whose replica may itself be split over tp, pp and cp: each rank syncs its own
-# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models. DreamDDP's
-# units are the whole model's layers, timed in the wrapper's forward: not a pipeline's stages
-SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp")
-STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
+# the algorithms whose replica may itself be split over tp, cp and pp: each rank syncs its own
+# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models
+SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp", "hpsgd")
+CONTEXT_REPLICAS = SPLIT_REPLICAS + ("lordo",)
+STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "lordo")
+_DASO = ("; DASO's node-local gradient and cross-node parameter groups are built over whole "
+         "replicas")
+_LORDO_TP = (", and LoRDO projects each weight matrix on its own rank-r subspace, which a "
+             "tensor-parallel rank's slice of the matrix does not have")
+# DreamDDP's units are the whole model's layers, timed in the wrapper's forward, and HPSGD's
+# sync leaves at the wrapper's forward: a pipeline's runtime calls its stages instead
+_STAGES = (", DreamDDP plans over the whole model's layers, timing its backward from its own "
+           "forward, and HPSGD's sync leaves at that forward: a pipeline's runtime runs the "
+           "stages without it")
 
 
 def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusal:
@@ -99,7 +108,7 @@ def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusa
 
 class Lowcomm(EngineTimeline, Component):
     """Low-communication replicas over dp, each on its own rows, each whole or itself split
-    over tp, pp and cp (SPLIT_REPLICAS, STAGED_REPLICAS), or run by the sharded engine in bf16
+    over tp, cp and pp (SPLIT_REPLICAS, CONTEXT_REPLICAS, STAGED_REPLICAS), or run by the sharded engine in bf16
     or ZeRO-sharded over the ranks of a node (SHARDED_REPLICAS), checkpointed only where
     they are synchronized."""
 
@@ -113,12 +122,11 @@ class Lowcomm(EngineTimeline, Component):
                    when=lambda cfg: cfg.lowcomm.algorithm not in SHARDED_REPLICAS,
                    partly="with dreamddp, hpsgd, hierarchical or lordo")
                   for other in ("zero", "bf16")},
-               "tensor": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
-               "context": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
-               "pipeline": _split_refusal(STAGED_REPLICAS,
-                                          "with hpsgd, hierarchical, lordo or dreamddp",
-                                          ", and DreamDDP plans over the whole model's layers, "
-                                          "timing its backward from its own forward"),
+               "tensor": _split_refusal(SPLIT_REPLICAS, "with hierarchical or lordo",
+                                        _DASO + _LORDO_TP),
+               "context": _split_refusal(CONTEXT_REPLICAS, "with hierarchical", _DASO),
+               "pipeline": _split_refusal(STAGED_REPLICAS, "with hpsgd, hierarchical or dreamddp",
+                                          _DASO + _STAGES),
                "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
                                          "every micro-batch, across the steps where the "
                                          "replicas sync")}
