@@ -85,8 +85,11 @@ class LowcommStateLayout(StateLayout):
             return ("it was written without lowcomm.algorithm (one optimizer state for all "
                     "replicas); resume it with lowcomm.algorithm=\"none\"")
         if len(saved) != model.mesh.size(model.axis):
+            fix = (f"parallel.dp={len(saved)}" if model.axis == "dp" else
+                   f"{len(saved)} nodes (parallel.nproc / parallel.ranks_per_node, each node a "
+                   "ZeRO-sharded replica)")
             return (f"it holds the optimizer states of {len(saved)} replicas, one each, and this "
-                    f"run has {model.mesh.size(model.axis)}; resume it with parallel.dp={len(saved)}")
+                    f"run has {model.mesh.size(model.axis)}; resume it with {fix}")
         return None
 
 
