@@ -83,7 +83,8 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
 ]
 SPLIT_STEPS = 8
 # more split layouts in world 4 only, each against the whole replicas of the SPLIT case named
-SPLIT_ALSO = [("hpsgd_cp", "hpsgd", {"cp": 2}), ("lordo_cp", "lordo", {"cp": 2})]
+SPLIT_ALSO = [("hpsgd_cp", "hpsgd", {"cp": 2}), ("hpsgd_pp", "hpsgd", {"pp": 2}),
+              ("lordo_cp", "lordo", {"cp": 2})]
 # replicas ZeRO-sharded over the 2 ranks of a node, synced across the 2 nodes, each against
 # the whole replicas (dp2) of the SPLIT case named: (name, [parallel] beside 2 ranks per node,
 # [train], reference)
@@ -289,8 +290,8 @@ def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_pat
     ({"algorithm": "diloco", "inner_steps": 4}, {"checkpoint": {"every": 6}},
      "set checkpoint.every=8"),
     ({"algorithm": "lordo"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
-    ({"algorithm": "hpsgd"}, {"parallel": {"nproc": 2, "pp": 2}},
-     "HPSGD's sync leaves at that forward"),
+    ({"algorithm": "hierarchical"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "cp": 2}},
+     "DASO's node-local gradient and cross-node parameter groups"),
     ({"algorithm": "dreamddp"}, {"parallel": {"nproc": 2, "pp": 2}},
      'only lowcomm.algorithm="local_sgd"'),
     ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "pp": 2}, "run": {"max_restarts": 1}},

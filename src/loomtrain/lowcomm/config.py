@@ -87,16 +87,15 @@ _SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slic
 # pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models
 SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp", "hpsgd")
 CONTEXT_REPLICAS = SPLIT_REPLICAS + ("lordo",)
-STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "lordo")
+STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "lordo", "hpsgd")
 _DASO = ("; DASO's node-local gradient and cross-node parameter groups are built over whole "
          "replicas")
 _LORDO_TP = (", and LoRDO projects each weight matrix on its own rank-r subspace, which a "
              "tensor-parallel rank's slice of the matrix does not have")
-# DreamDDP's units are the whole model's layers, timed in the wrapper's forward, and HPSGD's
-# sync leaves at the wrapper's forward: a pipeline's runtime calls its stages instead
-_STAGES = (", DreamDDP plans over the whole model's layers, timing its backward from its own "
-           "forward, and HPSGD's sync leaves at that forward: a pipeline's runtime runs the "
-           "stages without it")
+# DreamDDP's units are the whole model's layers, timed in the wrapper's forward, which a
+# pipeline's runtime does not call (it runs the stages)
+_STAGES = (", and DreamDDP plans over the whole model's layers, timing its backward from its "
+           "own forward")
 
 
 def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusal:
@@ -125,7 +124,7 @@ class Lowcomm(EngineTimeline, Component):
                "tensor": _split_refusal(SPLIT_REPLICAS, "with hierarchical or lordo",
                                         _DASO + _LORDO_TP),
                "context": _split_refusal(CONTEXT_REPLICAS, "with hierarchical", _DASO),
-               "pipeline": _split_refusal(STAGED_REPLICAS, "with hpsgd, hierarchical or dreamddp",
+               "pipeline": _split_refusal(STAGED_REPLICAS, "with hierarchical or dreamddp",
                                           _DASO + _STAGES),
                "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
                                          "every micro-batch, across the steps where the "

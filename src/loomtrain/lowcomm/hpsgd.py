@@ -7,6 +7,7 @@ paper and failure semantics: docs/lowcomm-hpsgd.md.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -55,6 +56,16 @@ class HPSGD(LocalSGD):
         if self.timeline is not None and self._compute_start is None:
             self._compute_start = time.perf_counter()
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Entered at a step's start by a pipeline's runtime, which runs the stages without
+        the wrapper's forward (and by the trainer before a first micro-batch's forward): the
+        previous change leaves here then."""
+        if self._ready_step:
+            self._launch()
+        with super().no_sync():
+            yield
 
     def before_update(self) -> None:
         """The end of the step's backward: only the timeline's boundary."""
