@@ -107,9 +107,9 @@ def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusa
 
 class Lowcomm(EngineTimeline, Component):
     """Low-communication replicas over dp, each on its own rows, each whole or itself split
-    over tp, cp and pp (SPLIT_REPLICAS, CONTEXT_REPLICAS, STAGED_REPLICAS), or run by the sharded engine in bf16
-    or ZeRO-sharded over the ranks of a node (SHARDED_REPLICAS), checkpointed only where
-    they are synchronized."""
+    over tp, cp and pp (SPLIT_REPLICAS, CONTEXT_REPLICAS, STAGED_REPLICAS), or run by the
+    sharded engine in bf16 or ZeRO-sharded over the ranks of a node (SHARDED_REPLICAS),
+    checkpointed only where they are synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
