@@ -286,6 +286,11 @@ def _check_sharded(cfg) -> None:
                          "replica with no other to sync with; set parallel.ranks_per_node to a "
                          "divisor of nproc below it (e.g. 2), or parallel.zero_stage=0 (each "
                          "rank a whole replica)")
+    if p.offload_optimizer:
+        raise ValueError(f"parallel.offload_optimizer=true with lowcomm.algorithm="
+                         f"{lc.algorithm!r}: the replicas sync the fp32 master weights, which "
+                         "offload keeps in host memory, and syncing them from there is not "
+                         "supported yet; set parallel.offload_optimizer=false")
     if p.hierarchical:
         raise ValueError(f"parallel.hierarchical=true with lowcomm.algorithm={lc.algorithm!r}: "
                          "hierarchical ZeRO reduces the gradients across nodes every step, where "
