@@ -1,9 +1,10 @@
 """Local SGD and DiLoCo (lowcomm/): the two equalities that pin them to known algorithms, a
-convergence and bytes check, resume, replicas split over tp, pp or cp against whole ones, and
-the [lowcomm] config rules.
+convergence and bytes check, resume, replicas split over tp, pp or cp or ZeRO-sharded against
+whole ones, and the [lowcomm] config rules.
 
 One spawn per world size: world 2 runs the parity and resume cases and the whole replicas,
-world 4 the convergence and bytes case and the split replicas (dp2 x tp2, pp2 or cp2)."""
+world 4 the convergence and bytes case, the split replicas (dp2 x tp2, pp2 or cp2) and the
+ZeRO-sharded ones (two nodes of two ranks)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _runs(rank, world, jobs, root, metered=False):
     """Run every job (name, config tree, stop-before step or None, resume from the newest
     checkpoint of this run folder) in turn in this one world; rank 0 returns each run's
     metrics records and its checkpoint names. `metered`: every rank also returns each run's
-    wire bytes of all-reduces over dp, as (rank 0's answer or None, {name: bytes})."""
+    wire bytes of all-reduces over dp and over dp.cross, as (rank 0's answer or None,
+    {name: {axis: bytes}})."""
     out, sent = {}, {}
     for name, tree, stop_before, resume in jobs:
         cfg = config_from_dict(tree)
@@ -41,7 +43,8 @@ def _runs(rank, world, jobs, root, metered=False):
         stop = StopBefore(stop_before) if stop_before is not None else trainer.StopFlag()
         train_loop(cfg, run_dir, latest, mesh, stop)
         out[name] = (read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(run_dir)])
-        sent[name] = mesh.meter.total("wire_bytes", op="all_reduce", axis="dp")
+        sent[name] = {axis: mesh.meter.total("wire_bytes", op="all_reduce", axis=axis)
+                      for axis in ("dp", "dp.cross")}
     answer = out if rank == 0 else None
     return (answer, sent) if metered else answer
 
@@ -70,6 +73,9 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
     ("noloco", {"algorithm": "noloco", "inner_steps": 2}, {"tp": 2}, {}, {}),
     # H=1: one schedule (every unit at every step), whatever DreamDDP measures
     ("dreamddp_h1", {"algorithm": "dreamddp"}, {"cp": 2}, SGD, {}),
+    ("hpsgd", {"algorithm": "hpsgd"}, {"tp": 2}, {}, {}),
+    # the last stage's tied head is not projected, as the whole model's is not
+    ("lordo", {"algorithm": "lordo", "inner_steps": 2, "rank": 4}, {"pp": 2}, {}, {}),
     # sparse training in synchronous DP, each stage masking its own layers (the rules that
     # decide a layer from its own weights): the single spawn of this issue's checks
     ("nm", {}, {"pp": 2}, {}, {"sparsity": {"method": "nm"}}),
@@ -97,6 +103,18 @@ SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals,
     ("sparse_nm_tp", NM_WIDE, {"tp": 2}, "sparse_nm", 0.25),
 ]
 SPARSE_STEPS = 12
+# more split layouts in world 4 only, each against the whole replicas of the SPLIT case named
+SPLIT_ALSO = [("hpsgd_cp", "hpsgd", {"cp": 2}), ("hpsgd_pp", "hpsgd", {"pp": 2}),
+              ("lordo_cp", "lordo", {"cp": 2})]
+# replicas ZeRO-sharded over the 2 ranks of a node, synced across the 2 nodes, each against
+# the whole replicas (dp2) of the SPLIT case named: (name, [parallel] beside 2 ranks per node,
+# [train], reference)
+ZERO_NODE = {"ranks_per_node": 2}
+SHARDED = [
+    ("local_sgd_zero1_clip", {"zero_stage": 1}, {"grad_clip": 0.5}, "local_sgd_h2_clip"),
+    ("streaming_zero2", {"zero_stage": 2}, {}, "streaming"),
+    ("diloco_zero3_bf16", {"zero_stage": 3}, {"precision": "bf16"}, "diloco_h2"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +141,9 @@ def world2(tmp_path_factory, corpus):
             ("h2_mid", tree(**h2), None, True)]
     jobs += [(name, tree(lowcomm, train={"steps": SPLIT_STEPS, **train}, **other), None, False)
              for name, lowcomm, _, train, other in SPLIT]
+    # whole replicas in bf16 (the sharded engine at stage 0: fp32 master weights)
+    jobs += [("diloco_h2_bf16", tree(SPLIT[0][1], train={"steps": SPLIT_STEPS,
+                                                         "precision": "bf16"}), None, False)]
     return run_world(_runs, 2, jobs, str(tmp_path / "w2"), timeout_s=360)[0]
 
 
@@ -160,8 +181,10 @@ def world4(tmp_path_factory, corpus):
     """One world-4 spawn: DiLoCo against synchronous DP over 4 whole replicas, and 2 replicas
     each split over 2 ranks (tp, pp or cp): the SPLIT layouts, local SGD with H=1 over tp with
     sequence parallelism and synchronous DP over pp with top-k compression keeping every value
-    (20 steps, plain SGD), DreamDDP with H=2 over tp, and a DiLoCo run over tp stopped at a sync and
-    resumed. Returns (rank 0's runs, every rank's dp all-reduce bytes per run)."""
+    (20 steps, plain SGD), DreamDDP with H=2 over tp, a DiLoCo run over tp stopped at a sync and
+    resumed, the SPLIT_ALSO layouts, and 2 replicas each ZeRO-sharded over a node of 2 ranks
+    (SHARDED, and DiLoCo with ZeRO-3 stopped at a sync and resumed). Returns (rank 0's runs,
+    every rank's all-reduce bytes over dp and dp.cross per run)."""
     tmp_path = tmp_path_factory.mktemp("lowcomm_w4")
 
     def tree(lowcomm, parallel=None, **sections):
@@ -185,6 +208,15 @@ def world4(tmp_path_factory, corpus):
     jobs += [(name, tree({}, parallel, sparsity=sparsity, train={"steps": SPARSE_STEPS},
                          checkpoint={"every": SPARSE_STEPS}), None, False)
              for name, sparsity, parallel, *_ in SPARSE]
+    by_name = {name: lowcomm for name, lowcomm, *_ in SPLIT}
+    jobs += [(name, tree(by_name[reference], parallel, train={"steps": SPLIT_STEPS}), None, False)
+             for name, reference, parallel in SPLIT_ALSO]
+    jobs += [(name, tree(by_name[reference], {**ZERO_NODE, **parallel},
+                         train={"steps": SPLIT_STEPS, **train}), None, False)
+             for name, parallel, train, reference in SHARDED]
+    zero3 = tree(by_name["diloco_h2"], {**ZERO_NODE, "zero_stage": 3},
+                 train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
+    jobs += [("diloco_zero3", zero3, 4, False), ("diloco_zero3", zero3, None, True)]
     runs = run_world(_runs, 4, jobs, str(tmp_path / "w4"), True, timeout_s=600)
     return runs[0][0], [sent for _, sent in runs], tmp_path / "w4"
 
@@ -214,8 +246,9 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     # the same sums in other orders (a gradient norm from tp and pp pieces, the cp peers'
     # gradients summed, a vocabulary-parallel loss): ~1e-7 relative measured here, 1e-4 the
     # bound. Local SGD with H=1 against synchronous DP as well (test_world2_parities_and_resume)
-    for name in ["local_sgd_sgd", "diloco_h2_tp"] + [name for name, *_ in SPLIT]:
-        reference = "diloco_h2" if name == "diloco_h2_tp" else name
+    also = {"diloco_h2_tp": "diloco_h2", **{name: ref for name, ref, _ in SPLIT_ALSO}}
+    for name in ["local_sgd_sgd", *also] + [name for name, *_ in SPLIT]:
+        reference = also.get(name, name)
         got, whole = _losses(out[name][0]), _losses(world2[reference][0])
         assert _rel(got, whole) < 1e-4, (name, got, whole)
     for name in ("local_sgd_sgd", "topk_all_pp"):
@@ -240,7 +273,7 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     # all-reduces over dp its logged loss (8 bytes a step) and 16 bytes at the final validation
     model = build_model(config_from_dict(tiny_tree(tmp_path, corpus)).model)
     held = sum(p.numel() for p in model.parameters()) + model.tok_emb.weight.numel()
-    replica = sent[0]["diloco_h2"] + sent[2]["diloco_h2"]
+    replica = sent[0]["diloco_h2"]["dp"] + sent[2]["diloco_h2"]["dp"]
     assert replica == 4 * 4 * held + 2 * (8 * SPLIT_STEPS + 16), (replica, held)
 
 
@@ -277,6 +310,33 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     assert out["sparse_prune"][0][0]["density"] == 1.0
 
 
+def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_path, corpus):
+    """2 replicas, each ZeRO-sharded over the 2 ranks of a node (ranks_per_node=2), synced
+    across the 2 nodes, against 2 whole ones: each rank syncs its slices of the fp32 master
+    weights with the rank that holds the same slices on the other node."""
+    out, sent, _ = world4
+    # fp32: the same sums in other orders (a replica's gradient reduce-scattered over its
+    # ranks, its norm summed from the shards): ~5e-8 relative measured here, 1e-4 the bound.
+    # bf16 (the replicas compute in bf16, the outer step on the fp32 master weights) against
+    # the fp32 whole replicas: measured 7e-5 sharded and whole, 2% the bound
+    for name, _, train, reference in SHARDED + [("diloco_zero3", {}, {}, "diloco_h2")]:
+        bound = 0.02 if train.get("precision") == "bf16" else 1e-4
+        got, whole = _losses(out[name][0]), _losses(world2[reference][0])
+        assert _rel(got, whole) < bound, (name, got, whole)
+    assert _rel(_losses(world2["diloco_h2_bf16"][0]), _losses(world2["diloco_h2"][0])) < 0.02
+    # stopped at step 4 (a sync, a checkpoint: each replica's optimizer slices and the outer
+    # momentum's as boxes), resumed: the 1e-4 above holds across the resume
+    assert out["diloco_zero3"][1] == ["step_00000004", "step_00000008"]
+    # DiLoCo, 8 steps, H=2: 4 outer all-reduces over dp.cross of each rank's slices, a ring
+    # over 2 replicas sending 2 (2 - 1) / 2 = 1 x the payload. A replica's ranks (0 and 1, one
+    # node) hold every parameter once between them (the padding of ZeRO's flat units is not
+    # synced): 4 syncs x 4 bytes x the model's parameters, the whole replica's bytes
+    model = build_model(config_from_dict(tiny_tree(tmp_path, corpus)).model)
+    parameters = sum(p.numel() for p in model.parameters())
+    replica = sum(sent[r]["diloco_zero3_bf16"]["dp.cross"] for r in (0, 1))
+    assert replica == 4 * 4 * parameters, (replica, parameters)
+
+
 @pytest.mark.parametrize("lowcomm,other,why", [
     ({"inner_steps": 4}, {}, "lowcomm.inner_steps is not read by lowcomm.algorithm='none'"),
     ({"algorithm": "local_sgd", "outer_lr": 1.0}, {},
@@ -286,13 +346,24 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
      'outer_optimizer="sgd" has none'),
     ({"algorithm": "diloco", "inner_steps": 4}, {"checkpoint": {"every": 6}},
      "set checkpoint.every=8"),
-    ({"algorithm": "hpsgd"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
+    ({"algorithm": "lordo"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
+    ({"algorithm": "hierarchical"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "cp": 2}},
+     "DASO's node-local gradient and cross-node parameter groups"),
     ({"algorithm": "dreamddp"}, {"parallel": {"nproc": 2, "pp": 2}},
      'only lowcomm.algorithm="local_sgd"'),
     ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "pp": 2}, "run": {"max_restarts": 1}},
      "parallel.pp=2 splits each replica over 2 processes"),
-    ({"algorithm": "local_sgd"}, {"parallel": {"nproc": 2, "zero_stage": 1}}, "parallel.zero_stage=1"),
-    ({"algorithm": "diloco"}, {"train": {"precision": "bf16"}}, "train.precision='bf16'"),
+    ({"algorithm": "local_sgd"}, {"parallel": {"nproc": 2, "zero_stage": 1}},
+     "parallel.ranks_per_node=unset puts all parallel.nproc=2 ranks on one node"),
+    ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "zero_stage": 2,
+                                            "hierarchical": True}},
+     "set parallel.hierarchical=false"),
+    ({"algorithm": "local_sgd"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "zero_stage": 1,
+                                               "offload_optimizer": True}},
+     "set parallel.offload_optimizer=false"),
+    ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "zero_stage": 3,
+                                            "pp": 2}}, "parallel.pp=2: replicas that are both"),
+    ({"algorithm": "hpsgd"}, {"train": {"precision": "bf16"}}, "train.precision='bf16'"),
     ({"algorithm": "diloco"}, {"data": {"packing": True}}, "data.packing=True"),
     ({"algorithm": "diloco", "outer_momentum": 0.0}, {}, "greater than 0"),
 ])

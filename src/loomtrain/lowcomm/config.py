@@ -75,11 +75,27 @@ class LowcommConfig(Section):
 
 
 _REPLICAS = "its replicas are whole fp32 models over dp"
-# the algorithms whose replica may itself be split over tp, pp and cp: each rank syncs its own
-# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models. DreamDDP's
-# units are the whole model's layers, timed in the wrapper's forward: not a pipeline's stages
-SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp")
-STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
+# the algorithms whose replica may run in the sharded engine (parallel/zero/): in bf16, or
+# ZeRO-sharded over the ranks of a node; each rank syncs its slices of the fp32 master weights
+# with the ranks that hold the same slices in the other replicas (lowcomm/local_sgd.py)
+SHARDED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
+_SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slices of the fp32 "
+                "master weights); HPSGD and DASO reduce the parameters' own gradients every "
+                "step, DreamDDP syncs the whole model's layers timed in its own backward, and "
+                "LoRDO steps its own low-rank optimizer, not ZeRO's elementwise one over slices")
+# the algorithms whose replica may itself be split over tp, cp and pp: each rank syncs its own
+# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models
+SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp", "hpsgd")
+CONTEXT_REPLICAS = SPLIT_REPLICAS + ("lordo",)
+STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "lordo", "hpsgd")
+_DASO = ("; DASO's node-local gradient and cross-node parameter groups are built over whole "
+         "replicas")
+_LORDO_TP = (", and LoRDO projects each weight matrix on its own rank-r subspace, which a "
+             "tensor-parallel rank's slice of the matrix does not have")
+# DreamDDP's units are the whole model's layers, timed in the wrapper's forward, which a
+# pipeline's runtime does not call (it runs the stages)
+_STAGES = (", and DreamDDP plans over the whole model's layers, timing its backward from its "
+           "own forward")
 
 
 def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusal:
@@ -90,21 +106,26 @@ def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusa
 
 
 class Lowcomm(EngineTimeline, Component):
-    """Low-communication replicas run as fp32 replicas over dp, each on its own rows, each
-    whole or itself split over tp, pp and cp (SPLIT_REPLICAS, STAGED_REPLICAS), checkpointed
-    only where they are synchronized."""
+    """Low-communication replicas over dp, each on its own rows, each whole or itself split
+    over tp, cp and pp (SPLIT_REPLICAS, CONTEXT_REPLICAS, STAGED_REPLICAS), or run by the
+    sharded engine in bf16 or ZeRO-sharded over the ranks of a node (SHARDED_REPLICAS),
+    checkpointed only where they are synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
     switches = (Switch("lowcomm.algorithm", "none"),)
     summary = "local SGD, DiLoCo, streaming DiLoCo, NoLoCo, DreamDDP, HPSGD, DASO, LoRDO"
-    refuses = {**{other: Refusal(_REPLICAS) for other in ("zero", "bf16", "packing", "balance")},
-               "tensor": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
-               "context": _split_refusal(SPLIT_REPLICAS, "with hpsgd, hierarchical or lordo"),
-               "pipeline": _split_refusal(STAGED_REPLICAS,
-                                          "with hpsgd, hierarchical, lordo or dreamddp",
-                                          ", and DreamDDP plans over the whole model's layers, "
-                                          "timing its backward from its own forward"),
+    refuses = {**{other: Refusal(_REPLICAS) for other in ("packing", "balance")},
+               **{other: Refusal("of its algorithms, only lowcomm.algorithm=" + ", ".join(
+                   f'"{a}"' for a in SHARDED_REPLICAS) + " sync replicas" + _SHARDED_WHY,
+                   when=lambda cfg: cfg.lowcomm.algorithm not in SHARDED_REPLICAS,
+                   partly="with dreamddp, hpsgd, hierarchical or lordo")
+                  for other in ("zero", "bf16")},
+               "tensor": _split_refusal(SPLIT_REPLICAS, "with hierarchical or lordo",
+                                        _DASO + _LORDO_TP),
+               "context": _split_refusal(CONTEXT_REPLICAS, "with hierarchical", _DASO),
+               "pipeline": _split_refusal(STAGED_REPLICAS, "with hierarchical or dreamddp",
+                                          _DASO + _STAGES),
                "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
                                          "every micro-batch, across the steps where the "
                                          "replicas sync")}
@@ -114,8 +135,11 @@ class Lowcomm(EngineTimeline, Component):
     def apply(cls, built: Built) -> None:
         """No gradient all-reduce: the replicas synchronize every inner_steps steps."""
         from loomtrain.lowcomm import apply_lowcomm
+        from loomtrain.parallel.zero.config import Zero, shard_built
 
         cfg = built.cfg
+        if Zero.applies(cfg):  # each replica in the sharded engine: in bf16, or ZeRO over a node
+            shard_built(built, "dp.local" if cfg.parallel.zero_stage else "self")
         built.model, built.optimizer = apply_lowcomm(built.model, built.optimizer, built.mesh,
                                                      cfg.lowcomm, cfg.run.seed)
         if built.compressor is not None:  # applies_to="pseudo_gradients": the outer all-reduce
@@ -132,8 +156,9 @@ class Lowcomm(EngineTimeline, Component):
 
     @classmethod
     def loss_tokens(cls, built: Built, local_tokens: int, global_tokens: float) -> float:
-        """The replicas step on their own rows: each normalizes by its own tokens."""
-        return local_tokens
+        """The replicas step on their own rows: each normalizes by its own tokens (a
+        ZeRO-sharded replica's: its ranks' together)."""
+        return built.model.replica_tokens(local_tokens)
 
     @classmethod
     def after_step(cls, built: Built, done: int, last: bool, loss_sum, loss_tokens: float) -> None:
@@ -190,6 +215,8 @@ class Lowcomm(EngineTimeline, Component):
                              f'train.optimizer="adamw"')
         if cfg.run.max_restarts:
             _check_restarts(cfg)
+        if p.zero_stage or t.precision == "bf16":
+            _check_sharded(cfg)
         every = cfg.checkpoint.every
         if every % lc.inner_steps:
             fit = -(-every // lc.inner_steps) * lc.inner_steps
@@ -224,6 +251,51 @@ def _check_restarts(cfg) -> None:
                          "the compressor keeps what it dropped (error feedback) before the "
                          "all-reduce completes, so a sync retried after a lost replica would add "
                          "it twice; set compression.method=\"none\" or run.max_restarts=0")
+
+
+def _check_sharded(cfg) -> None:
+    """Replicas in the sharded engine (SHARDED_REPLICAS): with ZeRO, a replica is the ranks of
+    one node, which shard it, and the replicas sync across nodes; neither yet with a replica
+    split over tp, pp or cp, nor with compressed pseudo-gradients."""
+    lc, p = cfg.lowcomm, cfg.parallel
+    what = (f"parallel.zero_stage={p.zero_stage}" if p.zero_stage
+            else 'train.precision="bf16"')
+    split = {k: getattr(p, k) for k in ("tp", "pp", "cp") if getattr(p, k) > 1}
+    if split:
+        key, value = next(iter(split.items()))
+        raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r} and parallel.{key}="
+                         f"{value}: replicas that are both run by the sharded engine and split "
+                         f"over tp, pp or cp are not supported yet; set parallel.{key}=1, or "
+                         "keep the split with fp32 replicas and parallel.zero_stage=0")
+    if cfg.run.max_restarts:
+        raise ValueError(f"{what} with run.max_restarts={cfg.run.max_restarts} under [lowcomm]: "
+                         "a lost replica is restarted alone as one process that holds the whole "
+                         "fp32 model, not the sharded engine; set run.max_restarts=0")
+    if cfg.compression.method != "none":
+        raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r} and [compression]: "
+                         "compressing the pseudo-gradients of replicas run by the sharded engine "
+                         "is not supported yet; set compression.method=\"none\"")
+    if not p.zero_stage:
+        return
+    if p.ranks_per_node is None or p.ranks_per_node >= p.nproc:
+        rpn = "unset" if p.ranks_per_node is None else p.ranks_per_node
+        raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r}: each replica is the "
+                         "ranks of one node, which shard it with ZeRO, and the replicas sync "
+                         "across nodes, but parallel.ranks_per_node="
+                         f"{rpn} puts all parallel.nproc={p.nproc} ranks on one node, a single "
+                         "replica with no other to sync with; set parallel.ranks_per_node to a "
+                         "divisor of nproc below it (e.g. 2), or parallel.zero_stage=0 (each "
+                         "rank a whole replica)")
+    if p.offload_optimizer:
+        raise ValueError(f"parallel.offload_optimizer=true with lowcomm.algorithm="
+                         f"{lc.algorithm!r}: the replicas sync the fp32 master weights, which "
+                         "offload keeps in host memory, and syncing them from there is not "
+                         "supported yet; set parallel.offload_optimizer=false")
+    if p.hierarchical:
+        raise ValueError(f"parallel.hierarchical=true with lowcomm.algorithm={lc.algorithm!r}: "
+                         "hierarchical ZeRO reduces the gradients across nodes every step, where "
+                         "the replicas (one per node) sync only every lowcomm.inner_steps steps; "
+                         "set parallel.hierarchical=false")
 
 
 def _check_streaming(lc: LowcommConfig, m) -> None:

@@ -29,7 +29,7 @@ class DiLoCo(LocalSGD):
     Nesterov momentum `outer_momentum`, `nesterov=False` plain SGD (no momentum)."""
 
     def __init__(self, module: nn.Module, mesh, inner_steps: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, axis: str = "dp"):
+                 outer_momentum: float = 0.9, nesterov: bool = True, axis: str | None = None):
         super().__init__(module, mesh, inner_steps, axis)
         # theta: after the broadcast, every replica's copy is dp rank 0's parameters
         self.global_params = _flatten_dense_tensors([p.detach() for p in self.params]).clone()

@@ -63,7 +63,7 @@ class DreamDDP(LocalSGD):
     model.clip_grad_norm_(c)` (or `model.before_update()`), `optimizer.step();
     model.after_step(step)`. The schedule is `iteration_of` (None during the warm-up)."""
 
-    def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str = "dp"):
+    def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str | None = None):
         super().__init__(module, mesh, inner_steps, axis)
         # a pipeline's stages hold different units, and its runtime calls the stages, not
         # this forward, whose hook times the backward (the config refuses pp)

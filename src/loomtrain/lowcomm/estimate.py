@@ -42,6 +42,12 @@ def estimate_lowcomm(plan: DryRunPlan) -> None:
         raise ConfigError(f"loom train --dry-run does not model lowcomm.algorithm="
                           f"{lc.algorithm!r} yet (it models {' and '.join(map(repr, MODELLED))}): "
                           "run without --dry-run")
+    p, precision = plan.cfg.parallel, plan.cfg.train.precision
+    if p.zero_stage or precision == "bf16":
+        what = f"parallel.zero_stage={p.zero_stage}" if p.zero_stage else 'train.precision="bf16"'
+        raise ConfigError(f"loom train --dry-run does not model low-communication replicas run "
+                          f"by the sharded engine ({what} with lowcomm.algorithm="
+                          f"{lc.algorithm!r}) yet: run without --dry-run")
     broadcast_state(plan.model, plan.mesh, "dp")  # what LocalSGD sends first
     parameters = plan.parameters
     plan.reductions = sync_collectives(lc.algorithm, parameters, plan.cfg.parallel.dp_size,

@@ -7,6 +7,7 @@ paper and failure semantics: docs/lowcomm-hpsgd.md.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -29,7 +30,7 @@ class HPSGD(LocalSGD):
     What a benchmark reads: `sync_wait_s` (seconds waited for syncs, in total), `syncs` (syncs
     merged), and the timeline spans of a step when `timeline` is set (the trainer sets it)."""
 
-    def __init__(self, module: nn.Module, mesh, overlap_steps: int = 1, axis: str = "dp"):
+    def __init__(self, module: nn.Module, mesh, overlap_steps: int = 1, axis: str | None = None):
         super().__init__(module, mesh, inner_steps=1, axis=axis)
         if overlap_steps not in (0, 1):
             raise ValueError(f"HPSGD keeps at most one step's sync in flight: overlap_steps="
@@ -55,6 +56,16 @@ class HPSGD(LocalSGD):
         if self.timeline is not None and self._compute_start is None:
             self._compute_start = time.perf_counter()
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Entered at a step's start by a pipeline's runtime, which runs the stages without
+        the wrapper's forward (and by the trainer before a first micro-batch's forward): the
+        previous change leaves here then."""
+        if self._ready_step:
+            self._launch()
+        with super().no_sync():
+            yield
 
     def before_update(self) -> None:
         """The end of the step's backward: only the timeline's boundary."""

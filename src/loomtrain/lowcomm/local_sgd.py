@@ -14,7 +14,8 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loomtrain import comm
-from loomtrain.parallel.data import broadcast_state, clip_replica_grads
+from loomtrain.parallel.data import broadcast_state, broadcast_tensors, clip_replica_grads
+from loomtrain.parallel.zero.engine import ShardedDataParallel
 
 
 def build(model, optimizer, mesh, cfg, seed: int):
@@ -26,14 +27,18 @@ class LocalSGD(nn.Module):
     """`model = LocalSGD(model, mesh, inner_steps=H)`; then per step
     `loss.backward(); optimizer.step(); model.after_step(step)`.
 
-    The wrapped module is `.module` (its state_dict keys are unchanged there)."""
+    The wrapped module is `.module` (its state_dict keys are unchanged there): the model, or
+    the sharded engine (parallel/zero/) that runs each replica in bf16 or ZeRO-shards it over
+    the ranks of a node; the wrapper then syncs each rank's own fp32 master weights over the
+    replicas' axis (`replica_axis`) and publishes them to the engine's parameters."""
 
     replicas_apart = True  # each replica steps on its own gradient (train/loop.py in_streak)
 
-    def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str = "dp"):
+    def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str | None = None):
         super().__init__()
         assert inner_steps >= 1, inner_steps
-        self.module, self.mesh, self.axis = module, mesh, axis
+        self.engine = module if isinstance(module, ShardedDataParallel) else None
+        self.module, self.mesh, self.axis = module, mesh, axis or replica_axis(self.engine)
         self.inner_steps = inner_steps
         self.steps_since_sync = 0
         # a run that outlives lost replicas (lowcomm/replicas.py) sets these: the replica's own
@@ -42,11 +47,26 @@ class LocalSGD(nn.Module):
         # None where this replica took the outcome from a peer
         self.replica_index: int | None = None
         self.sync_guard = None
-        broadcast_state(module, mesh, axis)  # replicas start identical, whatever their seeds
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied: once
+        # what each rank syncs: its parameters (tied: once), or its slices of the master weights
+        if self.engine is None:
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            self.slices = None
+        else:
+            pieces = self.engine.master_slices()
+            self.slices = [piece for piece, _ in pieces]
+            named = [(piece.slot.name, view) for piece, view in pieces]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self._start_identical()
         dtypes = {p.dtype for p in self.params}
         assert len(dtypes) == 1, f"one flat buffer per sync needs one dtype, got {dtypes}"
+
+    def _start_identical(self) -> None:
+        """Replicas start identical, whatever their seeds: the axis member 0's parameters."""
+        if self.engine is None:
+            broadcast_state(self.module, self.mesh, self.axis)
+        else:
+            broadcast_tensors(self.params, self.mesh, self.axis)
+            self.engine.publish()
 
     @property
     def replica(self) -> int:
@@ -58,11 +78,25 @@ class LocalSGD(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Nothing is communicated during backward at any micro-step: a no-op, for the loop."""
-        yield
+        """Nothing is communicated between replicas during backward at any micro-step; a
+        sharded replica's engine reduces inside the replica as it does alone."""
+        with self.engine.no_sync() if self.engine is not None else contextlib.nullcontext():
+            yield
 
     def sync_gradients(self) -> None:
-        """Gradients stay local: nothing to reduce."""
+        """Gradients stay in the replica: nothing to reduce but a sharded replica's own."""
+        if self.engine is not None:
+            self.engine.sync_gradients()
+
+    def replica_tokens(self, local_tokens: int) -> float:
+        """The target tokens this replica's gradient is normalized by: this rank's own, or,
+        where the replica is ZeRO-sharded over a node's ranks, each with rows of its own,
+        their sum (one all-reduce inside the replica)."""
+        if self.axis == "dp" or self.mesh.size("dp.local") == 1:
+            return local_tokens
+        tokens = torch.tensor([float(local_tokens)], dtype=torch.float64, device=self.mesh.device)
+        comm.all_reduce(tokens, self.mesh, "dp.local")
+        return float(tokens)
 
     def before_update(self) -> None:
         """Called once per step after the last backward and before the optimizer step (from
@@ -85,6 +119,8 @@ class LocalSGD(nn.Module):
         peers' gradients are summed (`replica_gradient`), then `before_update()` runs."""
         self.replica_gradient()
         self.before_update()
+        if self.engine is not None:  # the norm over the replica's gradient shards
+            return self.engine.clip_grad_norm_(max_norm)
         return clip_replica_grads(self.params, max_norm, self.mesh)
 
     @torch.no_grad()
@@ -138,7 +174,14 @@ class LocalSGD(nn.Module):
     def _set_params(self, flat: torch.Tensor) -> None:
         for p, value in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
             p.copy_(value)
+        self.published()
         self.steps_since_sync = 0
+
+    def published(self) -> None:
+        """After the synced tensors were written: a sharded replica's engine casts its master
+        weights into its parameters and gathers them where its ranks keep them."""
+        if self.engine is not None:
+            self.engine.publish()
 
     # a run that outlives lost replicas (lowcomm/replicas.py) asks these
     def one_model(self) -> bool:
@@ -165,3 +208,10 @@ class LocalSGD(nn.Module):
     def load_replica_state(self, state: dict[str, torch.Tensor]) -> None:
         """After the parameters were copied: `replica_state`'s tensors from a peer."""
         self.load_outer_state(state)
+
+
+def replica_axis(engine: ShardedDataParallel | None) -> str:
+    """The axis the replicas' peers lie on: "dp", or "dp.cross" for replicas each ZeRO-sharded
+    over the ranks of a node (lowcomm/config.py `shard_axis`), where a rank syncs its shard
+    with the ranks that hold the same one on the other nodes."""
+    return "dp.cross" if engine is not None and engine.plan.shard_axis == "dp.local" else "dp"

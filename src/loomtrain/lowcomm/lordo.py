@@ -26,10 +26,13 @@ def build(model, optimizer, mesh, cfg, seed: int):
 
 def projected_matrices(model: nn.Module) -> set[torch.Tensor]:
     """The weights LoRDO projects: those of nn.Linear layers, except one tied to an embedding
-    (GaLore projects the transformer blocks' matrices, not the embeddings)."""
+    (GaLore projects the transformer blocks' matrices, not the embeddings), also on a pipeline
+    stage that holds the tied head without its embedding (`pp_copies`: the same exception as
+    on the stage that holds both, so the copies get the same updates)."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return {m.weight for m in model.modules() if isinstance(m, nn.Linear)
-            and m.weight.dim() == 2 and id(m.weight) not in embedded}
+            and m.weight.dim() == 2 and id(m.weight) not in embedded
+            and getattr(m.weight, "pp_copies", 1) == 1}
 
 
 def lowrank_adamw(model: nn.Module, adamw: torch.optim.AdamW, rank: int) -> LowRankAdamW:
@@ -54,7 +57,7 @@ class LoRDO(DiLoCo):
 
     def __init__(self, module: nn.Module, optimizer: LowRankAdamW, mesh, inner_steps: int,
                  outer_lr: float = 1.0, outer_momentum: float = 0.9, nesterov: bool = False,
-                 axis: str = "dp"):
+                 axis: str | None = None):
         super().__init__(module, mesh, inner_steps, outer_lr, outer_momentum, nesterov, axis)
         self.optimizer = optimizer
         ranks = dict((id(p), r) for p, r in optimizer.projected())

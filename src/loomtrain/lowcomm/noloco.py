@@ -75,7 +75,7 @@ class NoLoCo(LocalSGD):
 
     def __init__(self, module: nn.Module, mesh, inner_steps: int, seed: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_pull: float = 0.7,
-                 axis: str = "dp"):
+                 axis: str | None = None):
         super().__init__(module, mesh, inner_steps, axis)
         self.seed, self.outer_lr, self.outer_momentum = seed, outer_lr, outer_momentum
         self.outer_pull = outer_pull

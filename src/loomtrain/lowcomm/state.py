@@ -12,37 +12,58 @@ import torch
 
 from loomtrain.parallel.placement import Boxes, placement_of
 from loomtrain.parallel.state import PLAIN, REPLICA_KEY, StateLayout, unboxed
+from loomtrain.parallel.zero.state import ZERO
 
 
 def lowcomm_state(model, optimizer) -> dict:
     """{"model": ..., "optim": {"replica<R>": ...}, "lowcomm": ...} of `model` (a LocalSGD or
     DiLoCo wrapper): DCP saves from it, or loads into it."""
-    inner = PLAIN.state(model, optimizer)
+    inner = _replica_layout(model).state(_replica_model(model), optimizer)
     return {"model": inner["model"], "optim": {f"replica{model.replica}": inner["optim"]},
-            "lowcomm": _boxed(model.outer_state(), model.module)}
+            "lowcomm": _boxed(model.outer_state(), model)}
 
 
-def _boxed(outer: dict[str, torch.Tensor], module) -> dict:
-    """The outer state's per-parameter tensors (keys "<kind>.<parameter name>") of
-    tensor-parallel pieces as boxes of the full tensors, so that every tp rank writes its own."""
-    placements = {n: placement_of(p) for n, p in module.named_parameters()
-                  if placement_of(p) is not None}
-    if not placements:
-        return outer
+def _replica_layout(model) -> StateLayout:
+    """A replica's own layout: the plain one, or ZeRO's for a replica run by the sharded
+    engine (its master weights and optimizer slices as boxes of the full tensors)."""
+    return PLAIN if model.engine is None else ZERO
+
+
+def _replica_model(model):
+    return model if model.engine is None else model.engine
+
+
+def _boxed(outer: dict[str, torch.Tensor], model) -> dict:
+    """The outer state's per-parameter tensors (keys "<kind>.<parameter name>", each shaped as
+    what the wrapper syncs of that parameter) as boxes of the full tensors where a rank holds
+    a piece: a tensor-parallel slice, a ZeRO slice of the master weights, or both."""
+    params = dict(model.module.named_parameters()) if model.engine is None else dict(
+        model.engine.module.named_parameters())
+    slices = dict(zip(model.names, model.slices or [None] * len(model.names)))
     out = {}
     for key, value in outer.items():
         parts = key.split(".")
         name = next((n for n in (".".join(parts[i:]) for i in range(1, len(parts)))
-                     if n in placements), None)
-        out[key] = value if name is None else Boxes.whole(value).placed(placements[name])
+                     if n in slices), None)
+        if name is None:
+            out[key] = value
+            continue
+        piece, placement = slices[name], placement_of(params[name])
+        if piece is not None:
+            out[key] = Boxes.flat_range(value, piece.slot.shape, piece.start).placed(placement)
+        elif placement is not None:
+            out[key] = Boxes.whole(value).placed(placement)
+        else:
+            out[key] = value
     return out
 
 
 def load_lowcomm_state(model, optimizer, state: dict) -> None:
     """Put what DCP loaded into `state` (from `lowcomm_state`) into the model, the inner
     optimizer and the wrapper's outer state."""
-    PLAIN.load(model, optimizer, {"model": state["model"],
-                                          "optim": state["optim"][f"replica{model.replica}"]})
+    _replica_layout(model).load(_replica_model(model), optimizer,
+                                {"model": state["model"],
+                                 "optim": state["optim"][f"replica{model.replica}"]})
     model.load_outer_state(unboxed(state["lowcomm"]))
 
 
@@ -64,8 +85,11 @@ class LowcommStateLayout(StateLayout):
             return ("it was written without lowcomm.algorithm (one optimizer state for all "
                     "replicas); resume it with lowcomm.algorithm=\"none\"")
         if len(saved) != model.mesh.size(model.axis):
+            fix = (f"parallel.dp={len(saved)}" if model.axis == "dp" else
+                   f"{len(saved)} nodes (parallel.nproc / parallel.ranks_per_node, each node a "
+                   "ZeRO-sharded replica)")
             return (f"it holds the optimizer states of {len(saved)} replicas, one each, and this "
-                    f"run has {model.mesh.size(model.axis)}; resume it with parallel.dp={len(saved)}")
+                    f"run has {model.mesh.size(model.axis)}; resume it with {fix}")
         return None
 
 

@@ -65,7 +65,10 @@ def stage_preceding(module: nn.Module, names: list[str], blocks: str = "blocks")
     registers it under its first name, the embedding's, before every block, and its copies
     must sync at the same steps."""
     from loomtrain.parallel.pipeline.split import PipelineModule
+    from loomtrain.parallel.zero.engine import ShardedDataParallel
 
+    if isinstance(module, ShardedDataParallel):
+        return _shard_preceding(module.module, names, blocks)
     if not isinstance(module, PipelineModule):
         return None
     pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)$")
@@ -82,6 +85,19 @@ def stage_preceding(module: nn.Module, names: list[str], blocks: str = "blocks")
         shared = getattr(params[name], "pp_copies", 1) > 1
         out[name] = -1 if shared or owner is None else before[owner]
     return out
+
+
+def _shard_preceding(module: nn.Module, names: list[str], blocks: str) -> dict:
+    """`stage_preceding` for a rank's slices of a ZeRO-sharded replica (`names`: their
+    parameters, in unit order, not registration order, and only some blocks'): {name: the
+    block registered before it in the whole model, -1 for none} of those outside blocks."""
+    pattern = re.compile(rf"^{re.escape(blocks)}\.(\d+)\.")
+    before, last = {}, -1
+    for name, _ in module.named_parameters():
+        if m := pattern.match(name):
+            last = int(m.group(1))
+        before[name] = last
+    return {name: before[name] for name in names if not pattern.match(name)}
 
 
 def sync_offsets(inner_steps: int, fragments: int) -> list[int]:
@@ -123,7 +139,7 @@ class StreamingDiLoCo(LocalSGD):
     def __init__(self, module: nn.Module, mesh, inner_steps: int, fragments: int = 1,
                  overlap_steps: int = 0, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, quantize: str = "none", mix: float = 0.5,
-                 axis: str = "dp"):
+                 axis: str | None = None):
         super().__init__(module, mesh, inner_steps, axis)
         if inner_steps % fragments or overlap_steps >= inner_steps // fragments:
             raise ValueError(f"streaming DiLoCo needs inner_steps ({inner_steps}) a multiple of "
@@ -161,6 +177,7 @@ class StreamingDiLoCo(LocalSGD):
         for t, value in zip(self.fragment_params[p],
                             _unflatten_dense_tensors(flat, self.fragment_params[p])):
             t.copy_(value)
+        self.published()
 
     def after_step(self, step: int, last: bool = False) -> bool:
         """Call after optimizer step `step` (counted from 1) on every replica: launches the

@@ -36,30 +36,11 @@ class Zero(EngineTimeline, Component):
 
     @classmethod
     def apply(cls, built: Built) -> None:
-        import torch
-
-        from loomtrain.errors import ConfigError
-        from loomtrain.parallel.zero import shard
-
         if built.replicated:
             return
-        p, precision = built.cfg.parallel, built.cfg.train.precision
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        try:  # "sum": the trainer's loss is already divided by the global token count
-            built.model, built.optimizer = shard(
-                built.model, built.optimizer, built.mesh, p.zero_stage,
-                hierarchical=p.hierarchical, optimizer_shard=p.optimizer_shard,
-                prefetch=p.prefetch, offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
-                units=list(p.shard_units) or None, gradient_reduce="sum",
-                # context-parallel peers hold the same replica, each with the gradient of
-                # its own tokens: shard (and sum) over dp x cp, as apply_data_parallel does
-                axis="dpcp" if p.cp > 1 else "dp")
-        except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
-            raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
-        from loomtrain.parallel.zero.state import ZERO
-
-        built.model.pipelined = p.pp > 1
-        built.replicated, built.layout = True, ZERO
+        # context-parallel peers hold the same replica, each with the gradient of its own
+        # tokens: shard (and sum) over dp x cp, as apply_data_parallel does
+        shard_built(built, "dpcp" if built.cfg.parallel.cp > 1 else "dp")
 
     @classmethod
     def after_update(cls, built: Built, stepped: bool) -> None:
@@ -93,6 +74,30 @@ class Zero(EngineTimeline, Component):
                 'parallel.optimizer_shard="dp" splits the optimizer state across nodes in '
                 "hierarchical ZeRO; set parallel.hierarchical=true (flat ZeRO already splits it "
                 "over all dp ranks)")
+
+
+def shard_built(built: Built, axis: str) -> None:
+    """Wrap `built`'s model and optimizer in the sharded engine over `axis` with the
+    [parallel] keys and train.precision: the ZeRO component's engine over the dp ranks, and
+    lowcomm's inside each of its replicas (lowcomm/sharded.py)."""
+    import torch
+
+    from loomtrain.errors import ConfigError
+    from loomtrain.parallel.zero import shard
+    from loomtrain.parallel.zero.state import ZERO
+
+    p = built.cfg.parallel
+    dtype = torch.bfloat16 if built.cfg.train.precision == "bf16" else torch.float32
+    try:  # "sum": the trainer's loss is already divided by the global token count
+        built.model, built.optimizer = shard(
+            built.model, built.optimizer, built.mesh, p.zero_stage,
+            hierarchical=p.hierarchical, optimizer_shard=p.optimizer_shard,
+            prefetch=p.prefetch, offload_optimizer=p.offload_optimizer, compute_dtype=dtype,
+            units=list(p.shard_units) or None, gradient_reduce="sum", axis=axis)
+    except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
+    built.model.pipelined = p.pp > 1
+    built.replicated, built.layout = True, ZERO
 
 
 class BF16(Component):

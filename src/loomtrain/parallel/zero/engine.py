@@ -14,7 +14,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from loomtrain.parallel.data import grad_norm, norm_weight
-from loomtrain.parallel.zero.communication import GradReduction, ReductionQueue, start_gather
+from loomtrain.parallel.zero.communication import (GradReduction, ReductionQueue, publish,
+                                                   start_gather)
 from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -272,6 +273,22 @@ class ShardedDataParallel(nn.Module):
         whose gathered units are then freed."""
         assert self.plan.stage == 1 or self.pipelined, "stages 2-3 reduce every backward"
         self._finish()
+
+    def master_slices(self) -> list[tuple]:
+        """(Slice, view) for each parameter's slice of this rank's fp32 master weights, in
+        unit order: what a method that works on the master weights themselves (lowcomm's
+        sharded replicas) reads and writes, followed by `publish`."""
+        out = []
+        for u in self.all_units:
+            lo, hi = u.optimizer_range
+            out += [(piece, u.master[piece.unit_offset - lo:piece.unit_offset - lo + piece.numel])
+                    for piece in u.layout.slices(lo, hi)]
+        return out
+
+    def publish(self) -> None:
+        """The master weights into the parameters every rank keeps, as after an optimizer
+        step (communication.publish)."""
+        publish(self.all_units, self.mesh)
 
     @property
     def parameters_total(self) -> int:

@@ -11,7 +11,6 @@ import inspect
 import torch
 import torch.nn as nn
 
-from loomtrain.parallel.zero.communication import publish
 from loomtrain.parallel.zero.engine import ShardedDataParallel
 
 ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -67,7 +66,7 @@ class ShardedOptimizer:
     def step(self) -> None:
         self.engine.ready_grads()  # a unit no backward reached since zero_grad: zeros
         self.inner.step()
-        publish(self.engine.all_units, self.engine.mesh)
+        self.engine.publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards: with `set_to_none` (torch's default) their memory is given

@@ -56,12 +56,10 @@ def zero_state(engine, optimizer, for_saving: bool) -> dict:
 def load_zero_state(engine, optimizer, loaded: dict) -> None:
     """After DCP filled the views of `ZeroStateLayout.to_load`: take the loaded
     hyperparameters and publish the weights to every rank that keeps them."""
-    from loomtrain.parallel.zero.communication import publish
-
     saved = loaded_groups(loaded["optim"]["param_groups"], optimizer.group_names)
     for group, values in zip(optimizer.param_groups, saved):
         group.update({k: v for k, v in values.items() if k in group})
-    publish(engine.all_units, engine.mesh)
+    engine.publish()
 
 
 class ZeroStateLayout(StateLayout):
