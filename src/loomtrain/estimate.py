@@ -161,3 +161,13 @@ class DryRunPlan:
         memory = self.memory or memory_per_rank(self.parameters, self.optimizer_states,
                                                 self.activations())
         return replace(memory, rows=tuple(self.memory_rows))
+
+
+def recomputed_microbatches(plan: DryRunPlan) -> int:
+    """How many of a step's micro-batches rank 0 runs forward again in their backward: every
+    one under recompute="full", the pairs of rank 0's stage a planned schedule (optimal)
+    chose to recompute."""
+    pipe = plan.parts.get("pipeline")
+    if pipe is not None and pipe.schedule.recompute:
+        return sum(s % pipe.schedule.pp == 0 for _, s in pipe.schedule.recompute)
+    return plan.cfg.accumulation_steps if plan.cfg.parallel.recompute == "full" else 0

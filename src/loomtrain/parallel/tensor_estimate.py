@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_layer_bytes,
                                    mlp_layer_bytes)
-from loomtrain.estimate import Collective, DryRunPlan, metered
+from loomtrain.estimate import Collective, DryRunPlan, metered, recomputed_microbatches
 from loomtrain.models.config import padded_vocab
 
 
@@ -30,8 +30,6 @@ def estimate_tensor(plan: DryRunPlan) -> None:
 
 
 def _add_collectives(plan: DryRunPlan, at: int) -> None:
-    from loomtrain.parallel.pipeline.estimate import recomputed_microbatches
-
     cfg = plan.cfg
     p, reruns = cfg.parallel, recomputed_microbatches(plan)
     plan.collectives[at:at] = tensor_collectives(

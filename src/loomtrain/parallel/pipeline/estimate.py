@@ -326,13 +326,3 @@ def planned_schedule(cfg, costs) -> S.Schedule:
     budget = optimal_budget(p, microbatches, costs)
     check_budget(p.pp, microbatches, costs, budget)
     return plan_for_config(p.pp, microbatches, costs, budget)
-
-
-def recomputed_microbatches(plan: DryRunPlan) -> int:
-    """How many of a step's micro-batches rank 0 runs forward again in their backward: every
-    one under recompute="full", the pairs of rank 0's stage a planned schedule (optimal)
-    chose to recompute."""
-    pipe = plan.parts.get("pipeline")
-    if pipe is not None and pipe.schedule.recompute:
-        return sum(s % pipe.schedule.pp == 0 for _, s in pipe.schedule.recompute)
-    return plan.cfg.accumulation_steps if plan.cfg.parallel.recompute == "full" else 0

@@ -10,8 +10,7 @@ from __future__ import annotations
 from loomtrain.activations import FP32_BYTES, llama_heads
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.errors import ConfigError
-from loomtrain.estimate import Collective, DryRunPlan, metered
-from loomtrain.parallel.pipeline.estimate import recomputed_microbatches
+from loomtrain.estimate import Collective, DryRunPlan, metered, recomputed_microbatches
 from loomtrain.parallel.sequence import resolve_method, staged_kernel
 from loomtrain.parallel.tensor_estimate import layer_counts
 
