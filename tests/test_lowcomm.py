@@ -74,6 +74,11 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
     # H=1: one schedule (every unit at every step), whatever DreamDDP measures
     ("dreamddp_h1", {"algorithm": "dreamddp"}, {"cp": 2}, SGD, {}),
     ("hpsgd", {"algorithm": "hpsgd"}, {"tp": 2}, {}, {}),
+    # DASO, one step stale, adaptive: every rank its own node (ranks_per_node=1, the whole
+    # replicas' too), so each split replica's dp peers sit on two nodes; over tp2 each node
+    # could hold a replica (2), the same groups
+    ("daso", {"algorithm": "hierarchical", "inner_steps": 2, "adaptive_period": True},
+     {"tp": 2, "ranks_per_node": 1}, {}, {}),
     # the last stage's tied head is not projected, as the whole model's is not
     ("lordo", {"algorithm": "lordo", "inner_steps": 2, "rank": 4}, {"pp": 2}, {}, {}),
     # sparse training in synchronous DP, each stage masking its own layers (the rules that
@@ -105,7 +110,15 @@ SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals,
 SPARSE_STEPS = 12
 # more split layouts in world 4 only, each against the whole replicas of the SPLIT case named
 SPLIT_ALSO = [("hpsgd_cp", "hpsgd", {"cp": 2}), ("hpsgd_pp", "hpsgd", {"pp": 2}),
-              ("lordo_cp", "lordo", {"cp": 2})]
+              ("lordo_cp", "lordo", {"cp": 2}), ("dreamddp_h1_pp", "dreamddp_h1", {"pp": 2}),
+              ("daso_cp", "daso", {"cp": 2, "ranks_per_node": 2}),
+              ("daso_pp", "daso", {"pp": 2, "ranks_per_node": 1})]
+_SPLITS = ("tp", "pp", "cp", "sequence_parallel")
+
+
+def _whole(parallel: dict) -> dict:
+    """The [parallel] keys of a split layout that its whole replicas take too (the nodes)."""
+    return {k: v for k, v in parallel.items() if k not in _SPLITS}
 # replicas ZeRO-sharded over the 2 ranks of a node, synced across the 2 nodes, each against
 # the whole replicas (dp2) of the SPLIT case named: (name, [parallel] beside 2 ranks per node,
 # [train], reference)
@@ -123,8 +136,9 @@ def world2(tmp_path_factory, corpus):
     split layouts."""
     tmp_path = tmp_path_factory.mktemp("lowcomm_w2")
 
-    def tree(lowcomm=None, **sections):
-        return tiny_tree(tmp_path, corpus, parallel={"nproc": 2}, lowcomm=lowcomm or {}, **sections)
+    def tree(lowcomm=None, parallel=None, **sections):
+        return tiny_tree(tmp_path, corpus, parallel={"nproc": 2, **(parallel or {})},
+                         lowcomm=lowcomm or {}, **sections)
 
     diloco_h1 = {"algorithm": "diloco", "inner_steps": 1, "outer_optimizer": "sgd", "outer_lr": 1.0}
     # DiLoCo H=2 with dropout (the per-rank RNG matters): 8 steps, checkpoints every 4
@@ -139,8 +153,9 @@ def world2(tmp_path_factory, corpus):
             ("h2_stopped", tree(**h2), None, True),
             ("h2_mid", tree(**h2), 3, False),  # stops after step 3, between syncs
             ("h2_mid", tree(**h2), None, True)]
-    jobs += [(name, tree(lowcomm, train={"steps": SPLIT_STEPS, **train}, **other), None, False)
-             for name, lowcomm, _, train, other in SPLIT]
+    jobs += [(name, tree(lowcomm, _whole(parallel), train={"steps": SPLIT_STEPS, **train},
+                         **other), None, False)
+             for name, lowcomm, parallel, train, other in SPLIT]
     # whole replicas in bf16 (the sharded engine at stage 0: fp32 master weights)
     jobs += [("diloco_h2_bf16", tree(SPLIT[0][1], train={"steps": SPLIT_STEPS,
                                                          "precision": "bf16"}), None, False)]
@@ -197,6 +212,8 @@ def world4(tmp_path_factory, corpus):
                                    train=SGD), None, False),
             ("dreamddp_h2", tree({"algorithm": "dreamddp", "inner_steps": 2}, {"tp": 2},
                                  train={"steps": SPLIT_STEPS}), None, False),
+            ("dreamddp_h2_pp", tree({"algorithm": "dreamddp", "inner_steps": 2}, {"pp": 2},
+                                    train={"steps": SPLIT_STEPS}), None, False),
             # gradient compression in the data-parallel engine under a pipeline: top-k
             # keeping every value is the dense all-reduce (test_compression_training.py)
             ("topk_all_pp", tree({}, {"pp": 2}, train=SGD,
@@ -209,7 +226,9 @@ def world4(tmp_path_factory, corpus):
                          checkpoint={"every": SPARSE_STEPS}), None, False)
              for name, sparsity, parallel, *_ in SPARSE]
     by_name = {name: lowcomm for name, lowcomm, *_ in SPLIT}
-    jobs += [(name, tree(by_name[reference], parallel, train={"steps": SPLIT_STEPS}), None, False)
+    trains = {name: train for name, _, _, train, _ in SPLIT}
+    jobs += [(name, tree(by_name[reference], parallel,
+                         train={"steps": SPLIT_STEPS, **trains[reference]}), None, False)
              for name, reference, parallel in SPLIT_ALSO]
     jobs += [(name, tree(by_name[reference], {**ZERO_NODE, **parallel},
                          train={"steps": SPLIT_STEPS, **train}), None, False)
@@ -264,6 +283,25 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     for period in (records[2:4], records[4:6]):
         assert sorted(u for r in period for u in r["dreamddp_synced"]) == sorted(units)
     assert _losses(records)[-1] < _losses(records)[0] - 0.3
+    # over pp2, H=2: rank 0 (stage 0) plans its stage's units, timed from the stage backwards
+    # the runtime ran and agreed over dp; the tied embedding syncs at the period's last
+    # iteration, where the head's copy on stage 1 does
+    records = out["dreamddp_h2_pp"][0]
+    schedule = records[1]["dreamddp_schedule"]
+    units = schedule["units"]
+    assert "blocks.0" in units and "ln_f" not in units, units
+    assert dict(zip(units, schedule["iteration"]))["tok_emb"] == 1, schedule
+    assert all(t > 0 for t in schedule["ready_s"]), schedule  # every unit timed
+    for period in (records[2:4], records[4:6]):
+        assert sorted(u for r in period for u in r["dreamddp_synced"]) == sorted(units)
+    # DASO's windows and periods are the whole replicas' on rank 0 (stage 0 of dp2 x pp2,
+    # which holds no loss; cp rank 0, half the tokens' loss): summed over the replica
+    for name in ("daso", "daso_cp", "daso_pp"):
+        got, whole = out[name][0], world2["daso"][0]
+        assert [r["global_period_steps"] for r in got] == [r["global_period_steps"] for r in whole]
+        windows = [[r.get("global_window_loss") for r in rs] for rs in (got, whole)]
+        assert [w is None for w in windows[0]] == [w is None for w in windows[1]], name
+        assert _rel(*[[w for w in ws if w is not None] for ws in windows]) < 1e-4, name
     # stopped at step 4 (a sync, a checkpoint: tp pieces of the outer momentum as boxes)
     assert out["diloco_h2_tp"][1] == ["step_00000004", "step_00000008"]
     # DiLoCo over dp2 x pp2, 8 steps, H=2: 4 outer all-reduces of each rank's own fp32 pieces,
@@ -347,10 +385,8 @@ def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_pat
     ({"algorithm": "diloco", "inner_steps": 4}, {"checkpoint": {"every": 6}},
      "set checkpoint.every=8"),
     ({"algorithm": "lordo"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
-    ({"algorithm": "hierarchical"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "cp": 2}},
-     "DASO's node-local gradient and cross-node parameter groups"),
-    ({"algorithm": "dreamddp"}, {"parallel": {"nproc": 2, "pp": 2}},
-     'only lowcomm.algorithm="local_sgd"'),
+    ({"algorithm": "hierarchical"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "pp": 2}},
+     "puts all parallel.dp=2 replicas of a pipeline stage on one node"),
     ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "pp": 2}, "run": {"max_restarts": 1}},
      "parallel.pp=2 splits each replica over 2 processes"),
     ({"algorithm": "local_sgd"}, {"parallel": {"nproc": 2, "zero_stage": 1}},

@@ -20,7 +20,8 @@ import torch
 from conftest import tiny_tree
 from harness import run_world
 from loomtrain.lowcomm.dreamddp import layer_units
-from loomtrain.lowcomm.dreamddp_schedule import exposed_s, fit_alpha_beta, naive, plan
+from loomtrain.lowcomm.dreamddp_schedule import (exposed_s, fit_alpha_beta, naive, plan,
+                                                 shared_last)
 from loomtrain.models.gpt import GPT
 from loomtrain.models.mlp import MLP
 from loomtrain.train import checkpoint
@@ -114,6 +115,30 @@ def test_schedule_of_a_large_model_stops_at_its_budget():
     assert time.perf_counter() - started < 20  # measured 0.5-1.2 s, the machine shared
     assert not found.exact and found.exposed_s < found.naive_exposed_s
     assert plan(backward, comm, 1).iteration == naive(48, 1)  # H = 1: nothing to choose
+
+
+def _groups(iteration) -> set[frozenset[int]]:
+    return {frozenset(u for u, k in enumerate(iteration) if k == at) for at in set(iteration)}
+
+
+def test_shared_units_sync_at_the_last_iteration_at_no_cost():
+    """Under a pipeline each stage plans its own units; a unit holding the tied embedding (or
+    head) goes to the period's last iteration on every stage. Relabeling the iterations of a
+    plan leaves its exposed time as it was."""
+    rng = random.Random(11)
+    for _ in range(50):
+        n, iterations = rng.randint(2, 6), rng.randint(2, 4)
+        backward = [rng.uniform(0.0, 1.0) for _ in range(n)]
+        comm = [rng.uniform(0.0, 2.0) for _ in range(n)]
+        found = plan(backward, comm, iterations)  # units in backward order here
+        shared = [rng.randrange(n)]
+        moved = shared_last(found.iteration, shared, iterations)
+        assert moved[shared[0]] == iterations - 1
+        assert _groups(moved) == _groups(found.iteration)  # the same units together
+        assert exposed_s(backward, comm, moved, iterations) == pytest.approx(found.exposed_s)
+    # two shared units in different iterations: both moved, the rest kept
+    assert shared_last((0, 1, 2, 0), [0, 1], 3) == (2, 2, 2, 0)
+    assert shared_last((0, 1, 2, 0), [], 3) == (0, 1, 2, 0)
 
 
 def test_alpha_beta_fit():

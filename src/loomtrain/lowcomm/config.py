@@ -83,33 +83,18 @@ _SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slic
                 "master weights); HPSGD and DASO reduce the parameters' own gradients every "
                 "step, DreamDDP syncs the whole model's layers timed in its own backward, and "
                 "LoRDO steps its own low-rank optimizer, not ZeRO's elementwise one over slices")
-# the algorithms whose replica may itself be split over tp, cp and pp: each rank syncs its own
-# pieces over dp (lowcomm/local_sgd.py); the others still sync whole fp32 models
-SPLIT_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "dreamddp", "hpsgd")
-CONTEXT_REPLICAS = SPLIT_REPLICAS + ("lordo",)
-STAGED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco", "lordo", "hpsgd")
-_DASO = ("; DASO's node-local gradient and cross-node parameter groups are built over whole "
-         "replicas")
-_LORDO_TP = (", and LoRDO projects each weight matrix on its own rank-r subspace, which a "
-             "tensor-parallel rank's slice of the matrix does not have")
-# DreamDDP's units are the whole model's layers, timed in the wrapper's forward, which a
-# pipeline's runtime does not call (it runs the stages)
-_STAGES = (", and DreamDDP plans over the whole model's layers, timing its backward from its "
-           "own forward")
-
-
-def _split_refusal(built: tuple[str, ...], partly: str, why: str = "") -> Refusal:
-    return Refusal("of its algorithms, only lowcomm.algorithm=" + ", ".join(
-        f'"{a}"' for a in built) + " sync replicas that are themselves split this way; the "
-                   "others sync whole fp32 models over dp" + why,
-                   when=lambda cfg: cfg.lowcomm.algorithm not in built, partly=partly)
+# every algorithm's replica may itself be split over cp and pp, and all but LoRDO's over tp:
+# each rank syncs its own pieces over dp (lowcomm/local_sgd.py)
+_LORDO_TP = ("LoRDO projects each weight matrix on its own rank-r subspace, which a "
+             "tensor-parallel rank's slice of the matrix does not have (the other algorithms "
+             "sync replicas split this way, each rank its own pieces over dp)")
 
 
 class Lowcomm(EngineTimeline, Component):
     """Low-communication replicas over dp, each on its own rows, each whole or itself split
-    over tp, cp and pp (SPLIT_REPLICAS, CONTEXT_REPLICAS, STAGED_REPLICAS), or run by the
-    sharded engine in bf16 or ZeRO-sharded over the ranks of a node (SHARDED_REPLICAS),
-    checkpointed only where they are synchronized."""
+    over tp (but LoRDO's), cp and pp, or run by the sharded engine in bf16 or ZeRO-sharded
+    over the ranks of a node (SHARDED_REPLICAS), checkpointed only where they are
+    synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
@@ -121,11 +106,8 @@ class Lowcomm(EngineTimeline, Component):
                    when=lambda cfg: cfg.lowcomm.algorithm not in SHARDED_REPLICAS,
                    partly="with dreamddp, hpsgd, hierarchical or lordo")
                   for other in ("zero", "bf16")},
-               "tensor": _split_refusal(SPLIT_REPLICAS, "with hierarchical or lordo",
-                                        _DASO + _LORDO_TP),
-               "context": _split_refusal(CONTEXT_REPLICAS, "with hierarchical", _DASO),
-               "pipeline": _split_refusal(STAGED_REPLICAS, "with hierarchical or dreamddp",
-                                          _DASO + _STAGES),
+               "tensor": Refusal(_LORDO_TP, when=lambda cfg: cfg.lowcomm.algorithm == "lordo",
+                                 partly="with lordo"),
                "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
                                          "every micro-batch, across the steps where the "
                                          "replicas sync")}
@@ -329,6 +311,16 @@ def _check_hierarchical(lc: LowcommConfig, p) -> None:
                          f"parameters between nodes, but parallel.ranks_per_node={rpn} puts all "
                          f"parallel.nproc={p.nproc} ranks on one node: set parallel.ranks_per_node "
                          "to a divisor of nproc below it (e.g. 2 ranks per node)")
+    # the grid is (pp, dp, cp, tp), tp innermost: a rank's dp peers are cp * tp ranks apart
+    apart = p.cp * p.tp
+    if len({d * apart // p.ranks_per_node for d in range(p.dp_size)}) == 1:
+        raise ValueError(f'lowcomm.algorithm="hierarchical" averages gradients inside each node '
+                         f"and parameters between nodes, but parallel.ranks_per_node="
+                         f"{p.ranks_per_node} puts all parallel.dp={p.dp_size} replicas of a "
+                         f"pipeline stage on one node (the nodes divide parallel.pp={p.pp}, not "
+                         "dp): nothing would cross nodes. Set parallel.ranks_per_node to a "
+                         f"divisor of parallel.dp x cp x tp = {p.dp_size * apart} below it "
+                         f"(e.g. cp x tp = {apart}: a node per replica and stage)")
     if lc.overlap_steps > 1:
         raise ValueError(f'lowcomm.overlap_steps={lc.overlap_steps} with lowcomm.algorithm='
                          '"hierarchical": its global sync is either waited for at once (0) or '

@@ -8,6 +8,7 @@ failure semantics: docs/lowcomm-dreamddp.md (the schedule itself: dreamddp_sched
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn as nn
 from loomtrain import comm
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.lowcomm.dreamddp_schedule import (backward_order, exposed_s, fit_alpha_beta, naive,
-                                                 plan)
+                                                 plan, shared_last)
 from loomtrain.lowcomm.local_sgd import LocalSGD
 
 
@@ -65,13 +66,23 @@ class DreamDDP(LocalSGD):
 
     def __init__(self, module: nn.Module, mesh, inner_steps: int, axis: str | None = None):
         super().__init__(module, mesh, inner_steps, axis)
-        # a pipeline's stages hold different units, and its runtime calls the stages, not
-        # this forward, whose hook times the backward (the config refuses pp)
-        assert mesh.size("pp") == 1, "DreamDDP runs whole models or tp/cp replicas"
+        # under a pipeline a rank's units are its stages' layers, and the runtime runs the
+        # stages without this forward: see `no_sync` and `_on_grad_ready`
+        self.staged = mesh.size("pp") > 1
         self.units = layer_units(module)
         self.unit_names = [name for name, _ in self.units]
         self._flat = [_flatten_into_one(tensors) for _, tensors in self.units]
         self._unit_of = {p: u for u, (_, tensors) in enumerate(self.units) for p in tensors}
+        # the units holding a tensor that several pipeline stages hold (the tied embedding
+        # and head), whose copies must sync at the same iteration on every stage
+        self.shared_units = [u for u, (_, tensors) in enumerate(self.units)
+                             if any(getattr(p, "pp_copies", 1) > 1 for p in tensors)]
+        # the gradient accumulations that complete each unit in a step: one per tensor in the
+        # last micro-batch's backward; under a pipeline, counted in the first step (every
+        # micro-batch's backward of every stage of the rank that uses the unit accumulates):
+        # `_counted`, and `_expected` where each of the unit's tensors accumulated (-1: never)
+        self._expected = None if self.staged else [len(tensors) for _, tensors in self.units]
+        self._counted, self._seen = None, set()
         self.iteration_of: list[int] | None = None
         self.ready_s: list[float] = []  # agreed: each unit's gradients complete, from backward start
         self.comm_s: list[float] = []  # agreed: each unit's all-reduce seconds
@@ -88,7 +99,7 @@ class DreamDDP(LocalSGD):
 
     # --- the current step ---
     def _reset_step(self) -> None:
-        self._left = [len(tensors) for _, tensors in self.units]
+        self._calls = [0] * len(self.units)
         self._ready_at = [None] * len(self.units)
         self._issued = [False] * len(self.units)
         self._pending = []
@@ -116,7 +127,14 @@ class DreamDDP(LocalSGD):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Micro-batches before the last: their backward neither syncs nor measures."""
+        """The trainer's micro-batches before the last: their backward neither syncs nor
+        measures. A pipeline's runtime enters it for its whole step (it runs the stages, not
+        this forward): the step's start, from which the units' readiness is timed (the plan
+        reads only differences of those times), and the counting of every accumulation."""
+        if self.staged:
+            self._backward_t0 = time.perf_counter()
+            yield
+            return
         self._accumulating = True
         try:
             yield
@@ -127,14 +145,18 @@ class DreamDDP(LocalSGD):
         self._backward_t0 = time.perf_counter()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """The unit's last accumulation of the step completes it: its parameters are read by
+        no later backward of the step, so their average may start. Its time is the unit's
+        readiness (the last call's, where the count is not known yet)."""
         if self._accumulating:
             return
         u = self._unit_of[p]
-        self._left[u] -= 1
-        if self._left[u] == 0:  # the unit's last tensor: its gradients are complete
-            self._ready_at[u] = time.perf_counter()
-            if self._syncs_now(u):
-                self._issue(u)
+        self._calls[u] += 1
+        if self.staged and self._counted is None:
+            self._seen.add(p)
+        self._ready_at[u] = time.perf_counter()
+        if self._expected is not None and self._calls[u] == self._expected[u] and self._syncs_now(u):
+            self._issue(u)
 
     def _issue(self, u: int) -> None:
         """All-reduce (sum) unit u's flat buffer in place, asynchronously."""
@@ -166,7 +188,25 @@ class DreamDDP(LocalSGD):
             self._flat[u].div_(n)
         self._wait_s += time.perf_counter() - started
         self._note_step(started)
+        self._count_accumulations()
         self._reset_step()
+
+    def _count_accumulations(self) -> None:
+        """Under a pipeline, the first step's accumulations per unit are every step's (the
+        same schedule runs every step); checked, since a count reached early would have
+        averaged a unit that a later backward of the step still read. A tensor whose
+        accumulation the hooks do not see (zero-bubble's deferred weight gradients, added
+        outside autograd) may still be read after the others' last one: its unit waits for
+        `before_update`."""
+        if not self.staged:
+            return
+        if self._counted is None:
+            self._counted = list(self._calls)
+            self._expected = [c if all(p in self._seen for p in tensors) else -1
+                              for c, (_, tensors) in zip(self._calls, self.units)]
+            self._seen = set()
+        assert self._calls == self._counted, ("the gradient accumulations per unit changed "
+                                              "between steps", self._calls, self._counted)
 
     def _note_step(self, backward_end: float) -> None:
         """What the step leaves for metrics and for the warm-up's measurement."""
@@ -221,26 +261,35 @@ class DreamDDP(LocalSGD):
     def _latency_s(self) -> float:
         return self.mesh.link.latency_ms / 1e3 if self._link_times_dp() else 0.0
 
+    def _peer_axes(self) -> tuple[str, ...]:
+        """The axes of the ranks that hold this rank's units: every rank (the tp and cp ranks
+        of a replica hold the same units: tp pieces of them, and whole tensors they
+        replicate), or under a pipeline every rank of its stage (tp, cp and dp together)."""
+        return ("tp", "cp", "dp") if self.staged else ("world",)
+
     def _fix_schedule(self) -> None:
-        """Agree on the measurements (their mean over every rank) and on rank 0's plan. Every
-        rank, not only the replicas: the tp and cp ranks of a replica hold the same units (tp
-        pieces of them, and whole tensors they replicate), which must sync at the same
-        iteration everywhere, or the copies of a replicated tensor would part."""
+        """Agree on the measurements (their mean over the peers: `_peer_axes`) and on the
+        plan of the first of them, which must sync each unit at the same iteration
+        everywhere, or the copies of a replicated tensor would part. A tensor that several
+        stages hold syncs at the period's last iteration on each (`shared_last`)."""
         n = len(self.units)
         alpha, beta = fit_alpha_beta(self._samples)
         ready = [s / self._measured for s in self._ready_sum]
         comm_s = [self._op_s(_nbytes(flat), alpha, beta) for flat in self._flat]
         stats = torch.tensor(ready + comm_s, dtype=torch.float64, device=self.mesh.device)
-        comm.all_reduce(stats, self.mesh, "world")
-        stats /= self.mesh.world
+        for axis in self._peer_axes():  # summed over each axis in turn: over all of them
+            comm.all_reduce(stats, self.mesh, axis)
+        stats /= math.prod(self.mesh.size(axis) for axis in self._peer_axes())
         ready, comm_s = stats[:n].tolist(), stats[n:].tolist()
         order, backward = backward_order(ready)
         found = plan(backward, [comm_s[u] for u in order], self.inner_steps, self._latency_s())
         mine = [0] * n
         for position, u in enumerate(order):
             mine[u] = found.iteration[position]
+        mine = shared_last(mine, self.shared_units, self.inner_steps)
         iteration = torch.tensor(mine, dtype=torch.int64, device=self.mesh.device)
-        comm.broadcast(iteration, self.mesh, "world", 0)
+        for axis in self._peer_axes():
+            comm.broadcast(iteration, self.mesh, axis, 0)
         self._set_schedule(iteration.tolist(), ready, comm_s, exact=found.exact)
 
     def _set_schedule(self, iteration, ready, comm_s, exact=None) -> None:

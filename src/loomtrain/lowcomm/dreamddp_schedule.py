@@ -112,6 +112,21 @@ def plan(backward_s, comm_s, iterations: int, latency_s: float = 0.0,
                 naive_cost, exact)
 
 
+def shared_last(iteration, shared, iterations: int) -> tuple[int, ...]:
+    """`iteration` (per unit) with the `shared` units in the period's last iteration: those
+    holding a tensor that several pipeline stages hold, each stage planning its own units,
+    whose copies must sync at the same iteration on every stage. The H iterations of a
+    period are alike in the cost (`exposed_s` sums over them), so where the shared units
+    share an iteration it trades labels with the last, at no cost; otherwise they move there."""
+    last = iterations - 1
+    at = {iteration[u] for u in shared}
+    if len(at) == 1:
+        k = at.pop()
+        swap = {k: last, last: k}
+        return tuple(swap.get(k, k) for k in iteration)
+    return tuple(last if u in shared else k for u, k in enumerate(iteration))
+
+
 def fit_alpha_beta(samples) -> tuple[float, float]:
     """(alpha seconds per op, seconds per wire byte) of measured (wire bytes, seconds) pairs:
     least squares of seconds = alpha + bytes x beta, each clamped at 0 (a noisy fit must not

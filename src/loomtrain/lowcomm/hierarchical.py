@@ -81,7 +81,9 @@ class Hierarchical(LocalSGD):
     """`model = Hierarchical(model, mesh, inner_steps=H, overlap_steps=1)`; then per step
     `loss.backward(); model.clip_grad_norm_(c); optimizer.step();
     model.observe_loss(loss_sum, tokens); model.after_step(step)` (`clip_grad_norm_` runs the
-    node-local gradient average; `observe_loss` feeds the adaptive period)."""
+    node-local gradient average; `observe_loss` feeds the adaptive period). A replica split
+    over tp, pp or cp: each rank averages its own pieces' gradients over dp.local and its own
+    parameters over dp.cross, with the ranks that hold the same pieces."""
 
     def __init__(self, module: nn.Module, mesh, inner_steps: int, overlap_steps: int = 1,
                  adaptive_period: bool = False):
@@ -196,7 +198,7 @@ class Hierarchical(LocalSGD):
         self.window_steps += steps
         if self.window_steps < self.inner_steps:
             return
-        loss, tokens = self.window.tolist()
+        loss, tokens = self._replica_window()
         if self.adaptive_period and tokens == 0:
             raise RuntimeError("lowcomm adaptive_period follows the loss: call "
                                "model.observe_loss(loss_sum, tokens) after every step")
@@ -205,6 +207,16 @@ class Hierarchical(LocalSGD):
             self.plateau = next_period(self.plateau, self.window_loss, self.inner_steps)
         self.window.zero_()
         self.window_steps = 0
+
+    def _replica_window(self) -> tuple[float, float]:
+        """The window's loss sum and target tokens over whole replicas. A replica split over
+        pp or cp holds its loss in pieces (the last stage's; each context rank's tokens'):
+        summed over those axes, so that every rank of it decides the same period (its tp
+        ranks hold the same loss, and every rank its rows' tokens)."""
+        loss = self.window[:1].clone()
+        for axis in ("pp", "cp"):
+            comm.all_reduce(loss, self.mesh, axis)
+        return float(loss), float(self.window[1])
 
     @torch.no_grad()
     def _merge(self, node_sum: torch.Tensor, stale_steps: int) -> None:
