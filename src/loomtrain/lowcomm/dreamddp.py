@@ -79,10 +79,9 @@ class DreamDDP(LocalSGD):
                              if any(getattr(p, "pp_copies", 1) > 1 for p in tensors)]
         # the gradient accumulations that complete each unit in a step: one per tensor in the
         # last micro-batch's backward; under a pipeline, counted in the first step (every
-        # micro-batch's backward of every stage of the rank that uses the unit accumulates):
-        # `_counted`, and `_expected` where each of the unit's tensors accumulated (-1: never)
+        # micro-batch's backward of every stage of the rank that uses the unit accumulates)
         self._expected = None if self.staged else [len(tensors) for _, tensors in self.units]
-        self._counted, self._seen = None, set()
+        self._counted = None
         self.iteration_of: list[int] | None = None
         self.ready_s: list[float] = []  # agreed: each unit's gradients complete, from backward start
         self.comm_s: list[float] = []  # agreed: each unit's all-reduce seconds
@@ -152,10 +151,9 @@ class DreamDDP(LocalSGD):
             return
         u = self._unit_of[p]
         self._calls[u] += 1
-        if self.staged and self._counted is None:
-            self._seen.add(p)
         self._ready_at[u] = time.perf_counter()
-        if self._expected is not None and self._calls[u] == self._expected[u] and self._syncs_now(u):
+        complete = self._expected is not None and self._calls[u] == self._expected[u]
+        if complete and self._syncs_now(u):
             self._issue(u)
 
     def _issue(self, u: int) -> None:
@@ -194,17 +192,16 @@ class DreamDDP(LocalSGD):
     def _count_accumulations(self) -> None:
         """Under a pipeline, the first step's accumulations per unit are every step's (the
         same schedule runs every step); checked, since a count reached early would have
-        averaged a unit that a later backward of the step still read. A tensor whose
-        accumulation the hooks do not see (zero-bubble's deferred weight gradients, added
-        outside autograd) may still be read after the others' last one: its unit waits for
-        `before_update`."""
+        averaged a unit that a later backward of the step still read. A zero-bubble
+        schedule reads linear weights in backward ops whose weight gradients no hook sees
+        (`defers_weight_grads`): no count says when a unit is read no more, and every unit
+        waits for `before_update`."""
         if not self.staged:
             return
         if self._counted is None:
             self._counted = list(self._calls)
-            self._expected = [c if all(p in self._seen for p in tensors) else -1
-                              for c, (_, tensors) in zip(self._calls, self.units)]
-            self._seen = set()
+            deferred = self.module.runtime.defers_weight_grads
+            self._expected = [-1 if deferred else c for c in self._calls]
         assert self._calls == self._counted, ("the gradient accumulations per unit changed "
                                               "between steps", self._calls, self._counted)
 

@@ -182,6 +182,13 @@ class PipelineRuntime:
         self.actions = posted_early(schedule.actions[self.rank], RECV_LOOKAHEAD)
         self.offloaded = {(a.microbatch, a.stage) for a in self.actions if a.kind == S.OFFLOAD}
 
+    @property
+    def defers_weight_grads(self) -> bool:
+        """Whether this rank's schedule splits backwards into I and W actions: its I actions
+        read the linear weights whose gradients its W actions add later, outside autograd
+        (no gradient hook sees them)."""
+        return any(a.kind == S.I for a in self.actions)
+
     def bubble_theory(self) -> float:
         """The schedule's bubble by its formula; a planned schedule's (optimal), simulated
         with the stage costs it was planned with."""
