@@ -196,8 +196,8 @@ def world4(tmp_path_factory, corpus):
     """One world-4 spawn: DiLoCo against synchronous DP over 4 whole replicas, and 2 replicas
     each split over 2 ranks (tp, pp or cp): the SPLIT layouts, local SGD with H=1 over tp with
     sequence parallelism and synchronous DP over pp with top-k compression keeping every value
-    (20 steps, plain SGD), DreamDDP with H=2 over tp, a DiLoCo run over tp stopped at a sync and
-    resumed, the SPLIT_ALSO layouts, and 2 replicas each ZeRO-sharded over a node of 2 ranks
+    (20 steps, plain SGD), DreamDDP with H=2 over tp and over pp, a DiLoCo run over tp stopped
+    at a sync and resumed, the SPLIT_ALSO layouts, and 2 replicas each ZeRO-sharded over a node of 2 ranks
     (SHARDED, and DiLoCo with ZeRO-3 stopped at a sync and resumed). Returns (rank 0's runs,
     every rank's all-reduce bytes over dp and dp.cross per run)."""
     tmp_path = tmp_path_factory.mktemp("lowcomm_w4")
