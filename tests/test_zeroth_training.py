@@ -27,7 +27,7 @@ from loomtrain.train.metrics import read_metrics
 from loomtrain.train.run import train_loop, train_worker
 from loomtrain.train.task import build_task_model
 from loomtrain.zeroth import hyper_keys, pair_exchange_bytes
-from loomtrain.zeroth.distributed import loss_broadcast_bytes
+from loomtrain.zeroth.distributed import loss_broadcast_bytes, loss_reduce_bytes
 
 
 def _run(cfg, run_dir: Path, resume: Path | None = None) -> dict:
@@ -96,7 +96,7 @@ def one_rank(tmp_path_factory, corpus) -> list[dict]:
     (SPLITS), in one spawned world."""
     root = tmp_path_factory.mktemp("one_rank")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2})
-    return run_world(_train, 1, [tree, _split_tree(root, corpus, 1)], True, timeout_s=150)[0]
+    return run_world(_train, 1, [tree, *_references(root, corpus, 1)], True, timeout_s=150)[0]
 
 
 def test_mezo_trains_one_rank_from_forward_passes_only(one_rank):
@@ -119,7 +119,7 @@ def two_ranks(tmp_path_factory, corpus) -> tuple[dict, list[list[dict]]]:
     root = tmp_path_factory.mktemp("two_ranks")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2},
                     parallel={"nproc": 2}, checkpoint={"every": STEPS // 2})
-    return tree, run_world(_train, 2, [tree, _split_tree(root, corpus, 2)], timeout_s=200)
+    return tree, run_world(_train, 2, [tree, *_references(root, corpus, 2)], timeout_s=200)
 
 
 def test_mezo_on_two_ranks_exchanges_only_pairs_and_stays_identical(two_ranks):
@@ -225,23 +225,33 @@ def test_a_resumed_run_continues_bitwise(every_method, name):
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
-# replicas split by tensor and pipeline parallelism (docs/zeroth.md, "Split replicas"), at
-# world 4, each against the same run on its whole replica: zo-adam (2 probes) over tp2 x pp2,
-# checkpointed at step 6 and resumed from it, against one rank; MeZO over dp2 x tp2 with
-# sequence parallelism against dp2 alone (whose pairs equal one process's:
-# test_zeroth_distributed.py)
-SPLITS = [("zo-adam", {"tp": 2, "pp": 2}, 1), ("mezo", {"tp": 2, "sequence_parallel": True}, 2)]
+# replicas split by tensor, pipeline and context parallelism (docs/zeroth.md, "Split
+# replicas"), at world 4, each against the same method on its whole replica (one rank, or dp2
+# whose pairs equal one process's: test_zeroth_distributed.py): zo-adam (2 probes) over tp2 x
+# pp2, checkpointed at step 6 and resumed from it; MeZO over dp2 x tp2 with sequence
+# parallelism; MeZO over dp2 x cp2 (Ulysses); zo-adam over cp2 x tp2 (ring attention)
+SPLITS = [("zo-adam", {"tp": 2, "pp": 2}, 1), ("mezo", {"tp": 2, "sequence_parallel": True}, 2),
+          ("mezo", {"cp": 2, "cp_method": "ulysses"}, 2), ("zo-adam", {"cp": 2, "tp": 2}, 1)]
+RESUMED = {0}  # the SPLITS that checkpoint at step 6 and resume from it
 SPLIT_STEPS = 12
+# the whole replicas, one run per (method, world), in the one- and two-rank spawns
+REFERENCES = sorted({(name, world) for name, _, world in SPLITS})
 
 
-def _split_tree(root, corpus, world: int, split: int | None = None) -> dict:
-    """SPLITS[split]'s run at world 4, or (split None) the reference run on `world` ranks."""
-    i = split if split is not None else next(i for i, s in enumerate(SPLITS) if s[2] == world)
-    name, parallel, _ = SPLITS[i]
-    return _zo_tree(root, corpus, name, run_name=f"split{i}-{world}",
+def _split_tree(root, corpus, world: int, split: int | None = None,
+                name: str | None = None) -> dict:
+    """SPLITS[split]'s run at world 4, or (split None) the reference run of method `name` on
+    `world` ranks."""
+    parallel = SPLITS[split][1] if split is not None else {}
+    name = SPLITS[split][0] if split is not None else name
+    return _zo_tree(root, corpus, name, run_name=f"split-{name}-{world}-{split}",
                     optim=METHOD_KEYS.get(name, {}), train={"steps": SPLIT_STEPS},
-                    parallel={"nproc": world, **(parallel if split is not None else {})},
-                    checkpoint={"every": SPLIT_STEPS // 2 if split == 0 else 0})
+                    parallel={"nproc": world, **parallel},
+                    checkpoint={"every": SPLIT_STEPS // 2 if split in RESUMED else 0})
+
+
+def _references(root, corpus, world: int) -> list[dict]:
+    return [_split_tree(root, corpus, world, name=name) for name, w in REFERENCES if w == world]
 
 
 def _split_world(rank, world, trees):
@@ -264,7 +274,9 @@ def split_replicas(tmp_path_factory, corpus) -> list[list[dict]]:
 @pytest.mark.parametrize("i", range(len(SPLITS)))
 def test_a_split_replica_trains_as_its_whole_replica(split_replicas, one_rank, two_ranks, i):
     got = split_replicas[0][i]["records"]
-    ref = {1: one_rank[1], 2: two_ranks[1][0][1]}[SPLITS[i][2]]["records"]
+    name, _, world = SPLITS[i]
+    runs = {1: one_rank, 2: two_ranks[1][0]}[world][1:]
+    ref = runs[[r for r in REFERENCES if r[1] == world].index((name, world))]["records"]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, SPLIT_STEPS + 1))
     # the same perturbations and updates; the losses sum the same terms in other orders
     # (tensor-parallel matmuls and all-reduces): measured within 2e-6 relative
@@ -294,6 +306,21 @@ def test_a_pipeline_sends_each_probe_loss_from_its_last_stage(split_replicas):
         count = runs[0]["saved"]["counts"][("pp", "zo_loss")]
         assert (count.calls, count.payload_bytes, count.wire_bytes) == tuple(expected.values())
         assert ("pp", "zo_loss") not in runs[1]["saved"]["counts"]  # no pipeline, no broadcast
+
+
+def test_context_parallel_ranks_add_each_probe_loss(split_replicas):
+    # dp2 x cp2, MeZO: 2 forwards a step, each cp rank's loss sum all-reduced over cp as one
+    # float64; on top, the loop's logged loss (one float64 a step) and the last step's
+    # validation (2 float64) are all-reduced over cp as in every mode
+    forwards = 2 * SPLIT_STEPS
+    probes = loss_reduce_bytes(2, forwards)
+    assert probes == {"calls": forwards, "payload": 8 * forwards, "wire": 8 * forwards}
+    loop = {"calls": SPLIT_STEPS + 1, "payload": 8 * SPLIT_STEPS + 16}
+    for runs in split_replicas:
+        count = runs[2]["saved"]["counts"][("cp", "all_reduce")]
+        assert count.calls == probes["calls"] + loop["calls"]
+        assert count.payload_bytes == probes["payload"] + loop["payload"]
+        assert count.wire_bytes == count.payload_bytes  # a ring of 2 sends what it reduces
 
 
 def test_trainable_parameters_are_the_only_ones_that_change(tmp_path, corpus):
@@ -384,8 +411,6 @@ def _cfg(tmp_path, corpus, **sections):
      r"thresholds and HELENE's clipping floor are taken over each whole tensor"),
     ({"optim": {"name": "sparse-mezo"}, "parallel": {"nproc": 2, "pp": 2}},
      r"optim.name='sparse-mezo' with parallel.pp=2 is not supported yet"),
-    ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "cp": 2}},
-     r"parallel.cp=2 is not supported yet: the probes run"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "pp": 2, "schedule": "async"}},
      r"parallel.schedule='async' is not supported: its runtime steps"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "zero_stage": 1}},

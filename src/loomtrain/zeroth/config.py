@@ -80,9 +80,6 @@ class Zeroth(Component):
         "async_pipeline": Refusal("its runtime steps each stage's own backprop optimizer after "
                                   "every micro-batch; the probes run the synchronous pipeline's "
                                   "forward-only path", yet=False),
-        "context": Refusal("the probes run the model's own forward or the pipeline's "
-                           "forward-only path on whole rows, not the sequence runtime that "
-                           "splits each row over cp"),
         "zero": Refusal("ZeRO shards gradients and optimizer state; a zeroth-order step has no "
                         "gradient, and its memory is already that of inference", yet=False),
         "bf16": Refusal("the probes run the fp32 model (bf16 with fp32 master weights is the "
