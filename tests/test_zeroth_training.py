@@ -229,10 +229,13 @@ def test_a_resumed_run_continues_bitwise(every_method, name):
 # replicas"), at world 4, each against the same method on its whole replica (one rank, or dp2
 # whose pairs equal one process's: test_zeroth_distributed.py): zo-adam (2 probes) over tp2 x
 # pp2, checkpointed at step 6 and resumed from it; MeZO over dp2 x tp2 with sequence
-# parallelism; MeZO over dp2 x cp2 (Ulysses); zo-adam over cp2 x tp2 (ring attention)
+# parallelism; MeZO over dp2 x cp2 (Ulysses); zo-adam over cp2 x tp2 (ring attention);
+# sparse MeZO (thresholds every 2 steps) over tp2 x pp2, resumed as well; HELENE over dp2 x
+# tp2 (their thresholds and floors are the whole tensors')
 SPLITS = [("zo-adam", {"tp": 2, "pp": 2}, 1), ("mezo", {"tp": 2, "sequence_parallel": True}, 2),
-          ("mezo", {"cp": 2, "cp_method": "ulysses"}, 2), ("zo-adam", {"cp": 2, "tp": 2}, 1)]
-RESUMED = {0}  # the SPLITS that checkpoint at step 6 and resume from it
+          ("mezo", {"cp": 2, "cp_method": "ulysses"}, 2), ("zo-adam", {"cp": 2, "tp": 2}, 1),
+          ("sparse-mezo", {"tp": 2, "pp": 2}, 1), ("helene", {"tp": 2}, 2)]
+RESUMED = {0, 4}  # the SPLITS that checkpoint at step 6 and resume from it
 SPLIT_STEPS = 12
 # the whole replicas, one run per (method, world), in the one- and two-rank spawns
 REFERENCES = sorted({(name, world) for name, _, world in SPLITS})
@@ -286,11 +289,13 @@ def test_a_split_replica_trains_as_its_whole_replica(split_replicas, one_rank, t
         assert max(abs(a - b) / abs(b) for a, b in pairs) < 1e-4, (key, pairs)
 
 
-def test_a_split_replica_resumes_bitwise(split_replicas):
-    run = split_replicas[0][0]
+@pytest.mark.parametrize("i", sorted(RESUMED))
+def test_a_split_replica_resumes_bitwise(split_replicas, i):
+    run = split_replicas[0][i]
     assert [r["loss"] for r in run["resumed_records"]] == [r["loss"] for r in run["records"]]
-    for rank in split_replicas:  # every rank's pieces (zo-adam's m and v restored: they move it)
-        full, resumed = rank[0]["saved"][SPLIT_STEPS], rank[0]["resumed"][SPLIT_STEPS]
+    for rank in split_replicas:  # every rank's pieces (zo-adam's m and v, sparse MeZO's
+        # thresholds per stage, restored: they move it)
+        full, resumed = rank[i]["saved"][SPLIT_STEPS], rank[i]["resumed"][SPLIT_STEPS]
         assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
@@ -406,11 +411,6 @@ def _cfg(tmp_path, corpus, **sections):
     ({"optim": {"name": "mezo"}, "train": {"weight_decay": 0.0}},
      r"train.weight_decay=0.0 is a setting of backprop's optimizer"),
     ({"optim": {"name": "mezo"}, "train": {"optimizer": "sgd"}}, r"train.optimizer='sgd'"),
-    ({"optim": {"name": "helene"}, "parallel": {"nproc": 2, "tp": 2}},
-     r"optim.name='helene' with parallel.tp=2 is not supported yet: sparse MeZO's magnitude "
-     r"thresholds and HELENE's clipping floor are taken over each whole tensor"),
-    ({"optim": {"name": "sparse-mezo"}, "parallel": {"nproc": 2, "pp": 2}},
-     r"optim.name='sparse-mezo' with parallel.pp=2 is not supported yet"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "pp": 2, "schedule": "async"}},
      r"parallel.schedule='async' is not supported: its runtime steps"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "zero_stage": 1}},

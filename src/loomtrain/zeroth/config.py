@@ -54,11 +54,6 @@ class OptimConfig(Section):
 
 # train.optimizer's keys: backprop's update rule, which a zeroth-order method replaces
 _BACKPROP_KEYS = ("optimizer", "beta1", "beta2", "weight_decay", "grad_clip")
-# the methods whose update reads a whole tensor: sparse MeZO's magnitude thresholds (a k-th
-# value) and HELENE's clipping floor (a mean); a tensor-parallel rank holds a piece
-_WHOLE_TENSOR = ("sparse-mezo", "helene")
-
-
 class Zeroth(Component):
     """[optim]: its zeroth-order keys only with a zeroth-order name, each read by the method
     (`zeroth.hyper_keys`); a zeroth-order method with neither backprop's keys nor the engines
@@ -69,14 +64,6 @@ class Zeroth(Component):
     switches = (Switch("optim.name", "backprop"),)
     summary = "MeZO and variants from forward passes, ranks exchanging seeds and scalars"
     refuses = {
-        "tensor": Refusal("sparse MeZO's magnitude thresholds and HELENE's clipping floor are "
-                          "taken over each whole tensor, of which a tensor-parallel rank holds "
-                          "a piece", when=lambda cfg: cfg.optim.name in _WHOLE_TENSOR,
-                          partly="with sparse-mezo or helene"),
-        "pipeline": Refusal("sparse MeZO's checkpoint keeps its thresholds as one list over the "
-                            "parameters, which the pipeline stages would each write apart",
-                            when=lambda cfg: cfg.optim.name == "sparse-mezo",
-                            partly="with sparse-mezo"),
         "async_pipeline": Refusal("its runtime steps each stage's own backprop optimizer after "
                                   "every micro-batch; the probes run the synchronous pipeline's "
                                   "forward-only path", yet=False),

@@ -43,7 +43,8 @@ class ZerothMode(SyncMode):
             whole = build_task_model(cfg)
         splits = [c for c in type(cfg).components or COMPONENTS
                   if c.stage in (SPLIT, PIPELINE, CONTEXT)]
-        built, setup = build_run(cfg, mesh, lambda model: build_optimizer(cfg, model, whole),
+        built, setup = build_run(cfg, mesh,
+                                 lambda model: build_optimizer(cfg, model, whole, mesh),
                                  fresh, splits)
         # a checkpoint layout of its own; loom.json names the method, which alone resumes it
         built.layout, built.meta["optim"] = ZEROTH, built.optimizer.name
@@ -94,18 +95,21 @@ def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     return train_sync(ZerothMode, cfg, run_dir, resume, mesh, stop)
 
 
-def build_optimizer(cfg, model: nn.Module, whole: nn.Module | None = None) -> ZOOptimizer:
+def build_optimizer(cfg, model: nn.Module, whole: nn.Module | None = None,
+                    mesh=None) -> ZOOptimizer:
     """The [optim] method over the parameters `optim.trainable` selects, with every parameter's
     requires_grad turned off; unset keys take the method's defaults, seeds derive from
     run.seed. `whole`: the whole model (on the meta device) of which `model` is this rank's
-    part, split by tensor or pipeline parallelism: its parameters' indices seed the pieces."""
+    part, split by tensor or pipeline parallelism over `mesh`: its parameters' indices seed
+    the pieces."""
     o = cfg.optim
     trainable = select_trainable(model, o.trainable, whole)
     model.requires_grad_(False)
     hyper = {k: getattr(o, k) for k in hyper_keys(o.name)
              if k not in ("lr", "seed") and getattr(o, k) is not None}
     return build_zo_optimizer(o.name, model, trainable, lr=schedule(cfg).lr, seed=cfg.run.seed,
-                              whole=None if whole is None else parameter_indices(whole), **hyper)
+                              whole=None if whole is None else parameter_indices(whole),
+                              mesh=mesh, **hyper)
 
 
 def schedule(cfg):
