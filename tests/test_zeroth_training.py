@@ -92,8 +92,8 @@ STEPS = 150
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, corpus) -> list[dict]:
-    """150 MeZO steps on one rank, then the one-rank reference of a split replica
-    (SPLITS), in one spawned world."""
+    """150 MeZO steps on one rank, then the one-rank references of the split replicas
+    (SPLITS, REFERENCES), in one spawned world."""
     root = tmp_path_factory.mktemp("one_rank")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2})
     return run_world(_train, 1, [tree, *_references(root, corpus, 1)], True, timeout_s=150)[0]
@@ -114,8 +114,8 @@ def test_mezo_trains_one_rank_from_forward_passes_only(one_rank):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, corpus) -> tuple[dict, list[list[dict]]]:
-    """150 MeZO steps on two ranks, then the dp2 reference of a split replica (SPLITS), in
-    one spawned world: (the first run's tree, every rank's runs)."""
+    """150 MeZO steps on two ranks, then the dp2 references of the split replicas (SPLITS,
+    REFERENCES), in one spawned world: (the first run's tree, every rank's runs)."""
     root = tmp_path_factory.mktemp("two_ranks")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2},
                     parallel={"nproc": 2}, checkpoint={"every": STEPS // 2})
