@@ -19,7 +19,7 @@ from harness import run_world
 
 from loomtrain import comm
 from loomtrain.errors import ConfigError
-from loomtrain.train import checkpoint, trainer
+from loomtrain.train import checkpoint, dryrun, trainer
 from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.zeroth.config import ZO_METHODS, OptimConfig
 from loomtrain.train.launch import init_distributed
@@ -313,6 +313,21 @@ def test_a_pipeline_sends_each_probe_loss_from_its_last_stage(split_replicas):
         assert ("pp", "zo_loss") not in runs[1]["saved"]["counts"]  # no pipeline, no broadcast
 
 
+@pytest.mark.parametrize("i", range(3))
+def test_the_dry_run_predicts_a_split_replicas_step(split_replicas, tmp_path, corpus, i):
+    # step 3 of tp2 x pp2 (rank 0: pipeline stage 0), dp2 x tp2 with sequence parallelism and
+    # dp2 x cp2: no evaluation or checkpoint, every collective of a step, op by op
+    cfg = config_from_dict(_split_tree(tmp_path, corpus, 4, i))
+    predicted: dict[str, int] = {}
+    for c in dryrun.estimate(cfg).collectives:
+        if c.every_steps == 1:
+            predicted[c.op] = predicted.get(c.op, 0) + c.calls * c.wire_bytes
+    record = split_replicas[0][i]["records"][2]
+    assert record["step"] == 3
+    got = {op: n for op, n in record["comm_bytes"].items() if op != "total"}
+    assert got == {op: n for op, n in predicted.items() if n or op in got}
+
+
 def test_context_parallel_ranks_add_each_probe_loss(split_replicas):
     # dp2 x cp2, MeZO: 2 forwards a step, each cp rank's loss sum all-reduced over cp as one
     # float64; on top, the loop's logged loss (one float64 a step) and the last step's
@@ -454,8 +469,7 @@ def test_the_cli_refuses_before_starting(tmp_path, corpus):
     config = tmp_path / "c.toml"
     config.write_text(config_to_toml(_cfg(tmp_path, corpus, optim={"name": "mezo"})))
     bad = [(["--set", "optim.name=mezo", "--set", "train.grad_clip=0.5"], "train.grad_clip=0.5"),
-           (["--set", 'optim.trainable=["blocks.9."]'], "'blocks.9.' matches no parameter"),
-           (["--dry-run"], "--dry-run estimates backprop's engines")]
+           (["--set", 'optim.trainable=["blocks.9."]'], "'blocks.9.' matches no parameter")]
     for args, match in bad:
         out = subprocess.run([*LOOM, str(config), *args], capture_output=True, text=True,
                              timeout=60)

@@ -91,6 +91,12 @@ class Zeroth(Component):
     }
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.zeroth.estimate import estimate_zeroth
+
+        estimate_zeroth(plan)
+
+    @classmethod
     def validate(cls, cfg) -> None:
         o = cfg.optim
         changed = [k for k in changed_keys(o) if k != "name"]
