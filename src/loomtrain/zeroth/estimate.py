@@ -30,6 +30,9 @@ def estimate_zeroth(plan: DryRunPlan) -> None:
                                       pairs["payload"], pairs["wire"],
                                       algorithm="ring_all_gather")]
     plan.replicated = True
+    # the split components' hooks run after this one and queue their own later additions
+    # (tp's collectives, once the pipeline's cut is known): queuing _finish from a later
+    # addition puts it after all of theirs
     plan.later.append(lambda plan: plan.later.append(lambda plan: _finish(plan, n)))
 
 
