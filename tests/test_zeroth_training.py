@@ -19,7 +19,7 @@ from harness import run_world
 
 from loomtrain import comm
 from loomtrain.errors import ConfigError
-from loomtrain.train import checkpoint, trainer
+from loomtrain.train import checkpoint, dryrun, trainer
 from loomtrain.train.config import config_from_dict, config_to_toml
 from loomtrain.zeroth.config import ZO_METHODS, OptimConfig
 from loomtrain.train.launch import init_distributed
@@ -27,7 +27,7 @@ from loomtrain.train.metrics import read_metrics
 from loomtrain.train.run import train_loop, train_worker
 from loomtrain.train.task import build_task_model
 from loomtrain.zeroth import hyper_keys, pair_exchange_bytes
-from loomtrain.zeroth.distributed import loss_broadcast_bytes
+from loomtrain.zeroth.distributed import loss_broadcast_bytes, loss_reduce_bytes
 
 
 def _run(cfg, run_dir: Path, resume: Path | None = None) -> dict:
@@ -92,11 +92,11 @@ STEPS = 150
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, corpus) -> list[dict]:
-    """150 MeZO steps on one rank, then the one-rank reference of a split replica
-    (SPLITS), in one spawned world."""
+    """150 MeZO steps on one rank, then the one-rank references of the split replicas
+    (SPLITS, REFERENCES), in one spawned world."""
     root = tmp_path_factory.mktemp("one_rank")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2})
-    return run_world(_train, 1, [tree, _split_tree(root, corpus, 1)], True, timeout_s=150)[0]
+    return run_world(_train, 1, [tree, *_references(root, corpus, 1)], True, timeout_s=150)[0]
 
 
 def test_mezo_trains_one_rank_from_forward_passes_only(one_rank):
@@ -114,12 +114,12 @@ def test_mezo_trains_one_rank_from_forward_passes_only(one_rank):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, corpus) -> tuple[dict, list[list[dict]]]:
-    """150 MeZO steps on two ranks, then the dp2 reference of a split replica (SPLITS), in
-    one spawned world: (the first run's tree, every rank's runs)."""
+    """150 MeZO steps on two ranks, then the dp2 references of the split replicas (SPLITS,
+    REFERENCES), in one spawned world: (the first run's tree, every rank's runs)."""
     root = tmp_path_factory.mktemp("two_ranks")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2},
                     parallel={"nproc": 2}, checkpoint={"every": STEPS // 2})
-    return tree, run_world(_train, 2, [tree, _split_tree(root, corpus, 2)], timeout_s=200)
+    return tree, run_world(_train, 2, [tree, *_references(root, corpus, 2)], timeout_s=200)
 
 
 def test_mezo_on_two_ranks_exchanges_only_pairs_and_stays_identical(two_ranks):
@@ -225,23 +225,36 @@ def test_a_resumed_run_continues_bitwise(every_method, name):
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
-# replicas split by tensor and pipeline parallelism (docs/zeroth.md, "Split replicas"), at
-# world 4, each against the same run on its whole replica: zo-adam (2 probes) over tp2 x pp2,
-# checkpointed at step 6 and resumed from it, against one rank; MeZO over dp2 x tp2 with
-# sequence parallelism against dp2 alone (whose pairs equal one process's:
-# test_zeroth_distributed.py)
-SPLITS = [("zo-adam", {"tp": 2, "pp": 2}, 1), ("mezo", {"tp": 2, "sequence_parallel": True}, 2)]
+# replicas split by tensor, pipeline and context parallelism (docs/zeroth.md, "Split
+# replicas"), at world 4, each against the same method on its whole replica (one rank, or dp2
+# whose pairs equal one process's: test_zeroth_distributed.py): zo-adam (2 probes) over tp2 x
+# pp2, checkpointed at step 6 and resumed from it; MeZO over dp2 x tp2 with sequence
+# parallelism; MeZO over dp2 x cp2 (Ulysses); HELENE over cp2 x tp2 (ring attention; its
+# floors are the whole tensors' means); sparse MeZO (thresholds of the whole tensors, every 2
+# steps) over tp2 x pp2, resumed as well (each stage's thresholds restored)
+SPLITS = [("zo-adam", {"tp": 2, "pp": 2}, 1), ("mezo", {"tp": 2, "sequence_parallel": True}, 2),
+          ("mezo", {"cp": 2, "cp_method": "ulysses"}, 2), ("helene", {"cp": 2, "tp": 2}, 1),
+          ("sparse-mezo", {"tp": 2, "pp": 2}, 1)]
+RESUMED = {0, 4}  # the SPLITS that checkpoint at step 6 and resume from it
 SPLIT_STEPS = 12
+# the whole replicas, one run per (method, world), in the one- and two-rank spawns
+REFERENCES = sorted({(name, world) for name, _, world in SPLITS})
 
 
-def _split_tree(root, corpus, world: int, split: int | None = None) -> dict:
-    """SPLITS[split]'s run at world 4, or (split None) the reference run on `world` ranks."""
-    i = split if split is not None else next(i for i, s in enumerate(SPLITS) if s[2] == world)
-    name, parallel, _ = SPLITS[i]
-    return _zo_tree(root, corpus, name, run_name=f"split{i}-{world}",
+def _split_tree(root, corpus, world: int, split: int | None = None,
+                name: str | None = None) -> dict:
+    """SPLITS[split]'s run at world 4, or (split None) the reference run of method `name` on
+    `world` ranks."""
+    parallel = SPLITS[split][1] if split is not None else {}
+    name = SPLITS[split][0] if split is not None else name
+    return _zo_tree(root, corpus, name, run_name=f"split-{name}-{world}-{split}",
                     optim=METHOD_KEYS.get(name, {}), train={"steps": SPLIT_STEPS},
-                    parallel={"nproc": world, **(parallel if split is not None else {})},
-                    checkpoint={"every": SPLIT_STEPS // 2 if split == 0 else 0})
+                    parallel={"nproc": world, **parallel},
+                    checkpoint={"every": SPLIT_STEPS // 2 if split in RESUMED else 0})
+
+
+def _references(root, corpus, world: int) -> list[dict]:
+    return [_split_tree(root, corpus, world, name=name) for name, w in REFERENCES if w == world]
 
 
 def _split_world(rank, world, trees):
@@ -264,7 +277,9 @@ def split_replicas(tmp_path_factory, corpus) -> list[list[dict]]:
 @pytest.mark.parametrize("i", range(len(SPLITS)))
 def test_a_split_replica_trains_as_its_whole_replica(split_replicas, one_rank, two_ranks, i):
     got = split_replicas[0][i]["records"]
-    ref = {1: one_rank[1], 2: two_ranks[1][0][1]}[SPLITS[i][2]]["records"]
+    name, _, world = SPLITS[i]
+    runs = {1: one_rank, 2: two_ranks[1][0]}[world][1:]
+    ref = runs[[r for r in REFERENCES if r[1] == world].index((name, world))]["records"]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, SPLIT_STEPS + 1))
     # the same perturbations and updates; the losses sum the same terms in other orders
     # (tensor-parallel matmuls and all-reduces): measured within 2e-6 relative
@@ -274,11 +289,13 @@ def test_a_split_replica_trains_as_its_whole_replica(split_replicas, one_rank, t
         assert max(abs(a - b) / abs(b) for a, b in pairs) < 1e-4, (key, pairs)
 
 
-def test_a_split_replica_resumes_bitwise(split_replicas):
-    run = split_replicas[0][0]
+@pytest.mark.parametrize("i", sorted(RESUMED))
+def test_a_split_replica_resumes_bitwise(split_replicas, i):
+    run = split_replicas[0][i]
     assert [r["loss"] for r in run["resumed_records"]] == [r["loss"] for r in run["records"]]
-    for rank in split_replicas:  # every rank's pieces (zo-adam's m and v restored: they move it)
-        full, resumed = rank[0]["saved"][SPLIT_STEPS], rank[0]["resumed"][SPLIT_STEPS]
+    for rank in split_replicas:  # every rank's pieces (zo-adam's m and v, sparse MeZO's
+        # thresholds per stage: restored, as they move it)
+        full, resumed = rank[i]["saved"][SPLIT_STEPS], rank[i]["resumed"][SPLIT_STEPS]
         assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
@@ -294,6 +311,36 @@ def test_a_pipeline_sends_each_probe_loss_from_its_last_stage(split_replicas):
         count = runs[0]["saved"]["counts"][("pp", "zo_loss")]
         assert (count.calls, count.payload_bytes, count.wire_bytes) == tuple(expected.values())
         assert ("pp", "zo_loss") not in runs[1]["saved"]["counts"]  # no pipeline, no broadcast
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_the_dry_run_predicts_a_split_replicas_step(split_replicas, tmp_path, corpus, i):
+    # step 3 of tp2 x pp2 (rank 0: pipeline stage 0), dp2 x tp2 with sequence parallelism and
+    # dp2 x cp2: no evaluation or checkpoint, every collective of a step, op by op
+    cfg = config_from_dict(_split_tree(tmp_path, corpus, 4, i))
+    predicted: dict[str, int] = {}
+    for c in dryrun.estimate(cfg).collectives:
+        if c.every_steps == 1:
+            predicted[c.op] = predicted.get(c.op, 0) + c.calls * c.wire_bytes
+    record = split_replicas[0][i]["records"][2]
+    assert record["step"] == 3
+    got = {op: n for op, n in record["comm_bytes"].items() if op != "total"}
+    assert got == {op: n for op, n in predicted.items() if n or op in got}
+
+
+def test_context_parallel_ranks_add_each_probe_loss(split_replicas):
+    # dp2 x cp2, MeZO: 2 forwards a step, each cp rank's loss sum all-reduced over cp as one
+    # float64; on top, the loop's logged loss (one float64 a step) and the last step's
+    # validation (2 float64) are all-reduced over cp as in every mode
+    forwards = 2 * SPLIT_STEPS
+    probes = loss_reduce_bytes(2, forwards)
+    assert probes == {"calls": forwards, "payload": 8 * forwards, "wire": 8 * forwards}
+    loop = {"calls": SPLIT_STEPS + 1, "payload": 8 * SPLIT_STEPS + 16}
+    for runs in split_replicas:
+        count = runs[2]["saved"]["counts"][("cp", "all_reduce")]
+        assert count.calls == probes["calls"] + loop["calls"]
+        assert count.payload_bytes == probes["payload"] + loop["payload"]
+        assert count.wire_bytes == count.payload_bytes  # a ring of 2 sends what it reduces
 
 
 def test_trainable_parameters_are_the_only_ones_that_change(tmp_path, corpus):
@@ -379,13 +426,6 @@ def _cfg(tmp_path, corpus, **sections):
     ({"optim": {"name": "mezo"}, "train": {"weight_decay": 0.0}},
      r"train.weight_decay=0.0 is a setting of backprop's optimizer"),
     ({"optim": {"name": "mezo"}, "train": {"optimizer": "sgd"}}, r"train.optimizer='sgd'"),
-    ({"optim": {"name": "helene"}, "parallel": {"nproc": 2, "tp": 2}},
-     r"optim.name='helene' with parallel.tp=2 is not supported yet: sparse MeZO's magnitude "
-     r"thresholds and HELENE's clipping floor are taken over each whole tensor"),
-    ({"optim": {"name": "sparse-mezo"}, "parallel": {"nproc": 2, "pp": 2}},
-     r"optim.name='sparse-mezo' with parallel.pp=2 is not supported yet"),
-    ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "cp": 2}},
-     r"parallel.cp=2 is not supported yet: the probes run"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "pp": 2, "schedule": "async"}},
      r"parallel.schedule='async' is not supported: its runtime steps"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 2, "zero_stage": 1}},
@@ -429,8 +469,7 @@ def test_the_cli_refuses_before_starting(tmp_path, corpus):
     config = tmp_path / "c.toml"
     config.write_text(config_to_toml(_cfg(tmp_path, corpus, optim={"name": "mezo"})))
     bad = [(["--set", "optim.name=mezo", "--set", "train.grad_clip=0.5"], "train.grad_clip=0.5"),
-           (["--set", 'optim.trainable=["blocks.9."]'], "'blocks.9.' matches no parameter"),
-           (["--dry-run"], "--dry-run estimates backprop's engines")]
+           (["--set", 'optim.trainable=["blocks.9."]'], "'blocks.9.' matches no parameter")]
     for args, match in bad:
         out = subprocess.run([*LOOM, str(config), *args], capture_output=True, text=True,
                              timeout=60)

@@ -262,10 +262,6 @@ def _train(args, lock, stop=None) -> int:
         if cfg.data.source == "digits":
             raise ConfigError('--dry-run estimates the memory and communication of the language '
                               'models; data.source="digits" (the classifier) is not covered yet')
-        if cfg.optim.name != "backprop":
-            raise ConfigError(f"--dry-run estimates backprop's engines; optim.name="
-                              f"{cfg.optim.name!r} (zeroth-order: inference memory, 12 bytes per "
-                              "probe exchanged) is not covered yet")
         from loomtrain.train.dryrun_text import dry_run
         print(dry_run(cfg))
         return 0

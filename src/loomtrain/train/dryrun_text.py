@@ -140,12 +140,16 @@ def _memory_lines(run: DryRun, cfg) -> list[str]:
     t, est = cfg.train, run.memory
     states = optimizer_states(t.optimizer, t.beta1)
     mine = " (pp rank 0's stages)" if run.pipeline is not None else ""
-    rows = [
-        ("parameters", est.parameter_bytes, f"{run.parameters:,} x 4 B (fp32){mine}"),
+    backprop = [
         ("gradients", est.gradient_bytes, "one fp32 gradient per parameter "
          + ("(bucket buffers)" if run.bucket_bytes else "(.grad)")),
         ("optimizer state", est.optimizer_bytes,
          f"{t.optimizer}: {states} fp32 state(s) per parameter"),
+    ]
+    rows = [
+        ("parameters", est.parameter_bytes, f"{run.parameters:,} x 4 B (fp32){mine}"),
+        # a forward-only (zeroth-order) run holds no gradient; its state is a row of its own
+        *(backprop if est.gradient_bytes else []),
         ("activations", est.activation_bytes, _activation_why(run, cfg)),
         *_rows(est),
         ("total", est.total_bytes, "(ZeRO stage 0: nothing is sharded)" if run.bucket_bytes

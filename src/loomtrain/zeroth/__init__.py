@@ -45,15 +45,15 @@ def hyper_keys(name: str) -> tuple[str, ...]:
 
 
 def build_zo_optimizer(name: str, model: nn.Module, params: Iterable[nn.Parameter] | None = None,
-                       whole: dict[str, int] | None = None, **hyper) -> ZOOptimizer:
+                       whole: dict[str, int] | None = None, mesh=None, **hyper) -> ZOOptimizer:
     """The optimizer `name` over `params` of `model` (default: every parameter with
     requires_grad). `whole`: for this rank's part of a split model, the whole model's
-    `parameter_indices` (perturb.py). `hyper`: `lr` (required), `eps`, `n_perturbations`,
+    `parameter_indices` (perturb.py), and `mesh` its mesh. `hyper`: `lr` (required), `eps`, `n_perturbations`,
     `seed`, and the method's own keys (its class's constructor); an unknown name or key is a
     ValueError."""
     if name not in OPTIMIZERS:
         raise ValueError(f"zeroth-order optimizer {name!r} is not one of {sorted(OPTIMIZERS)}")
-    perturber = Perturber(model, params, whole)
+    perturber = Perturber(model, params, whole, mesh)
     try:
         return OPTIMIZERS[name](perturber, **hyper)
     except TypeError as err:

@@ -54,11 +54,6 @@ class OptimConfig(Section):
 
 # train.optimizer's keys: backprop's update rule, which a zeroth-order method replaces
 _BACKPROP_KEYS = ("optimizer", "beta1", "beta2", "weight_decay", "grad_clip")
-# the methods whose update reads a whole tensor: sparse MeZO's magnitude thresholds (a k-th
-# value) and HELENE's clipping floor (a mean); a tensor-parallel rank holds a piece
-_WHOLE_TENSOR = ("sparse-mezo", "helene")
-
-
 class Zeroth(Component):
     """[optim]: its zeroth-order keys only with a zeroth-order name, each read by the method
     (`zeroth.hyper_keys`); a zeroth-order method with neither backprop's keys nor the engines
@@ -69,20 +64,9 @@ class Zeroth(Component):
     switches = (Switch("optim.name", "backprop"),)
     summary = "MeZO and variants from forward passes, ranks exchanging seeds and scalars"
     refuses = {
-        "tensor": Refusal("sparse MeZO's magnitude thresholds and HELENE's clipping floor are "
-                          "taken over each whole tensor, of which a tensor-parallel rank holds "
-                          "a piece", when=lambda cfg: cfg.optim.name in _WHOLE_TENSOR,
-                          partly="with sparse-mezo or helene"),
-        "pipeline": Refusal("sparse MeZO's checkpoint keeps its thresholds as one list over the "
-                            "parameters, which the pipeline stages would each write apart",
-                            when=lambda cfg: cfg.optim.name == "sparse-mezo",
-                            partly="with sparse-mezo"),
         "async_pipeline": Refusal("its runtime steps each stage's own backprop optimizer after "
                                   "every micro-batch; the probes run the synchronous pipeline's "
                                   "forward-only path", yet=False),
-        "context": Refusal("the probes run the model's own forward or the pipeline's "
-                           "forward-only path on whole rows, not the sequence runtime that "
-                           "splits each row over cp"),
         "zero": Refusal("ZeRO shards gradients and optimizer state; a zeroth-order step has no "
                         "gradient, and its memory is already that of inference", yet=False),
         "bf16": Refusal("the probes run the fp32 model (bf16 with fp32 master weights is the "
@@ -95,16 +79,22 @@ class Zeroth(Component):
                             "rank computes none", yet=False),
         "straggler": Refusal("it slows the ranks of the backprop trainer, which the zeroth-order "
                              "loop is not"),
-        "packing": Refusal("the zeroth-order probes run without the sequence runtime "
-                           "that masks documents"),
-        "balance": Refusal("the zeroth-order probes run without the sequence runtime "
-                           "that deals documents"),
+        "packing": Refusal("the probes' forwards through the sequence runtime's document "
+                           "masks are not checked against the single-process run yet"),
+        "balance": Refusal("the pool deals every dp rank's rows by work, and a zeroth-order "
+                           "rank's probes are seeded for, and measure, its own rows"),
         "sparsity": Refusal("sparse training masks gradients and regrows from them (RigL), and "
                             "SAM and ZO-SAM take backprop steps at perturbed weights; sparse MeZO "
                             "(optim.name=\"sparse-mezo\") is the zeroth-order method that "
                             "perturbs only part of the weights", yet=False),
         "timeline": Refusal("the timeline is recorded by the backprop engines"),
     }
+
+    @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.zeroth.estimate import estimate_zeroth
+
+        estimate_zeroth(plan)
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -3,7 +3,8 @@ own seeds on its own batch, the ranks all-gather their (seed, projected gradient
 every rank applies them all, so the parameters stay bitwise identical with no parameter or
 gradient communication. Packing, bytes per step and the seed check: docs/zeroth.md,
 "Distributed: seeds and scalars only". A replica split into pipeline stages: its last stage
-sends each probe's loss to the others (`shared_loss`; docs/zeroth.md, "Split replicas").
+sends each probe's loss to the others; split by context parallelism: its cp ranks add their
+tokens' loss sums (`shared_loss`; docs/zeroth.md, "Split replicas").
 """
 
 from __future__ import annotations
@@ -36,10 +37,27 @@ def loss_broadcast_bytes(pp: int, pp_rank: int, forwards: int) -> dict[str, int]
     return {"calls": forwards, "payload": forwards * LOSS_BYTES, "wire": forwards * wire}
 
 
-def shared_loss(loss: torch.Tensor | None, mesh) -> torch.Tensor:
-    """A probe's loss on every stage of a pipeline: `loss` is the last stage's (None on the
-    others, which hold no output), broadcast over pp as one float64. Without a pipeline,
-    `loss` itself (tensor-parallel ranks already share it: the vocabulary-parallel loss)."""
+def loss_reduce_bytes(cp: int, forwards: int) -> dict[str, int]:
+    """The bytes `forwards` probe forwards send over cp on each cp rank: one ring all-reduce
+    of LOSS_BYTES each, the cp ranks' loss sums ({"calls", "payload", "wire"})."""
+    if cp == 1:
+        return {"calls": 0, "payload": 0, "wire": 0}
+    wire = comm.wire_bytes("ring_all_reduce", LOSS_BYTES, cp)
+    return {"calls": forwards, "payload": forwards * LOSS_BYTES, "wire": forwards * wire}
+
+
+def shared_loss(total: torch.Tensor | None, targets: float, mesh) -> torch.Tensor:
+    """A probe's loss, the mean over the whole rows' `targets`, on every rank of a replica.
+    `total`: this rank's loss sum (float64; None off a pipeline's last stage, which holds no
+    output). Under context parallelism each cp rank holds its tokens of every row: their sums
+    are all-reduced over cp (one float64). Under a pipeline the last stage broadcasts the loss
+    over pp (one float64). Tensor-parallel ranks already share it (the vocabulary-parallel
+    loss)."""
+    if total is not None and mesh.size("cp") > 1:
+        total = total.detach().reshape(1)
+        comm.all_reduce(total, mesh, "cp")
+        total = total[0]
+    loss = None if total is None else total / targets
     pp = mesh.size("pp")
     if pp == 1:
         return loss

@@ -14,6 +14,7 @@ import torch
 
 from loomtrain.zeroth.optimizers import Pair, ZOOptimizer
 from loomtrain.zeroth.perturb import Perturber
+from loomtrain.zeroth.split import whole_means
 
 
 class Helene(ZOOptimizer):
@@ -41,19 +42,22 @@ class Helene(ZOOptimizer):
 
     @torch.no_grad()
     def _update(self, pairs: list[Pair], lr: float) -> None:
+        """m and h of every tensor first, then the update: the clipping floors are the whole
+        tensors' means of h (split.py `whole_means`, one all-reduce over tp for them all)."""
         b1, b2 = self.betas
         alpha = self.annealing(self.step_count)
         update_hessian = self.step_count % self.hessian_every == 0
-        for pos, p in enumerate(self.params):
+        ms, hs = self.state["m"], self.state["h"]
+        for pos in range(len(self.params)):
             g = self.estimate(pos, pairs)
-            m, h = self.state["m"][pos], self.state["h"][pos]
-            m.mul_(b1).add_(g, alpha=alpha)
+            ms[pos].mul_(b1).add_(g, alpha=alpha)
             if update_hessian:
                 if self.hessian_updates == 0:
-                    torch.mul(g, g, out=h)
+                    torch.mul(g, g, out=hs[pos])
                 else:
-                    h.mul_(b2).addcmul_(g, g, value=1 - b2)
-            floor = h.mean() * self.hessian_clip
+                    hs[pos].mul_(b2).addcmul_(g, g, value=1 - b2)
+        for p, m, h, mean in zip(self.params, ms, hs, whole_means(self.perturber, hs)):
+            floor = mean * self.hessian_clip
             denom = torch.maximum(h, floor).mul_(self.gamma).add_(self.precond_eps)
             p.add_(torch.div(m, denom).clamp_(-1, 1), alpha=-lr)
         if update_hessian:

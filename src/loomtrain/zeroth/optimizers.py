@@ -13,7 +13,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from loomtrain.zeroth.perturb import Perturber, magnitude_thresholds, step_seed
+from loomtrain.zeroth.perturb import Perturber, step_seed
+from loomtrain.zeroth.split import pieces_of, whole_thresholds
 
 
 class Pair(NamedTuple):
@@ -215,7 +216,9 @@ class ZOAdam(ZOOptimizer):
 
 
 class SparseMeZO(ZOOptimizer):
-    """MeZO with z masked to the small-magnitude entries (docs/zeroth.md)."""
+    """MeZO with z masked to the small-magnitude entries (docs/zeroth.md). The thresholds are
+    the whole tensors' (split.py), kept by parameter name: a pipeline's stages each save
+    their own."""
 
     name = "sparse-mezo"
 
@@ -228,14 +231,16 @@ class SparseMeZO(ZOOptimizer):
         if mask_every < 1:
             raise ValueError(f"sparse-mezo: mask_every={mask_every} must be >= 1")
         self.sparsity, self.mask_every = sparsity, mask_every
-        self.perturber.thresholds = magnitude_thresholds(self.params, sparsity)
+        self.pieces = pieces_of(perturber)
+        self.perturber.thresholds = whole_thresholds(perturber, self.pieces, sparsity)
 
     def _after_step(self) -> None:
         if self.step_count % self.mask_every == 0:
-            self.perturber.thresholds = magnitude_thresholds(self.params, self.sparsity)
+            self.perturber.thresholds = whole_thresholds(self.perturber, self.pieces,
+                                                         self.sparsity)
 
     def _extra_state(self) -> dict:
-        return {"thresholds": list(self.perturber.thresholds)}
+        return {"thresholds": dict(zip(self.perturber.names, self.perturber.thresholds))}
 
     def _load_extra_state(self, state: dict) -> None:
-        self.perturber.thresholds = list(state["thresholds"])
+        self.perturber.thresholds = [state["thresholds"][name] for name in self.perturber.names]

@@ -48,7 +48,7 @@ def as_float32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def magnitude_thresholds(params: Sequence[torch.Tensor], sparsity: float) -> list[float]:
+def magnitude_thresholds(params: Iterable[torch.Tensor], sparsity: float) -> list[float]:
     """Per tensor, the threshold t such that the entries with |theta| <= t are the
     (1 - sparsity) fraction of smallest magnitude: the round(sparsity * n) largest-magnitude
     entries are left unperturbed (ties at t are perturbed). inf: everything perturbed;
@@ -92,10 +92,12 @@ class Perturber:
     state; `self.indices` are the model-wide indices that seed z. `whole`: for a model that
     is this rank's part of a split one (tensor or pipeline parallel, names kept), the whole
     model's `parameter_indices`, so that a piece's z is the slice of the whole tensor's.
+    `mesh`: that split model's mesh, whose tp ranks' pieces make the whole tensors that sparse
+    MeZO and HELENE read (split.py); None in one process.
     """
 
     def __init__(self, model: nn.Module, params: Iterable[nn.Parameter] | None = None,
-                 whole: dict[str, int] | None = None):
+                 whole: dict[str, int] | None = None, mesh=None):
         named = list(model.named_parameters())
         index = {id(p): i for i, (_, p) in enumerate(named)}
         chosen = [p for _, p in named if p.requires_grad] if params is None else list(params)
@@ -107,7 +109,7 @@ class Perturber:
             raise ValueError(f"trainable parameters at positions {outside} of the list given "
                              "are not parameters of the model")
         order = sorted(index[pid] for pid in ids)
-        self.model = model
+        self.model, self.mesh = model, mesh
         self.params = [named[i][1] for i in order]
         self.names = [named[i][0] for i in order]
         self.indices = order if whole is None else [whole[name] for name in self.names]

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from loomtrain.component import PIPELINE, SPLIT
+from loomtrain.component import CONTEXT, PIPELINE, SPLIT
 from loomtrain.errors import CheckpointError, ConfigError
 from loomtrain.optim import lr_at
 from loomtrain.train import checkpoint
@@ -32,7 +32,8 @@ from loomtrain.zeroth.state import ZEROTH
 
 class ZerothMode(SyncMode):
     """The zeroth-order mode of the run loop (train/loop.py): the model split by the
-    components that split it (tensor and pipeline parallelism), no replica engine; a step
+    components that split it (tensor, pipeline and context parallelism), no replica engine;
+    a step
     probes the loss and the dp ranks exchange only seeds and scalars."""
 
     nonfinite = "projected gradient"
@@ -40,8 +41,10 @@ class ZerothMode(SyncMode):
     def __init__(self, cfg, mesh, data, fresh: bool):
         with torch.device("meta"):  # the whole model's names: they index each piece's seeds
             whole = build_task_model(cfg)
-        splits = [c for c in type(cfg).components or COMPONENTS if c.stage in (SPLIT, PIPELINE)]
-        built, setup = build_run(cfg, mesh, lambda model: build_optimizer(cfg, model, whole),
+        splits = [c for c in type(cfg).components or COMPONENTS
+                  if c.stage in (SPLIT, PIPELINE, CONTEXT)]
+        built, setup = build_run(cfg, mesh,
+                                 lambda model: build_optimizer(cfg, model, whole, mesh),
                                  fresh, splits)
         # a checkpoint layout of its own; loom.json names the method, which alone resumes it
         built.layout, built.meta["optim"] = ZEROTH, built.optimizer.name
@@ -50,8 +53,10 @@ class ZerothMode(SyncMode):
         self.description = f"{data.description}; {describe(setup.parameters, built.optimizer)}"
         self.exchange = KeptPairs(SeedScalarExchange(mesh, "dp"))
         self.schedule = schedule(cfg)
-        # under a pipeline every stage learns the loss; its last stage alone records it
-        self.records_loss = mesh.local_rank("pp") == mesh.size("pp") - 1
+        # every stage and cp rank learns the whole loss; one of them records it (the loop
+        # sums the records over dp, cp and pp)
+        self.records_loss = (mesh.local_rank("pp") == mesh.size("pp") - 1
+                             and mesh.local_rank("cp") == 0)
 
     def load(self, step: int):
         """Step `step`'s rows (a refresh: those of steps step .. step + svrg_batches - 1)."""
@@ -90,18 +95,21 @@ def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
     return train_sync(ZerothMode, cfg, run_dir, resume, mesh, stop)
 
 
-def build_optimizer(cfg, model: nn.Module, whole: nn.Module | None = None) -> ZOOptimizer:
+def build_optimizer(cfg, model: nn.Module, whole: nn.Module | None = None,
+                    mesh=None) -> ZOOptimizer:
     """The [optim] method over the parameters `optim.trainable` selects, with every parameter's
     requires_grad turned off; unset keys take the method's defaults, seeds derive from
     run.seed. `whole`: the whole model (on the meta device) of which `model` is this rank's
-    part, split by tensor or pipeline parallelism: its parameters' indices seed the pieces."""
+    part, split by tensor or pipeline parallelism over `mesh`: its parameters' indices seed
+    the pieces."""
     o = cfg.optim
     trainable = select_trainable(model, o.trainable, whole)
     model.requires_grad_(False)
     hyper = {k: getattr(o, k) for k in hyper_keys(o.name)
              if k not in ("lr", "seed") and getattr(o, k) is not None}
     return build_zo_optimizer(o.name, model, trainable, lr=schedule(cfg).lr, seed=cfg.run.seed,
-                              whole=None if whole is None else parameter_indices(whole), **hyper)
+                              whole=None if whole is None else parameter_indices(whole),
+                              mesh=mesh, **hyper)
 
 
 def schedule(cfg):
@@ -167,13 +175,13 @@ def describe(parameters: int, opt: ZOOptimizer) -> str:
 
 def batch_loss(built, batches: list) -> Callable[[], torch.Tensor]:
     """The mean target loss of `batches` (micro-batches summed, divided by their targets),
-    through the split model's forward (a pipeline's stage after stage), on every rank: a
-    pipeline's last stage sends it to the others (`shared_loss`)."""
+    through the split model's forward (a pipeline's stage after stage, each cp rank on its
+    tokens of the rows: `Built.local`), on every rank: the cp ranks' sums added, a
+    pipeline's last stage sending the loss to the others (`shared_loss`)."""
     targets = target_tokens(batches)
 
     def loss_fn() -> torch.Tensor:
-        total = forward_loss(built, batches)
-        return shared_loss(None if total is None else total / targets, built.mesh)
+        return shared_loss(forward_loss(built, batches), targets, built.mesh)
     return loss_fn
 
 
