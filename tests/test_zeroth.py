@@ -270,6 +270,18 @@ def test_sparse_mezo_never_changes_large_entries_within_a_step():
             assert (p[~large] != b[~large]).double().mean() > 0.9
 
 
+def test_sparse_mezo_loads_thresholds_saved_by_name_or_as_the_old_list():
+    model = _gpt()
+    opt = build_zo_optimizer("sparse-mezo", model, lr=1e-2, sparsity=0.75, mask_every=1)
+    opt.step(_loss_fn(model, _batch()))
+    state = opt.state_dict()
+    assert sorted(state["thresholds"]) == sorted(opt.perturber.names)  # by name
+    for saved in (state, {**state, "thresholds": list(opt.perturber.thresholds)}):
+        fresh = build_zo_optimizer("sparse-mezo", _gpt(), lr=1e-2, sparsity=0.75, mask_every=1)
+        fresh.load_state_dict(saved)
+        assert fresh.perturber.thresholds == opt.perturber.thresholds
+
+
 def test_svrg_control_variate_cancels_at_the_snapshot():
     """With svrg_lr_ratio = 0 the refresh leaves theta at the snapshot, so the next minibatch
     pairs are proj(theta) - proj(snapshot) = 0 exactly and the step is -lr g_full alone."""

@@ -243,4 +243,7 @@ class SparseMeZO(ZOOptimizer):
         return {"thresholds": dict(zip(self.perturber.names, self.perturber.thresholds))}
 
     def _load_extra_state(self, state: dict) -> None:
-        self.perturber.thresholds = [state["thresholds"][name] for name in self.perturber.names]
+        saved = state["thresholds"]
+        if isinstance(saved, list):  # before 2026-12-06: one list in the model's order
+            saved = dict(zip(self.perturber.names, saved))
+        self.perturber.thresholds = [saved[name] for name in self.perturber.names]
