@@ -50,10 +50,23 @@ class SparsityConfig(Section):
 
 # what still refuses sparse training, and why (the split models that run: docs/sparsity.md,
 # "Split models")
-_SHARDED = ("the sharded engine holds each rank's flat shard of the reduced gradient and of the "
-            "fp32 master weights (bf16 runs it too), so the masks would have to be cut along "
-            "its flat shard ranges and applied inside its step, and at ZeRO-3 to the parameters "
-            "it gathers per unit; that is not built yet")
+_SHARDED = ("the masks are cut along the sharded engine's flat shards of the fp32 master "
+            "weights and of the reduced gradient (sparsity/sharded.py) for flat ZeRO-1, 2 and 3 "
+            "and bf16 on whole replicas, with SAM; not yet built: ZO-SAM (its probe direction is drawn "
+            "per whole parameter), sparsity.sparse_comm (an index list for the engine's "
+            "reduce-scatter), hierarchical ZeRO and offload_optimizer (the whole-layer gathers "
+            "assume flat optimizer ranges on the device), and models split by tp, pp or cp")
+
+
+def _unsharded(cfg) -> bool:
+    """The settings the sharded engine does not run sparse training with yet (_SHARDED)."""
+    p, s = cfg.parallel, cfg.sparsity
+    return (s.sam == "zo-sam" or s.sparse_comm or p.hierarchical
+            or p.offload_optimizer or max(p.tp, p.pp, p.cp) > 1)
+
+
+_SHARDED_PARTLY = ("with sparsity.sam=\"zo-sam\", sparse_comm, hierarchical, offload_optimizer "
+                   "or tp, pp, cp")
 _ZO_SPLIT = ("ZO-SAM draws its probe direction z per parameter of the rank's own model "
              "(loomtrain.zeroth's Perturber), so a tensor-parallel piece or a pipeline stage "
              "would draw another z than the whole model's; SAM (sparsity.sam=\"sam\") runs")
@@ -68,8 +81,8 @@ def _zo_sam(cfg) -> bool:
 class Sparsity(Component):
     """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
     that divide the layers' inputs; it runs on whole replicas and on models split by tp, pp
-    and cp (each mask decision the whole layer's: sparsity/split.py), not in the sharded
-    engine yet."""
+    and cp (each mask decision the whole layer's: sparsity/split.py), and in the sharded
+    engine at ZeRO-1 and 2 and in bf16 on whole replicas (sparsity/sharded.py)."""
 
     name = "sparsity"
     section, keys = "sparsity", SparsityConfig
@@ -81,7 +94,8 @@ class Sparsity(Component):
                                   "is not checked against the single-process run yet (SAM, "
                                   "sparsity.sam=\"sam\", runs)", when=_zo_sam,
                                   partly='with sparsity.sam="zo-sam"'),
-               "zero": Refusal(_SHARDED), "bf16": Refusal(_SHARDED),
+               **{other: Refusal(_SHARDED, when=_unsharded, partly=_SHARDED_PARTLY)
+                  for other in ("zero", "bf16")},
                "lowcomm": Refusal(_APART),
                "compression": Refusal("RigL regrows by the exact all-reduced gradient, and "
                                       "sparse_comm replaces the same bucket all-reduce that "
