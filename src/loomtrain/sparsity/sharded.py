@@ -78,7 +78,8 @@ class ShardedSlices:
         """{name: the whole layer} of the fp32 master weights (`kind` "master") or the reduced
         gradient ("grad"): every unit that holds a sparse layer all-gathered over the ranks
         whose optimizer ranges tile it, in their order (flat ZeRO and stage 0)."""
-        self.engine.ready_grads()
+        if kind == "grad":
+            self.engine.ready_grads()
         mesh, axis = self.engine.mesh, self.engine.plan.optimizer_axis
         ranks, out = mesh.size(axis), {}
         for u in self.units:

@@ -96,10 +96,10 @@ class Sparsifier:
         self.apply()
 
     def _master_weights(self) -> dict[str, torch.Tensor] | None:
-        """The sparse layers' fp32 master weights where the parameters are not them (bf16 in
-        the sharded engine: gathered from the shards), so that every decision ranks the
-        single-process run's values (bf16, or stage 3, where the parameters are empty between
-        uses); None where the parameters are them."""
+        """The sparse layers' whole fp32 master weights, gathered from the sharded engine's
+        shards where the parameters are not them (bf16 rounds them; ZeRO-3 leaves them empty
+        between uses), so that every ranking reads the fp32 weights the optimizer steps, as
+        over plain dp; None where the parameters are them."""
         if self.shards is None or self.shards.local_weights:
             return None
         return self.shards.whole("master")
