@@ -111,7 +111,13 @@ SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals,
     ("sparse_rigl_zero1", RIGL_SAM, {"zero_stage": 1}, "sparse_rigl", 0.3),
     ("sparse_prune_zero2", PRUNE_ERK, {"zero_stage": 2}, "sparse_prune", 0.3),
     ("sparse_rigl_zero3", RIGL_SAM, {"zero_stage": 3}, "sparse_rigl", 0.3),
-    ("sparse_nm_zero3", NM_WIDE, {"zero_stage": 3}, "sparse_nm", 0.25),
+    ("sparse_nm_tp_zero3", NM_WIDE, {"tp": 2, "zero_stage": 3}, "sparse_nm", 0.25),
+    ("sparse_rigl_pp_zero1", RIGL_SAM, {"pp": 2, "zero_stage": 1}, "sparse_rigl", 0.3),
+    ("sparse_rigl_hierarchical_zero1", RIGL_SAM, {"zero_stage": 1, "hierarchical": True,
+                                                  "optimizer_shard": "dp", "ranks_per_node": 2},
+     "sparse_rigl", 0.3),
+    ("sparse_prune_offload_zero2", PRUNE_ERK, {"zero_stage": 2, "offload_optimizer": True},
+     "sparse_prune", 0.3),
     ("sparse_rigl_bf16", RIGL_SAM, {}, "sparse_rigl", 0.3),
     ("sparse_prune_zero3_bf16", PRUNE_ERK, {"zero_stage": 3}, "sparse_prune", 0.3),
 ]
@@ -334,10 +340,12 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     same sums in other orders (~2e-7 relative in the loss measured here, 1e-4 the bound), and
     no ranking of the 12 steps' weights or gradients is close enough to flip on that
     rounding: the masks are equal bit for bit.
-    Also RigL with SAM at ZeRO-1 and 3, pruning at ZeRO-2, N:M at ZeRO-3 (fp32: the same
-    bounds), and RigL with SAM in bf16 (stage 0), pruning at ZeRO-3 in bf16, against the fp32
-    dp4 runs: bf16 rounds the compute weights, so the masks may differ; the losses stay
-    within 2% (measured 6e-4 and 3e-4; fp32 ~7e-8). The sharded runs' final checkpoints hold
+    Also in the sharded engine (fp32: the same bounds): RigL with SAM at ZeRO-1 and 3, over
+    dp2 x pp2 at ZeRO-1, and at hierarchical ZeRO-1 with the optimizer state split over both
+    nodes; pruning at ZeRO-2 with offload; N:M over dp2 x tp2 at ZeRO-3. In bf16, RigL with
+    SAM at stage 0 and pruning at ZeRO-3, against the fp32 dp4 runs: bf16
+    rounds the compute weights, so the masks may differ; the losses stay within 2%
+    (measured 6e-4 and 3e-4; fp32 ~7e-8). The sharded runs' final checkpoints hold
     +0 at every masked weight (the fp32 master weights)."""
     out, _, root = world4
     for name, _, _, whole, density in SPARSE:

@@ -48,25 +48,21 @@ class SparsityConfig(Section):
     sparse_comm: bool = False
 
 
-# what still refuses sparse training, and why (the split models that run: docs/sparsity.md,
-# "Split models")
-_SHARDED = ("the masks are cut along the sharded engine's flat shards of the fp32 master "
-            "weights and of the reduced gradient (sparsity/sharded.py) for flat ZeRO-1, 2 and 3 "
-            "and bf16 on whole replicas, with SAM; not yet built: ZO-SAM (its probe direction is drawn "
-            "per whole parameter), sparsity.sparse_comm (an index list for the engine's "
-            "reduce-scatter), hierarchical ZeRO and offload_optimizer (the whole-layer gathers "
-            "assume flat optimizer ranges on the device), and models split by tp, pp or cp")
+# what still refuses sparse training, and why (the split models and the sharded engine that
+# run: docs/sparsity.md, "Split models" and "ZeRO and bf16")
+_SHARDED = ("not built in the sharded engine yet: ZO-SAM (sparsity.sam=\"zo-sam\": its probe "
+            "direction z is drawn per whole parameter, not per slice of the master weights) "
+            "and sparsity.sparse_comm=true (the engine's reduce-scatter has no path that sends "
+            "only the kept entries); every method and SAM run there (ZeRO-1 to 3, flat or "
+            "hierarchical, offload, bf16: the masks cut along its shards, sparsity/sharded.py)")
 
 
 def _unsharded(cfg) -> bool:
     """The settings the sharded engine does not run sparse training with yet (_SHARDED)."""
-    p, s = cfg.parallel, cfg.sparsity
-    return (s.sam == "zo-sam" or s.sparse_comm or p.hierarchical
-            or p.offload_optimizer or max(p.tp, p.pp, p.cp) > 1)
+    return cfg.sparsity.sam == "zo-sam" or cfg.sparsity.sparse_comm
 
 
-_SHARDED_PARTLY = ("with sparsity.sam=\"zo-sam\", sparse_comm, hierarchical, offload_optimizer "
-                   "or tp, pp, cp")
+_SHARDED_PARTLY = 'with sparsity.sam="zo-sam" or sparse_comm'
 _ZO_SPLIT = ("ZO-SAM draws its probe direction z per parameter of the rank's own model "
              "(loomtrain.zeroth's Perturber), so a tensor-parallel piece or a pipeline stage "
              "would draw another z than the whole model's; SAM (sparsity.sam=\"sam\") runs")
@@ -82,7 +78,7 @@ class Sparsity(Component):
     """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
     that divide the layers' inputs; it runs on whole replicas and on models split by tp, pp
     and cp (each mask decision the whole layer's: sparsity/split.py), and in the sharded
-    engine at ZeRO-1 and 2 and in bf16 on whole replicas (sparsity/sharded.py)."""
+    engine, ZeRO-1 to 3 and bf16 (sparsity/sharded.py)."""
 
     name = "sparsity"
     section, keys = "sparsity", SparsityConfig

@@ -23,7 +23,8 @@ class ShardedSlices:
     """This rank's slices of the sparse layers `names` in the engine of `optimizer` (a
     `ShardedOptimizer`): {name: [(start, stop, view)]}, [start, stop) the slice's flat range
     in the layer, `view` the master slice the inner optimizer steps (its `.grad` the reduced
-    gradient's slice, its state keyed by it)."""
+    gradient's slice, its state keyed by it); `shapes`: {name: this rank's shape of the
+    layer} (a tensor-parallel piece's), which ZeRO-3's empty parameters do not show."""
 
     def __init__(self, optimizer, names: list[str]):
         self.optimizer, self.engine = optimizer, optimizer.engine
@@ -33,6 +34,8 @@ class ShardedSlices:
                 self.slices[name].append((piece.start, piece.stop, view))
         self.units = [u for u in self.engine.all_units
                       if any(slot.name in self.slices for slot in u.layout.slots)]
+        self.shapes = {slot.name: slot.shape for u in self.units for slot in u.layout.slots
+                       if slot.name in self.slices}
         plan = self.engine.plan
         # stage 3: the parameters are empty between the forwards that gather them
         self.gathered = any(u.sharded_params for u in self.engine.all_units)
@@ -47,7 +50,7 @@ class ShardedSlices:
         for name, whole in where.items():
             flat = whole.flatten()
             for start, stop, view in self.slices[name]:
-                yield flat[start:stop], view
+                yield flat[start:stop].to(view.device), view  # offload: host slices
 
     @torch.no_grad()
     def zero_masters(self, where: dict[str, torch.Tensor]) -> None:
@@ -76,20 +79,28 @@ class ShardedSlices:
     @torch.no_grad()
     def whole(self, kind: str) -> dict[str, torch.Tensor]:
         """{name: the whole layer} of the fp32 master weights (`kind` "master") or the reduced
-        gradient ("grad"): every unit that holds a sparse layer all-gathered over the ranks
-        whose optimizer ranges tile it, in their order (flat ZeRO and stage 0)."""
+        gradient ("grad"): every unit that holds a sparse layer all-gathered from the
+        optimizer ranges, as `publish` gathers the parameters: over the replica axis where
+        the optimizer range is a part of the shard (hierarchical, optimizer_shard="dp"),
+        then over the shard axis."""
         if kind == "grad":
             self.engine.ready_grads()
-        mesh, axis = self.engine.mesh, self.engine.plan.optimizer_axis
-        ranks, out = mesh.size(axis), {}
+        plan, out = self.engine.plan, {}
         for u in self.units:
-            mine = u.master if kind == "master" else u.grad
-            full = mine
-            if ranks > 1:
-                full = mine.new_empty((ranks, mine.numel()))
-                comm.all_gather(full, mine.contiguous(), mesh, axis)
-            full = full.flatten().to(mesh.device)
+            full = (u.master if kind == "master" else u.grad).to(self.engine.mesh.device)
+            if plan.optimizer_over_replicas:
+                full = self._gathered(full, plan.replica_axis)
+            full = self._gathered(full, plan.shard_axis)
             for slot in u.layout.slots:
                 if slot.name in self.slices:
                     out[slot.name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         return out
+
+    def _gathered(self, mine: torch.Tensor, axis: str) -> torch.Tensor:
+        """Every `axis` rank's `mine`, concatenated in rank order."""
+        mesh = self.engine.mesh
+        if mesh.size(axis) == 1:
+            return mine
+        full = mine.new_empty((mesh.size(axis), mine.numel()))
+        comm.all_gather(full, mine.contiguous(), mesh, axis)
+        return full.flatten()

@@ -80,9 +80,10 @@ class Sparsifier:
         self.index = {name: i for i, (name, _) in enumerate(whole)}
         params = dict(module.named_parameters())
         self.layers = [(name, params[name]) for name, _ in whole if name in params]
-        self.pieces = {name: Pieces(p, mesh) for name, p in self.layers}
         self.shards = (ShardedSlices(sharded, [name for name, _ in self.layers])
                        if sharded is not None else None)
+        shapes = self.shards.shapes if self.shards is not None else {}
+        self.pieces = {name: Pieces(p, mesh, shape=shapes.get(name)) for name, p in self.layers}
         self.end_step = cfg.end_step if cfg.end_step is not None else max(1, round(0.75 * total_steps))
         shapes = [shape for _, shape in whole]
         if cfg.method == "nm":
