@@ -54,8 +54,9 @@ class ShardedSlices:
 
     @torch.no_grad()
     def zero_masters(self, where: dict[str, torch.Tensor]) -> None:
-        """Master weights set to +0 where `where` (whole-layer bool tensors) is True; at
-        stage 3 published into the shards' compute copies."""
+        """Master weights set to +0 where `where` ({name: bool tensor shaped like this rank's
+        layer, or its tp piece}) is True; at stage 3 published into the shards' compute
+        copies."""
         for part, view in self._slices(where):
             view.masked_fill_(part, 0.0)
         if self.gathered:
