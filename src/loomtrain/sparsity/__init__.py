@@ -1,7 +1,8 @@
 """Sparse training: masks on nn.Linear weights (static, N:M, gradual magnitude pruning, SET,
 RigL) and sharpness-aware gradients (SAM, ZO-SAM) that keep the masks. masks.py and dst.py
-are pure; sparsifier.py keeps a model's masks in step with training; sam.py computes SAM and
-ZO-SAM gradients; training.py is the [sparsity] section inside `loom train`.
+are pure; sparsifier.py keeps a model's masks in step with training (split.py on a split
+model, sharded.py in the ZeRO engine); sam.py computes SAM and ZO-SAM gradients; training.py
+is the [sparsity] section inside `loom train`.
 Guide: docs/sparsity.md.
 """
 

@@ -48,12 +48,21 @@ class SparsityConfig(Section):
     sparse_comm: bool = False
 
 
-# what still refuses sparse training, and why (the split models that run: docs/sparsity.md,
-# "Split models")
-_SHARDED = ("the sharded engine holds each rank's flat shard of the reduced gradient and of the "
-            "fp32 master weights (bf16 runs it too), so the masks would have to be cut along "
-            "its flat shard ranges and applied inside its step, and at ZeRO-3 to the parameters "
-            "it gathers per unit; that is not built yet")
+# what still refuses sparse training, and why (the split models and the sharded engine that
+# run: docs/sparsity.md, "Split models" and "ZeRO and bf16")
+_SHARDED = ("not built in the sharded engine yet: ZO-SAM (sparsity.sam=\"zo-sam\": its probe "
+            "direction z is drawn per whole parameter, not per slice of the master weights) "
+            "and sparsity.sparse_comm=true (the engine's reduce-scatter has no path that sends "
+            "only the kept entries); every method and SAM run there (ZeRO-1 to 3, flat or "
+            "hierarchical, offload, bf16: the masks cut along its shards, sparsity/sharded.py)")
+
+
+def _unsharded(cfg) -> bool:
+    """The settings the sharded engine does not run sparse training with yet (_SHARDED)."""
+    return cfg.sparsity.sam == "zo-sam" or cfg.sparsity.sparse_comm
+
+
+_SHARDED_PARTLY = 'with sparsity.sam="zo-sam" or sparse_comm'
 _ZO_SPLIT = ("ZO-SAM draws its probe direction z per parameter of the rank's own model "
              "(loomtrain.zeroth's Perturber), so a tensor-parallel piece or a pipeline stage "
              "would draw another z than the whole model's; SAM (sparsity.sam=\"sam\") runs")
@@ -68,8 +77,8 @@ def _zo_sam(cfg) -> bool:
 class Sparsity(Component):
     """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
     that divide the layers' inputs; it runs on whole replicas and on models split by tp, pp
-    and cp (each mask decision the whole layer's: sparsity/split.py), not in the sharded
-    engine yet."""
+    and cp (each mask decision the whole layer's: sparsity/split.py), and in the sharded
+    engine, ZeRO-1 to 3 and bf16 (sparsity/sharded.py)."""
 
     name = "sparsity"
     section, keys = "sparsity", SparsityConfig
@@ -81,7 +90,8 @@ class Sparsity(Component):
                                   "is not checked against the single-process run yet (SAM, "
                                   "sparsity.sam=\"sam\", runs)", when=_zo_sam,
                                   partly='with sparsity.sam="zo-sam"'),
-               "zero": Refusal(_SHARDED), "bf16": Refusal(_SHARDED),
+               **{other: Refusal(_SHARDED, when=_unsharded, partly=_SHARDED_PARTLY)
+                  for other in ("zero", "bf16")},
                "lowcomm": Refusal(_APART),
                "compression": Refusal("RigL regrows by the exact all-reduced gradient, and "
                                       "sparse_comm replaces the same bucket all-reduce that "

@@ -35,16 +35,24 @@ class SharpnessAware:
     """`kind` "sam" or "zo-sam" over the trainable parameters of `module` (unwrapped: the
     engine's `.module`). `mask_gradients()` and `masks()` come from the sparsifier (no-ops
     without one); `axis`: the mesh axis whose ranks split the batch (ZO-SAM's all-reduce).
-    On a model split by tp or pp, SAM's norm is the whole gradient's (`clip_replica_grads`)."""
+    On a model split by tp or pp, SAM's norm is the whole gradient's (`clip_replica_grads`).
+    In the ZeRO engine (`sharded`: its `ShardedOptimizer`, SAM only) the ascent moves this
+    rank's slices of the fp32 master weights by its slices of the reduced gradient, whose
+    norm is the engine's clip norm, and publishes them to the compute weights (an all-gather
+    of the parameters at stages 1-2 on the way up and on the way back)."""
 
     def __init__(self, kind: str, module: nn.Module, rho: float, mesh, axis: str = "dp",
                  seed: int = 0, zo_eps: float = 1e-3,
                  mask_gradients: Callable[[], None] = lambda: None,
-                 masks: Callable[[], dict] = dict):
+                 masks: Callable[[], dict] = dict, sharded=None):
         assert kind in ("sam", "zo-sam"), kind
+        assert sharded is None or kind == "sam", "ZO-SAM perturbs whole parameters"
         self.kind, self.rho, self.mesh, self.axis = kind, rho, mesh, axis
-        self.seed, self.zo_eps = seed, zo_eps
-        self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        self.seed, self.zo_eps, self.sharded = seed, zo_eps, sharded
+        if sharded is not None:  # the master slices the inner optimizer steps, `.grad` theirs
+            self.params = [view for _, _, view, _, _ in sharded.slices]
+        else:
+            self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self._mask_gradients = mask_gradients
         self.perturber = MaskedPerturber(module, masks) if kind == "zo-sam" else None
 
@@ -57,7 +65,7 @@ class SharpnessAware:
         if self.kind == "sam":
             loss_sum = forward_backward()
             self._mask_gradients()
-            norm = clip_replica_grads(self.params, 0.0, self.mesh)
+            norm = self._norm()
             scale = float(self.rho / (norm + 1e-12))
             with self._perturbed(lambda p: p.grad, scale):
                 self._zero_grad()
@@ -95,21 +103,34 @@ class SharpnessAware:
         set_rng_state(rng)
         return torch.stack(losses).to(self.mesh.device)
 
+    def _norm(self) -> torch.Tensor:
+        """The 2-norm of the whole (masked) gradient."""
+        if self.sharded is not None:
+            return self.sharded.engine.clip_grad_norm_(0.0)
+        return clip_replica_grads(self.params, 0.0, self.mesh)
+
     def _perturbed(self, direction: Callable[[nn.Parameter], torch.Tensor], scale: float):
         """Context: w += scale * direction(p) for every parameter of the perturbed set (SAM:
         those with a gradient; ZO-SAM: the perturber's), w restored bitwise on exit."""
+        publish = self.sharded.engine.publish if self.sharded is not None else lambda: None
         return _Perturbation(self.params if self.kind == "sam" else self.perturber.params,
-                             direction, scale)
+                             direction, scale, publish)
 
     def _zero_grad(self) -> None:
+        if self.sharded is not None:  # its shards, and stage 1's whole fp32 accumulator
+            self.sharded.zero_grad(set_to_none=False)
+            return
         for p in self.params:
             if p.grad is not None:
                 p.grad.zero_()  # in place: the engine's gradients are views into its buckets
 
 
 class _Perturbation:
-    def __init__(self, params, direction, scale: float):
-        self.params, self.direction, self.scale = params, direction, scale
+    """`publish()` follows each change (the sharded engine's master weights into its compute
+    weights)."""
+
+    def __init__(self, params, direction, scale: float, publish: Callable[[], None]):
+        self.params, self.direction, self.scale, self.publish = params, direction, scale, publish
         self.saved: list[torch.Tensor] = []
 
     @torch.no_grad()
@@ -119,9 +140,11 @@ class _Perturbation:
             self.saved.append(p.detach().clone())
             if d is not None:
                 p.add_(d, alpha=self.scale)
+        self.publish()
 
     @torch.no_grad()
     def __exit__(self, *exc):
         for p, saved in zip(self.params, self.saved):
             p.copy_(saved)
+        self.publish()
         return False

@@ -17,6 +17,7 @@ from loomtrain.sparsity.dst import cosine_fraction, rigl_update, set_update, swa
 from loomtrain.sparsity.masks import (active_count, cubic_density, erk_densities, magnitude_mask,
                                       nm_mask, pack_mask, random_mask, uniform_densities,
                                       unpack_mask)
+from loomtrain.sparsity.sharded import ShardedSlices
 from loomtrain.sparsity.split import Pieces, whole_counts
 from loomtrain.zeroth.perturb import mix_seed
 
@@ -60,10 +61,15 @@ class Sparsifier:
     model's sparse layers (`whole_layers`), and the `mesh`: this rank masks the layers it
     holds (by name), each decision taken on the whole layer (its tp pieces gathered,
     split.Pieces) with the whole model's layer index and densities, then cut to its piece, so
-    the masks are the single-process run's (docs/sparsity.md, "Split models")."""
+    the masks are the single-process run's (docs/sparsity.md, "Split models").
+
+    In the ZeRO engine (parallel/zero/) `sharded` is its `ShardedOptimizer`: the masks also
+    cut along its shards of the master weights and of the reduced gradient
+    (sparsity/sharded.py, docs/sparsity.md "ZeRO and bf16")."""
 
     def __init__(self, model: nn.Module, cfg, seed: int, total_steps: int,
-                 whole: list[tuple[str, tuple[int, ...]]] | None = None, mesh=None):
+                 whole: list[tuple[str, tuple[int, ...]]] | None = None, mesh=None,
+                 sharded=None):
         module = getattr(model, "module", model)
         self.cfg, self.seed, self.mesh = cfg, seed, mesh
         if whole is None:
@@ -74,23 +80,39 @@ class Sparsifier:
         self.index = {name: i for i, (name, _) in enumerate(whole)}
         params = dict(module.named_parameters())
         self.layers = [(name, params[name]) for name, _ in whole if name in params]
-        self.pieces = {name: Pieces(p, mesh) for name, p in self.layers}
+        self.shards = (ShardedSlices(sharded, [name for name, _ in self.layers])
+                       if sharded is not None else None)
+        shapes = self.shards.shapes if self.shards is not None else {}
+        self.pieces = {name: Pieces(p, mesh, shape=shapes.get(name)) for name, p in self.layers}
         self.end_step = cfg.end_step if cfg.end_step is not None else max(1, round(0.75 * total_steps))
         shapes = [shape for _, shape in whole]
         if cfg.method == "nm":
             self.densities = [cfg.n / cfg.m] * len(shapes)
         else:
             self.densities = layer_densities(shapes, cfg.density, cfg.distribution)
+        weights = self._master_weights() if cfg.method == "nm" else None
         self.masks: dict[str, torch.Tensor] = {
-            name: self.pieces[name].piece(self._initial(name, p)) for name, p in self.layers}
+            name: self.pieces[name].piece(self._initial(name, p, weights)) for name, p in self.layers}
         self.version = 0
         self.apply()
 
-    def _initial(self, name: str, p: nn.Parameter) -> torch.Tensor:
+    def _master_weights(self) -> dict[str, torch.Tensor] | None:
+        """The sparse layers' whole fp32 master weights, gathered from the sharded engine's
+        shards where the parameters are not them (bf16 rounds them; ZeRO-3 leaves them empty
+        between uses), so that every ranking reads the fp32 weights the optimizer steps, as
+        over plain dp; None where the parameters are them."""
+        if self.shards is None or self.shards.local_weights:
+            return None
+        return self.shards.whole("master")
+
+    def _whole_weight(self, name: str, p: nn.Parameter, weights) -> torch.Tensor:
+        return self.pieces[name].whole(weights[name] if weights is not None else p)
+
+    def _initial(self, name: str, p: nn.Parameter, weights) -> torch.Tensor:
         """Layer `name`'s whole initial mask."""
         cfg, i, shape = self.cfg, self.index[name], self.whole[self.index[name]][1]
         if cfg.method == "nm":
-            return nm_mask(self.pieces[name].whole(p), cfg.n, cfg.m)
+            return nm_mask(self._whole_weight(name, p, weights), cfg.n, cfg.m)
         if cfg.method == "prune":  # dense until the schedule starts
             return torch.ones(shape, dtype=torch.bool, device=p.device)
         gen = torch.Generator(device=p.device).manual_seed(mix_seed(self.seed, _INIT_STREAM, i))
@@ -99,19 +121,30 @@ class Sparsifier:
     # --- every step ---
     @torch.no_grad()
     def apply(self) -> None:
-        """Masked weights set to exactly +0 (after each optimizer step)."""
+        """Masked weights set to exactly +0 (after each optimizer step); in the sharded
+        engine its master slices too, where they are not the parameters' storage."""
         for name, p in self.layers:
-            p.masked_fill_(~self.masks[name], 0.0)
+            if p.numel():  # ZeRO-3 leaves the parameters empty between uses
+                p.masked_fill_(~self.masks[name], 0.0)
+        if self.shards is not None and not self.shards.local_weights:
+            self.shards.zero_masters({name: ~m for name, m in self.masks.items()})
 
     @torch.no_grad()
     def mask_gradients(self) -> None:
-        """Masked gradient entries set to 0 (after backward, before clipping and the step)."""
+        """Masked gradient entries set to 0 (after backward, before clipping and the step): in
+        the sharded engine, the reduced gradient's slices."""
+        if self.shards is not None:
+            self.shards.zero_gradients({name: ~m for name, m in self.masks.items()})
+            return
         for name, p in self.layers:
             if p.grad is not None:
                 p.grad.masked_fill_(~self.masks[name], 0.0)
 
     def dense_gradients(self) -> dict[str, torch.Tensor]:
-        """Copies of the sparse layers' gradients before masking (RigL's growth scores)."""
+        """Copies of the sparse layers' gradients before masking (RigL's growth scores): in
+        the sharded engine, gathered from the reduced gradient's shards."""
+        if self.shards is not None:
+            return self.shards.whole("grad")
         return {name: p.grad.detach().clone() for name, p in self.layers}
 
     # --- mask updates ---
@@ -145,11 +178,11 @@ class Sparsifier:
         weights are 0 and dropped ones are zeroed. Returns {name: positions of this rank's
         piece whose mask changed} for the layers whose whole mask changed; `version` moves if
         any did (on every rank alike: the decisions are the whole layers')."""
-        changed = {}
+        changed, weights = {}, self._master_weights()
         for name, p in self.layers:
             pieces, old = self.pieces[name], self.masks[name]
             whole_old = pieces.whole(old)
-            whole_new = self._updated(name, p, whole_old, t, dense_grads)
+            whole_new = self._updated(name, p, whole_old, t, dense_grads, weights)
             if not torch.equal(whole_new, whole_old):
                 new = pieces.piece(whole_new)
                 changed[name] = new ^ old
@@ -158,31 +191,39 @@ class Sparsifier:
             self.version += 1
             self.apply()
             for name, p in self.layers:
-                if name in changed:
+                if name in changed and p.numel():
                     p.masked_fill_(changed[name] & self.masks[name], 0.0)  # new connections
+            if self.shards is not None and not self.shards.local_weights:
+                self.shards.zero_masters({name: where & self.masks[name]
+                                          for name, where in changed.items()})
         return changed
 
     def _updated(self, name: str, p: torch.Tensor, old: torch.Tensor, t: int,
-                 dense_grads) -> torch.Tensor:
+                 dense_grads, weights) -> torch.Tensor:
         """Layer `name`'s whole new mask from its whole old one."""
-        i, pieces = self.index[name], self.pieces[name]
+        i = self.index[name]
         method, active, numel = self.cfg.method, int(old.sum()), old.numel()
         if method == "prune":
             keep = active_count(numel, self.target_density(i, t))
-            return old if keep >= active else magnitude_mask(pieces.whole(p), keep, allowed=old)
-        k = swap_count(active, numel, self.fraction(t))
+            return old if keep >= active else magnitude_mask(self._whole_weight(name, p, weights),
+                                                             keep, allowed=old)
+        k, weight = swap_count(active, numel, self.fraction(t)), self._whole_weight(name, p, weights)
         if method == "set":
             gen = torch.Generator(device=p.device).manual_seed(mix_seed(self.seed, _SET_STREAM, t, i))
-            return set_update(pieces.whole(p), old, k, gen)
+            return set_update(weight, old, k, gen)
         assert dense_grads is not None, "RigL's update needs the step's dense gradients"
-        return rigl_update(pieces.whole(p), old, k, pieces.whole(dense_grads[name]))
+        return rigl_update(weight, old, k, self.pieces[name].whole(dense_grads[name]))
 
     @torch.no_grad()
     def reset_optimizer_state(self, optimizer: torch.optim.Optimizer,
                               changed: dict[str, torch.Tensor]) -> None:
         """Zero the optimizer's per-weight state (Adam's moments, SGD's momentum) where masks
         changed: a new connection starts without a dropped one's history, and masked
-        positions keep zero state, so the optimizer moves no masked weight."""
+        positions keep zero state, so the optimizer moves no masked weight. In the sharded
+        engine the state is its inner optimizer's, slice by slice."""
+        if self.shards is not None:
+            self.shards.reset_state(changed)
+            return
         params = dict(self.layers)
         for name, where in changed.items():
             for value in optimizer.state.get(params[name], {}).values():

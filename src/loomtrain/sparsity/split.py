@@ -22,15 +22,17 @@ class Pieces:
     """How the `axis` ranks' pieces of `param` make the whole tensor (its `tp_placement`);
     a parameter without one is whole on every rank, and nothing travels. The full indices
     each rank's piece holds along the split dimension are all-gathered once, here (-1 for a
-    padded vocabulary's rows, which hold no entry of the whole)."""
+    padded vocabulary's rows, which hold no entry of the whole). `shape`: the piece's shape
+    where `param` is empty between uses (ZeRO-3), else its own."""
 
-    def __init__(self, param: nn.Parameter, mesh, axis: str = "tp"):
+    def __init__(self, param: nn.Parameter, mesh, axis: str = "tp",
+                 shape: tuple[int, ...] | None = None):
         self.placement = placement_of(param)
         self.mesh, self.axis = mesh, axis
         if self.placement is None:
             return
         dim = self.placement.dim
-        self.length = param.shape[dim]
+        self.length = (shape or param.shape)[dim]
         mine = torch.full((self.length,), -1, dtype=torch.int64, device=param.device)
         for full_start, local_start, n in self.placement.runs:
             mine[local_start:local_start + n] = torch.arange(full_start, full_start + n)

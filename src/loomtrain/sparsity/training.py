@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from loomtrain.errors import CheckpointError, ConfigError
+from loomtrain.parallel.zero.optimizer import ShardedOptimizer
 from loomtrain.sparsity.sam import SharpnessAware
 from loomtrain.sparsity.sparsifier import KEY, Sparsifier, whole_layers
 from loomtrain.train import checkpoint
@@ -23,15 +24,16 @@ class SparseTraining:
         s = cfg.sparsity
         self.model, self.optimizer = model, optimizer
         self.sparsifier = None
+        sharded = optimizer if isinstance(optimizer, ShardedOptimizer) else None
         if s.method != "none":  # the whole model's layers: the same masks under any split
             self.sparsifier = Sparsifier(model, s, cfg.run.seed, cfg.train.steps,
-                                         whole_layers(cfg), mesh)
+                                         whole_layers(cfg), mesh, sharded)
         self.sam = None
         if s.sam != "none":
             masks = self.sparsifier.masks_by_param if self.sparsifier else dict
             mask_gradients = self.sparsifier.mask_gradients if self.sparsifier else lambda: None
             self.sam = SharpnessAware(s.sam, getattr(model, "module", model), s.rho, mesh, "dp",
-                                      cfg.run.seed, s.zo_eps, mask_gradients, masks)
+                                      cfg.run.seed, s.zo_eps, mask_gradients, masks, sharded)
         if s.sparse_comm and not hasattr(model, "set_gradient_masks"):
             raise ConfigError("sparsity.sparse_comm=true needs the sparse-aware data-parallel engine "
                               "(DataParallel.set_gradient_masks), which this build of loomtrain "
