@@ -71,6 +71,8 @@ OFFLOADED = [  # (model, [parallel] on 2 ranks, the offload_activations added), 
     ({}, {"zero_stage": 3}, 1.0),
     (LLAMA, {"tp": 2, "sequence_parallel": True}, 0.5),
     (LLAMA, {"recompute": "selective", "zero_stage": 3}, 0.5),
+    # the traced blocks of cp_method="auto", each checkpointed by its budget
+    ({}, {"cp": 2, "cp_method": "auto", "activation_budget_mb": 0.01}, 0.5),
 ]
 
 

@@ -259,6 +259,13 @@ def test_the_config_reaches_the_plan(tmp_path, doc_corpus):
     assert plan.budget_bytes == int(0.01 * 2**20) and plan.checkpointed
     assert plan.method == "ulysses" and plan.local_len == 16 and plan.heads == (2, 2)
     assert "checkpoint" in auto.code  # the model's forward calls its blocks through it
+    # the rewritten blocks sit in a ModuleList again, under their names: ZeRO's units and
+    # activation offload find them there (before, fx's plain container hid them: no units)
+    from loomtrain.parallel.zero import find_units
+
+    assert isinstance(auto.blocks, nn.ModuleList)
+    assert [name for name, _ in find_units(auto)] == ["blocks.0", "blocks.1"]
+    assert sorted(auto.state_dict()) == sorted(model.state_dict())
 
 
 # The trainer with cp_method = "auto" (Ulysses; ring with packing and checkpointed blocks)

@@ -95,11 +95,6 @@ class ActivationOffload(Component):
                             "and ZeRO today"),
         "zeroth": Refusal("a zeroth-order step runs forwards only: nothing is saved for a "
                           "backward", yet=False),
-        "context": Refusal('cp_method="auto" rewrites the model into one traced graph and '
-                           "checkpoints it by its own budget (under a pipeline, which offloads "
-                           "per micro-batch itself, it runs with offload)", when=lambda cfg: (
-                               cfg.parallel.cp_method == "auto" and cfg.parallel.pp == 1),
-                           partly='with cp_method="auto" at pp=1'),
     }
 
     @classmethod

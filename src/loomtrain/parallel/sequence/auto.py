@@ -150,6 +150,24 @@ def _carry_state(model: nn.Module, gm: fx.GraphModule) -> None:
             owner.register_buffer(name, value)
 
 
+def _keep_module_lists(model: nn.Module, gm: fx.GraphModule) -> None:
+    """The traced model holds its repeated blocks in nn.ModuleLists again, as the model did
+    (fx rebuilds the containers as plain modules): ZeRO's units and activation offload find a
+    model's blocks as the children of its ModuleLists (zero `find_units`)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or not name:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        try:
+            owner, kept = gm.get_submodule(parent), gm.get_submodule(name)
+        except AttributeError:  # a list the traced forward never reaches
+            continue
+        children = dict(kept.named_children())
+        if isinstance(kept, nn.ModuleList) or set(children) != set(map(str, range(len(children)))):
+            continue  # already one, or not every block is traced: the names must stay
+        owner._modules[leaf] = nn.ModuleList(children[str(i)] for i in range(len(children)))
+
+
 ATTENTION, POSITIONS = "auto_sequence_attention", "auto_sequence_positions"
 
 
@@ -165,6 +183,7 @@ def auto_sequence(model: nn.Module, mesh, sample_len: int, budget_bytes: int | N
     gm = report.top
     for path, block in report.blocks.items():
         gm.add_submodule(path, block)
+    _keep_module_lists(model, gm)
     runtime = SequenceRuntime(gm, mesh, plan.method, "softmax")
     runtime.plan = plan
     attention, positions = SequenceAttention(runtime), SequencePositions(runtime)
