@@ -315,6 +315,46 @@ def test_gathered_bytes_take_the_largest_prefetch_window():
     assert zero_estimate.gathered_bytes(plan(3, local=1), units, 4, 1) == 0  # one shard rank: nothing gathered
 
 
+@pytest.mark.parametrize("dtype,c", DTYPES)
+def test_stage3_inside_a_pipeline_by_reshard(dtype, c):
+    """zero_reshard inside a pipeline: gradients reduced once per step either way; "step"
+    gathers each unit once, "micro_batch" for every forward, rerun and backward, the root per
+    forward and per backward of each of the rank's stages; only "step" holds every unit."""
+    a, sizes, p = 3, [100, 300], plan(3, compute_dtype=dtype)
+    step = totals(zero_estimate.zero_collectives(p, UNITS, ROOT_LEN, a, "step"))
+    micro = totals(zero_estimate.zero_collectives(p, UNITS, ROOT_LEN, a, "micro_batch",
+                                                  reruns=a, stages=2))
+    rs = ("reduce_scatter", "dp")
+    assert step[rs] == micro[rs] == (3, 4 * (40 + 400), sum(native_rs(4, 4 * n) for n in [40, *sizes]))
+    assert step[("all_gather", "dp")] == (3, c * 440, sum(gather(4, c * n) for n in [40, *sizes]))
+    root_calls, unit_calls = 2 * (a + a), 2 * a + a
+    assert micro[("all_gather", "dp")] == (
+        root_calls + 2 * unit_calls, c * (root_calls * 40 + unit_calls * 400),
+        root_calls * gather(4, c * 40) + unit_calls * sum(gather(4, c * n) for n in sizes))
+    units = [("a", 10), ("b", 30), ("c", 20)]
+    assert zero_estimate.gathered_bytes(p, units, 4, 1, "step") == c * (4 + 60)
+    # the prefetch window stays inside a stage: [a] and [b, c], not a + b
+    assert zero_estimate.gathered_bytes(p, units, 4, 1, "micro_batch", [["a"], ["b", "c"]]) == c * (4 + 50)
+    assert zero_estimate.gathered_bytes(p, units, 4, 1, "micro_batch", [["a", "b"], ["c"]]) == c * (4 + 40)
+
+
+def test_reshard_auto_rule_and_its_refusals(tiny, monkeypatch):
+    from loomtrain.parallel.zero import reshard
+
+    assert reshard.choose_reshard(100, 100) == "step" and reshard.choose_reshard(101, 100) == "micro_batch"
+    layout = {"nproc": 4, "pp": 2, "zero_stage": 3}
+    assert dryrun.estimate(tiny(parallel=layout)).zero.reshard == "step"  # MiBs fit here
+    monkeypatch.setattr(reshard, "capacity_bytes", lambda device, local_ranks: 1)
+    assert 'zero_reshard "micro_batch" (auto: rank 0\'s step with every unit held needs' in \
+        dry_run(tiny(parallel=layout))
+    # W after the backward: auto keeps the units; "micro_batch" is refused there
+    assert dryrun.estimate(tiny(parallel=layout | {"schedule": "zb-h1"})).zero.reshard == "step"
+    for bad in ({"schedule": "zb-h1", "zero_reshard": "micro_batch"},
+                {"pp": 1, "zero_reshard": "step"}, {"zero_stage": 2, "zero_reshard": "micro_batch"}):
+        with pytest.raises(ConfigError, match="parallel.zero_reshard"):
+            tiny(parallel=layout | bad)
+
+
 def test_gradients_in_flight_follow_the_reduction_queue():
     units, root = [("a", 10), ("b", 20)], 4  # launch order: b, a, root
     # stage 2 fp32, L = 2: new = prev = 4p + 4p/2 (source and shard), the root's buffer 4R
@@ -481,6 +521,12 @@ CASES = {
         # 4 layers in 4 stages: rank 0 holds stages 0 and 2, sends both ways
         ("pp 2 x dp 2, interleaved, ZeRO-1",
          {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero_stage": 1},
+          "train": {"micro_batch": 4}}),
+        # ZeRO-3 units freed after every forward and backward: each gathered per forward,
+        # rerun and backward, the root per forward and per backward of each stage
+        ("pp 2 x dp 2, interleaved, ZeRO-3 reshard micro_batch, full recomputation",
+         {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "zero_stage": 3,
+                       "zero_reshard": "micro_batch", "recompute": "full"},
           "train": {"micro_batch": 4}})],
 }
 

@@ -37,8 +37,10 @@ PAIRS = [  # world 4: the pipeline with each axis it refused before issue 28 (tp
     _layout({"pp": 2, "cp": 2, "schedule": "interleaved", "virtual_stages": 2}),
     # every micro-batch's own document masks, restored before each of its forwards
     _layout({"pp": 2, "cp": 2, "cp_method": "ulysses", "schedule": "gpipe"}, data=PACKED),
-    _layout({"pp": 2, "zero_stage": 3, "schedule": "interleaved", "virtual_stages": 2,
-             "recompute": "full"}),
+    ZERO3_STEP := _layout({"pp": 2, "zero_stage": 3, "schedule": "interleaved",
+                           "virtual_stages": 2, "recompute": "full", "zero_reshard": "step"}),
+    # every unit freed after its forward and gathered again for its backward, per micro-batch
+    ZERO3_MICRO := _layout({**ZERO3_STEP[0], "zero_reshard": "micro_batch"}),
     _layout({"pp": 2, "zero_stage": 2, "schedule": "zb-h1"}),
     _layout({"pp": 2, "zero_stage": 1, "schedule": "zb-h1"}),
     _layout({"pp": 2, "cp": 2, "schedule": "1f1b"}, LLAMA),
@@ -148,8 +150,54 @@ def _check(tmp_path, corpus, doc_corpus, references, world, exact, bf16=(),
     return out[0]
 
 
+def _probed(rank, world, trees, root) -> list | None:
+    """`_train_many`, measuring on rank 0 in each run the ZeRO engine's peak bytes of gathered
+    units inside a pipelined step (the storage of every unit's gather buffer, after each
+    gather starts) and its held unreduced gradients at the end of the step."""
+    from loomtrain.parallel.zero.engine import ShardedDataParallel as Engine
+    from loomtrain.train.launch import init_distributed
+    from loomtrain.train.run import train_loop
+    from loomtrain.train.trainer import StopFlag
+
+    start, sync, probe = Engine._start_gather, Engine.sync_gradients, {}
+
+    def start_gather(self, u):
+        start(self, u)
+        if self._holding():
+            live = sum(x._gathered.untyped_storage().nbytes() for x in self.all_units
+                       if x._gathered is not None)
+            probe["gathered"] = max(probe.get("gathered", 0), live)
+
+    def sync_gradients(self):
+        held = sum(4 * x.held.numel() for x in self.all_units if x.held is not None)
+        probe["held"] = max(probe.get("held", 0), held)
+        sync(self)
+    Engine._start_gather, Engine.sync_gradients = start_gather, sync_gradients
+    out = []
+    for i, tree in enumerate(trees):
+        probe.clear()
+        cfg = config_from_dict(tree)
+        train_loop(cfg, Path(root) / f"run{i}", None, init_distributed(cfg), StopFlag())
+        out.append(dict(probe))
+    return out if rank == 0 else None
+
+
 def test_every_pair_with_the_pipeline_at_world_4(tmp_path, corpus, doc_corpus, references):
-    _check(tmp_path, corpus, doc_corpus, references, 4, PAIRS, PAIRS_BF16)
+    probes = _check(tmp_path, corpus, doc_corpus, references, 4, PAIRS, PAIRS_BF16,
+                    train=_probed)
+    trees = _trees(tmp_path, corpus, doc_corpus, 4, [*PAIRS, *PAIRS_BF16])
+    for tree, probe in zip(trees, probes):
+        p = tree["parallel"]
+        if p.get("zero_stage", 0) < 2 or p.get("pp", 1) == 1:
+            continue
+        est = dryrun.estimate(config_from_dict(tree))
+        # every unit's fp32 gradient summed over the step's micro-batches (4P), either reshard
+        assert probe["held"] == 4 * (sum(n for _, n in est.zero.units) + est.zero.root), p
+        # "step": the root and every unit; "micro_batch": the root and a prefetch window
+        assert probe.get("gathered", 0) == est.memory.gathered_bytes, p
+    step, micro = (read_metrics(tmp_path / "w" / f"run{PAIRS.index(x)}")
+                   for x in (ZERO3_STEP, ZERO3_MICRO))
+    assert [r["loss"] for r in micro] == [r["loss"] for r in step]  # the same sums, bitwise
 
 
 def test_the_3d_and_4d_layouts_at_world_8(tmp_path, corpus, doc_corpus, references):

@@ -223,20 +223,26 @@ def _zero_lines(z: ZeroLayout, cfg) -> list[str]:
     if plan.offload:
         extras.append("optimizer offloaded to the host")
     blocks = len(z.units)
+    held = [] if z.reshard is None or p.zero_stage < 2 else [
+        f"       inside the pipeline: gradients held and reduced once per step; "
+        + (f'zero_reshard "{z.reshard}" ({z.reshard_why})' if p.zero_stage == 3 else
+           "stage 2 gathers no parameter during the step")]
     return [f"zero:  stage {p.zero_stage}, {what} {where}; {', '.join(extras)}",
             f"       {blocks} unit(s){' + root' if z.root else ''}, each padded to a multiple of "
             f"{plan.shard_ranks * plan.replica_ranks}: "
-            f"{sum(n for _, n in z.units) + z.root:,} elements (P)"]
+            f"{sum(n for _, n in z.units) + z.root:,} elements (P)", *held]
 
 
-def _gathered_why(cfg, c: int, nbytes: int) -> str:
-    """Which units stage 3 holds gathered at once: inside a pipeline all of them (the step is
-    held), else the root and a prefetch window."""
+def _gathered_why(cfg, reshard: str | None, c: int, nbytes: int) -> str:
+    """Which units stage 3 holds gathered at once: inside a pipeline with zero_reshard "step"
+    all of them, else the root and a prefetch window (inside one stage, in a pipeline)."""
     if not nbytes:
         return "none (stage 3 only)"
-    if cfg.parallel.pp > 1:
-        return f"through the step (a pipeline holds it): the root and every unit, {c} B each"
-    return f"during a step: the root + {1 + cfg.parallel.prefetch} unit(s) (1 + prefetch), {c} B each"
+    if reshard == "step":
+        return f"through the step (zero_reshard \"step\"): the root and every unit, {c} B each"
+    within = " of one stage" if reshard else ""
+    return (f"during a step: the root + {1 + cfg.parallel.prefetch} unit(s){within} "
+            f"(1 + prefetch), {c} B each")
 
 
 def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
@@ -258,7 +264,8 @@ def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
          f"{t.optimizer}: 4 x {states + master}P / S: {states} state(s)"
          + (" + fp32 master weights" if master else "") + f" of my range{host}"),
         ("activations", est.activation_bytes, _activation_why(run, cfg, f" ({dtype})")),
-        ("gathered units", est.gathered_bytes, _gathered_why(cfg, c, est.gathered_bytes)),
+        ("gathered units", est.gathered_bytes,
+         _gathered_why(cfg, run.zero.reshard, c, est.gathered_bytes)),
         ("grads in flight", est.in_flight_bytes,
          "during backward: buffers being filled and reduced"
          + (", and every unit's unreduced fp32 gradient held through the step (4P)"

@@ -240,32 +240,43 @@ class PipelineEstimate:
     eval_sends: list[Collective]  # rank 0's, every evaluation
 
 
-def stage_memories(split: PipelineSplit, cfg, c: int, m, recompute: str) -> list[StageMemory]:
+def stage_memories(stage_layers: list[list[str]], cfg, c: int, m,
+                   recompute: str) -> list[StageMemory]:
     """Every stage's StageMemory under `recompute`."""
-    p, last = cfg.parallel, len(split.stage_layers) - 1
+    p, last = cfg.parallel, len(stage_layers) - 1
     return [stage_memory(m, names, cfg.train.micro_batch, c, recompute, s == 0, s == last, p.tp,
                          p.sequence_parallel)
-            for s, names in enumerate(split.stage_layers)]
+            for s, names in enumerate(stage_layers)]
 
 
-def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
-                      eval_forwards: int, m=None) -> PipelineEstimate:
-    """`m`: the [model] keys as a rank runs them (DryRunPlan.local_model; None: cfg.model).
-    A planned schedule (optimal) is simulated with the unit times it was planned with, its
-    recomputed backwards longer by a forward."""
-    m = m or cfg.model
-    memory = stage_memories(split, cfg, c, m, cfg.parallel.recompute)
+def simulated_peaks(stage_layers: list[list[str]], schedule: S.Schedule, cfg, c: int,
+                    m) -> tuple[list[StageMemory], S.SimResult, list[int]]:
+    """(every stage's StageMemory, the simulated schedule, each pp rank's activation peak): the
+    dry run's, and what ZeRO's zero_reshard="auto" weighs at build (zero/reshard.py). A planned
+    schedule (optimal) is simulated with the unit times it was planned with, its recomputed
+    backwards longer by a forward."""
+    memory = stage_memories(stage_layers, cfg, c, m, cfg.parallel.recompute)
     if schedule.name in S.SCHEDULES:
         sim = S.simulate(schedule)
-        theory = S.bubble_theory(schedule.name, schedule.pp, schedule.microbatches,
-                                 schedule.virtual_stages)
     else:
         from loomtrain.parallel.pipeline.optimal_costs import action_times
 
         sim = S.simulate(schedule, action_times(unit_costs(memory), schedule.recompute))
+    rerun = stage_memories(stage_layers, cfg, c, m, "full")
+    return memory, sim, [activation_peak(spans, memory, schedule.recompute, rerun)
+                         for spans in sim.spans]
+
+
+def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
+                      eval_forwards: int, m=None) -> PipelineEstimate:
+    """`m`: the [model] keys as a rank runs them (DryRunPlan.local_model; None: cfg.model)."""
+    m = m or cfg.model
+    memory, sim, peaks = simulated_peaks(split.stage_layers, schedule, cfg, c, m)
+    if schedule.name in S.SCHEDULES:
+        theory = S.bubble_theory(schedule.name, schedule.pp, schedule.microbatches,
+                                 schedule.virtual_stages)
+    else:
         theory = sim.bubble
-    rerun = stage_memories(split, cfg, c, m, "full")
-    peaks = [activation_peak(spans, memory, schedule.recompute, rerun) for spans in sim.spans]
     shared = [(name, nbytes) for name, nbytes, _ in split.shared]
     return PipelineEstimate(split, schedule, sim, memory, peaks, theory,
                             pipeline_collectives(schedule, 0, split.boundary_bytes, shared),
@@ -285,7 +296,8 @@ def estimate_pipeline(plan: DryRunPlan) -> None:
     plan.model, split = split_on_meta(plan.model, plan.mesh, cfg)
     try:
         if cfg.parallel.schedule == "optimal":
-            memory = stage_memories(split, cfg, plan.compute_bytes, plan.local_model, "none")
+            memory = stage_memories(split.stage_layers, cfg, plan.compute_bytes,
+                                    plan.local_model, "none")
             schedule = planned_schedule(cfg, unit_costs(memory))
         else:
             schedule = build_schedule(cfg)

@@ -17,6 +17,9 @@ class ZeroKeys(Section):
     prefetch: int = Field(1, ge=0)  # stage 3: units gathered ahead of the one computing
     offload_optimizer: bool = False  # ZeRO: master weights and optimizer state in host memory
     shard_units: list[str] = []  # ZeRO units as module-name patterns; empty: ModuleList children
+    # stage 3 inside a pipeline: units kept gathered through the step ("step"), or freed after
+    # each forward and backward ("micro_batch"); "auto": "step" where it fits (zero/reshard.py)
+    zero_reshard: Literal["auto", "step", "micro_batch"] = "auto"
 
 
 class Zero(EngineTimeline, Component):
@@ -69,11 +72,31 @@ class Zero(EngineTimeline, Component):
                 also = ' (or train.precision="bf16")' if key == "shard_units" else ""
                 raise ValueError(f"parallel.{key}={getattr(p, key)!r} needs ZeRO: set "
                                  f"parallel.zero_stage to 1, 2 or 3{also}")
+        _check_reshard(p)
         if p.optimizer_shard == "dp" and not p.hierarchical:
             raise ValueError(
                 'parallel.optimizer_shard="dp" splits the optimizer state across nodes in '
                 "hierarchical ZeRO; set parallel.hierarchical=true (flat ZeRO already splits it "
                 "over all dp ranks)")
+
+
+def _check_reshard(p) -> None:
+    """zero_reshard chooses between two ways of running stage 3 inside a pipeline."""
+    if p.zero_reshard == "auto":
+        return
+    if p.pp == 1 or p.zero_stage < 3:
+        raise ValueError(
+            f"parallel.zero_reshard={p.zero_reshard!r} chooses whether ZeRO-3 keeps its units "
+            "gathered through a pipelined step; it needs parallel.pp > 1 and "
+            f"parallel.zero_stage=3 (got pp={p.pp}, zero_stage={p.zero_stage}): outside a "
+            "pipeline every unit is already freed after its forward and gathered again for its "
+            "backward, and stages 1-2 gather nothing. Leave it at \"auto\"")
+    if p.zero_reshard == "micro_batch" and p.schedule in ("zb-h1", "optimal"):
+        raise ValueError(
+            f'parallel.zero_reshard="micro_batch" with parallel.schedule={p.schedule!r} is not '
+            "built yet: the schedule computes weight gradients (W) after the backward that "
+            'frees the units. Use schedule "gpipe", "1f1b" or "interleaved", or '
+            'zero_reshard="step"')
 
 
 def shard_built(built: Built, axis: str) -> None:
@@ -96,7 +119,11 @@ def shard_built(built: Built, axis: str) -> None:
             units=list(p.shard_units) or None, gradient_reduce="sum", axis=axis)
     except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
-    built.model.pipelined = p.pp > 1
+    if p.pp > 1:
+        from loomtrain.parallel.zero.reshard import resolve_reshard, stage_calls
+
+        engine = built.model
+        engine.pipeline(resolve_reshard(built, engine), stage_calls(engine.module))
     built.replicated, built.layout = True, ZERO
 
 

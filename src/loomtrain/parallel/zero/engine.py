@@ -40,11 +40,13 @@ class ShardedDataParallel(nn.Module):
         self.timeline = None  # a loomtrain.timeline.Timeline while one step is recorded
         self._pieces = None  # (tensor-parallel, replicated) gradient views, for the norm
         self._sync = True
-        # under a pipeline schedule (the Zero component sets it at pp > 1), stages 2-3 hold
-        # the step: gradients accumulate unreduced in `no_sync()` and stage 3's units stay
-        # gathered, until `sync_gradients` reduce-scatters each unit once and frees them, as
-        # FSDP2 runs under torch's pipelining (docs/zero.md, "Inside a pipeline")
-        self.pipelined = False
+        # under a pipeline schedule (`pipeline`), stages 2-3 hold the step: gradients
+        # accumulate unreduced in `no_sync()` until `sync_gradients` reduce-scatters each unit
+        # once; stage 3's units stay gathered through it (reshard "step") or are freed after
+        # each forward and backward ("micro_batch"), as FSDP2 runs under torch's pipelining
+        # with reshard_after_forward False or True (docs/zero.md, "Inside a pipeline")
+        self.pipelined, self.reshard = False, "step"
+        self._call_of: dict[FlatUnit, int] = {}  # "micro_batch": the stage call of each unit
         self._callback_queued = False
         self._reductions = ReductionQueue()
         self._gathers: dict[FlatUnit, tuple] = {}
@@ -76,10 +78,28 @@ class ShardedDataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    def pipeline(self, reshard: str, calls: list[list[str]]) -> None:
+        """Run under a pipeline schedule (the Zero component, at pp > 1), stage 3's units
+        kept through the step (`reshard` "step") or not ("micro_batch"). `calls`: the module
+        paths of each stage this rank runs; a "micro_batch" prefetch stays inside the stage
+        that is running, since the next unit in the rank's order belongs to another stage,
+        which runs later (or never in this micro-batch), and a gather started for it would be
+        freed unused at the end of the backward."""
+        self.pipelined, self.reshard = True, reshard
+        for u in self.units:
+            name = u.layout.name
+            self._call_of[u] = next((i for i, paths in enumerate(calls)
+                                     if any(name == x or name.startswith(x + ".") for x in paths)),
+                                    None)
+
     def _holding(self) -> bool:
-        """Inside a pipelined step at stage 2-3: nothing is reduced or released until
-        `sync_gradients`."""
+        """Inside a pipelined step at stage 2-3: nothing is reduced until `sync_gradients`."""
         return self.pipelined and not self._sync and self.plan.stage >= 2
+
+    def _keeping(self) -> bool:
+        """Inside a pipelined step that keeps stage 3's units gathered: nothing is released
+        until `sync_gradients`."""
+        return self._holding() and self.reshard == "step"
 
     # --- stage 3: gathers -------------------------------------------------------------------
 
@@ -100,13 +120,20 @@ class ShardedDataParallel(nn.Module):
         u.use_gathered(full)
 
     def _prefetch(self, order: list[FlatUnit], after: int) -> None:
-        for u in order[after:after + self.prefetch]:
+        """Start gathering the `prefetch` units after `order[after - 1]` (after = 0: the
+        root's hooks); inside a pipelined micro-batch only those of its stage (`pipeline`),
+        and none from the root's, which runs with every stage."""
+        ahead = order[after:after + self.prefetch]
+        if self._holding() and not self._keeping():
+            call = self._call_of.get(order[after - 1]) if after else None
+            ahead = [u for u in ahead if call is not None and self._call_of.get(u) == call]
+        for u in ahead:
             self._start_gather(u)
 
     def _drop_gathers(self) -> None:
         """Free every gathered non-root unit and any prefetch nobody used (not while the step
-        is held: the next micro-batch uses them)."""
-        if self._holding():
+        is kept: the next micro-batch uses them)."""
+        if self._keeping():
             return
         for full, pending in self._gathers.values():
             pending.wait()
@@ -136,7 +163,7 @@ class ShardedDataParallel(nn.Module):
     def _post_forward(self, u: FlatUnit, output) -> None:
         if self.timeline is not None:
             self.timeline.end("compute", f"forward {u.layout.name}")
-        if u.sharded_params and not self._holding():
+        if u.sharded_params and not self._keeping():
             u.release()
         self._on_backward(output, u)
 
@@ -197,16 +224,15 @@ class ShardedDataParallel(nn.Module):
             buffer = u.acc
         if self._holding():
             u.hold(buffer)
-            u.drop_grads()
-            return
-        if u.held is not None:  # the held step's gradient, with what came after its last launch
-            u.hold(buffer)
-            buffer, u.held = u.held, None
-        if self._sync or self.plan.stage >= 2:
-            self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline,
-                                                    self._divisor))
+        else:
+            if u.held is not None:  # the held step's gradient, with what came after its last launch
+                u.hold(buffer)
+                buffer, u.held = u.held, None
+            if self._sync or self.plan.stage >= 2:
+                self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline,
+                                                        self._divisor))
         u.drop_grads()
-        if u.sharded_params and u is not self.root:
+        if u.sharded_params and u is not self.root and not self._keeping():
             u.release()
 
     def _finish(self) -> None:
@@ -227,7 +253,7 @@ class ShardedDataParallel(nn.Module):
         return self._unit_of[p].unreduced_grad(self._index_in_unit[p])
 
     def _release_root(self) -> None:
-        if self.root is not None and self.root.sharded_params and not self._holding():
+        if self.root is not None and self.root.sharded_params and not self._keeping():
             self.root.release()
 
     # --- after backward ---------------------------------------------------------------------

@@ -7,7 +7,7 @@ docs/dry-run.md, "ZeRO", and docs/zero.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,7 +31,8 @@ def compute_bytes(plan: ShardPlan) -> int:
 
 
 def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
-                     accumulation: int, pipelined: bool = False) -> list[Collective]:
+                     accumulation: int, reshard: str | None = None, reruns: int = 0,
+                     stages: int = 1) -> list[Collective]:
     """The engine's collectives in one optimizer step of `accumulation` micro-batches (A).
 
     L = shard ranks, C = replica ranks, c = compute bytes, p = a unit's padded length.
@@ -44,14 +45,20 @@ def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
     (cp each). After the step (`publish`): all_gather of the shard (cp/L) over the replica
     axis when the optimizer range is smaller than it, then of the unit (cp) over the shard
     axis for stages 1-2. `clip_grad_norm_`: one 4-byte all_reduce over the optimizer's group.
-    A group of one rank sends and counts nothing. Inside a pipeline (`pipelined`, engine.py
-    `_holding`) stages 2-3 hold the step: each unit is reduced once per step, and stage 3
-    gathers the root and every unit once, kept across the step's micro-batches.
+    A group of one rank sends and counts nothing.
+
+    Inside a pipeline (`reshard` not None, engine.py `_holding`) stages 2-3 hold the step:
+    each unit is reduced once per step. Stage 3 with reshard "step" gathers the root and every
+    unit once, kept across the step's micro-batches; with "micro_batch" (zero/reshard.py) every
+    unit twice per micro-batch (forward, backward), and once more per micro-batch its stage
+    runs forward again (`reruns`, recompute="full": the rerun is a forward of its own), and the
+    root once per backward of each of the rank's `stages` (freed at every backward's end, and
+    by each forward without a backward: the first forward of a recomputed micro-batch).
     """
     n_shard, n_replica, c = plan.shard_ranks, plan.replica_ranks, compute_bytes(plan)
     everything = units + ([(ROOT, root)] if root else [])
     launch = units[::-1] + ([(ROOT, root)] if root else [])
-    held = pipelined and plan.stage >= 2
+    held = reshard is not None and plan.stage >= 2
     when = ("once per step (held)" if held else
             "every micro-batch" if plan.stage >= 2 else "last micro-batch")
     reductions = accumulation if plan.stage >= 2 and not held else 1
@@ -65,10 +72,18 @@ def zero_collectives(plan: ShardPlan, units: list[tuple[str, int]], root: int,
             part = " of the shard" if n_shard > 1 else ""
             out.append(metered(f"gradient {op.replace('_', '-')}{part}, each unit, {when}",
                                op, plan.replica_axis, n_replica, 4 * (p // n_shard), reductions, name))
-    if plan.stage == 3 and n_shard > 1 and held:
+    if plan.stage == 3 and n_shard > 1 and reshard == "step":
         out += [metered("unit gather, once per step (kept through the step)", "all_gather",
                         plan.shard_axis, n_shard, c * p, 1, name)
                 for name, p in ([(ROOT, root)] if root else []) + units]
+    elif plan.stage == 3 and n_shard > 1 and reshard == "micro_batch":
+        if root:
+            out.append(metered("root gather, every micro-batch of each stage (freed after its "
+                               "backward)", "all_gather", plan.shard_axis, n_shard, c * root,
+                               stages * (accumulation + reruns), ROOT))
+        out += [metered("unit gather, forward and backward of every micro-batch (and its rerun)",
+                        "all_gather", plan.shard_axis, n_shard, c * p, 2 * accumulation + reruns,
+                        name) for name, p in units]
     elif plan.stage == 3 and n_shard > 1:
         if root:
             out.append(metered("root gather, every micro-batch (kept through backward)", "all_gather",
@@ -117,18 +132,23 @@ def zero_eval_gathers(plan: ShardPlan, units: list[tuple[str, int]], root: int,
 
 
 def gathered_bytes(plan: ShardPlan, units: list[tuple[str, int]], root: int, prefetch: int,
-                   pipelined: bool = False) -> int:
+                   reshard: str | None = None, calls: list[list[str]] | None = None) -> int:
     """Stage 3: the root unit (gathered from the start of forward to the end of backward) and
     the unit computing with the `prefetch` units gathered ahead of it, c bytes per element:
-    the largest run of 1 + prefetch consecutive units (engine.py `_pre_forward`/`_pre_backward`).
-    Inside a pipeline every unit stays gathered through the step."""
+    the largest run of 1 + prefetch consecutive units (engine.py `_pre_forward`/`_pre_backward`),
+    inside one of `calls` (the unit names of each stage of a pipeline rank, whose
+    "micro_batch" prefetch stays in the stage; None: one call of every unit). Inside a
+    pipeline with reshard "step" every unit stays gathered through the step."""
     if plan.stage < 3 or plan.shard_ranks == 1:
         return 0
-    sizes = [p for _, p in units]
-    if pipelined:
-        return compute_bytes(plan) * (root + sum(sizes))
-    k = min(1 + prefetch, len(sizes))
-    window = max((sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1)), default=0)
+    sizes = dict(units)
+    if reshard == "step":
+        return compute_bytes(plan) * (root + sum(sizes.values()))
+    window = 0
+    for call in calls or [list(sizes)]:
+        run = [sizes[name] for name in call]
+        k = min(1 + prefetch, len(run))
+        window = max([window] + [sum(run[i:i + k]) for i in range(len(run) - k + 1)])
     return compute_bytes(plan) * (root + window)
 
 
@@ -171,13 +191,14 @@ def in_flight_bytes(plan: ShardPlan, units: list[tuple[str, int]], root: int) ->
 
 
 def zero_memory_per_rank(plan: ShardPlan, units: list[tuple[str, int]], root: int, states: int,
-                         activations: int, prefetch: int,
-                         pipelined: bool = False) -> MemoryEstimate:
+                         activations: int, prefetch: int, reshard: str | None = None,
+                         calls: list[list[str]] | None = None) -> MemoryEstimate:
     """`layout.zero_memory` (persistent state, its docstring has the formulas) plus what lives
     only during a step: activations, gathered units and gradients in flight. With offload, the
     master weights, optimizer state and reduced gradient range (4P/S) are in host memory.
-    Inside a pipeline, stages 2-3 hold every unit's unreduced fp32 gradient (4P,
-    `FlatUnit.held`) through the step, counted with the gradients in flight."""
+    Inside a pipeline (`reshard` not None), stages 2-3 hold every unit's unreduced fp32
+    gradient (4P, `FlatUnit.held`) through the step, with either reshard, counted with the
+    gradients in flight; `gathered_bytes` says which units are gathered at once."""
     padded = [p for _, p in units] + ([root] if root else [])
     c = compute_bytes(plan)
     m = zero_memory(padded, plan.stage, plan.shard_ranks, plan.optimizer_ranks, states, c,
@@ -185,9 +206,9 @@ def zero_memory_per_rank(plan: ShardPlan, units: list[tuple[str, int]], root: in
                     separate_grad=plan.offload and plan.stage == 1)
     host = m.optimizer_bytes + 4 * sum(padded) // plan.optimizer_ranks if plan.offload else 0
     return MemoryEstimate(m.parameter_bytes, m.gradient_bytes, m.optimizer_bytes, activations,
-                          gathered_bytes(plan, units, root, prefetch, pipelined),
+                          gathered_bytes(plan, units, root, prefetch, reshard, calls),
                           in_flight_bytes(plan, units, root)
-                          + (4 * sum(padded) if pipelined and plan.stage >= 2 else 0), host)
+                          + (4 * sum(padded) if reshard and plan.stage >= 2 else 0), host)
 
 
 
@@ -196,6 +217,8 @@ class ZeroLayout:
     plan: ShardPlan
     units: list[tuple[str, int]]  # (name, padded length), forward order, root excluded
     root: int  # padded length of the root unit, 0 if empty
+    reshard: str | None = None  # inside a pipeline: the mode of parallel.zero_reshard
+    reshard_why: str = ""  # how "auto" (or the setting) decided it
 
 
 def zero_layout(model, mesh, cfg) -> ZeroLayout:
@@ -226,16 +249,41 @@ def estimate_zero(plan: DryRunPlan) -> None:
     cfg = plan.cfg
     z = zero_layout(plan.model, plan.mesh, cfg)
     broadcast_state(plan.model, plan.mesh, "dp")  # what shard() sends first
-    pipelined = cfg.parallel.pp > 1
-    plan.memory = zero_memory_per_rank(z.plan, z.units, z.root, plan.optimizer_states,
-                                       plan.activations(), cfg.parallel.prefetch, pipelined)
-    plan.reductions = zero_collectives(z.plan, z.units, z.root, cfg.accumulation_steps,
-                                       pipelined)
     pipe = plan.parts.get("pipeline")
     calls = None if pipe is None else [  # this rank's stages, each a forward call of its own
         [x for x in pipe.split.stage_layers[s] if x in dict(z.units)]
         for s in range(0, pipe.schedule.stages, pipe.schedule.pp)]
+    if pipe is not None:
+        mode, why = _reshard(plan, z, pipe.schedule)
+        z = replace(z, reshard=mode, reshard_why=why)
+    p = cfg.parallel
+    plan.memory = zero_memory_per_rank(z.plan, z.units, z.root, plan.optimizer_states,
+                                       plan.activations(), p.prefetch, z.reshard, calls)
+    plan.reductions = zero_collectives(
+        z.plan, z.units, z.root, cfg.accumulation_steps, z.reshard,
+        cfg.accumulation_steps if p.recompute == "full" else 0, len(calls or [None]))
     plan.eval_collectives += zero_eval_gathers(z.plan, z.units, z.root, plan.eval_forwards,
                                                cfg.run.eval_every, cfg.parallel.prefetch, calls)
     plan.parts["zero"] = z
     plan.replicated = True
+
+
+def _reshard(plan: DryRunPlan, z: ZeroLayout, schedule) -> tuple[str, str]:
+    """(mode, why) of parallel.zero_reshard as rank 0 would run it (zero/reshard.py): "auto"
+    weighs rank 0's estimate with every unit held against this machine's capacity for one
+    rank (at build every rank weighs its own, and one that does not fit decides for all)."""
+    from loomtrain.parallel.zero.reshard import STEP, capacity_bytes, choose_reshard, fixed_reshard
+
+    cfg = plan.cfg
+    fixed = fixed_reshard(cfg.parallel, z.plan.shard_ranks, schedule)
+    if fixed is not None:
+        return fixed
+    need = zero_memory_per_rank(z.plan, z.units, z.root, plan.optimizer_states,
+                                plan.activations(), cfg.parallel.prefetch, STEP).device_bytes
+    cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        return STEP, (f"auto: decided at build; no CUDA device here to weigh rank 0's "
+                      f"{need:,} B with every unit held (shown: step)")
+    have = capacity_bytes(torch.device("cuda" if cuda else "cpu"), plan.mesh.ranks_per_node)
+    return choose_reshard(need, have), (f"auto: rank 0's step with every unit held needs "
+                                        f"{need:,} B, one rank may use {have:,} B here")
