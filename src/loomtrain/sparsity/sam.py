@@ -115,10 +115,8 @@ class SharpnessAware:
         """The masked z of `target`: its parameter's (piece's) slice of the whole tensor's
         z, and in the sharded engine this rank's flat range of it."""
         z = self.perturber.direction(target.pos, seed, self.perturber.mask(target.pos),
-                                     target.shape)
-        if target.span is None:
-            return z
-        return z.flatten()[target.span[0]:target.span[1]].to(target.tensor.dtype)
+                                     target.shape, target.tensor.dtype)
+        return z if target.span is None else z.flatten()[target.span[0]:target.span[1]]
 
     def _z_norm(self, seed: int) -> torch.Tensor:
         """The 2-norm of the whole model's masked z, from the pieces and slices the ranks

@@ -133,12 +133,14 @@ class Perturber:
         return self.params[pos].detach().abs() <= self.thresholds[pos]
 
     def direction(self, pos: int, seed: int, mask: torch.Tensor | None = None,
-                  shape: tuple[int, ...] | None = None) -> torch.Tensor:
+                  shape: tuple[int, ...] | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
         """z of position `pos` under `seed` (times `mask` if given), freshly generated. A
         tensor-parallel piece's is its slice of the whole tensor's z (its placement,
         parallel/placement.py; zeros on a padded vocabulary's rows): the whole tensor's is
         drawn, then cut, so that every layout perturbs as one process does. `shape`: the
-        parameter's (piece's) shape where it is empty between uses (ZeRO-3)."""
+        parameter's (piece's) shape where it is empty between uses (ZeRO-3); `dtype`: z's
+        where it is not the parameter's (fp32 master weights of bf16 parameters)."""
         p = self.params[pos]
         gen = self._generators.get(p.device)
         if gen is None:
@@ -147,7 +149,7 @@ class Perturber:
         placement = placement_of(p)
         local = p.shape if shape is None else shape
         z = torch.randn(local if placement is None else placement.shape, generator=gen,
-                        device=p.device, dtype=p.dtype)
+                        device=p.device, dtype=p.dtype if dtype is None else dtype)
         if placement is not None:
             z = placement.take(z, local[placement.dim])
         return z if mask is None else z.mul_(mask)
