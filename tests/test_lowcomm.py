@@ -133,7 +133,6 @@ SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals,
     ("sparse_zo_pp_tp", RIGL_ZO, {"pp": 2, "tp": 2}, "sparse_zo", 0.3),
     ("sparse_zo_cp_tp", RIGL_ZO, {"cp": 2, "tp": 2}, "sparse_zo", 0.3),
     ("sparse_zo_tp_zero3", RIGL_ZO, {"tp": 2, "zero_stage": 3}, "sparse_zo", 0.3),
-    ("sparse_zo_pp_zero1", RIGL_ZO, {"pp": 2, "zero_stage": 1}, "sparse_zo", 0.3),
     ("sparse_zo_zero2_bf16", RIGL_ZO, {"zero_stage": 2}, "sparse_zo", 0.3),
 ]
 SPARSE_STEPS = 12
@@ -397,8 +396,8 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     (measured 6e-4 and 3e-4; fp32 ~7e-8). The sharded runs' final checkpoints hold
     +0 at every masked weight (the fp32 master weights).
     RigL with ZO-SAM (z of the whole tensors, cut) against its dp4 run, the same bounds: over
-    pp2 x tp2, cp2 x tp2, dp2 x tp2 at ZeRO-3, dp2 x pp2 at ZeRO-1 (measured 4e-8 to 6e-8)
-    and at ZeRO-2 in bf16 (measured 2.6e-4)."""
+    pp2 x tp2, cp2 x tp2 and dp2 x tp2 at ZeRO-3 (measured 5e-8 to 6e-8), and at ZeRO-2 in
+    bf16 (measured 2.6e-4)."""
     out, _, root = world4
     for name, _, _, whole, density in SPARSE:
         records = out[name][0]
