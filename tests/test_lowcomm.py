@@ -33,7 +33,7 @@ def _runs(rank, world, jobs, root, metered=False):
     checkpoint of this run folder) in turn in this one world; rank 0 returns each run's
     metrics records and its checkpoint names. `metered`: every rank also returns each run's
     wire bytes of all-reduces over dp and over dp.cross, as (rank 0's answer or None,
-    {name: {axis: bytes}})."""
+    {name: {axis: bytes}}, and over tp its all-gathers too, as "tp all_gather")."""
     out, sent = {}, {}
     for name, tree, stop_before, resume in jobs:
         cfg = config_from_dict(tree)
@@ -45,7 +45,8 @@ def _runs(rank, world, jobs, root, metered=False):
         train_loop(cfg, run_dir, latest, mesh, stop)
         out[name] = (read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(run_dir)])
         sent[name] = {axis: mesh.meter.total("wire_bytes", op="all_reduce", axis=axis)
-                      for axis in ("dp", "dp.cross")}
+                      for axis in ("dp", "dp.cross", "tp")}
+        sent[name]["tp all_gather"] = mesh.meter.total("wire_bytes", op="all_gather", axis="tp")
     answer = out if rank == 0 else None
     return (answer, sent) if metered else answer
 
@@ -63,6 +64,8 @@ def _rel(a: list[float], b: list[float]) -> float:
 # plain SGD, no momentum, no clipping: the setting in which averaging the replicas' updates
 # is the update of the averaged gradient. lr 0.5 so that 20 steps move the loss visibly
 SGD = {"optimizer": "sgd", "beta1": 0.0, "grad_clip": 0.0, "lr": 0.5}
+LORDO = {"algorithm": "lordo", "inner_steps": 2, "rank": 4}
+LLAMA = {"name": "llama", "n_kv_heads": 1}  # the tiny tree's sizes: 2 heads of 16, 2 layers
 # the whole replicas (dp2) each split layout of test_world4_split_replicas is checked against:
 # 8 steps, AdamW, the tiny GPT, without dropout (a tp rank draws its own dropout masks)
 SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other sections)
@@ -81,7 +84,10 @@ SPLIT = [  # (name, [lowcomm], [parallel] at world 4 (dp2 x ...), [train], other
     ("daso", {"algorithm": "hierarchical", "inner_steps": 2, "adaptive_period": True},
      {"tp": 2, "ranks_per_node": 1}, {}, {}),
     # the last stage's tied head is not projected, as the whole model's is not
-    ("lordo", {"algorithm": "lordo", "inner_steps": 2, "rank": 4}, {"pp": 2}, {}, {}),
+    ("lordo", LORDO, {"pp": 2}, {}, {}),
+    # over tp, the llama: its q_proj's pieces cut the projected side (coordinates summed over
+    # tp), o_proj's, the MLP's and the untied head's the free side, k/v replicated
+    ("lordo_llama", LORDO, {"tp": 2}, {}, {"model": LLAMA}),
     # sparse training in synchronous DP, each stage masking its own layers (the rules that
     # decide a layer from its own weights): the single spawn of this issue's checks
     ("nm", {}, {"pp": 2}, {}, {"sparsity": {"method": "nm"}}),
@@ -95,6 +101,7 @@ SPLIT_STEPS = 8
 # gradient norm), ERK magnitude pruning (gathered weights and masks), and 8:32 N:M, whose
 # groups of 32 inputs straddle the two tp pieces of attn.proj (16 inputs each)
 RIGL_SAM = {"method": "rigl", "density": 0.3, "update_every": 2, "sam": "sam"}
+RIGL_ZO = {**RIGL_SAM, "sam": "zo-sam"}
 PRUNE_ERK = {"method": "prune", "density": 0.3, "update_every": 2}
 NM_WIDE = {"method": "nm", "n": 8, "m": 32}
 SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals, final density)
@@ -120,9 +127,17 @@ SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals,
      "sparse_prune", 0.3),
     ("sparse_rigl_bf16", RIGL_SAM, {}, "sparse_rigl", 0.3),
     ("sparse_prune_zero3_bf16", PRUNE_ERK, {"zero_stage": 3}, "sparse_prune", 0.3),
+    # ZO-SAM: z drawn for the whole tensors and cut to the pieces (and, in the sharded engine,
+    # to the master slices, which its probes and its ascent move)
+    ("sparse_zo", RIGL_ZO, {}, None, 0.3),
+    ("sparse_zo_pp_tp", RIGL_ZO, {"pp": 2, "tp": 2}, "sparse_zo", 0.3),
+    ("sparse_zo_cp_tp", RIGL_ZO, {"cp": 2, "tp": 2}, "sparse_zo", 0.3),
+    ("sparse_zo_tp_zero3", RIGL_ZO, {"tp": 2, "zero_stage": 3}, "sparse_zo", 0.3),
+    ("sparse_zo_zero2_bf16", RIGL_ZO, {"zero_stage": 2}, "sparse_zo", 0.3),
 ]
 SPARSE_STEPS = 12
-SPARSE_BF16 = ("sparse_rigl_bf16", "sparse_prune_zero3_bf16")  # train.precision="bf16"
+SPARSE_BF16 = ("sparse_rigl_bf16", "sparse_prune_zero3_bf16",  # train.precision="bf16"
+               "sparse_zo_zero2_bf16")
 # more split layouts in world 4 only, each against the whole replicas of the SPLIT case named
 SPLIT_ALSO = [("hpsgd_cp", "hpsgd", {"cp": 2}), ("hpsgd_pp", "hpsgd", {"pp": 2}),
               ("lordo_cp", "lordo", {"cp": 2}), ("dreamddp_h1_pp", "dreamddp_h1", {"pp": 2}),
@@ -237,6 +252,12 @@ def world4(tmp_path_factory, corpus):
               None, False) for name, lowcomm, parallel, train, other in SPLIT]
     stopped = tree(SPLIT[0][1], {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
     jobs += [("diloco_h2_tp", stopped, 4, False), ("diloco_h2_tp", stopped, None, True)]
+    # LoRDO over tp (the GPT: every piece cuts the free side), stopped at a sync and resumed;
+    # DiLoCo on lordo_llama's layout: the bytes LoRDO adds over tp are the difference
+    stopped = tree(LORDO, {"tp": 2}, train={"steps": SPLIT_STEPS}, checkpoint={"every": 4})
+    jobs += [("lordo_tp", stopped, 4, False), ("lordo_tp", stopped, None, True),
+             ("diloco_llama_tp", tree(SPLIT[0][1], {"tp": 2}, model=LLAMA,
+                                      train={"steps": SPLIT_STEPS}), None, False)]
     jobs += [(name, tree({}, parallel, sparsity=sparsity, checkpoint={"every": SPARSE_STEPS},
                          train={"steps": SPARSE_STEPS,
                                 **({"precision": "bf16"} if name in SPARSE_BF16 else {})}),
@@ -282,7 +303,7 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     # the same sums in other orders (a gradient norm from tp and pp pieces, the cp peers'
     # gradients summed, a vocabulary-parallel loss): ~1e-7 relative measured here, 1e-4 the
     # bound. Local SGD with H=1 against synchronous DP as well (test_world2_parities_and_resume)
-    also = {"diloco_h2_tp": "diloco_h2", **{name: ref for name, ref, _ in SPLIT_ALSO}}
+    also = {"diloco_h2_tp": "diloco_h2", "lordo_tp": "lordo", **{name: ref for name, ref, _ in SPLIT_ALSO}}
     for name in ["local_sgd_sgd", *also] + [name for name, *_ in SPLIT]:
         reference = also.get(name, name)
         got, whole = _losses(out[name][0]), _losses(world2[reference][0])
@@ -319,8 +340,11 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
         windows = [[r.get("global_window_loss") for r in rs] for rs in (got, whole)]
         assert [w is None for w in windows[0]] == [w is None for w in windows[1]], name
         assert _rel(*[[w for w in ws if w is not None] for ws in windows]) < 1e-4, name
-    # stopped at step 4 (a sync, a checkpoint: tp pieces of the outer momentum as boxes)
-    assert out["diloco_h2_tp"][1] == ["step_00000004", "step_00000008"]
+    # stopped at step 4 (a sync, a checkpoint: tp pieces of the outer momentum as boxes;
+    # LoRDO's whole projections, its moments whole or as boxes of the whole moments)
+    for name in ("diloco_h2_tp", "lordo_tp"):
+        assert out[name][1] == ["step_00000004", "step_00000008"], name
+    _lordo_tp_bytes(sent, tmp_path, corpus)
     # DiLoCo over dp2 x pp2, 8 steps, H=2: 4 outer all-reduces of each rank's own fp32 pieces,
     # a ring over 2 replicas sending 2 (2 - 1) / 2 = 1 x the payload. A replica's ranks (pp
     # ranks 0 and 1 of dp rank 0: global ranks 0 and 2) hold the whole model once, and the
@@ -330,6 +354,30 @@ def test_world4_split_replicas_sync_as_whole_ones(world2, world4, tmp_path, corp
     held = sum(p.numel() for p in model.parameters()) + model.tok_emb.weight.numel()
     replica = sent[0]["diloco_h2"]["dp"] + sent[2]["diloco_h2"]["dp"]
     assert replica == 4 * 4 * held + 2 * (8 * SPLIT_STEPS + 16), (replica, held)
+
+
+def _lordo_tp_bytes(sent, tmp_path, corpus) -> None:
+    """What LoRDO over dp2 x tp2 sends over tp beyond DiLoCo on the same layout (8 steps,
+    H=2; docs/lowcomm-lordo.md, "Tensor parallelism"), per rank: all-gathers of each split
+    matrix's piece indices once (int64, its length L: (2 - 1)/2 x 2 L x 8 = 8 L) and of its
+    whole (pseudo-)gradient for the first projections and at each of the 4 syncs ((2 - 1)/2 x
+    4 x numel, 5 times); an all-reduce every step of the coordinates Q_rows^T G of the pieces
+    that cut the projected side (q_proj: rank 4 x 32 columns, ring 2 (2 - 1)/2 x 4 bytes)."""
+    from loomtrain.lowcomm.lordo import projected_matrices
+
+    model = build_model(config_from_dict(tiny_tree(tmp_path, corpus, model=LLAMA)).model)
+    split = {n: p.shape for n, p in model.named_parameters()
+             if p in projected_matrices(model) and not n.endswith(("k_proj.weight", "v_proj.weight"))}
+    assert len(split) == 2 * 5 + 1, sorted(split)  # q, o, gate, up, down per layer; the head
+    # the cut dimension: column pieces (q, gate, up, head) cut rows, row pieces (o, down) columns
+    cut = {n: s[1] // 2 if n.endswith(("o_proj.weight", "down_proj.weight")) else -(-s[0] // 2)
+           for n, s in split.items()}
+    gathers = sum(8 * cut[n] + 5 * 2 * s.numel() for n, s in split.items())
+    summed = 8 * 4 * 4 * 32 * 2  # 8 steps x 4 bytes x (4 x 32) x 2 layers' q_proj
+    for rank in range(4):
+        lordo, diloco = sent[rank]["lordo_llama"], sent[rank]["diloco_llama_tp"]
+        assert lordo["tp all_gather"] - diloco["tp all_gather"] == gathers, (rank, lordo, diloco)
+        assert lordo["tp"] - diloco["tp"] == summed, (rank, lordo, diloco)
 
 
 def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
@@ -346,7 +394,10 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     SAM at stage 0 and pruning at ZeRO-3, against the fp32 dp4 runs: bf16
     rounds the compute weights, so the masks may differ; the losses stay within 2%
     (measured 6e-4 and 3e-4; fp32 ~7e-8). The sharded runs' final checkpoints hold
-    +0 at every masked weight (the fp32 master weights)."""
+    +0 at every masked weight (the fp32 master weights).
+    RigL with ZO-SAM (z of the whole tensors, cut) against its dp4 run, the same bounds: over
+    pp2 x tp2, cp2 x tp2 and dp2 x tp2 at ZeRO-3 (measured 5e-8 to 6e-8), and at ZeRO-2 in
+    bf16 (measured 2.7e-4)."""
     out, _, root = world4
     for name, _, _, whole, density in SPARSE:
         records = out[name][0]
@@ -367,6 +418,8 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
         assert all(torch.equal(masks[k], reference[k]) for k in masks), name
         if name.startswith("sparse_rigl"):  # SAM's two passes
             assert records[-1]["backward_per_step"] == 2, name
+        if name.startswith("sparse_zo"):  # ZO-SAM's two probes, one perturbed backward
+            assert (records[-1]["forward_per_step"], records[-1]["backward_per_step"]) == (3, 1)
     # over dp2 x tp2 and dp2 x pp2 the dp engine all-reduced only the kept entries (and the
     # dense ones)
     for name in ("sparse_rigl_tp_sp", "sparse_rigl_pp"):
@@ -415,7 +468,6 @@ def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_pat
      'outer_optimizer="sgd" has none'),
     ({"algorithm": "diloco", "inner_steps": 4}, {"checkpoint": {"every": 6}},
      "set checkpoint.every=8"),
-    ({"algorithm": "lordo"}, {"parallel": {"nproc": 2, "tp": 2}}, "parallel.tp=2 is not supported"),
     ({"algorithm": "hierarchical"}, {"parallel": {"nproc": 4, "ranks_per_node": 2, "pp": 2}},
      "puts all parallel.dp=2 replicas of a pipeline stage on one node"),
     ({"algorithm": "diloco"}, {"parallel": {"nproc": 4, "pp": 2}, "run": {"max_restarts": 1}},

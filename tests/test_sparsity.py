@@ -256,18 +256,11 @@ def test_sam_and_zo_sam_passes_masks_and_bitwise_restore():
     ({"sparsity": {"rho": 0.1}}, 'sparsity.sam="none"'),
     ({"sparsity": {"sam": "sam", "zo_eps": 0.01}}, "sparsity.zo_eps is the probe step"),
     ({"sparsity": {"sparse_comm": True}}, "choose a sparsity method"),
-    # a split model runs every method and SAM; ZO-SAM's directions are drawn per local tensor
-    ({"sparsity": {"sam": "zo-sam"}, "parallel": {"nproc": 2, "tp": 2}},
-     "sparsity.sam='zo-sam' with parallel.tp=2 is not supported yet: ZO-SAM draws"),
-    ({"sparsity": {"method": "rigl", "sam": "zo-sam"}, "parallel": {"nproc": 2, "pp": 2}},
-     "with parallel.pp=2 is not supported yet: ZO-SAM draws"),
-    # the sharded engine runs every method and SAM, not ZO-SAM or sparse_comm yet
+    # the sharded engine runs every method, SAM and ZO-SAM, not sparse_comm
     ({"sparsity": {"method": "rigl", "sparse_comm": True}, "parallel": {"nproc": 2, "zero_stage": 2}},
-     "with parallel.zero_stage=2 is not supported yet: not built in the sharded engine yet"),
-    ({"sparsity": {"method": "nm", "sam": "zo-sam"}, "train": {"precision": "bf16"}},
-     "with train.precision='bf16' is not supported yet: not built in the sharded engine yet"),
-    ({"sparsity": {"sam": "zo-sam"}, "parallel": {"nproc": 2, "zero_stage": 1}},
-     "sparsity.sam='zo-sam' with parallel.zero_stage=1"),
+     "with parallel.zero_stage=2 is not supported yet: sparsity.sparse_comm=true sends only"),
+    ({"sparsity": {"method": "nm", "sparse_comm": True}, "train": {"precision": "bf16"}},
+     "with train.precision='bf16' is not supported yet: sparsity.sparse_comm=true"),
     ({"sparsity": {"method": "static"}, "compression": {"method": "topk"}}, "compression.method"),
     ({"sparsity": {"method": "static"}, "lowcomm": {"algorithm": "local_sgd"}}, "lowcomm.algorithm"),
     ({"sparsity": {"method": "magnitude"}}, "sparsity.method"),

@@ -83,18 +83,11 @@ _SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slic
                 "master weights); HPSGD and DASO reduce the parameters' own gradients every "
                 "step, DreamDDP syncs the whole model's layers timed in its own backward, and "
                 "LoRDO steps its own low-rank optimizer, not ZeRO's elementwise one over slices")
-# every algorithm's replica may itself be split over cp and pp, and all but LoRDO's over tp:
-# each rank syncs its own pieces over dp (lowcomm/local_sgd.py)
-_LORDO_TP = ("LoRDO projects each weight matrix on its own rank-r subspace, which a "
-             "tensor-parallel rank's slice of the matrix does not have (the other algorithms "
-             "sync replicas split this way, each rank its own pieces over dp)")
-
-
 class Lowcomm(EngineTimeline, Component):
     """Low-communication replicas over dp, each on its own rows, each whole or itself split
-    over tp (but LoRDO's), cp and pp, or run by the sharded engine in bf16 or ZeRO-sharded
-    over the ranks of a node (SHARDED_REPLICAS), checkpointed only where they are
-    synchronized."""
+    over tp, cp and pp (each rank syncs its own pieces over dp; LoRDO's projections are the
+    whole matrices'), or run by the sharded engine in bf16 or ZeRO-sharded over the ranks of
+    a node (SHARDED_REPLICAS), checkpointed only where they are synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
@@ -106,8 +99,6 @@ class Lowcomm(EngineTimeline, Component):
                    when=lambda cfg: cfg.lowcomm.algorithm not in SHARDED_REPLICAS,
                    partly="with dreamddp, hpsgd, hierarchical or lordo")
                   for other in ("zero", "bf16")},
-               "tensor": Refusal(_LORDO_TP, when=lambda cfg: cfg.lowcomm.algorithm == "lordo",
-                                 partly="with lordo"),
                "async_pipeline": Refusal("its runtime steps each stage's own optimizer after "
                                          "every micro-batch, across the steps where the "
                                          "replicas sync")}

@@ -13,7 +13,17 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loomtrain import comm
 from loomtrain.lowcomm.diloco import DiLoCo
-from loomtrain.lowcomm.lowrank_adamw import LowRankAdamW, oriented, top_singular_vectors
+from loomtrain.lowcomm.lowrank_adamw import LowRankAdamW, Split, oriented, top_singular_vectors
+from loomtrain.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear,
+                                              VocabParallelEmbedding, VocabParallelHead)
+from loomtrain.parallel.tensor_llama import ReplicatedKVLinear
+from loomtrain.sparsity.split import Pieces
+
+# tensor parallelism's stand-ins for an nn.Linear (a piece of it, or the whole on every rank)
+# and for an nn.Embedding
+_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear, VocabParallelHead,
+            ReplicatedKVLinear)
+_EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)
 
 
 def build(model, optimizer, mesh, cfg, seed: int):
@@ -25,12 +35,15 @@ def build(model, optimizer, mesh, cfg, seed: int):
 
 
 def projected_matrices(model: nn.Module) -> set[torch.Tensor]:
-    """The weights LoRDO projects: those of nn.Linear layers, except one tied to an embedding
-    (GaLore projects the transformer blocks' matrices, not the embeddings), also on a pipeline
-    stage that holds the tied head without its embedding (`pp_copies`: the same exception as
-    on the stage that holds both, so the copies get the same updates)."""
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return {m.weight for m in model.modules() if isinstance(m, nn.Linear)
+    """The weights LoRDO projects: those of nn.Linear layers (or tensor parallelism's pieces
+    of them, but those of a transposed GPT-2 Conv1D, which is no nn.Linear whole), except one
+    tied to an embedding (GaLore projects the transformer blocks' matrices, not the
+    embeddings), also on a pipeline stage that holds the tied head without its embedding
+    (`pp_copies`: the same exception as on the stage that holds both, so the copies get the
+    same updates)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, _EMBEDDINGS)}
+    return {m.weight for m in model.modules() if isinstance(m, _LINEARS)
+            and not getattr(m, "transposed", False)
             and m.weight.dim() == 2 and id(m.weight) not in embedded
             and getattr(m.weight, "pp_copies", 1) == 1}
 
@@ -53,7 +66,14 @@ def lowrank_adamw(model: nn.Module, adamw: torch.optim.AdamW, rank: int) -> LowR
 class LoRDO(DiLoCo):
     """`model = LoRDO(model, optimizer, mesh, inner_steps=H)` with `optimizer` a LowRankAdamW
     over the model's parameters; then as DiLoCo. The outer optimizer defaults to the paper's
-    plain average (SGD, learning rate 1)."""
+    plain average (SGD, learning rate 1).
+
+    On a replica split over tp, each projection is computed from the whole matrix's
+    (pseudo-)gradient, gathered from the tp pieces, and every tp rank keeps the whole
+    projection; its optimizer steps each piece (`Split`), so the run is the whole
+    replicas' (docs/lowcomm-lordo.md, "Tensor parallelism")."""
+
+    whole_prefixes = ("projection.",)  # outer state whole on every tp rank (lowcomm/state.py)
 
     def __init__(self, module: nn.Module, optimizer: LowRankAdamW, mesh, inner_steps: int,
                  outer_lr: float = 1.0, outer_momentum: float = 0.9, nesterov: bool = False,
@@ -64,6 +84,10 @@ class LoRDO(DiLoCo):
         # (index in self.params, rank) of every projected matrix
         self.matrices = [(i, ranks[id(p)]) for i, p in enumerate(self.params) if id(p) in ranks]
         self.rank = max((r for _, r in self.matrices), default=0)
+        self.pieces = [Pieces(self.params[i], mesh) for i, _ in self.matrices]
+        for pieces, (i, _) in zip(self.pieces, self.matrices):
+            if pieces.placement is not None:
+                optimizer.splits[self.params[i]] = _split(pieces, mesh)
         self.has_projections = False  # set at the first step, or by a checkpoint
         self.captured: float | None = None  # share of the last pseudo-gradient's norm ...
         self.captured_before: float | None = None  # ... in the new and the old projections
@@ -83,9 +107,10 @@ class LoRDO(DiLoCo):
         comm.all_reduce(flat, self.mesh, self.axis)
         flat.div_(self.mesh.size(self.axis))
         flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)  # see failure semantics
-        for average, (i, rank) in zip(_unflatten_dense_tensors(flat, grads), self.matrices):
-            self.optimizer.set_projection(self.params[i],
-                                          top_singular_vectors(oriented(average), rank))
+        for average, pieces, (i, rank) in zip(_unflatten_dense_tensors(flat, grads), self.pieces,
+                                              self.matrices):
+            self.optimizer.set_projection(self.params[i], top_singular_vectors(
+                oriented(pieces.whole(average)), rank))
         self.has_projections = True
 
     @torch.no_grad()
@@ -104,9 +129,9 @@ class LoRDO(DiLoCo):
 
     def _refresh_projections(self, pseudo_gradients) -> None:
         total, new, old = 0.0, 0.0, 0.0
-        for i, rank in self.matrices:
-            block = torch.nan_to_num(oriented(pseudo_gradients[i]), nan=0.0, posinf=0.0,
-                                     neginf=0.0)
+        for pieces, (i, rank) in zip(self.pieces, self.matrices):
+            block = torch.nan_to_num(oriented(pieces.whole(pseudo_gradients[i])), nan=0.0,
+                                     posinf=0.0, neginf=0.0)
             projection = top_singular_vectors(block, rank)
             previous = self.optimizer.state[self.params[i]].get("projection")
             total += float(block.square().sum())
@@ -154,3 +179,17 @@ class LoRDO(DiLoCo):
             if key in state:
                 self.optimizer.state[self.params[i]]["projection"] = state[key].clone()
                 self.has_projections = True
+
+
+def _split(pieces: Pieces, mesh) -> Split:
+    """A tp piece's `Split`: where it cuts the whole matrix's shorter (projected) side, which
+    rows of the projection it spans (`pieces.indices`: every rank's full indices along the
+    cut dimension)."""
+    placement = pieces.placement
+    shape = placement.shape
+    across = placement.dim == (1 if shape[0] > shape[1] else 0)  # the oriented matrix's m side
+    if not across:
+        return Split(placement, None, mesh)
+    rows = pieces.indices[mesh.local_rank(pieces.axis)]
+    assert bool((rows >= 0).all()), "a padded vocabulary's piece cuts the free side"
+    return Split(placement, rows, mesh)

@@ -8,8 +8,12 @@ Yarats, arXiv 1810.06801). The update, its state and our choices: docs/lowcomm-l
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from loomtrain import comm
+from loomtrain.parallel.placement import Placement
 
 
 def top_singular_vectors(matrix: torch.Tensor, rank: int) -> torch.Tensor:
@@ -19,14 +23,41 @@ def top_singular_vectors(matrix: torch.Tensor, rank: int) -> torch.Tensor:
     return u[:, :rank].contiguous()
 
 
-def oriented(tensor: torch.Tensor) -> torch.Tensor:
-    """A matrix seen with its shorter side first (a view: writes reach the parameter)."""
-    return tensor.T if tensor.shape[0] > tensor.shape[1] else tensor
+def oriented(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A matrix seen with its shorter side first (a view: writes reach the parameter); a
+    tensor-parallel piece is seen as its whole matrix, of `shape`, is."""
+    shape = tensor.shape if shape is None else shape
+    return tensor.T if shape[0] > shape[1] else tensor
 
 
-def matrix_rank(param: torch.Tensor, rank: int) -> int:
-    """The projection's rank for `param`: `rank`, at most its shorter side."""
-    return min(rank, min(param.shape))
+def matrix_rank(shape: tuple[int, ...], rank: int) -> int:
+    """The projection's rank for a matrix of `shape`: `rank`, at most its shorter side."""
+    return min(rank, min(shape))
+
+
+@dataclass(frozen=True)
+class Split:
+    """A tensor-parallel rank's piece of a projected matrix (lordo.py sets it): `placement`
+    says where it sits in the whole matrix. The projection is the whole matrix's. A piece
+    that cuts the free (longer, n) side holds its own columns of the moments and updates
+    alone; one that cuts the projected (shorter, m) side holds `rows` of the projection,
+    and its coordinates Q_rows^T G_piece are summed over `mesh`'s tp into the whole
+    matrix's Q^T G, every step (docs/lowcomm-lordo.md, "Tensor parallelism")."""
+
+    placement: Placement
+    rows: torch.Tensor | None  # the piece's rows of the projection, where it cuts the m side
+    mesh: object
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.placement.shape
+
+    def moments(self, rank: int) -> Placement | None:
+        """Where the piece's moments (rank x its columns) sit in the whole moments, or None
+        where they are the whole moments (a piece of the m side)."""
+        if self.rows is not None:
+            return None
+        return Placement((rank, max(self.shape)), 1, self.placement.runs)
 
 
 class LowRankAdamW(torch.optim.Optimizer):
@@ -42,14 +73,20 @@ class LowRankAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank,
                         qh_weight=qh_weight)
         super().__init__(params, defaults)
+        self.splits: dict[torch.Tensor, Split] = {}  # tensor-parallel pieces (`Split`)
         for group in self.param_groups:
             for p in group["params"]:
                 assert group["rank"] == 0 or p.dim() == 2, "only matrices are projected"
 
     def projected(self):
         """(parameter, rank) of every projected matrix, in group order."""
-        return [(p, matrix_rank(p, g["rank"])) for g in self.param_groups if g["rank"]
-                for p in g["params"]]
+        return [(p, matrix_rank(self.shape(p), g["rank"])) for g in self.param_groups
+                if g["rank"] for p in g["params"]]
+
+    def shape(self, param: torch.Tensor) -> tuple[int, ...]:
+        """The whole matrix's shape: `param`'s own, or that of which it is a piece."""
+        split = self.splits.get(param)
+        return tuple(param.shape) if split is None else split.shape
 
     @torch.no_grad()
     def set_projection(self, param: torch.Tensor, projection: torch.Tensor) -> None:
@@ -69,21 +106,50 @@ class LowRankAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        coordinates = self._coordinates([(p, g) for p, g in todo if g["rank"]])
+        for p, group in todo:
+            self._update(p, group, coordinates.get(p))
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _start(self, p: torch.Tensor, rank: int) -> None:
+        """GaLore's first projection, from the first gradient. A piece has not the whole
+        gradient: LoRDO sets its projection before its first step, so this one (identity
+        columns) only shapes the state a checkpoint loads into."""
+        split = self.splits.get(p)
+        self.state[p]["projection"] = (
+            top_singular_vectors(oriented(p.grad), rank) if split is None
+            else torch.eye(min(split.shape), rank, dtype=p.dtype, device=p.device))
+
+    def _basis(self, p: torch.Tensor) -> torch.Tensor:
+        """The projection's rows that this rank's `p` spans: all, but for a piece of the m
+        side."""
+        split, projection = self.splits.get(p), self.state[p]["projection"]
+        return projection if split is None or split.rows is None else projection[split.rows]
+
+    def _coordinates(self, todo: list[tuple[torch.Tensor, dict]]) -> dict:
+        """Q^T G of every projected matrix in `todo`, pieces of the m side summed over tp in
+        one all-reduce."""
+        out = {}
+        for p, group in todo:
+            if "projection" not in self.state[p]:
+                self._start(p, matrix_rank(self.shape(p), group["rank"]))
+            out[p] = self._basis(p).T @ oriented(p.grad, self.shape(p))
+        summed = [p for p in out if p in self.splits and self.splits[p].rows is not None]
+        if summed:
+            flat = torch.cat([out[p].flatten() for p in summed])
+            comm.all_reduce(flat, self.splits[summed[0]].mesh, "tp")
+            for p, part in zip(summed, flat.split([out[p].numel() for p in summed])):
+                out[p] = part.view_as(out[p])
+        return out
+
+    def _update(self, p: torch.Tensor, group: dict, coordinates: torch.Tensor | None) -> None:
         state = self.state[p]
         lowrank = group["rank"] > 0
-        grad = oriented(p.grad) if lowrank else p.grad
-        if lowrank and "projection" not in state:  # GaLore's: from the first gradient
-            state["projection"] = top_singular_vectors(grad, matrix_rank(p, group["rank"]))
+        grad = oriented(p.grad, self.shape(p)) if lowrank else p.grad
         if "step" not in state:
             state["step"] = torch.tensor(0.0)
-            shape = (state["projection"].shape[1], grad.shape[1]) if lowrank else p.shape
+            shape = coordinates.shape if lowrank else p.shape
             state["exp_avg"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
             state["exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
         state["step"] += 1
@@ -91,7 +157,7 @@ class LowRankAdamW(torch.optim.Optimizer):
         lr, step = group["lr"], float(state["step"])
         correction1, correction2 = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
         p.mul_(1 - lr * group["weight_decay"])  # decoupled, as AdamW
-        coordinates = state["projection"].T @ grad if lowrank else grad
+        coordinates = coordinates if lowrank else grad
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(coordinates, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(coordinates, coordinates, value=1 - beta2)
@@ -100,8 +166,8 @@ class LowRankAdamW(torch.optim.Optimizer):
             p.addcdiv_(exp_avg, denom, value=-lr / correction1)
             return
         weight = group["qh_weight"]
-        target = oriented(p)
-        target.add_(state["projection"] @ (exp_avg / denom), alpha=-lr * weight / correction1)
+        target = oriented(p, self.shape(p))
+        target.add_(self._basis(p) @ (exp_avg / denom), alpha=-lr * weight / correction1)
         if weight < 1:  # the full-rank term: the raw gradient over each column's RMS
             column = (exp_avg_sq.mean(0, keepdim=True).sqrt() / correction2).add_(group["eps"])
             target.add_(grad / column, alpha=-lr * (1 - weight))

@@ -19,6 +19,8 @@ def lowcomm_state(model, optimizer) -> dict:
     """{"model": ..., "optim": {"replica<R>": ...}, "lowcomm": ...} of `model` (a LocalSGD or
     DiLoCo wrapper): DCP saves from it, or loads into it."""
     inner = _replica_layout(model).state(_replica_model(model), optimizer)
+    if getattr(optimizer, "splits", None):
+        _place_lowrank(inner["optim"]["state"], model.module, optimizer)
     return {"model": inner["model"], "optim": {f"replica{model.replica}": inner["optim"]},
             "lowcomm": _boxed(model.outer_state(), model)}
 
@@ -33,6 +35,22 @@ def _replica_model(model):
     return model if model.engine is None else model.engine
 
 
+def _place_lowrank(state: dict, module, optimizer) -> None:
+    """LoRDO's optimizer (lowcomm/lowrank_adamw.py) on tp pieces: its projections are the
+    whole matrices', on every tp rank, and its moments (rank x columns) are either whole too
+    or this piece's columns of the whole moments (`Split.moments`): placed so, not as the
+    parameter is (the plain layout boxes every tensor of the parameter's shape)."""
+    for name, p in module.named_parameters():
+        split = optimizer.splits.get(p)
+        if split is None or name not in state:
+            continue
+        own = optimizer.state[p]
+        placement = split.moments(own["projection"].shape[1])
+        state[name] = {**state[name], "projection": own["projection"],
+                       **{k: Boxes.whole(own[k]).placed(placement) if placement else own[k]
+                          for k in ("exp_avg", "exp_avg_sq") if k in own}}
+
+
 def _boxed(outer: dict[str, torch.Tensor], model) -> dict:
     """The outer state's per-parameter tensors (keys "<kind>.<parameter name>", each shaped as
     what the wrapper syncs of that parameter) as boxes of the full tensors where a rank holds
@@ -45,7 +63,7 @@ def _boxed(outer: dict[str, torch.Tensor], model) -> dict:
         parts = key.split(".")
         name = next((n for n in (".".join(parts[i:]) for i in range(1, len(parts)))
                      if n in slices), None)
-        if name is None:
+        if name is None or key.startswith(getattr(model, "whole_prefixes", ())):
             out[key] = value
             continue
         piece, placement = slices[name], placement_of(params[name])

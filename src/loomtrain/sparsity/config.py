@@ -48,49 +48,36 @@ class SparsityConfig(Section):
     sparse_comm: bool = False
 
 
-# what still refuses sparse training, and why (the split models and the sharded engine that
-# run: docs/sparsity.md, "Split models" and "ZeRO and bf16")
-_SHARDED = ("not built in the sharded engine yet: ZO-SAM (sparsity.sam=\"zo-sam\": its probe "
-            "direction z is drawn per whole parameter, not per slice of the master weights) "
-            "and sparsity.sparse_comm=true (the engine's reduce-scatter has no path that sends "
-            "only the kept entries); every method and SAM run there (ZeRO-1 to 3, flat or "
-            "hierarchical, offload, bf16: the masks cut along its shards, sparsity/sharded.py)")
+# sparse_comm in the sharded engine: meaningful (the masks are every rank's, so the kept
+# entries of a flat unit, packed in flat order, fall into each rank's shard range in order)
+# but not built: docs/sparsity.md, "ZeRO and bf16"
+_SHARDED_COMM = ("sparsity.sparse_comm=true sends only the kept gradient entries through the "
+                 "plain data-parallel engine's all-reduce; the sharded engine (ZeRO-1 to 3, and "
+                 "bf16 at any stage) reduce-scatters each flat unit, and a reduce-scatter of the "
+                 "packed kept entries, cut at the ranks' shard ranges (uneven, padded), is not "
+                 "built yet; every method, SAM and ZO-SAM run there with sparse_comm=false")
 
 
-def _unsharded(cfg) -> bool:
-    """The settings the sharded engine does not run sparse training with yet (_SHARDED)."""
-    return cfg.sparsity.sam == "zo-sam" or cfg.sparsity.sparse_comm
+def _sparse_comm(cfg) -> bool:
+    return cfg.sparsity.sparse_comm
 
 
-_SHARDED_PARTLY = 'with sparsity.sam="zo-sam" or sparse_comm'
-_ZO_SPLIT = ("ZO-SAM draws its probe direction z per parameter of the rank's own model "
-             "(loomtrain.zeroth's Perturber), so a tensor-parallel piece or a pipeline stage "
-             "would draw another z than the whole model's; SAM (sparsity.sam=\"sam\") runs")
 _APART = ("the replicas step apart between syncs, so each would update its masks from its own "
           "weights and gradient and the masks would diverge")
-
-
-def _zo_sam(cfg) -> bool:
-    return cfg.sparsity.sam == "zo-sam"
 
 
 class Sparsity(Component):
     """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
     that divide the layers' inputs; it runs on whole replicas and on models split by tp, pp
-    and cp (each mask decision the whole layer's: sparsity/split.py), and in the sharded
-    engine, ZeRO-1 to 3 and bf16 (sparsity/sharded.py)."""
+    and cp (each mask decision the whole layer's: sparsity/split.py; ZO-SAM's z the whole
+    model's, cut), and in the sharded engine, ZeRO-1 to 3 and bf16 (sparsity/sharded.py),
+    all but sparse_comm there."""
 
     name = "sparsity"
     section, keys = "sparsity", SparsityConfig
     switches = (Switch("sparsity.method", "none"), Switch("sparsity.sam", "none"))
     summary = "masks, N:M, pruning, SET, RigL, SAM and ZO-SAM"
-    refuses = {"tensor": Refusal(_ZO_SPLIT, when=_zo_sam, partly='with sparsity.sam="zo-sam"'),
-               "pipeline": Refusal(_ZO_SPLIT, when=_zo_sam, partly='with sparsity.sam="zo-sam"'),
-               "context": Refusal("ZO-SAM's probe losses would be summed over dp and cp; that "
-                                  "is not checked against the single-process run yet (SAM, "
-                                  "sparsity.sam=\"sam\", runs)", when=_zo_sam,
-                                  partly='with sparsity.sam="zo-sam"'),
-               **{other: Refusal(_SHARDED, when=_unsharded, partly=_SHARDED_PARTLY)
+    refuses = {**{other: Refusal(_SHARDED_COMM, when=_sparse_comm, partly="with sparse_comm")
                   for other in ("zero", "bf16")},
                "lowcomm": Refusal(_APART),
                "compression": Refusal("RigL regrows by the exact all-reduced gradient, and "

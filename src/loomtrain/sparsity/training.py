@@ -17,6 +17,7 @@ from loomtrain.parallel.zero.optimizer import ShardedOptimizer
 from loomtrain.sparsity.sam import SharpnessAware
 from loomtrain.sparsity.sparsifier import KEY, Sparsifier, whole_layers
 from loomtrain.train import checkpoint
+from loomtrain.zeroth.perturb import parameter_indices
 
 
 class SparseTraining:
@@ -33,7 +34,8 @@ class SparseTraining:
             masks = self.sparsifier.masks_by_param if self.sparsifier else dict
             mask_gradients = self.sparsifier.mask_gradients if self.sparsifier else lambda: None
             self.sam = SharpnessAware(s.sam, getattr(model, "module", model), s.rho, mesh, "dp",
-                                      cfg.run.seed, s.zo_eps, mask_gradients, masks, sharded)
+                                      cfg.run.seed, s.zo_eps, mask_gradients, masks, sharded,
+                                      whole_indices(cfg) if s.sam == "zo-sam" else None)
         if s.sparse_comm and not hasattr(model, "set_gradient_masks"):
             raise ConfigError("sparsity.sparse_comm=true needs the sparse-aware data-parallel engine "
                               "(DataParallel.set_gradient_masks), which this build of loomtrain "
@@ -123,6 +125,15 @@ class SparseTraining:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.sparsifier is not None:
             self.sparsifier.load_state_dict(state)
+
+
+def whole_indices(cfg) -> dict[str, int]:
+    """The whole model's `parameter_indices` (built on the meta device): what seeds ZO-SAM's
+    z of every parameter, so that a tp piece's or a pipeline stage's is the whole model's."""
+    from loomtrain.train.task import build_task_model
+
+    with torch.device("meta"):
+        return parameter_indices(build_task_model(cfg))
 
 
 def build_sparse_training(model, optimizer, cfg, mesh) -> SparseTraining | None:

@@ -132,21 +132,26 @@ class Perturber:
             return None
         return self.params[pos].detach().abs() <= self.thresholds[pos]
 
-    def direction(self, pos: int, seed: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def direction(self, pos: int, seed: int, mask: torch.Tensor | None = None,
+                  shape: tuple[int, ...] | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
         """z of position `pos` under `seed` (times `mask` if given), freshly generated. A
         tensor-parallel piece's is its slice of the whole tensor's z (its placement,
         parallel/placement.py; zeros on a padded vocabulary's rows): the whole tensor's is
-        drawn, then cut, so that every layout perturbs as one process does."""
+        drawn, then cut, so that every layout perturbs as one process does. `shape`: the
+        parameter's (piece's) shape where it is empty between uses (ZeRO-3); `dtype`: z's
+        where it is not the parameter's (fp32 master weights of bf16 parameters)."""
         p = self.params[pos]
         gen = self._generators.get(p.device)
         if gen is None:
             gen = self._generators[p.device] = torch.Generator(device=p.device)
         gen.manual_seed(mix_seed(seed, self.indices[pos]))
         placement = placement_of(p)
-        shape = p.shape if placement is None else placement.shape
-        z = torch.randn(shape, generator=gen, device=p.device, dtype=p.dtype)
+        local = p.shape if shape is None else shape
+        z = torch.randn(local if placement is None else placement.shape, generator=gen,
+                        device=p.device, dtype=p.dtype if dtype is None else dtype)
         if placement is not None:
-            z = placement.take(z, p.shape[placement.dim])
+            z = placement.take(z, local[placement.dim])
         return z if mask is None else z.mul_(mask)
 
     def direction_sum(self, pos: int, pairs: Sequence[tuple[int, float]]) -> torch.Tensor:
