@@ -159,6 +159,12 @@ class AsyncPipeline(Component):
         built.optimizer = runtime.optimizer
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.parallel.pipeline.async_estimate import estimate_async
+
+        estimate_async(plan)
+
+    @classmethod
     def train_step(cls, built: Built, batches, global_tokens: float, loss_fn):
         runtime = built.parts[Pipeline.name]
         loss_sum = runtime.train_step(built.model, batches, global_tokens, loss_fn)

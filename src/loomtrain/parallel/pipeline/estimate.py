@@ -255,6 +255,14 @@ def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
     recomputed backwards longer by a forward."""
     m = m or cfg.model
     memory = stage_memories(split, cfg, c, m, cfg.parallel.recompute)
+    if schedule.name == "async":  # a steady-state step of the stream
+        from loomtrain.parallel.pipeline.async_estimate import stream_collectives, stream_peaks
+
+        return PipelineEstimate(split, schedule, S.simulate(schedule), memory,
+                                stream_peaks(memory, schedule.pp), 0.0,
+                                stream_collectives(schedule, 0, split.boundary_bytes, split.shared),
+                                eval_sends(schedule, 0, split.boundary_bytes, eval_forwards,
+                                           cfg.run.eval_every))
     if schedule.name in S.SCHEDULES:
         sim = S.simulate(schedule)
         theory = S.bubble_theory(schedule.name, schedule.pp, schedule.microbatches,
@@ -275,8 +283,8 @@ def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
 
 def estimate_pipeline(plan: DryRunPlan) -> None:
     """The pipeline's part of the dry run (the `Pipeline` component's hook): the schedule the
-    runtime would run (a schedule not built yet is refused by name), this rank's stages of the
-    meta model, the activation peak of its stages over the simulated schedule, its sends and
+    runtime would run (the asynchronous one: a steady-state step, async_estimate.py), this
+    rank's stages of the meta model, the activation peak of its stages over the simulated schedule, its sends and
     pp all-reduces."""
     from loomtrain.errors import ConfigError
     from loomtrain.parallel.pipeline import build_schedule
@@ -287,6 +295,11 @@ def estimate_pipeline(plan: DryRunPlan) -> None:
         if cfg.parallel.schedule == "optimal":
             memory = stage_memories(split, cfg, plan.compute_bytes, plan.local_model, "none")
             schedule = planned_schedule(cfg, unit_costs(memory))
+        elif cfg.parallel.schedule == "async":
+            from loomtrain.parallel.pipeline.async_estimate import async_schedule, stream_states
+
+            schedule = async_schedule(cfg.parallel.pp, cfg.accumulation_steps)
+            plan.optimizer_states = stream_states(cfg, plan.optimizer_states)
         else:
             schedule = build_schedule(cfg)
     except ValueError as err:
