@@ -768,9 +768,28 @@ def test_interleaved_dry_run_names_every_stage_of_every_rank(tiny):
     assert "input gradients, stage 4 -> 3" in text and "busiest: pp rank 1" in text
 
 
-def test_dry_run_refuses_schedules_not_built_yet(tiny):
-    with pytest.raises(ConfigError, match="parallel.schedule='async': unknown pipeline schedule"):
-        dryrun.estimate(tiny(parallel={"nproc": 2, "pp": 2, "schedule": "async"}))
+def test_async_dry_run_counts_the_stream_per_update(tiny):
+    """schedule="async" (async_estimate.py): rank 0 stashes pp weight versions and pp
+    micro-batches of activations whatever M is, and the dp engine reduces after each of its
+    M updates (the counts match the meter: tests/test_weave.py, world 4)."""
+    def est(zero_stage, global_batch=16):
+        return dryrun.estimate(tiny(train={"global_batch": global_batch}, parallel={
+            "nproc": 4, "pp": 2, "schedule": "async", "zero_stage": zero_stage}))
+
+    whole, sharded, few = est(0), est(3), est(3, global_batch=4)  # M = 4, 4, 1
+    stash = {r.name: r.nbytes for r in whole.memory.rows}["stashed weights"]
+    assert stash == 2 * 4 * whole.parameters  # pp = 2 fp32 copies of pp rank 0's stage
+    elements = sum(n for _, n in sharded.zero.units) + sharded.zero.root
+    assert {r.name: r.nbytes for r in sharded.memory.rows}["stashed weights"] == 2 * 4 * elements
+    assert sharded.memory.gathered_bytes == 0  # stage 3 gathers into the stashes only
+    assert few.pipeline.peaks == sharded.pipeline.peaks  # the stream carries pp - r across steps
+    calls: dict = {}
+    for c in sharded.reductions:
+        calls[c.op, c.axis] = calls.get((c.op, c.axis), 0) + c.calls
+    units = len(sharded.zero.units) + 1  # and the root
+    assert calls[("reduce_scatter", "dp")] == calls[("all_gather", "dp")] == 4 * units
+    assert calls[("all_reduce", "dp")] == 4 * 2  # each update's norms: the untied, the tied one
+    assert all(c.calls == 4 for c in whole.reductions)  # each bucket, every update
 
 
 def _tp_calls(est) -> dict:

@@ -115,7 +115,6 @@ def test_delayed_nesterov_without_momentum_is_sgd():
 @pytest.mark.parametrize("parallel,run,message", [
     ({"pp": 1, "schedule": "async"}, {}, "parallel.schedule is a pipeline setting"),
     ({"pp": 2, "async_optimizer": "stash"}, {}, 'parallel.async_optimizer is for parallel.schedule="async"'),
-    ({"pp": 2, "schedule": "async", "zero_stage": 1}, {}, "parallel.zero_stage=0"),
     ({"pp": 2, "schedule": "async", "recompute": "full"}, {}, "parallel.recompute='none'"),
     ({"pp": 2, "schedule": "async"}, {"timeline_step": 2}, "set run.timeline_step=0"),
 ])

@@ -73,8 +73,13 @@ def _pipeline_lines(pipe: PipelineEstimate, cfg) -> list[str]:
                            for k in range(r, s.stages, s.pp))
         out.append(f"  pp rank {r}: {stages}: {split.rank_parameters[r]:,} parameters; peak stash "
                    f"{pipe.sim.peak_stash[r]} micro-batch(es), activations {fmt_bytes(pipe.peaks[r])}")
+    summed = ("each holder sends its contribution to the others after every update"
+              if s.name == "async" else "its gradient is summed over pp")
     for name, _, ranks in split.shared:
-        out.append(f"  tied: {name} is held by pp ranks {ranks}; its gradient is summed over pp")
+        out.append(f"  tied: {name} is held by pp ranks {ranks}; {summed}")
+    if s.name == "async":
+        return out + ["  bubble: none in the steady state (no flush: the micro-batches stream "
+                      "across steps; docs/pipeline.md)"]
     if s.name not in BUBBLE:  # planned: docs/dry-run.md, "The memory-budgeted schedule"
         return out + _planned_lines(s)
     copies = ", offload and reload 0.5" if p.offload_activations else ""
@@ -236,6 +241,8 @@ def _zero_lines(z: ZeroLayout, cfg) -> list[str]:
 def _gathered_why(cfg, reshard: str | None, c: int, nbytes: int) -> str:
     """Which units stage 3 holds gathered at once: inside a pipeline with zero_reshard "step"
     all of them, else the root and a prefetch window (inside one stage, in a pipeline)."""
+    if cfg.parallel.schedule == "async":
+        return "none: each forward gathers the units into its stash (stashed weights)"
     if not nbytes:
         return "none (stage 3 only)"
     if reshard == "step":
@@ -243,6 +250,16 @@ def _gathered_why(cfg, reshard: str | None, c: int, nbytes: int) -> str:
     within = " of one stage" if reshard else ""
     return (f"during a step: the root + {1 + cfg.parallel.prefetch} unit(s){within} "
             f"(1 + prefetch), {c} B each")
+
+
+def _in_flight_why(cfg, held: bool) -> str:
+    """The gradient buffers alive at once: a backward's, a held step's, or an async update's."""
+    if cfg.parallel.schedule == "async":
+        return ("at an update: the stash's gradient (cP) and two units' fp32 buffers being "
+                "reduced (docs/dry-run.md)")
+    return ("during backward: buffers being filled and reduced"
+            + (", and every unit's unreduced fp32 gradient held through the step (4P)"
+               if held else "") + " (docs/dry-run.md)")
 
 
 def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
@@ -266,10 +283,7 @@ def _zero_memory_lines(run: DryRun, cfg) -> list[str]:
         ("activations", est.activation_bytes, _activation_why(run, cfg, f" ({dtype})")),
         ("gathered units", est.gathered_bytes,
          _gathered_why(cfg, run.zero.reshard, c, est.gathered_bytes)),
-        ("grads in flight", est.in_flight_bytes,
-         "during backward: buffers being filled and reduced"
-         + (", and every unit's unreduced fp32 gradient held through the step (4P)"
-            if pipelined and stage >= 2 else "") + " (docs/dry-run.md)"
+        ("grads in flight", est.in_flight_bytes, _in_flight_why(cfg, pipelined and stage >= 2)
          if est.in_flight_bytes else "none: .grad are views of the fp32 accumulator"),
         *_rows(est),
         ("total", est.total_bytes,

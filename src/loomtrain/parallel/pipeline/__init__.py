@@ -120,8 +120,7 @@ def apply_pipeline(model, mesh, cfg, materialize=_real, loss_sum=token_loss_sum)
 
         module, shapes, shared = split_model(model, mesh, cfg, materialize)
         module.runtime = build_async_runtime(module, mesh, cfg, shapes, shared)
-        return module
-    if p.schedule == "optimal":
+    elif p.schedule == "optimal":
         module = _optimal_pipeline(model, mesh, cfg, materialize, loss_sum)
     else:
         module = pipeline(model, mesh, build_schedule(cfg), _sample(cfg, mesh),

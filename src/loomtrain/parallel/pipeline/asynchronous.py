@@ -16,6 +16,7 @@ from torch.func import functional_call
 from loomtrain import comm
 from loomtrain.errors import ConfigError
 from loomtrain.parallel.pipeline import schedules as S
+from loomtrain.parallel.pipeline.async_weights import LiveWeights, ShardedWeights
 from loomtrain.parallel.pipeline.nesterov import build_async_optimizer
 from loomtrain.parallel.pipeline.runtime import LocalGradients, PipelineRuntime, _StepState
 
@@ -72,6 +73,7 @@ class AsyncPipelineRuntime(PipelineRuntime):
         # actions are made step by step (step_actions), not fixed: the schedule holds none
         super().__init__(stages, mesh, S.Schedule("async", pp, microbatches, 1, ((),) * pp), shapes, shared)
         self.optimizer, self.grad_clip = optimizer, grad_clip
+        self.weights = LiveWeights()  # `shard` puts them in ZeRO's engine
         self.named = list(self.module.named_parameters())  # this rank's one stage's
         self.tied_ids = {id(p) for p, _ in shared if p is not None}
         self.holders = self._holders()
@@ -97,6 +99,14 @@ class AsyncPipelineRuntime(PipelineRuntime):
         out = torch.empty((self.pp, len(self.shared)), device=self.mesh.device)
         comm.all_gather(out, have, self.mesh, "pp")
         return [[r for r in range(self.pp) if out[r, i] > 0] for i in range(len(self.shared))]
+
+    def shard(self, engine) -> None:
+        """Step in ZeRO's engine (`engine`, a ShardedDataParallel over this rank's stages):
+        the optimizer over this rank's slices, stashes gathered from the shards."""
+        from loomtrain.parallel.zero.optimizer import ShardedOptimizer
+
+        self.optimizer = ShardedOptimizer(self.optimizer, engine)
+        self.weights = ShardedWeights(engine, self.optimizer)
 
     # --- the trainer's interface --------------------------------------------------------
 
@@ -158,11 +168,12 @@ class AsyncPipelineRuntime(PipelineRuntime):
         if s > 0:
             x = self._received(st.recv_f, (g, s)).requires_grad_(True)
             st.inputs[(g, s)] = x
-        stash = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.named}
+        stash = self.weights.snapshot(self.named)
         if self.trace is not None:
             self.trace.append({"kind": "F", "microbatch": g, "stage": s, "version": self.version,
                                "weights": _flat(p for _, p in self.named)})
-        out = functional_call(self.module, stash, (x, s))
+        with self.weights.aside():
+            out = functional_call(self.module, stash, (x, s))
         if s == self.last:
             loss = st.loss_fn(out, y)
             st.loss_sum += loss.detach()
@@ -188,70 +199,73 @@ class AsyncPipelineRuntime(PipelineRuntime):
         self._update(g, stash)
 
     def _update(self, g: int, stash: dict) -> None:
-        for n, p in self.named:
-            p.grad = stash[n].grad
-        self._step.engine.sync_gradients()  # summed over dp
-        tied_square = self._tied_gradients(g)
-        rest = [p for _, p in self.named if id(p) not in self.tied_ids and p.grad is not None]
-        norm = _clip(rest, self.grad_clip)
-        if not torch.isfinite(norm):
-            for p in rest:
-                p.grad = None
-            self.stats[1] += 1
+        """The update after B(g): this rank's gradients at the stash, the tied parameters'
+        exchanged over pp (`_tied_gradients`), all summed over dp, clipped per group (the
+        untied parameters, then each tied one) and stepped; a group whose norm is not finite
+        is left alone."""
+        grads = {p: stash[n].grad for n, p in self.named}
+        grads.update(self._tied_gradients(g, grads))
+        self.weights.reduce(grads, self._step.engine)
+        rest = [p for _, p in self.named if id(p) not in self.tied_ids and self.weights.has(p)]
+        norm = self.weights.clip(rest, self.grad_clip)
+        if torch.isfinite(norm):
+            self.stats[0] += float(norm) ** 2
         else:
-            self.stats[0] += float(norm) ** 2 + tied_square
+            self.weights.skip(rest)
+            self.stats[1] += 1
+        for i, (p, _) in enumerate(self.shared):
+            if p is None or not self.weights.has(p):
+                continue
+            norm = self.weights.clip([p], self.grad_clip)
+            if torch.isfinite(norm):
+                self.stats[0] += float(norm) ** 2 / len(self.holders[i])
+            else:
+                self.weights.skip([p])
+                self.stats[1] += 1
         self.stats[2] += 1
         for group, lr in zip(self.optimizer.param_groups, self.lrs.pop(g)):
             group["lr"] = lr
-        self.optimizer.step()
+        self.weights.step(self.optimizer)
         self.version += 1
 
-    def _tied_gradients(self, g: int) -> float:
-        """Sends this rank's (dp-summed) contributions of micro-batch g to the other holders,
-        posts the receives of theirs, and sets each tied parameter's gradient to the sum of
-        every holder's contributions of micro-batch g - lag (None before there are any).
-        Returns the squares of the clipped norms, each over its number of holders."""
+    def _tied_gradients(self, g: int, grads: dict) -> dict:
+        """Sends this rank's contributions of micro-batch g (`grads`, before the dp sum) to
+        the other holders, posts the receives of theirs, and returns {tied parameter: the sum
+        of every holder's contributions of micro-batch g - lag} (None before there are any),
+        summed over dp with the rest afterwards."""
         if not self.tied_ids:
-            return 0.0
+            return {}
         mine = {}
         for i, (p, shape) in enumerate(self.shared):
             if p is None:
                 continue
-            mine[i] = p.grad.detach().clone()
+            mine[i] = grads[p].detach().float()  # fp32 sums, also under bf16
             for h in self.holders[i]:
                 if h == self.rank:
                     continue
                 tag = self._tag(_TIED, g, i)
                 pending = comm.send(mine[i], self.mesh, "pp", h, async_op=True, tag=tag)
                 self._step.sends.append((pending, mine[i]))
-                buffer = torch.empty(shape, dtype=p.dtype, device=self.mesh.device)
+                buffer = torch.empty(shape, dtype=torch.float32, device=self.mesh.device)
                 pending = comm.recv(buffer, self.mesh, "pp", h, async_op=True, tag=tag)
                 self.tied_recv[(g, i, h)] = (buffer, pending)
         self.tied_own[g] = mine
-        past, square = g - self.lag, 0.0
+        past, totals = g - self.lag, {}
         own = self.tied_own.pop(past, None)
         for i, (p, _) in enumerate(self.shared):
             if p is None:
                 continue
+            totals[p] = None
             if own is None:
-                p.grad = None
                 continue
-            total = None
             for h in self.holders[i]:  # one order on every holder: equal sums, equal copies
                 if h == self.rank:
                     part = own[i]
                 else:
                     part, pending = self.tied_recv.pop((past, i, h))
                     pending.wait()
-                total = part if total is None else total + part
-            p.grad = total
-            norm = _clip([p], self.grad_clip)
-            if torch.isfinite(norm):
-                square += float(norm) ** 2 / len(self.holders[i])
-            else:
-                p.grad = None
-                self.stats[1] += 1
-        return square
+                totals[p] = part if totals[p] is None else totals[p] + part
+        return totals
 
     def _wait_sends(self, keep_steps: int) -> None:
         """Files this step's sends and waits for those sent more than `keep_steps` steps ago
@@ -266,15 +280,6 @@ class AsyncPipelineRuntime(PipelineRuntime):
         """As the synchronous runtime's, with stream positions (mod 2^20) for micro-batches;
         a tied contribution names its shared parameter's index in place of the stage."""
         return (what * self.schedule.stages + stage) * _TAG_SPAN + microbatch % _TAG_SPAN
-
-
-def _clip(params: list, max_norm: float) -> torch.Tensor:
-    """Clips the gradients of `params` to `max_norm` (0: no clipping); their norm before."""
-    if not params:
-        return torch.zeros(())
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
 
 
 def _flat(tensors) -> torch.Tensor:

@@ -143,15 +143,26 @@ class Pipeline(Component):
 
 
 class AsyncPipeline(Component):
-    """schedule="async" steps its own (unsharded) optimizer on every stage and runs its
-    forwards on stashed weights, without recomputation or offload: its runtime owns the
-    optimizer step."""
+    """schedule="async" steps its own optimizer on every stage (in ZeRO's engine: over this
+    rank's slices) and runs its forwards on stashed weights, without recomputation or
+    offload: its runtime owns the optimizer step."""
 
     stage = REPLICATE + 5  # after the dp engine: the optimizer is the runtime's
 
     @classmethod
     def apply(cls, built: Built) -> None:
-        built.optimizer = built.parts[Pipeline.name].optimizer
+        from loomtrain.parallel.zero.engine import ShardedDataParallel
+
+        runtime = built.parts[Pipeline.name]
+        if isinstance(built.model, ShardedDataParallel):  # ZeRO 1-3, or bf16
+            runtime.shard(built.model)
+        built.optimizer = runtime.optimizer
+
+    @classmethod
+    def estimate(cls, plan) -> None:
+        from loomtrain.parallel.pipeline.async_estimate import estimate_async
+
+        estimate_async(plan)
 
     @classmethod
     def train_step(cls, built: Built, batches, global_tokens: float, loss_fn):
@@ -171,10 +182,6 @@ class AsyncPipeline(Component):
     switches = (Switch("parallel.schedule", on=("async",)),)
     summary = "asynchronous pipeline with delay-corrected Nesterov (arXiv 2505.01099)"
     refuses = {
-        "zero": Refusal("each stage steps its own optimizer after every micro-batch, on "
-                        "stashed weights"),
-        "bf16": Refusal("each stage steps its own fp32 optimizer after every micro-batch, on "
-                        "stashed weights"),
         "timeline": Refusal("it streams micro-batches across steps, and a timeline records one "
                             "step of a fixed schedule: set run.timeline_step=0", yet=False),
     }

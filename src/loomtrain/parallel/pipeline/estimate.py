@@ -271,6 +271,15 @@ def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
                       eval_forwards: int, m=None) -> PipelineEstimate:
     """`m`: the [model] keys as a rank runs them (DryRunPlan.local_model; None: cfg.model)."""
     m = m or cfg.model
+    if schedule.name == "async":  # a steady-state step of the stream
+        from loomtrain.parallel.pipeline.async_estimate import stream_collectives, stream_peaks
+
+        memory = stage_memories(split.stage_layers, cfg, c, m, cfg.parallel.recompute)
+        return PipelineEstimate(split, schedule, S.simulate(schedule), memory,
+                                stream_peaks(memory, schedule.pp), 0.0,
+                                stream_collectives(schedule, 0, split.boundary_bytes, split.shared),
+                                eval_sends(schedule, 0, split.boundary_bytes, eval_forwards,
+                                           cfg.run.eval_every))
     memory, sim, peaks = simulated_peaks(split.stage_layers, schedule, cfg, c, m)
     if schedule.name in S.SCHEDULES:
         theory = S.bubble_theory(schedule.name, schedule.pp, schedule.microbatches,
@@ -286,8 +295,8 @@ def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
 
 def estimate_pipeline(plan: DryRunPlan) -> None:
     """The pipeline's part of the dry run (the `Pipeline` component's hook): the schedule the
-    runtime would run (a schedule not built yet is refused by name), this rank's stages of the
-    meta model, the activation peak of its stages over the simulated schedule, its sends and
+    runtime would run (the asynchronous one: a steady-state step, async_estimate.py), this
+    rank's stages of the meta model, the activation peak of its stages over the simulated schedule, its sends and
     pp all-reduces."""
     from loomtrain.errors import ConfigError
     from loomtrain.parallel.pipeline import build_schedule
@@ -299,6 +308,11 @@ def estimate_pipeline(plan: DryRunPlan) -> None:
             memory = stage_memories(split.stage_layers, cfg, plan.compute_bytes,
                                     plan.local_model, "none")
             schedule = planned_schedule(cfg, unit_costs(memory))
+        elif cfg.parallel.schedule == "async":
+            from loomtrain.parallel.pipeline.async_estimate import async_schedule, stream_states
+
+            schedule = async_schedule(cfg.parallel.pp, cfg.accumulation_steps)
+            plan.optimizer_states = stream_states(cfg, plan.optimizer_states)
         else:
             schedule = build_schedule(cfg)
     except ValueError as err:

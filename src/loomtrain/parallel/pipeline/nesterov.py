@@ -28,6 +28,8 @@ class DelayedNesterov(torch.optim.Optimizer):
     k), divided by sqrt(v_hat) + eps with Adam's second moment v when `beta2` is given (None:
     the plain SGD form), and weight decay is decoupled: theta <- theta (1 - lr wd)."""
 
+    elementwise = True  # each element's update reads only its own state: ZeRO may slice it
+
     def __init__(self, params, lr: float, momentum: float = 0.99, beta2: float | None = 0.95,
                  eps: float = 1e-8, weight_decay: float = 0.0):
         if not 0.0 <= momentum < 1.0:

@@ -91,6 +91,10 @@ def _check_reshard(p) -> None:
             f"parallel.zero_stage=3 (got pp={p.pp}, zero_stage={p.zero_stage}): outside a "
             "pipeline every unit is already freed after its forward and gathered again for its "
             "backward, and stages 1-2 gather nothing. Leave it at \"auto\"")
+    if p.zero_reshard == "micro_batch" and p.schedule == "async":
+        raise ValueError('parallel.zero_reshard="micro_batch" has no meaning with '
+                         'parallel.schedule="async": each forward gathers the units into its own '
+                         'stash of weights and frees them after its backward; leave it "auto"')
     if p.zero_reshard == "micro_batch" and p.schedule in ("zb-h1", "optimal"):
         raise ValueError(
             f'parallel.zero_reshard="micro_batch" with parallel.schedule={p.schedule!r} is not '

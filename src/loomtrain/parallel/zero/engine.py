@@ -47,6 +47,7 @@ class ShardedDataParallel(nn.Module):
         # with reshard_after_forward False or True (docs/zero.md, "Inside a pipeline")
         self.pipelined, self.reshard = False, "step"
         self._call_of: dict[FlatUnit, int] = {}  # "micro_batch": the stage call of each unit
+        self._aside = False  # `aside()`: the module runs on weights its caller passes
         self._callback_queued = False
         self._reductions = ReductionQueue()
         self._gathers: dict[FlatUnit, tuple] = {}
@@ -91,6 +92,17 @@ class ShardedDataParallel(nn.Module):
             self._call_of[u] = next((i for i, paths in enumerate(calls)
                                      if any(name == x or name.startswith(x + ".") for x in paths)),
                                     None)
+
+    @contextlib.contextmanager
+    def aside(self):
+        """The module runs on weights its caller passes (the asynchronous pipeline's stashed
+        copies, through `torch.func.functional_call`): no hook gathers, frees or reduces; the
+        caller reduces their gradients with `reduce_given`."""
+        self._aside = True
+        try:
+            yield
+        finally:
+            self._aside = False
 
     def _holding(self) -> bool:
         """Inside a pipelined step at stage 2-3: nothing is reduced until `sync_gradients`."""
@@ -145,22 +157,30 @@ class ShardedDataParallel(nn.Module):
     # --- forward hooks ----------------------------------------------------------------------
 
     def _root_pre_forward(self, _module, _args) -> None:
+        if self._aside:
+            return
         if self.root is not None:
             self._ensure_gathered(self.root)
         self._prefetch(self.units, 0)
 
     def _root_post_forward(self, _module, _args, output) -> None:
+        if self._aside:
+            return
         if not self._on_backward(output, self.root):
             self._drop_gathers()  # no backward follows (evaluation): free everything now
             self._release_root()
 
     def _pre_forward(self, u: FlatUnit) -> None:
+        if self._aside:
+            return
         self._ensure_gathered(u)
         self._prefetch(self.units, self.units.index(u) + 1)
         if self.timeline is not None:
             self.timeline.begin("compute", f"forward {u.layout.name}")
 
     def _post_forward(self, u: FlatUnit, output) -> None:
+        if self._aside:
+            return
         if self.timeline is not None:
             self.timeline.end("compute", f"forward {u.layout.name}")
         if u.sharded_params and not self._keeping():
@@ -245,6 +265,20 @@ class ShardedDataParallel(nn.Module):
             u.ready, u.launched = 0, False
         self._backward_started.clear()
         self._callback_queued = False
+
+    def reduce_given(self, grad_of) -> None:
+        """Reduce gradients made outside the hooks (`aside()`): `grad_of(p)`, a tensor or None
+        (zeros), for every parameter, unit by unit into its fp32 buffer, then over the shard
+        and replica axes into the gradient shards, as a backward's reductions would."""
+        for u in self.launch_order:
+            buffer = torch.zeros(u.layout.padded, dtype=torch.float32, device=self.mesh.device)
+            for p, slot in zip(u.params, u.layout.slots):
+                grad = grad_of(p)
+                if grad is not None:
+                    buffer[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+            self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline,
+                                                    self._divisor))
+        self._reductions.drain()
 
     def unreduced_grad(self, p: nn.Parameter) -> torch.Tensor:
         """`p`'s gradient summed over this step's micro-batches, before any reduction

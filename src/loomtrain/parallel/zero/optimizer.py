@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from loomtrain.parallel.zero.engine import ShardedDataParallel
 
+# and any optimizer class that says `elementwise = True` (the async pipeline's DelayedNesterov)
 ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
@@ -21,7 +22,7 @@ class ShardedOptimizer:
     keeps them. `param_groups` are the inner optimizer's (set the learning rate there)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ShardedDataParallel):
-        if type(optimizer) not in ELEMENTWISE:
+        if type(optimizer) not in ELEMENTWISE and not getattr(optimizer, "elementwise", False):
             raise ValueError(
                 f"ZeRO shards the optimizer by slicing parameters, which is exact only for an "
                 f"elementwise update; {type(optimizer).__name__} is not one of "

@@ -85,6 +85,8 @@ def resolve_reshard(built, engine) -> str:
     """The mode `engine` runs under built's pipeline: `fixed_reshard`, else `choose_reshard`
     on this rank's step estimate and capacity, with one all-reduce (max) of the verdict over
     the world so that every rank runs the same mode; said once on stderr."""
+    if built.cfg.parallel.schedule == "async":  # stashed forwards gather outside the hooks
+        return STEP
     runtime = built.parts["pipeline"]
     fixed = fixed_reshard(built.cfg.parallel, engine.plan.shard_ranks, runtime.schedule)
     if fixed is not None:
