@@ -95,14 +95,14 @@ def estimate_async(plan: DryRunPlan) -> None:
 
 def zero_async_reductions(zero, microbatches: int, tied: int) -> list[Collective]:
     """ZeRO's collectives in a steady-state step of the stream: per update, as a held step's
-    once (`zero_collectives(..., pipelined=True)`: each unit reduced, stage 3 gathering each
+    once (`zero_collectives(..., reshard="step")`: each unit reduced, stage 3 gathering each
     unit once, which is the stash's gather at the forward, the parameters published after the
     step), plus one 4-byte norm all-reduce per tied parameter held (each clipped by its own
     norm)."""
     from loomtrain.parallel.zero.estimate import zero_collectives
 
     out = []
-    for c in per_update(zero_collectives(zero.plan, zero.units, zero.root, 1, pipelined=True),
+    for c in per_update(zero_collectives(zero.plan, zero.units, zero.root, 1, reshard="step"),
                         microbatches):
         if c.purpose.startswith("gradient norm"):
             c = replace(c, calls=c.calls * (1 + tied))

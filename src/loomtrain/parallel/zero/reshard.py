@@ -76,6 +76,8 @@ def fixed_reshard(p, shard_ranks: int, schedule) -> tuple[str, str] | None:
         return p.zero_reshard, "as set"
     if p.zero_stage < 3 or shard_ranks == 1:
         return STEP, "nothing is gathered"
+    if p.schedule == "async":
+        return STEP, "the asynchronous pipeline gathers each forward's units into its stash"
     if defers_weight_grads(schedule):
         return STEP, "the schedule's deferred weight gradients (W) need the units gathered"
     return None
