@@ -444,8 +444,8 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     for name in ("sparse_rigl_tp_sp", "sparse_rigl_pp"):
         assert any((r.get("sparse_comm_ratio") or 1.0) > 1.5 for r in out[name][0]), name
     # the sharded engine's packed reductions against its dense ones, the same run otherwise:
-    # the kept sums of the same values in other orders (measured 0 to 2e-7 in fp32, 0 in
-    # bf16, where the reductions are fp32 too); the masks bit for bit, fp32 and bf16 alike
+    # the kept sums of the same values, maybe in another order (measured 0 in fp32 and in
+    # bf16, where the reductions are fp32 too; 1e-4 the bound); the masks bit for bit
     for name, dense in SPARSE_COMM.items():
         assert _rel(_losses(out[name][0]), _losses(out[dense][0])) < 1e-4, name
         masks, reference = (checkpoint.load_tensors(checkpoint.list_checkpoints(root / n)[-1],
