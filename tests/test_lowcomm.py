@@ -416,7 +416,8 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     +0 at every masked weight (the fp32 master weights).
     RigL with ZO-SAM (z of the whole tensors, cut) against its dp4 run, the same bounds: over
     pp2 x tp2, cp2 x tp2 and dp2 x tp2 at ZeRO-3 (measured 5e-8 to 6e-8), and at ZeRO-2 in
-    bf16 (measured 2.7e-4)."""
+    bf16 (measured 2.7e-4). RigL with SAM and sparse_comm in the sharded engine (ZeRO-1, 3,
+    hierarchical ZeRO-1, bf16) against its dense-communication run too (SPARSE_COMM)."""
     out, _, root = world4
     for name, _, _, whole, density in SPARSE:
         records = out[name][0]
