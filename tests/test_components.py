@@ -93,7 +93,7 @@ def test_the_table_is_built_from_both_sides_and_refuses_unknown_or_doubled_pairs
     assert table.refusal("zero", "sparsity") == table.refusal("sparsity", "zero")
     assert table.refusal("tensor", "zero") is None  # tp x ZeRO runs
     assert table.refusal("tensor", "pipeline") is None  # tp x pp runs
-    assert table.refusal("zero", "sparsity")[0] == "sparsity"  # sparse_comm, declared there
+    assert table.refusal("lowcomm", "sparsity")[0] == "sparsity"  # declared there
 
     class Typo(Component):
         name = "typo"

@@ -46,6 +46,8 @@ def _runs(rank, world, jobs, root, metered=False):
         out[name] = (read_metrics(run_dir), [p.name for p in checkpoint.list_checkpoints(run_dir)])
         sent[name] = {axis: mesh.meter.total("wire_bytes", op="all_reduce", axis=axis)
                       for axis in ("dp", "dp.cross", "tp")}
+        sent[name]["dp reduce_scatter"] = mesh.meter.total("wire_bytes", op="reduce_scatter",
+                                                           axis="dp")
         sent[name]["tp all_gather"] = mesh.meter.total("wire_bytes", op="all_gather", axis="tp")
     answer = out if rank == 0 else None
     return (answer, sent) if metered else answer
@@ -104,6 +106,7 @@ RIGL_SAM = {"method": "rigl", "density": 0.3, "update_every": 2, "sam": "sam"}
 RIGL_ZO = {**RIGL_SAM, "sam": "zo-sam"}
 PRUNE_ERK = {"method": "prune", "density": 0.3, "update_every": 2}
 NM_WIDE = {"method": "nm", "n": 8, "m": 32}
+STATIC_COMM = {"method": "static", "density": 0.2, "sparse_comm": True}
 SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals, final density)
     ("sparse_rigl", RIGL_SAM, {}, None, 0.3),
     ("sparse_rigl_tp_sp", {**RIGL_SAM, "sparse_comm": True}, {"tp": 2, "sequence_parallel": True},
@@ -134,10 +137,26 @@ SPARSE = [  # (name, [sparsity], [parallel] at world 4, the whole run it equals,
     ("sparse_zo_cp_tp", RIGL_ZO, {"cp": 2, "tp": 2}, "sparse_zo", 0.3),
     ("sparse_zo_tp_zero3", RIGL_ZO, {"tp": 2, "zero_stage": 3}, "sparse_zo", 0.3),
     ("sparse_zo_zero2_bf16", RIGL_ZO, {"zero_stage": 2}, "sparse_zo", 0.3),
+    # sparse_comm in the sharded engine: the kept entries packed, cut at the shard ranges and
+    # reduce-scattered (parallel/zero/sparse.py); RigL's update steps reduce densely
+    ("sparse_rigl_zero1_comm", {**RIGL_SAM, "sparse_comm": True}, {"zero_stage": 1},
+     "sparse_rigl", 0.3),
+    ("sparse_rigl_zero3_comm", {**RIGL_SAM, "sparse_comm": True}, {"zero_stage": 3},
+     "sparse_rigl", 0.3),
+    ("sparse_rigl_hierarchical_zero1_comm", {**RIGL_SAM, "sparse_comm": True},
+     {"zero_stage": 1, "hierarchical": True, "optimizer_shard": "dp", "ranks_per_node": 2},
+     "sparse_rigl", 0.3),
+    ("sparse_rigl_bf16_comm", {**RIGL_SAM, "sparse_comm": True}, {}, "sparse_rigl", 0.3),
+    ("sparse_static_zero2_comm", STATIC_COMM, {"zero_stage": 2}, None, 0.2),
 ]
+# each sparse_comm run in the sharded engine and the same run communicating densely
+SPARSE_COMM = {"sparse_rigl_zero1_comm": "sparse_rigl_zero1",
+               "sparse_rigl_zero3_comm": "sparse_rigl_zero3",
+               "sparse_rigl_hierarchical_zero1_comm": "sparse_rigl_hierarchical_zero1",
+               "sparse_rigl_bf16_comm": "sparse_rigl_bf16"}
 SPARSE_STEPS = 12
 SPARSE_BF16 = ("sparse_rigl_bf16", "sparse_prune_zero3_bf16",  # train.precision="bf16"
-               "sparse_zo_zero2_bf16")
+               "sparse_zo_zero2_bf16", "sparse_rigl_bf16_comm")
 # more split layouts in world 4 only, each against the whole replicas of the SPLIT case named
 SPLIT_ALSO = [("hpsgd_cp", "hpsgd", {"cp": 2}), ("hpsgd_pp", "hpsgd", {"pp": 2}),
               ("lordo_cp", "lordo", {"cp": 2}), ("dreamddp_h1_pp", "dreamddp_h1", {"pp": 2}),
@@ -397,7 +416,8 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     +0 at every masked weight (the fp32 master weights).
     RigL with ZO-SAM (z of the whole tensors, cut) against its dp4 run, the same bounds: over
     pp2 x tp2, cp2 x tp2 and dp2 x tp2 at ZeRO-3 (measured 5e-8 to 6e-8), and at ZeRO-2 in
-    bf16 (measured 2.7e-4)."""
+    bf16 (measured 2.7e-4). RigL with SAM and sparse_comm in the sharded engine (ZeRO-1, 3,
+    hierarchical ZeRO-1, bf16) against its dense-communication run too (SPARSE_COMM)."""
     out, _, root = world4
     for name, _, _, whole, density in SPARSE:
         records = out[name][0]
@@ -424,12 +444,59 @@ def test_world4_sparse_training_on_split_models_equals_whole_replicas(world4):
     # dense ones)
     for name in ("sparse_rigl_tp_sp", "sparse_rigl_pp"):
         assert any((r.get("sparse_comm_ratio") or 1.0) > 1.5 for r in out[name][0]), name
+    # the sharded engine's packed reductions against its dense ones, the same run otherwise:
+    # the kept sums of the same values, maybe in another order (measured 0 in fp32 and in
+    # bf16, where the reductions are fp32 too; 1e-4 the bound); the masks bit for bit
+    for name, dense in SPARSE_COMM.items():
+        assert _rel(_losses(out[name][0]), _losses(out[dense][0])) < 1e-4, name
+        masks, reference = (checkpoint.load_tensors(checkpoint.list_checkpoints(root / n)[-1],
+                                                    "sparsity.mask.") for n in (name, dense))
+        assert all(torch.equal(masks[k], reference[k]) for k in masks), name
+        ratios = [r.get("sparse_comm_ratio") for r in out[name][0]]
+        # RigL's update steps (t = 2, 4, 6, 8, to its end_step 9) reduce densely: no ratio
+        assert [x is None for x in ratios] == [t in (2, 4, 6, 8) for t in range(1, 13)], name
+        assert all(x > 1.5 for x in ratios if x is not None), (name, ratios)
     # the masks moved: RigL swapped (each update that changed a mask moved the version) and
     # pruning shrank from dense to 30%
     version = checkpoint.load_tensors(checkpoint.list_checkpoints(root / "sparse_rigl")[-1],
                                       "sparsity.")["version"]
     assert int(version) >= 3, int(version)
     assert out["sparse_prune"][0][0]["density"] == 1.0
+
+
+def test_world4_sparse_comm_in_zero_sends_the_kept_entries(world4, tmp_path, corpus):
+    """Static masks at 20% at ZeRO-2 over dp4 with sparse_comm: each step, each unit
+    reduce-scatters its kept entries packed and cut at the 4 shard ranges, each cut padded to
+    the longest (width w): a payload of 4 x 4 w bytes, which gloo's native reduce-scatter (below
+    256 KiB) sends as an all-reduce, 2 (4 - 1)/4 x the payload (docs/sparsity.md, "Sparse
+    communication in ZeRO"). The meter's reduce-scatter bytes over dp equal that on every rank,
+    and so does the engine's own figure."""
+    from loomtrain.parallel.zero import assign_parameters, find_units
+    from loomtrain.parallel.zero.layout import unit_layout
+
+    out, sent, root = world4
+    name = "sparse_static_zero2_comm"
+    masks = checkpoint.load_tensors(checkpoint.list_checkpoints(root / name)[-1], "sparsity.mask.")
+    model = build_model(config_from_dict(tiny_tree(tmp_path, corpus)).model)
+    per_step = 0
+    for unit, params in assign_parameters(model, find_units(model)).items():
+        layout = unit_layout(unit, [(n, tuple(p.shape)) for n, p in params], 4)
+        keep = torch.zeros(layout.padded, dtype=torch.bool)
+        for slot in layout.slots:
+            keep[slot.offset:slot.offset + slot.numel] = (
+                unpack_mask(masks[slot.name], slot.shape).flatten() if slot.name in masks else True)
+        width = max(int(part.sum()) for part in keep.chunk(4))
+        payload = 4 * 4 * width
+        assert payload < 256 << 10  # gloo's native reduce-scatter: counted as an all-reduce
+        per_step += 2 * (4 - 1) * payload // 4
+    assert len(masks) == 8
+    for rank in range(4):
+        assert sent[rank][name]["dp reduce_scatter"] == SPARSE_STEPS * per_step, rank
+    records = out[name][0]
+    assert sum(r["sparse_comm_wire_bytes"] for r in records) == SPARSE_STEPS * per_step
+    # the masks travelled once, before the first step
+    assert records[0]["mask_sync_wire_bytes"] > 0
+    assert all(r["mask_sync_wire_bytes"] == 0 for r in records[1:])
 
 
 def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_path, corpus):

@@ -56,6 +56,26 @@ def test_masks_are_checked_and_laid_out_per_bucket():
     assert mask_sync_payload_bytes([(3, 6), None, (0, 6)]) == 48 + 1 + 0
 
 
+def test_packed_cuts_reduce_scatter_to_each_range_its_kept_sums():
+    """ZeRO's packed reduce-scatter (parallel/zero/sparse.py) simulated over 4 ranks: every
+    rank packs its own values at the same cut, the packed vectors are summed and chunk r goes
+    to rank r, whose unpacked range equals the masked dense sum's range r; the chunks are as
+    long as the most kept entries in one range (an empty range gets them padded)."""
+    from loomtrain.parallel.zero.sparse import packed_cut
+
+    keep = torch.rand(48, generator=torch.Generator().manual_seed(0)) < 0.3
+    keep[12:24] = False  # range 1 keeps nothing
+    values = [torch.randn(48) for _ in range(4)]
+    cuts = [packed_cut(keep, 4, r) for r in range(4)]
+    assert cuts[0].width == max(int(part.sum()) for part in keep.chunk(4))
+    summed = sum(cuts[0].pack(v) for v in values)
+    dense = sum(values) * keep
+    for r, cut in enumerate(cuts):
+        chunk = summed.chunk(4)[r]
+        assert torch.equal(cut.unpack(chunk, torch.full((12,), 7.0)), dense.chunk(4)[r])
+    assert packed_cut(torch.zeros(8, dtype=torch.bool), 2, 0).width == 1  # never a 0-long chunk
+
+
 def _masks(model, seed: int) -> dict:
     """Random masks of a few densities for every Linear weight of the blocks and for the tied
     embedding/head weight."""

@@ -256,11 +256,6 @@ def test_sam_and_zo_sam_passes_masks_and_bitwise_restore():
     ({"sparsity": {"rho": 0.1}}, 'sparsity.sam="none"'),
     ({"sparsity": {"sam": "sam", "zo_eps": 0.01}}, "sparsity.zo_eps is the probe step"),
     ({"sparsity": {"sparse_comm": True}}, "choose a sparsity method"),
-    # the sharded engine runs every method, SAM and ZO-SAM, not sparse_comm
-    ({"sparsity": {"method": "rigl", "sparse_comm": True}, "parallel": {"nproc": 2, "zero_stage": 2}},
-     "with parallel.zero_stage=2 is not supported yet: sparsity.sparse_comm=true sends only"),
-    ({"sparsity": {"method": "nm", "sparse_comm": True}, "train": {"precision": "bf16"}},
-     "with train.precision='bf16' is not supported yet: sparsity.sparse_comm=true"),
     ({"sparsity": {"method": "static"}, "compression": {"method": "topk"}}, "compression.method"),
     ({"sparsity": {"method": "static"}, "lowcomm": {"algorithm": "local_sgd"}}, "lowcomm.algorithm"),
     ({"sparsity": {"method": "magnitude"}}, "sparsity.method"),
@@ -279,9 +274,11 @@ def test_config_accepts_each_method_with_sam(tmp_path, corpus):
     for parallel, train in (({"zero_stage": 1}, {}), ({"zero_stage": 3}, {"precision": "bf16"}),
                             ({"zero_stage": 2, "tp": 2, "nproc": 4, "hierarchical": True,
                               "ranks_per_node": 2, "offload_optimizer": True}, {})):
-        cfg = config_from_dict(tiny_tree(tmp_path, corpus, parallel={"nproc": 2, **parallel},
-                                         train=train, sparsity={"method": "rigl", "sam": "sam"}))
-        assert cfg.sparsity.sam == "sam"  # the sharded engine runs them (sparsity/sharded.py)
+        for sparse_comm in (False, True):  # and packs the kept entries (zero/sparse.py)
+            cfg = config_from_dict(tiny_tree(
+                tmp_path, corpus, parallel={"nproc": 2, **parallel}, train=train,
+                sparsity={"method": "rigl", "sam": "sam", "sparse_comm": sparse_comm}))
+            assert cfg.sparsity.sparse_comm == sparse_comm  # the sharded engine runs them
     digits = config_from_dict(tiny_tree(tmp_path, corpus, data={"source": "digits"},
                                         model={"name": "mlp"},
                                         sparsity={"method": "rigl", "schedule": "constant"}))

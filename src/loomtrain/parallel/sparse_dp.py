@@ -15,25 +15,28 @@ import torch.nn as nn
 from loomtrain.comm.meter import wire_bytes
 
 
-def check_masks(masks: dict | None, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+def check_masks(masks: dict | None, params: list[nn.Parameter],
+                shapes: list | None = None) -> list[torch.Tensor | None]:
     """The masks aligned with `params` (None where unmasked). ValueError for a mask whose key
     is not one of the engine's parameters, or that is not a bool tensor of its parameter's
-    shape."""
+    shape (`shapes`, where the parameters do not show it: ZeRO-3's are empty between uses)."""
     if not masks:
         return [None] * len(params)
     known = {p: i for i, p in enumerate(params)}
+    shapes = [tuple(p.shape) for p in params] if shapes is None else [tuple(s) for s in shapes]
     aligned: list[torch.Tensor | None] = [None] * len(params)
     for p, mask in masks.items():
         if p not in known:
             raise ValueError(f"set_gradient_masks: a mask for a parameter of shape "
-                             f"{tuple(p.shape)} that this DataParallel does not reduce (not "
-                             f"in its module, or requires_grad=False)")
+                             f"{tuple(p.shape)} that this data-parallel engine does not reduce "
+                             f"(not in its module, or requires_grad=False)")
+        shape = shapes[known[p]]
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool \
-                or mask.shape != p.shape:
+                or tuple(mask.shape) != shape:
             got = (f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor)
                    else type(mask).__name__)
             raise ValueError(f"set_gradient_masks: the mask of a parameter of shape "
-                             f"{tuple(p.shape)} must be a bool tensor of that shape, got {got}")
+                             f"{shape} must be a bool tensor of that shape, got {got}")
         aligned[known[p]] = mask
     return aligned
 
@@ -78,8 +81,13 @@ class SparseCommWindow:
     mask_sync_wire: int = 0
 
     def add(self, sent_bytes: int, dense_bytes: int, n: int) -> None:
-        self.wire += wire_bytes("ring_all_reduce", sent_bytes, n)
-        self.dense_wire += wire_bytes("ring_all_reduce", dense_bytes, n)
+        """One ring all-reduce of `sent_bytes` in place of one of `dense_bytes`."""
+        self.add_wire(wire_bytes("ring_all_reduce", sent_bytes, n),
+                      wire_bytes("ring_all_reduce", dense_bytes, n))
+
+    def add_wire(self, wire: int, dense_wire: int) -> None:
+        self.wire += wire
+        self.dense_wire += dense_wire
 
     def take(self) -> dict:
         """{sparse_comm_wire_bytes, sparse_comm_ratio (dense / sent), mask_sync_wire_bytes};

@@ -44,22 +44,9 @@ class SparsityConfig(Section):
     sam: Literal["none", "sam", "zo-sam"] = "none"
     rho: float = Field(0.05, gt=0.0)  # the perturbation's radius
     zo_eps: float = Field(1e-3, gt=0.0)  # zo-sam: the SPSA probe's step
-    # only the kept gradient entries are all-reduced (the sparse-aware data-parallel engine)
+    # only the kept gradient entries are reduced (the sparse-aware data-parallel engine, or
+    # the sharded engine's reduce-scatter of the packed kept entries)
     sparse_comm: bool = False
-
-
-# sparse_comm in the sharded engine: meaningful (the masks are every rank's, so the kept
-# entries of a flat unit, packed in flat order, fall into each rank's shard range in order)
-# but not built: docs/sparsity.md, "ZeRO and bf16"
-_SHARDED_COMM = ("sparsity.sparse_comm=true sends only the kept gradient entries through the "
-                 "plain data-parallel engine's all-reduce; the sharded engine (ZeRO-1 to 3, and "
-                 "bf16 at any stage) reduce-scatters each flat unit, and a reduce-scatter of the "
-                 "packed kept entries, cut at the ranks' shard ranges (uneven, padded), is not "
-                 "built yet; every method, SAM and ZO-SAM run there with sparse_comm=false")
-
-
-def _sparse_comm(cfg) -> bool:
-    return cfg.sparsity.sparse_comm
 
 
 _APART = ("the replicas step apart between syncs, so each would update its masks from its own "
@@ -70,16 +57,14 @@ class Sparsity(Component):
     """[sparsity]: the keys each method reads, a schedule that fits in training, N:M groups
     that divide the layers' inputs; it runs on whole replicas and on models split by tp, pp
     and cp (each mask decision the whole layer's: sparsity/split.py; ZO-SAM's z the whole
-    model's, cut), and in the sharded engine, ZeRO-1 to 3 and bf16 (sparsity/sharded.py),
-    all but sparse_comm there."""
+    model's, cut), and in the sharded engine, ZeRO-1 to 3 and bf16 (sparsity/sharded.py;
+    sparse_comm there: parallel/zero/sparse.py)."""
 
     name = "sparsity"
     section, keys = "sparsity", SparsityConfig
     switches = (Switch("sparsity.method", "none"), Switch("sparsity.sam", "none"))
     summary = "masks, N:M, pruning, SET, RigL, SAM and ZO-SAM"
-    refuses = {**{other: Refusal(_SHARDED_COMM, when=_sparse_comm, partly="with sparse_comm")
-                  for other in ("zero", "bf16")},
-               "lowcomm": Refusal(_APART),
+    refuses = {"lowcomm": Refusal(_APART),
                "compression": Refusal("RigL regrows by the exact all-reduced gradient, and "
                                       "sparse_comm replaces the same bucket all-reduce that "
                                       "compression replaces"),

@@ -38,8 +38,9 @@ class SparseTraining:
                                       whole_indices(cfg) if s.sam == "zo-sam" else None)
         if s.sparse_comm and not hasattr(model, "set_gradient_masks"):
             raise ConfigError("sparsity.sparse_comm=true needs the sparse-aware data-parallel engine "
-                              "(DataParallel.set_gradient_masks), which this build of loomtrain "
-                              "does not have; set sparsity.sparse_comm=false")
+                              "(set_gradient_masks: DataParallel, or the sharded engine of ZeRO "
+                              "and bf16), which this run's model is not wrapped in; set "
+                              "sparsity.sparse_comm=false")
         self.sparse_comm = s.sparse_comm
         self._engine_version: int | None = None  # the masks' version the engine holds
         self.t = 0

@@ -56,6 +56,13 @@ class Zero(EngineTimeline, Component):
             built.optimizer.zero_grad(set_to_none=True)
 
     @classmethod
+    def metrics(cls, built: Built, evaluated: bool) -> dict:
+        """The engine's sparse-communication figures (sparsity.sparse_comm; none without)."""
+        from loomtrain.parallel.zero.engine import ShardedDataParallel
+
+        return built.model.metrics() if isinstance(built.model, ShardedDataParallel) else {}
+
+    @classmethod
     def estimate(cls, plan) -> None:
         from loomtrain.parallel.zero.estimate import estimate_zero
 

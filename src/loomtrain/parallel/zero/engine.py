@@ -16,7 +16,9 @@ from torch.utils._pytree import tree_flatten
 from loomtrain.parallel.data import grad_norm, norm_weight
 from loomtrain.parallel.zero.communication import (GradReduction, ReductionQueue, publish,
                                                    start_gather)
+from loomtrain.parallel.sparse_dp import SparseCommWindow
 from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
+from loomtrain.parallel.zero.sparse import PackedGradReduction, set_unit_cuts, unit_wire_bytes
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -50,6 +52,7 @@ class ShardedDataParallel(nn.Module):
         self._aside = False  # `aside()`: the module runs on weights its caller passes
         self._callback_queued = False
         self._reductions = ReductionQueue()
+        self._sparse: SparseCommWindow | None = None  # while gradient masks are set
         self._gathers: dict[FlatUnit, tuple] = {}
         self._backward_started: set[FlatUnit] = set()
         self._unit_of = {p: u for u in self.all_units for p in u.params}
@@ -249,8 +252,11 @@ class ShardedDataParallel(nn.Module):
                 u.hold(buffer)
                 buffer, u.held = u.held, None
             if self._sync or self.plan.stage >= 2:
-                self._reductions.launched(GradReduction(u, buffer, self.mesh, self.timeline,
-                                                        self._divisor))
+                if self._sparse is not None:
+                    self._sparse.add_wire(*unit_wire_bytes(u))
+                reduction = GradReduction if u.cuts is None else PackedGradReduction
+                self._reductions.launched(reduction(u, buffer, self.mesh, self.timeline,
+                                                    self._divisor))
         u.drop_grads()
         if u.sharded_params and u is not self.root and not self._keeping():
             u.release()
@@ -333,6 +339,24 @@ class ShardedDataParallel(nn.Module):
         whose gathered units are then freed."""
         assert self.plan.stage == 1 or self.pipelined, "stages 2-3 reduce every backward"
         self._finish()
+
+    def set_gradient_masks(self, masks: dict[nn.Parameter, torch.Tensor] | None) -> None:
+        """Reduce only the gradient entries `masks` keep (True) from the next backward on
+        (zero/sparse.py); masked-out entries of the reduced gradient are zero. None: the
+        dense reductions again. The contract of `DataParallel.set_gradient_masks`: collective
+        over the dp ranks, outside backward, once per mask change, the masks of the axis
+        member 0 used (and copied into the tensors passed) on every rank; a mask is shaped
+        like its parameter in the model (ZeRO-3's are empty between uses)."""
+        assert not any(u.launched for u in self.all_units), "set_gradient_masks inside backward"
+        masked, sent = set_unit_cuts(self.all_units, masks, self.mesh, self.plan.data_axis)
+        self._sparse = (self._sparse or SparseCommWindow()) if masked else None
+        if masked:
+            self._sparse.mask_sync_wire += sent
+
+    def metrics(self) -> dict:
+        """While gradient masks are set, the sparse-communication figures since the previous
+        call (`SparseCommWindow.take`: bytes as the meter counts them); else none."""
+        return self._sparse.take() if self._sparse is not None else {}
 
     def master_slices(self) -> list[tuple]:
         """(Slice, view) for each parameter's slice of this rank's fp32 master weights, in

@@ -36,6 +36,15 @@ class ShardPlan:
         return self.shard_ranks * (self.replica_ranks if self.optimizer_over_replicas else 1)
 
     @property
+    def data_axis(self) -> str:
+        """The mesh axis of every rank the gradient is summed over (shard and replica ranks)."""
+        if self.replica_axis == "self":
+            return self.shard_axis
+        if self.shard_axis == "self":
+            return self.replica_axis  # stage 0 in bf16
+        return self.shard_axis.partition(".")[0]  # hierarchical: "dp", or "dpcp" under cp
+
+    @property
     def optimizer_axis(self) -> str:
         """The group over which the optimizer ranges tile the unit (for norms)."""
         if self.optimizer_over_replicas and self.replica_ranks > 1:
@@ -81,6 +90,7 @@ class FlatUnit:
         self._gathered: torch.Tensor | None = None  # its buffer; no storage while released
         self.compute_grad: torch.Tensor | None = None  # this backward's gradient buffer
         self.held: torch.Tensor | None = None  # a pipelined step's unreduced fp32 gradient
+        self.cuts = None  # while gradient masks are set: its kept entries' cuts (zero/sparse.py)
         self._empty = torch.empty(0, dtype=dtype, device=device)
         if self.sharded_params:
             self.release()
