@@ -11,6 +11,7 @@ from loomtrain.component import Component, Refusal, Switch
 from loomtrain.data.config import ByFile, Digits
 from loomtrain.lowcomm.config import Lowcomm
 from loomtrain.parallel.config import DataParallelComponent
+from loomtrain.parallel.expert.config import Experts
 from loomtrain.parallel.offload import ActivationOffload
 from loomtrain.parallel.pipeline.config import AsyncPipeline, Pipeline
 from loomtrain.parallel.recompute import Recompute
@@ -47,6 +48,6 @@ class Timeline(Component):
 COMPONENTS: tuple[type[Component], ...] = (
     DataParallelComponent, TensorParallel, Zero, BF16, SimulatedLink, AsyncSGD, Straggler,
     Pipeline, AsyncPipeline, Context, Packing, Balance, Recompute, ActivationOffload,
-    Lowcomm, Compression, Sparsity,
+    Lowcomm, Compression, Sparsity, Experts,
     Digits, ByFile, InitFrom, Zeroth, Plan, Timeline,
 )
