@@ -45,7 +45,8 @@ LLAMA_DEFAULTS = {"preset": None, "n_kv_heads": 0, "head_dim": 0, "ffn_hidden": 
                   "tie_embeddings": False, "qkv_bias": False, "qk_norm": False,
                   "sliding_window": 0, "n_experts": 0, "experts_per_token": 2,
                   "n_shared_experts": 0, "moe_every": 1, "moe_hidden": 0, "router": "softmax",
-                  "router_norm_topk": True, "aux_loss_coef": 0.0, "router_bias_rate": 0.0}
+                  "router_norm_topk": True, "aux_loss_coef": 0.0, "router_bias_rate": 0.0,
+                  "shared_expert_gate": False}
 
 
 class ModelConfig(Section):
@@ -79,6 +80,7 @@ class ModelConfig(Section):
     n_experts: int = Field(0, ge=0)
     experts_per_token: int = Field(2, ge=1)  # top k
     n_shared_experts: int = Field(0, ge=0)  # DeepSeekMoE's experts every token goes through
+    shared_expert_gate: bool = False  # Qwen-MoE: sigmoid(linear(x)) scales the shared output
     moe_every: int = Field(1, ge=1)  # every n-th block is MoE (from the n-th), the rest dense
     moe_hidden: int = Field(0, ge=0)  # an expert's SwiGLU width; 0: ffn_width
     router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores
@@ -158,7 +160,8 @@ class ModelConfig(Section):
 def _experts_fit(cfg: ModelConfig) -> None:
     """The mixture-of-experts keys agree with each other (they are refused outside llama)."""
     moe_keys = [k for k in ("experts_per_token", "n_shared_experts", "moe_every", "moe_hidden",
-                            "router", "router_norm_topk", "aux_loss_coef", "router_bias_rate")
+                            "router", "router_norm_topk", "aux_loss_coef", "router_bias_rate",
+                            "shared_expert_gate")
                 if getattr(cfg, k) != LLAMA_DEFAULTS[k]]
     if not cfg.n_experts and moe_keys:
         raise ValueError(f"model.{moe_keys[0]}={getattr(cfg, moe_keys[0])!r} is a key of the "
@@ -167,6 +170,9 @@ def _experts_fit(cfg: ModelConfig) -> None:
     if cfg.n_experts and cfg.experts_per_token > cfg.n_experts:
         raise ValueError(f"model.experts_per_token={cfg.experts_per_token} exceeds "
                          f"model.n_experts={cfg.n_experts}: a token picks k distinct experts")
+    if cfg.shared_expert_gate and not cfg.n_shared_experts:
+        raise ValueError("model.shared_expert_gate=true gates the shared experts' output; set "
+                         "model.n_shared_experts or leave it out")
     if cfg.n_experts and cfg.moe_every > cfg.n_layers:
         raise ValueError(f"model.moe_every={cfg.moe_every} exceeds model.n_layers="
                          f"{cfg.n_layers}: no block would be a mixture of experts")

@@ -1,6 +1,7 @@
 """The mixture-of-experts feed-forward of the Llama family (docs/moe.md): a router picks
 `experts_per_token` of `n_experts` SwiGLU experts for every token, the experts run grouped, and
-optional shared experts see every token (DeepSeekMoE, arXiv 2401.06066).
+optional shared experts see every token (DeepSeekMoE, arXiv 2401.06066), their output scaled by
+a sigmoid gate in Qwen-MoE (`shared_expert_gate`).
 
 Routing is dropless: every token reaches every expert it chose, whatever the load, so a parallel
 run computes exactly what one process does (no capacity factor, no token dropped by a full
@@ -127,10 +128,12 @@ class MoE(nn.Module):
         self.router = Router(cfg.d_model, cfg.n_experts, cfg.experts_per_token, cfg.router,
                              cfg.router_norm_topk)
         self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.expert_width)
-        self.shared = None
+        self.shared = self.shared_gate = None
         if cfg.n_shared_experts:
             from loomtrain.models.llama import SwiGLU
             self.shared = SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.expert_width)
+        if cfg.shared_expert_gate:  # Qwen-MoE's sigmoid gate on the shared output
+            self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
         self.aux_grad = 0.0
         self.counted: torch.Tensor | None = None  # not a buffer: bf16 casts would round it
 
@@ -139,12 +142,16 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, d)
         weights, experts, probs = self.router(tokens)
         routed = self.route(tokens, weights, experts)
-        out = routed if self.shared is None else routed + self.shared(tokens)
+        out = routed if self.shared is None else routed + self._shared(tokens)
         out = out.view(b, t, d)
         if torch.is_grad_enabled():
             aux = balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.n_experts)
             out = _AuxLoss.apply(out, aux, experts, self)
         return out
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.shared(tokens)
+        return out if self.shared_gate is None else torch.sigmoid(self.shared_gate(tokens)) * out
 
     def route(self, tokens: torch.Tensor, weights: torch.Tensor,
               experts: torch.Tensor) -> torch.Tensor:
