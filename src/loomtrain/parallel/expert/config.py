@@ -39,8 +39,7 @@ class Experts(Component):
     @classmethod
     def estimate(cls, plan) -> None:
         """The step's counts all-reduced over the token axes: [layers, experts + 2] float64
-        (balance.py `step_figures`). The experts' activations are not modelled yet: the dry
-        run counts a dense feed-forward's (docs/moe.md)."""
+        (balance.py `step_figures`); the activations are the model's (activations.py)."""
         from loomtrain.estimate import all_reduce
         from loomtrain.parallel.expert.balance import TOKEN_AXES, moe_layers
 
