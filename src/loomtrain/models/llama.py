@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from loomtrain.models.moe import GroupedExperts, MoE, is_moe_layer
+from loomtrain.models.swiglu import SwiGLU
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
@@ -140,27 +141,6 @@ class Attention(nn.Module):
         else:
             y = attend_grouped(q, k, v, cache, self.window)
         return y.transpose(1, 2).reshape(b, t, -1)
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer, arXiv 2002.05202)."""
-
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
-
-    @property
-    def proj(self) -> nn.Module:
-        """The output projection under the GPT's name (inference/nanobatch.py walks it)."""
-        return self.down_proj
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(self.gate_proj(x)) * self.up_proj(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.hidden(x))
 
 
 class LlamaBlock(nn.Module):

@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loomtrain.models.swiglu import SwiGLU
+
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of `x` sorted by expert (`counts[e]` rows for expert e) times their expert's matrix
@@ -130,7 +132,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.expert_width)
         self.shared = self.shared_gate = None
         if cfg.n_shared_experts:
-            from loomtrain.models.llama import SwiGLU
             self.shared = SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.expert_width)
         if cfg.shared_expert_gate:  # Qwen-MoE's sigmoid gate on the shared output
             self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
