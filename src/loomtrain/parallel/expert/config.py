@@ -109,6 +109,15 @@ class ExpertParallel(Component):
         built.model = apply_expert_parallel(built.model, built.mesh)
 
     @classmethod
+    def estimate(cls, plan) -> None:
+        """Rank 0's experts (n_experts / ep per block: the memory counts them), and the
+        all-to-alls, counted once the compute dtype is known (`exchange_collectives`)."""
+        from loomtrain.parallel.expert.dispatch import apply_expert_parallel
+
+        plan.model = apply_expert_parallel(plan.model, plan.mesh)
+        plan.later.append(exchange_collectives)
+
+    @classmethod
     def validate(cls, cfg) -> None:
         p, m = cfg.parallel, cfg.model
         if p.ep == 1:
@@ -121,3 +130,34 @@ class ExpertParallel(Component):
                 raise ValueError(f"parallel.ep={p.ep} must divide {key} = {n} (the ep ranks "
                                  "are a sub-axis of dp and hold n_experts / ep experts each); "
                                  f"choose parallel.ep among its divisors")
+
+
+def exchange_collectives(plan) -> None:
+    """The all-to-alls of expert parallelism over ep (parallel/expert/exchange.py), per MoE
+    block and micro-batch of T = micro_batch * seq_len tokens, k picks each, width d, c bytes
+    a value: the counts ([ep, E/ep] int64, 8E bytes) in the forward; the rows T k d c in
+    four exchanges, the forward's dispatch and combine and their two gradients in the backward.
+    A dispatch sends this rank's T k rows; a combine sends back the rows it received, T k
+    on average over the ep ranks (exactly T k under even routing): the payload and wire
+    bytes of the rows are those of balanced routing, (ep - 1) / ep of the payload on the wire
+    (comm/ counts the rows actually sent). Evaluation forwards run the counts, the dispatch
+    and the combine."""
+    from loomtrain.estimate import metered
+    from loomtrain.parallel.expert.balance import moe_layers
+
+    cfg, ep = plan.cfg, plan.mesh.size("ep")
+    layers = len(moe_layers(plan.model))
+    rows = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.experts_per_token * \
+        cfg.model.d_model * plan.compute_bytes
+    counts = 8 * cfg.model.n_experts
+    micro = cfg.accumulation_steps * layers
+    plan.collectives += [
+        metered("expert counts (all-to-all)", "all_to_all", "ep", ep, counts, micro),
+        metered("expert dispatch and combine, forward and backward", "all_to_all", "ep", ep,
+                rows, 4 * micro)]
+    forwards = plan.eval_forwards * layers
+    plan.eval_collectives += [
+        metered("expert counts, evaluation", "all_to_all", "ep", ep, counts, forwards,
+                every=cfg.run.eval_every),
+        metered("expert dispatch and combine, evaluation", "all_to_all", "ep", ep, rows,
+                2 * forwards, every=cfg.run.eval_every)]
