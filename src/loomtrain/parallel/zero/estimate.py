@@ -212,8 +212,6 @@ def zero_layout(model, mesh, cfg) -> ZeroLayout:
     except ValueError as err:
         raise ConfigError(f"parallel.shard_units={list(p.shard_units)!r}: {err}") from None
     axis = "dpcp" if p.cp > 1 else "dp"
-    sub = make_plan(mesh, p.zero_stage, p.hierarchical, p.optimizer_shard, dtype,
-                    p.offload_optimizer, "edp")
     units, root, apart = [], 0, []
     for name, params in assign_parameters(model, named).items():
         mine = [(n, x) for n, x in params if dp_axis_of(x, axis) == axis]
@@ -225,7 +223,9 @@ def zero_layout(model, mesh, cfg) -> ZeroLayout:
             else:
                 units.append((name, padded))
         experts = [(n, tuple(x.shape)) for n, x in params if dp_axis_of(x, axis) != axis]
-        if experts:
+        if experts:  # flat: parallel.ep refuses hierarchical ZeRO
+            sub = make_plan(mesh, p.zero_stage, False, p.optimizer_shard, dtype,
+                            p.offload_optimizer, "edp")
             apart.append((f"{name}.edp", unit_layout(
                 f"{name}.edp", experts, sub.shard_ranks * sub.replica_ranks).padded))
     return ZeroLayout(plan, units, root, (sub, apart) if apart else None)
