@@ -11,12 +11,17 @@ import torch
 import torch.nn.functional as F
 from conftest import refused, tiny_tree
 from harness import run_world
+from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
+from loomtrain.cli import main
 from loomtrain.models import build_model, token_loss_sum
 from loomtrain.models.config import ModelConfig
 from loomtrain.models.moe import MoE, balance_loss, grouped_mm
 from loomtrain.parallel.expert.balance import figures, update_bias
+from loomtrain.parallel.expert.dispatch import by_expert
+from loomtrain.train import dryrun, trainer
+from loomtrain.train.checkpoint import step_dir
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.metrics import read_metrics
 from test_weave import _metered, _predicted
@@ -140,8 +145,20 @@ def test_recomputation_counts_each_micro_batch_once():
     assert moe.counted[:4].sum().item() == 2 * 5 * 2 and moe.counted[-1].item() == 2
 
 
+def test_received_rows_regroup_by_local_expert():
+    # from member 0: 1 row for expert 0, 2 for expert 1; from member 1: 3 and 1
+    assert by_expert(torch.tensor([[1, 2], [3, 1]])).tolist() == [0, 3, 4, 5, 1, 2, 6]
+    assert by_expert(torch.tensor([[0, 2], [1, 0]])).tolist() == [2, 0, 1]
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--set", "model.name=gpt", "--set", "model.n_experts=4"], "key of the llama model"),
+    (["--set", "model.name=llama", "--set", "parallel.ep=2", "--nproc", "2"],
+     "parallel.ep=2 splits the experts of a mixture of experts"),
+    (["--set", "model.name=llama", "--set", "model.n_experts=4", "--set", "parallel.ep=2",
+      "--nproc", "1"], "must divide parallel.dp = 1"),
+    (["--set", "model.name=llama", "--set", "model.n_experts=6", "--set", "parallel.ep=4",
+      "--nproc", "4"], "must divide model.n_experts = 6"),
     (["--set", "model.name=llama", "--set", "model.aux_loss_coef=0.01"], "set model.n_experts"),
     (["--set", "model.name=llama", "--set", "model.n_experts=2", "--set",
       "model.experts_per_token=3"], "a token picks k distinct experts"),
@@ -165,19 +182,60 @@ def test_every_moe_every_th_block_is_a_mixture_of_experts():
     assert [type(b.mlp).__name__ for b in model.blocks] == ["SwiGLU", "MoE", "SwiGLU", "MoE"]
 
 
-def test_data_parallel_and_zero_reproduce_the_single_process_run(tmp_path, corpus):
-    def trees(world, layouts, train=None):
+EP2 = [{"ep": 2}, {"ep": 2, "zero_stage": 3}]  # world 2; the last saves at step SAVED
+EP4 = [{"ep": 4}, {"ep": 2}]  # world 4: dp 4 as ep 4, and as ep 2 x edp 2
+SAVED = 6
+A2A = ("ep", "all_to_all")
+
+
+def _check_dry_run(tree: dict, ranks: list[dict]) -> None:
+    """The dry run against every rank's meter (calls, wire, payload per (axis, op)): rank 0's
+    collectives call for call and byte for byte, except the rows of the experts' all-to-alls,
+    which the routing spreads unevenly over the ep ranks: their calls on every rank, and
+    their payloads summed over the world (the dispatches send every rank's T k rows, the
+    combines return as many; the dry run counts balanced routing)."""
+    cfg = config_from_dict(tree)
+    want = _predicted(cfg)
+    assert {k: v for k, v in want.items() if k != A2A} == \
+        {k: v[:2] for k, v in ranks[0].items() if k != A2A}, tree["parallel"]
+    if A2A in want:
+        payload = sum(c.calls * c.payload_bytes for c in dryrun.estimate(cfg).collectives
+                      if c.every_steps == 1 and (c.axis, c.op) == A2A)
+        assert all(r[A2A][0] == want[A2A][0] for r in ranks)
+        assert sum(r[A2A][2] for r in ranks) == len(ranks) * payload
+
+
+def _rel_loss(got: list, want: list) -> float:
+    by_step = {r["step"]: r["loss"] for r in want}
+    return max(abs(r["loss"] - by_step[r["step"]]) / by_step[r["step"]] for r in got)
+
+
+def test_data_parallel_zero_and_expert_parallelism_reproduce_the_single_process_run(
+        tmp_path, corpus):
+    def trees(world, layouts, train=None, saves=False):
         return [tiny_tree(tmp_path, corpus, model=MODEL, train={"steps": STEPS, **(train or {})},
-                          parallel={"nproc": world, **parallel}) for parallel in layouts]
-    run_world(_metered, 1, trees(1, [{}]), str(tmp_path / "one"), timeout_s=200)
+                          parallel={"nproc": world, **parallel},
+                          checkpoint={"every": SAVED if saves else 0}) for parallel in layouts]
+    run_world(_metered, 1, trees(1, [{}], saves=True), str(tmp_path / "one"), timeout_s=200)
     want = read_metrics(tmp_path / "one" / "run0")
-    two = trees(2, LAYOUTS) + trees(2, [{"zero_stage": 3}], {"precision": "bf16"})
-    metered = run_world(_metered, 2, two, str(tmp_path / "two"), timeout_s=300)[0]
-    for tree, step in zip(two, metered):  # the dry run: call for call, byte for byte
-        assert _predicted(config_from_dict(tree)) == step, tree["parallel"]
-    for i, parallel in enumerate(LAYOUTS + ["bf16"]):
-        got = read_metrics(tmp_path / "two" / f"run{i}")
-        rel = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, want))
+    two = trees(2, LAYOUTS + EP2[:1]) + trees(2, [{"zero_stage": 3}], {"precision": "bf16"}) \
+        + trees(2, EP2[1:], saves=True)
+    metered = run_world(_metered, 2, two, str(tmp_path / "two"), True, timeout_s=400)
+    saved = step_dir(tmp_path / "two" / f"run{len(two) - 1}", SAVED)
+    four = trees(4, EP4 + [{"ep": 4}])  # the last resumes the ep 2 x ZeRO-3 checkpoint
+    metered4 = run_world(_metered, 4, four, str(tmp_path / "four"), True,
+                         [None] * len(EP4) + [str(saved)], timeout_s=400)
+    run_world(_metered, 1, trees(1, [{}]), str(tmp_path / "resumed"), False, [str(saved)],
+              timeout_s=200)
+    for trees_, ranks in ((two, metered), (four, metered4)):
+        for i, tree in enumerate(trees_):
+            _check_dry_run(tree, [r[i] for r in ranks])
+    runs = [(p, tmp_path / "two" / f"run{i}") for i, p in enumerate(LAYOUTS + EP2[:1])] + \
+        [("bf16", tmp_path / "two" / "run5"), (EP2[1], tmp_path / "two" / "run6")] + \
+        [(p, tmp_path / "four" / f"run{i}") for i, p in enumerate(EP4)]
+    for parallel, run in runs:
+        got = read_metrics(run)
+        rel = _rel_loss(got, want)
         if parallel == "bf16":
             assert rel < 0.02, rel
             continue
@@ -186,4 +244,17 @@ def test_data_parallel_and_zero_reproduce_the_single_process_run(tmp_path, corpu
             [r["moe_tokens_per_expert"] for r in want], parallel
         aux = max(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) for a, b in zip(got, want))
         assert aux < 1e-5, (parallel, aux)
+    for resumed in (tmp_path / "four" / "run2", tmp_path / "resumed" / "run0"):  # ep 4, one
+        got = read_metrics(resumed)
+        assert [r["step"] for r in got] == list(range(SAVED + 1, STEPS + 1))
+        assert _rel_loss(got, want) < 1e-4, (resumed, _rel_loss(got, want))
     assert want[-1]["loss"] < want[0]["loss"] - 0.2  # it learns
+    exports = []
+    for run in (tmp_path / "one" / "run0", tmp_path / "two" / "run6"):  # one process, ep 2
+        out = run / "model.safetensors"
+        trainer.write_config(run, config_from_dict(trees(1, [{}])[0]))
+        assert main(["export", str(run), "--out", str(out)]) == 0  # its last, step STEPS
+        exports.append(load_file(str(out)))
+    assert exports[0].keys() == exports[1].keys()
+    for key in exports[0]:  # the same weights after STEPS steps, up to summation order
+        torch.testing.assert_close(exports[1][key], exports[0][key], rtol=1e-4, atol=1e-6)
