@@ -102,7 +102,14 @@ LLAMA = {"name": "llama", "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len":
 LLAMA_VARIANTS = [{"n_kv_heads": 2}, {"n_kv_heads": 4, "tie_embeddings": True},
                   {"n_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "tie_embeddings": True},
                   {"n_kv_heads": 1, "qkv_bias": True, "sliding_window": 5},
-                  {"n_kv_heads": 2, "head_dim": 12, "qk_norm": True}]  # Qwen3's wider heads
+                  {"n_kv_heads": 2, "head_dim": 12, "qk_norm": True},  # Qwen3's wider heads
+                  # mixtures of experts (activations.py `moe_feed_forward_bytes`): Mixtral's
+                  # shape; DeepSeek's sigmoid router without renormalization, with Qwen's gated
+                  # shared expert; one MoE block of two, top-1
+                  {"n_kv_heads": 2, "n_experts": 4},
+                  {"n_kv_heads": 2, "n_experts": 4, "router": "sigmoid", "router_norm_topk": False,
+                   "n_shared_experts": 1, "shared_expert_gate": True, "moe_hidden": 24},
+                  {"n_kv_heads": 2, "n_experts": 3, "experts_per_token": 1, "moe_every": 2}]
 
 
 @pytest.mark.parametrize("dtype,c", DTYPES)

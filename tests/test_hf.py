@@ -41,6 +41,14 @@ HF_CONFIGS = {
         "rope_type": "linear", "factor": 4.0}),
     # a window of 5 inside the 12-token test sequence: the mask matters
     "mistral": lambda: transformers.MistralConfig(**LLAMA, sliding_window=5),
+    # mixtures of experts: random routers over 4 experts, 2 per token, so every path is used
+    "mixtral": lambda: transformers.MixtralConfig(**LLAMA, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
+        **LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**LLAMA, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=24, norm_topk_prob=True),
     "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16,
                                             vocab_size=64, activation_function="gelu"),
     # the published GPT-2's activation, the tanh GELU (the exact one's logits: 1.1e-4 off here)
@@ -220,3 +228,31 @@ def test_init_from_a_hf_folder_of_another_shape_is_refused(trained, corpus, tmp_
     err = refused(capsys, ["train", _run_config(tmp_path, corpus, d_model=64, qkv_bias=True)])
     assert "Hugging Face model" in err and "model.d_model=32 (this run: 64)" in err
     assert "model.qkv_bias=False (this run: True)" in err
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"router": "sigmoid"}, "DeepSeek-V3"),
+    ({"moe_every": 2}, "Mixtral's layers are all MoE"),
+    ({"n_shared_experts": 1}, "shared experts without Qwen2-MoE's gate"),
+])
+def test_experts_no_hf_family_has_are_refused_on_export(change, says, tmp_path):
+    cfg = ModelConfig(name="llama", d_model=32, n_layers=2, n_heads=4, seq_len=16, vocab_size=64,
+                      n_experts=4, **change)
+    with pytest.raises(ValueError, match=says):
+        to_hf(build_model(cfg), cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_trained_routing_bias_is_refused_on_export(tmp_path):
+    cfg = ModelConfig(name="llama", d_model=32, n_layers=2, n_heads=4, seq_len=16, vocab_size=64,
+                      n_experts=4)
+    model = build_model(cfg)
+    model.blocks[1].mlp.router.expert_bias[0] = 0.01
+    with pytest.raises(ValueError, match="blocks.1.mlp.router.expert_bias is not zero"):
+        to_hf(model, cfg, tmp_path / "out")
+
+
+def test_qwen_moe_dense_layers_by_list_are_refused(tmp_path):
+    path = _edited("qwen3-moe", tmp_path, mlp_only_layers=[0])
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        hf_keys(path)

@@ -7,7 +7,8 @@ import torch
 
 from harness import run_world
 from loomtrain import comm
-from loomtrain.mesh import AXES, Mesh, axis_groups, build_mesh, grid_coords, split_by_node
+from loomtrain.mesh import (AXES, Mesh, axis_groups, build_mesh, expert_groups, grid_coords,
+                            split_by_node)
 
 # world 8, pp=2 dp=2 tp=2 (tp innermost):   pp0: dp0 [0 1]  dp1 [2 3]   pp1: dp0 [4 5]  dp1 [6 7]
 SIZES_8 = {"pp": 2, "dp": 2, "cp": 1, "tp": 2}
@@ -30,6 +31,19 @@ def test_axis_groups_of_world_8():
     assert axis_groups(SIZES_8, "cp") == [[r] for r in range(8)]
     for axis in AXES:  # every rank is in exactly one group of every axis
         assert sorted(r for g in axis_groups(SIZES_8, axis) for r in g) == list(range(8))
+
+
+def test_expert_groups_cut_dp_with_ep_innermost():
+    # world 8, dp=4 tp=2: dp groups [0 2 4 6] and [1 3 5 7]; ep = 2 of them hold different
+    # experts (dp // 2 shared), edp = the ranks at the same place in each (dp % 2 shared)
+    sizes = {"pp": 1, "dp": 4, "cp": 1, "tp": 2}
+    ep, edp = expert_groups(sizes, 2)
+    assert ep == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert edp == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert expert_groups(sizes, 1) == ([[r] for r in range(8)], axis_groups(sizes, "dp"))
+    assert expert_groups(sizes, 4) == (axis_groups(sizes, "dp"), [[r] for r in range(8)])
+    with pytest.raises(ValueError, match="ep=3 does not divide dp=4"):
+        expert_groups(sizes, 3)
 
 
 def test_split_by_node_with_4_ranks_per_node():

@@ -157,3 +157,31 @@ def test_bad_timeline_exits_2_and_writes_nothing(tmp_path, capsys, text, expecte
     assert err.startswith("error: ") and expected in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (run_dir / "report.png").exists() and not (run_dir / "timeline.png").exists()
+
+
+def _experts(step: int, loads=((30, 10, 20, 4), (16, 16, 16, 16))) -> dict:
+    return {"moe_tokens_per_expert": [list(row) for row in loads],
+            "moe_load_imbalance": 1.875 - step / 100, "moe_aux_loss": 1.2 - step / 100}
+
+
+def test_a_mixture_of_experts_run_gets_its_picture(tmp_path):
+    run_dir = _write(tmp_path / "run", [_record(s, **_experts(s)) for s in range(1, 6)])
+    write_report(run_dir)
+    data = (run_dir / "experts.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # three drawn panels
+    plain = _write(tmp_path / "plain", [_record(1), _record(2)])
+    write_report(plain)
+    assert not (plain / "experts.png").exists()
+
+
+@pytest.mark.parametrize("bad", [
+    {"moe_tokens_per_expert": [[1, 2], [3]]},  # blocks of different sizes
+    {"moe_tokens_per_expert": "many"},
+    {"moe_load_imbalance": None},
+])
+def test_bad_expert_metrics_are_refused_before_anything_is_written(tmp_path, capsys, bad):
+    run_dir = _write(tmp_path / "run", [_record(1, **_experts(1)), _record(2, **{**_experts(2), **bad})])
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "step 2" in err and "Traceback" not in err
+    assert not (run_dir / "report.png").exists() and not (run_dir / "experts.png").exists()

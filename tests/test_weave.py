@@ -131,10 +131,13 @@ def references(tmp_path_factory, corpus, doc_corpus) -> dict:
     return curves
 
 
-def _metered(rank, world, trees, root, step: int = 2, after=None) -> list | None:
+def _metered(rank, world, trees, root, every_rank: bool = False, resumes=(), step: int = 2,
+             after=None) -> list | None:
     """`_train_many`, keeping what rank 0's meter counted in each run's step `step`, per
     (axis, op): (calls, wire bytes). The meter is read once at the start (the parameter
-    broadcast), then once per step. `after()`: called after each run."""
+    broadcast), then once per step. `every_rank`: every rank returns its own, with the
+    payload bytes as well; `resumes[i]`: the checkpoint run i resumes from (None: none);
+    `after()`: called after each run."""
     from loomtrain.train.launch import init_distributed
     from loomtrain.train.run import train_loop
     from loomtrain.train.trainer import StopFlag
@@ -146,14 +149,16 @@ def _metered(rank, world, trees, root, step: int = 2, after=None) -> list | None
         take, window = mesh.meter.take, mesh.meter.window
 
         def take_by_axis(take=take, window=window, windows=windows):  # once per record
-            windows.append({key: (c.calls, c.wire_bytes) for key, c in window.items()})
+            windows.append({key: (c.calls, c.wire_bytes, c.payload_bytes)[:3 if every_rank else 2]
+                            for key, c in window.items()})
             return take()
         mesh.meter.take = take_by_axis
-        train_loop(cfg, Path(root) / f"run{i}", None, mesh, StopFlag())
+        resume = resumes[i] if i < len(resumes) else None
+        train_loop(cfg, Path(root) / f"run{i}", resume and Path(resume), mesh, StopFlag())
         steps.append(windows[step])
         if after is not None:
             after()
-    return steps if rank == 0 else None
+    return steps if rank == 0 or every_rank else None
 
 
 def _predicted(cfg) -> dict:
@@ -202,7 +207,7 @@ def _probed(rank, world, trees, root, step: int) -> tuple | None:
     def keep():
         probes.append(dict(probe))
         probe.clear()
-    meters = _metered(rank, world, trees, root, step, keep)
+    meters = _metered(rank, world, trees, root, step=step, after=keep)
     return (meters, probes) if rank == 0 else None
 
 

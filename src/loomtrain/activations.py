@@ -7,6 +7,7 @@ the planner's cost model build on.
 from __future__ import annotations
 
 from loomtrain.models.config import padded_vocab
+from loomtrain.models.moe import is_moe_layer
 
 FP32_BYTES, INDEX_BYTES = 4, 8  # log-sum-exp, log-softmax, loss weight; int64 ids
 
@@ -91,6 +92,32 @@ def llama_layer_bytes(kind: str, b: int, t: int, m, c: int, tp: int = 1,
     return 2 * norm + attention + mlp + window + qk_norm
 
 
+def moe_feed_forward_bytes(b: int, t: int, m, c: int) -> int:
+    """What a mixture-of-experts feed-forward (models/moe.py) saves for backward, for b x t
+    tokens T, K = T k token copies, E experts of width h and shared width s: the router's
+    fp32 scores (T E) and the picks (int64 T k), with renormalization the picked weights (fp32
+    T k) and their sum (T), with the sigmoid router the scores' sum (T); the copies' source and
+    order indices (int64 2K); the experts' input rows (c K d), SwiGLU (c 4 K h) and the int32
+    expert offsets of their three grouped products; the weighted combine's expert outputs and
+    weights, and its weighted rows that index_add_ keeps (c K (2d + 1)); the shared experts' SwiGLU (c 4 T
+    s), with Qwen's gate its sigmoid (c T) and the shared output (c T d); the balance loss's
+    per-sequence shares (fp32 b E). Which expert gets which token does not change the sizes:
+    dropless routing sends every copy somewhere."""
+    tokens, copies = b * t, b * t * m.experts_per_token
+    router = FP32_BYTES * tokens * m.n_experts + INDEX_BYTES * copies
+    if m.router_norm_topk:
+        router += FP32_BYTES * (copies + tokens)
+    if m.router == "sigmoid":
+        router += FP32_BYTES * tokens
+    experts = (2 * INDEX_BYTES * copies + c * copies * (m.d_model + 4 * m.expert_width)
+               + 3 * 4 * m.n_experts)  # each grouped product's int32 row offsets
+    combine = c * copies * (2 * m.d_model + 1)
+    shared = c * tokens * 4 * m.n_shared_experts * m.expert_width
+    if m.shared_expert_gate:
+        shared += c * tokens * (1 + m.d_model)
+    return router + experts + combine + shared + FP32_BYTES * b * m.n_experts
+
+
 def llama_core_bytes(b: int, t: int, m, c: int, tp: int = 1) -> int:
     """What recomputing the attention core of one llama block (recompute="selective",
     `attn.recompute_core`) frees of llama_layer_bytes: the checkpoint keeps its inputs (q
@@ -156,7 +183,17 @@ def llama_activation_bytes(m, micro_batch: int, compute_bytes: int = FP32_BYTES,
     sum of llama_layer_bytes's parts (`m` as there)."""
     parts = {kind: llama_layer_bytes(kind, micro_batch, m.seq_len, m, compute_bytes, tp,
                                      sequence_parallel) for kind in ("embed", "block", "head")}
-    return parts["embed"] + m.n_layers * parts["block"] + parts["head"]
+    experts = sum(moe_extra_bytes(m, i, micro_batch, compute_bytes) for i in range(m.n_layers))
+    return parts["embed"] + m.n_layers * parts["block"] + parts["head"] + experts
+
+
+def moe_extra_bytes(m, layer: int, b: int, c: int) -> int:
+    """What block `layer` saves beyond a dense llama block: its mixture of experts' bytes less
+    the SwiGLU's (4 ffn per token) it replaces; 0 for a dense block (or a shape without
+    experts: the planner's)."""
+    if not getattr(m, "n_experts", 0) or not is_moe_layer(m, layer):
+        return 0
+    return moe_feed_forward_bytes(b, m.seq_len, m, c) - c * b * m.seq_len * 4 * m.ffn_width
 
 
 def activation_bytes(model_cfg, micro_batch: int, compute_bytes: int = FP32_BYTES) -> int:

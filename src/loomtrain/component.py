@@ -89,6 +89,7 @@ class Built:
     applied: list = field(default_factory=list)  # the components that applied, in stage order
     meta: dict = field(default_factory=dict)  # plain values every checkpoint's loom.json holds
     materializer: Callable | None = None  # makes a meta-device model real (train/apply.py)
+    step_tokens: float = 1.0  # what this step's losses are divided by (set before before_step)
 
     def local(self, batch: tuple) -> tuple:
         """(inputs, targets) of this rank from a loaded batch: every applied component's

@@ -74,7 +74,7 @@ def wire_bytes_per_step(collectives: list[Collective]) -> float:
 _ALGORITHM = {("reduce_scatter", "ring"): "ring_reduce_scatter",
               ("reduce_scatter", "native"): "ring_all_reduce",
               ("all_gather", "ring"): "ring_all_gather", ("all_gather", "native"): "ring_all_gather",
-              ("all_reduce", "native"): "ring_all_reduce"}
+              ("all_reduce", "native"): "ring_all_reduce", ("all_to_all", "native"): "all_to_all"}
 
 
 def metered(purpose: str, op: str, axis: str, ranks: int, payload: int, calls: int = 1,

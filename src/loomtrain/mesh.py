@@ -1,8 +1,8 @@
 """The named device mesh: every rank's place on the (pp, dp, cp, tp) grid.
 
-The grid is `arange(world).view(pp, dp, cp, tp)`, tp innermost; `ranks_per_node` adds
-node-local and cross-node sub-groups for hierarchical methods, and `mesh.link` a simulated
-slow link between nodes. The layout, with an example: docs/architecture.md, "The mesh".
+The grid is `arange(world).view(pp, dp, cp, tp)`, tp innermost; expert parallelism cuts dp
+into "ep" x "edp" (`expert_groups`); `ranks_per_node` adds node-local and cross-node
+sub-groups for hierarchical methods, and `mesh.link` a simulated slow link between nodes. The layout, with an example: docs/architecture.md, "The mesh".
 """
 
 from __future__ import annotations
@@ -38,6 +38,21 @@ def axis_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
     dim = AXES.index(axis)
     moved = grid.movedim(dim, -1).reshape(-1, sizes[axis])
     return sorted(row.tolist() for row in moved)
+
+
+def expert_groups(sizes: dict[str, int], ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep groups, edp groups), as TorchTitan and Megatron-Core cut dp for expert parallelism,
+    ep innermost: each dp group, in dp order, cut into runs of `ep` consecutive members (the
+    ranks that hold different experts and exchange tokens: dp coordinate // ep shared), and
+    the members at the same place in every run (the ranks that hold the same experts and
+    reduce their gradients: dp coordinate % ep shared). Pure."""
+    ep_groups, edp_groups = [], []
+    for group in axis_groups(sizes, "dp"):
+        if len(group) % ep:
+            raise ValueError(f"ep={ep} does not divide dp={len(group)}")
+        ep_groups += [group[i:i + ep] for i in range(0, len(group), ep)]
+        edp_groups += [group[j::ep] for j in range(ep)]
+    return sorted(ep_groups), sorted(edp_groups)
 
 
 def split_by_node(groups: list[list[int]], ranks_per_node: int) -> tuple[list, list]:
@@ -106,7 +121,7 @@ class Mesh:
         return self.world // self.ranks_per_node
 
     def size(self, axis: str) -> int:
-        """Size of an axis, or of a sub-group: "dp", "dp.local" or "dp.cross"."""
+        """Size of an axis, or of a sub-group: "dp", "ep", "edp", "dp.local", "dp.cross"."""
         if axis in self.sizes:
             return self.sizes[axis]
         return len(self._member_ranks(axis))
@@ -117,7 +132,8 @@ class Mesh:
         return self._member_ranks(axis).index(self.rank)
 
     def group(self, axis: str):
-        """The process group of `axis` ("dp", "tp", ..., "dpcp" (dp and cp together),
+        """The process group of `axis` ("dp", "tp", ..., "dpcp" (dp and cp together), "ep"
+        and "edp" (dp cut for expert parallelism, `expert_groups`),
         "dp.local", "dp.cross", "dpcp.local", "dpcp.cross", "world", or
         "self": this rank alone, for code that treats "not sharded" as a group of one)."""
         return self._groups[axis][1]
@@ -154,8 +170,10 @@ def build_mesh(
     """Build the mesh over the already-initialized default process group.
 
     Every rank must call this with the same arguments: creating sub-groups is collective.
+`sizes` may hold "ep", the expert-parallel sub-axis of dp (`expert_groups`; default 1).
     `link`: a simulated slow wire between the nodes of `ranks_per_node` (comm/link.py).
     """
+    ep = int(sizes.get("ep", 1))
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     world = dist.get_world_size()
     if _prod(sizes.values()) != world:
@@ -184,6 +202,7 @@ def build_mesh(
             pg = dist.new_group(ranks)  # collective: every rank creates every group
             if mesh.rank in ranks:
                 mesh._groups["dpcp"] = (ranks, pg)
+    _add_expert_groups(mesh, ep)
     groups = {axis: axis_groups(sizes, axis) for axis in AXES}
     if sizes["cp"] > 1:
         groups["dpcp"] = dpcp  # hierarchical ZeRO under cp shards inside a node over dp x cp
@@ -202,3 +221,18 @@ def build_mesh(
         for part in ("local", "cross"):
             mesh._groups[f"dpcp.{part}"] = mesh._groups[f"dp.{part}"]
     return mesh
+
+
+def _add_expert_groups(mesh: Mesh, ep: int) -> None:
+    """The "ep" and "edp" groups (`expert_groups`): at ep = 1 this rank alone and dp, at
+    ep = dp dp and this rank alone; otherwise new groups (collective: every rank creates
+    every group)."""
+    if ep == 1 or ep == mesh.sizes["dp"]:
+        alone, dp = mesh._groups["self"], mesh._groups["dp"]
+        mesh._groups["ep"], mesh._groups["edp"] = (alone, dp) if ep == 1 else (dp, alone)
+        return
+    for axis, parts in zip(("ep", "edp"), expert_groups(mesh.sizes, ep)):
+        for ranks in parts:
+            pg = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                mesh._groups[axis] = (ranks, pg)

@@ -1,6 +1,7 @@
 """`loom report RUN_DIR`: one PNG of a run's metrics.jsonl (RUN_DIR/report.png) and, when the
 run recorded them, its step timeline (timeline.png, `write_timeline_png`, which benchmarks
-reuse) and the pipeline's Gantt chart (pipeline_timeline.png, gantt.py). The records and files
+reuse), the pipeline's Gantt chart (pipeline_timeline.png, gantt.py) and the experts' loads of
+a mixture-of-experts run (experts.png, report_experts.py). The records and files
 it reads, and what each picture shows: docs/training.md, "Report".
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from loomtrain.errors import UserError
 from loomtrain.gantt import draw_pipeline_timeline, pipeline_summary
+from loomtrain.report_experts import draw_experts, expert_records
 from loomtrain.timeline import PIPELINE_TIMELINE_JSON, hidden_s, overlap_s, read_pipeline_timeline
 
 REQUIRED = ("step", "loss", "tokens_per_s", "comm_bytes", "peak_mem_bytes")
@@ -137,11 +139,12 @@ def _save(fig, out: Path) -> str:
 
 def write_report(run_dir: str | Path) -> str:
     """Draw RUN_DIR/report.png from RUN_DIR/metrics.jsonl, RUN_DIR/timeline.png from
-    RUN_DIR/timeline.json and RUN_DIR/pipeline_timeline.png from RUN_DIR/pipeline_timeline.json
-    where they exist; returns the report's path. All inputs are validated before anything is
-    written."""
+    RUN_DIR/timeline.json, RUN_DIR/pipeline_timeline.png from RUN_DIR/pipeline_timeline.json
+    and RUN_DIR/experts.png from the records' expert metrics where they exist; returns the
+    report's path. All inputs are validated before anything is written."""
     run_dir = Path(run_dir)
     records = load_records(run_dir)
+    experts = expert_records(records, repr(str(run_dir / "metrics.jsonl")))
     timeline_json, pipeline_json = run_dir / TIMELINE_JSON, run_dir / PIPELINE_TIMELINE_JSON
     timeline = load_timeline(timeline_json) if timeline_json.is_file() else None
     pipeline = read_pipeline_timeline(pipeline_json) if pipeline_json.is_file() else None
@@ -154,6 +157,8 @@ def write_report(run_dir: str | Path) -> str:
         _save(_draw_timeline(timeline, str(run_dir)), run_dir / "timeline.png")
     if pipeline is not None:
         _save(draw_pipeline_timeline(pipeline, str(run_dir)), run_dir / PIPELINE_PNG)
+    if experts:
+        _save(draw_experts(experts, f"{run_dir}: experts"), run_dir / "experts.png")
     return out
 
 

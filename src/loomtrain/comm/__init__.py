@@ -7,6 +7,7 @@ from loomtrain.comm.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
+    all_to_all_uneven,
     barrier,
     broadcast,
     choose_impl,
@@ -32,7 +33,7 @@ from loomtrain.comm.sparse import PendingSparse, SparseResult, sparse_all_reduce
 __all__ = [
     "CollectiveError", "CommMeter", "Pending", "all_reduce", "barrier", "broadcast", "recv",
     "send", "shapes_only", "wire_bytes",
-    "IMPLS", "all_gather", "all_to_all", "choose_impl", "reduce_scatter",
+    "IMPLS", "all_gather", "all_to_all", "all_to_all_uneven", "choose_impl", "reduce_scatter",
     "PendingQuantized", "quantized_all_reduce", "SlowLink",
     "PendingSparse", "SparseResult", "sparse_all_reduce",
     "MeshChannel", "PairChannel", "PairError", "PairHost", "PairRefused", "join_pair", "probe",

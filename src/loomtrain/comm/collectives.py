@@ -129,19 +129,23 @@ def _report_done(work, fn) -> None:
 
 
 def _start(mesh, op: str, axis: str, payload: int, algorithm: str, call, async_op: bool,
-           *, from_root: int = 0, on_done=None, link_ranks=None, on_link: bool = True):
+           *, from_root: int = 0, on_done=None, link_ranks=None, on_link: bool = True,
+           wire: int | None = None):
     """Count, start and (sync) wait for an op. `link_ranks`: the ranks whose nodes decide
     whether it crosses the simulated link (default: the axis group; send: the two ends).
-    `on_link=False`: never delayed by the simulated link (a diagnostic)."""
+    `on_link=False`: never delayed by the simulated link (a diagnostic). `wire`: the bytes
+    this rank sends, where its data decide them rather than `algorithm`'s formula."""
     started = time.perf_counter()
     n = mesh.size(axis)
-    wire = wire_bytes(algorithm, payload, n, from_root=from_root)
+    exact = wire
+    if wire is None:
+        wire = wire_bytes(algorithm, payload, n, from_root=from_root)
     simulated_s, due = 0.0, None
     if mesh.link is not None and on_link:
         ranks = mesh.group_ranks(axis) if link_ranks is None else link_ranks
         # the bytes of the rank that sends the most: this rank's own in every algorithm but
         # the broadcast's tree, which is paced by its root (comm/link.py)
-        on_link = wire_bytes(algorithm, payload, n)
+        on_link = wire_bytes(algorithm, payload, n) if exact is None else exact
         simulated_s = mesh.link.delay_s(ranks, on_link)
         due = mesh.link.due(started, ranks, on_link)
         if mesh.link.crosses_nodes(ranks):
@@ -384,3 +388,22 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
     return _run_chunked(mesh, axis, "all_to_all", _nbytes(input), impl, async_op,
                         native, "all_to_all", ring.pairwise_all_to_all, "all_to_all",
                         (output, input))
+
+
+def all_to_all_uneven(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                      input_splits: list[int], mesh, axis: str) -> None:
+    """An all-to-all of rows in uneven chunks (alltoallv, which gloo and NCCL both run):
+    `input_splits[j]` rows (dim 0) of `input` go to member j, `output_splits[j]` rows of
+    `output` come from member j. Counted with the input as payload and, as wire bytes, the
+    rows this rank actually sends to the other members (the data decide the split, not a
+    formula)."""
+    if _SHAPES.only:
+        return
+    if mesh.size(axis) == 1:
+        output.copy_(input)
+        return
+    row = _nbytes(input) // max(input.shape[0], 1)
+    sent = (input.shape[0] - input_splits[mesh.local_rank(axis)]) * row
+    _start(mesh, "all_to_all", axis, _nbytes(input), "all_to_all",
+           lambda g: dist.all_to_all_single(output, input, output_splits, input_splits,
+                                            group=g, async_op=True), False, wire=sent)

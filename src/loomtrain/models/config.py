@@ -43,7 +43,10 @@ class RopeScaling(Section):
 LLAMA_DEFAULTS = {"preset": None, "n_kv_heads": 0, "head_dim": 0, "ffn_hidden": 0,
                   "rope_theta": 10000.0, "rope_scaling": None, "norm_eps": 1e-5,
                   "tie_embeddings": False, "qkv_bias": False, "qk_norm": False,
-                  "sliding_window": 0}
+                  "sliding_window": 0, "n_experts": 0, "experts_per_token": 2,
+                  "n_shared_experts": 0, "moe_every": 1, "moe_hidden": 0, "router": "softmax",
+                  "router_norm_topk": True, "aux_loss_coef": 0.0, "router_bias_rate": 0.0,
+                  "shared_expert_gate": False}
 
 
 class ModelConfig(Section):
@@ -73,6 +76,17 @@ class ModelConfig(Section):
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm of every q and k head
     sliding_window: int = Field(0, ge=0)  # Mistral: attend to the last N tokens; 0: all
+    # mixture of experts (models/moe.py, docs/moe.md); n_experts 0: dense feed-forwards
+    n_experts: int = Field(0, ge=0)
+    experts_per_token: int = Field(2, ge=1)  # top k
+    n_shared_experts: int = Field(0, ge=0)  # DeepSeekMoE's experts every token goes through
+    shared_expert_gate: bool = False  # Qwen-MoE: sigmoid(linear(x)) scales the shared output
+    moe_every: int = Field(1, ge=1)  # every n-th block is MoE (from the n-th), the rest dense
+    moe_hidden: int = Field(0, ge=0)  # an expert's SwiGLU width; 0: ffn_width
+    router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores
+    router_norm_topk: bool = True  # the k weights renormalized to sum to 1
+    aux_loss_coef: float = Field(0.0, ge=0.0)  # Switch's balance loss, sequence-wise; 0: off
+    router_bias_rate: float = Field(0.0, ge=0.0)  # DeepSeek-V3's loss-free bias speed; 0: off
 
     @model_validator(mode="before")
     @classmethod
@@ -90,6 +104,10 @@ class ModelConfig(Section):
     @property
     def ffn_width(self) -> int:
         return self.ffn_hidden or ffn_width(self.d_model)
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_hidden or self.ffn_width
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
@@ -131,11 +149,33 @@ class ModelConfig(Section):
             what = "model.head_dim" if self.head_dim else "model.d_model/model.n_heads"
             raise ValueError(f"{what} = {self.head_width} must be even: rotary embeddings "
                              "rotate pairs of a head's dimensions")
+        _experts_fit(self)
         for key, default in (("mlp_ratio", 4), ("dropout", 0.0)):
             if getattr(self, key) != default:
                 raise ValueError(f"model.{key}={getattr(self, key)} is a GPT key; the llama model "
                                  "has no dropout and sizes its MLP by model.ffn_hidden")
         return self
+
+
+def _experts_fit(cfg: ModelConfig) -> None:
+    """The mixture-of-experts keys agree with each other (they are refused outside llama)."""
+    moe_keys = [k for k in ("experts_per_token", "n_shared_experts", "moe_every", "moe_hidden",
+                            "router", "router_norm_topk", "aux_loss_coef", "router_bias_rate",
+                            "shared_expert_gate")
+                if getattr(cfg, k) != LLAMA_DEFAULTS[k]]
+    if not cfg.n_experts and moe_keys:
+        raise ValueError(f"model.{moe_keys[0]}={getattr(cfg, moe_keys[0])!r} is a key of the "
+                         "mixture of experts; set model.n_experts (the routed experts per MoE "
+                         "block) or leave it out")
+    if cfg.n_experts and cfg.experts_per_token > cfg.n_experts:
+        raise ValueError(f"model.experts_per_token={cfg.experts_per_token} exceeds "
+                         f"model.n_experts={cfg.n_experts}: a token picks k distinct experts")
+    if cfg.shared_expert_gate and not cfg.n_shared_experts:
+        raise ValueError("model.shared_expert_gate=true gates the shared experts' output; set "
+                         "model.n_shared_experts or leave it out")
+    if cfg.n_experts and cfg.moe_every > cfg.n_layers:
+        raise ValueError(f"model.moe_every={cfg.moe_every} exceeds model.n_layers="
+                         f"{cfg.n_layers}: no block would be a mixture of experts")
 
 
 def ffn_width(d_model: int) -> int:

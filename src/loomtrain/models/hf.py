@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out: a model folder (config.json and model.safetensors, or
 shards named by model.safetensors.index.json) of LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel read as [model] keys and a state dict in
+Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel or a mixture of experts (MixtralForCausalLM,
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM: hf_moe.py) read as [model] keys and a state dict in
 loomtrain's names (`from_hf`), and a loomtrain model written as such a folder (`to_hf`).
 
 Only `safetensors` is needed; `transformers` is not imported. What maps, the name table and what
@@ -16,6 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from loomtrain.models.config import LLAMA_DEFAULTS
+from loomtrain.models.hf_moe import MOE_FAMILY, moe_config, moe_keys, moe_names
+from loomtrain.models.moe import is_moe_layer
 
 INDEX = "model.safetensors.index.json"
 WEIGHTS = "model.safetensors"
@@ -70,8 +75,10 @@ def _rope_keys(path, hf: dict) -> dict:
 
 
 def _llama_keys(path, hf: dict) -> dict:
-    """The [model] keys of a Llama-family config.json (seq_len stays the run's)."""
-    kind = hf["model_type"]
+    """The [model] keys of a Llama-family config.json (seq_len stays the run's); a mixture of
+    experts has its dense family's attention (MOE_FAMILY) and its own keys (hf_moe.py)."""
+    moe = hf["model_type"] in MOE_FAMILY
+    kind = MOE_FAMILY[hf["model_type"]][1] if moe else hf["model_type"]
     heads, width = hf["num_attention_heads"], hf["hidden_size"]
     _require(path, hf, "hidden_act", ["silu"], "is not SwiGLU's")
     _require(path, hf, "mlp_bias", [False], "puts biases on the MLP, which loomtrain's has not")
@@ -79,8 +86,10 @@ def _llama_keys(path, hf: dict) -> dict:
     _require(path, hf, "attention_bias", [False], "biases o_proj too, which loomtrain does not")
     if kind in ("qwen2", "qwen3"):
         _require(path, hf, "use_sliding_window", [False], "windows only some layers")
+    if hf["model_type"] == "qwen2_moe":
+        _require(path, hf, "qkv_bias", [True], "leaves out Qwen2's q/k/v biases")
     window = hf.get("sliding_window") if kind == "mistral" else None
-    return {"name": "llama", "vocab_size": hf["vocab_size"], "d_model": width,
+    return {**(moe_keys(path, hf, _refuse) if moe else {}), "name": "llama", "vocab_size": hf["vocab_size"], "d_model": width,
             "n_layers": hf["num_hidden_layers"], "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads") or heads,
             # 0: hidden_size / num_attention_heads, so a run that leaves head_dim out matches
@@ -119,10 +128,12 @@ def hf_keys(path) -> dict:
     architectures = hf.get("architectures") or [None]
     if architectures[0] == GPT2:
         return _gpt2_keys(path, hf)
-    if architectures[0] == LLAMA_FAMILY.get(hf.get("model_type")):
+    kind = hf.get("model_type")
+    if architectures[0] in (LLAMA_FAMILY.get(kind), MOE_FAMILY.get(kind, ("",))[0]):
         return _llama_keys(path, hf)
-    raise _refuse(path, f"architectures={architectures} (model_type={hf.get('model_type')!r}) "
-                  f"is not mapped; loomtrain reads {', '.join([*LLAMA_FAMILY.values(), GPT2])}")
+    known = [*LLAMA_FAMILY.values(), *(a for a, _ in MOE_FAMILY.values()), GPT2]
+    raise _refuse(path, f"architectures={architectures} (model_type={kind!r}) "
+                  f"is not mapped; loomtrain reads {', '.join(known)}")
 
 
 # a GPT block's layers: (loomtrain, GPT-2, GPT-2 keeps the weight transposed: Conv1D)
@@ -149,29 +160,42 @@ def _gpt2_names(keys: dict) -> dict[str, tuple[str, bool]]:
     return names
 
 
-def _llama_names(keys: dict) -> dict[str, tuple[str, bool]]:
-    """The llama model's names are Hugging Face's inside attention and the MLP already."""
+def _llama_names(keys: dict) -> dict[str, tuple]:
+    """The llama model's names are Hugging Face's inside attention and the MLP already; a MoE
+    block's feed-forward maps by hf_moe.py."""
     tied = keys["tie_embeddings"]
     pairs = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
              "head.weight": "model.embed_tokens.weight" if tied else "lm_head.weight"}
     block = ["ln1.weight", "ln2.weight", "attn.q_proj.weight", "attn.k_proj.weight",
-             "attn.v_proj.weight", "attn.o_proj.weight", "mlp.gate_proj.weight",
-             "mlp.up_proj.weight", "mlp.down_proj.weight"]
+             "attn.v_proj.weight", "attn.o_proj.weight"]
+    dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     if keys["qkv_bias"]:
         block += ["attn.q_proj.bias", "attn.k_proj.bias", "attn.v_proj.bias"]
     if keys["qk_norm"]:
         block += ["attn.q_norm.weight", "attn.k_norm.weight"]
+    experts = {}
     for i in range(keys["n_layers"]):
-        for ours in block:
+        moe = is_moe_layer(_Layers(keys), i)
+        for ours in block + ([] if moe else dense):
             theirs = next((new + ours[len(old):] for old, new in _LLAMA_RENAMES.items()
                            if ours.startswith(old)), ours)
             pairs[f"blocks.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    return {ours: (theirs, False) for ours, theirs in pairs.items()}
+        if moe:
+            experts.update(moe_names(keys, i))
+    return {**{ours: (theirs, False) for ours, theirs in pairs.items()}, **experts}
 
 
-def name_map(keys: dict) -> dict[str, tuple[str, bool]]:
+class _Layers:
+    """The two keys `is_moe_layer` reads, from a dict of [model] keys."""
+
+    def __init__(self, keys: dict):
+        self.n_experts, self.moe_every = keys.get("n_experts", 0), keys.get("moe_every", 1)
+
+
+def name_map(keys: dict) -> dict[str, tuple]:
     """{loomtrain name: (Hugging Face name, stored transposed)} of the model `keys` (the
-    [model] keys) describe. A tied head maps to the embedding's name."""
+    [model] keys) describe. A tied head maps to the embedding's name; stacked experts map to
+    a tuple of names, one matrix per expert, each transposed when the flag says so."""
     return _gpt2_names(keys) if keys["name"] == "gpt" else _llama_names(keys)
 
 
@@ -197,23 +221,36 @@ def from_hf(path) -> tuple[dict, dict[str, torch.Tensor]]:
     if keys["name"] == "gpt":  # the Hub's gpt2 has no "transformer." prefix
         tensors = {n if n.startswith(("transformer.", "lm_head.")) else f"transformer.{n}": t
                    for n, t in tensors.items() if not n.endswith(_GPT2_MASKS)}
-    names = name_map(keys)
-    missing = sorted({theirs for theirs, _ in names.values()} - set(tensors))
+    names = name_map({**LLAMA_DEFAULTS, **keys})  # a dense family's keys lack the MoE ones
+    wanted = {n for theirs, _ in names.values() for n in _each(theirs)}
+    missing = sorted(wanted - set(tensors))
     if missing:
         raise _refuse(path, f"tensor {missing[0]!r} is missing ({len(missing)} in all)")
     # a tied head is the embedding; a file that also saves lm_head holds a copy of it
-    unused = sorted(set(tensors) - {theirs for theirs, _ in names.values()} - {"lm_head.weight"})
+    unused = sorted(set(tensors) - wanted - {"lm_head.weight"})
     if unused:
         raise _refuse(path, f"tensor {unused[0]!r} has no place in loomtrain's model "
                       f"({len(unused)} unmapped in all)")
-    state = {ours: tensors[theirs].t() if transposed else tensors[theirs]
-             for ours, (theirs, transposed) in names.items()}
+    state = {ours: _read(tensors, theirs, transposed) for ours, (theirs, transposed) in names.items()}
+    for name in [n for n in state if n.endswith(".router.gate.weight")]:  # no routing bias
+        state[name.replace(".gate.weight", ".expert_bias")] = torch.zeros(state[name].shape[0])
     return keys, {name: t.contiguous() for name, t in state.items()}
+
+
+def _each(theirs) -> tuple[str, ...]:
+    return theirs if isinstance(theirs, tuple) else (theirs,)
+
+
+def _read(tensors: dict, theirs, transposed: bool) -> torch.Tensor:
+    """One of our tensors from theirs: a tuple of names is the experts' matrices, stacked."""
+    parts = [tensors[n].t() if transposed else tensors[n] for n in _each(theirs)]
+    return torch.stack(parts) if isinstance(theirs, tuple) else parts[0]
 
 
 def _llama_config(cfg) -> dict:
     """The config.json keys of a llama-family ModelConfig `cfg`: Qwen3 for qk_norm, Qwen2 for
-    qkv_bias, Mistral for a sliding window, else Llama (ValueError where none fits)."""
+    qkv_bias, Mistral for a sliding window, else Llama; with experts their MoE family (hf_moe.py)
+    (ValueError where none fits)."""
     kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
     if (cfg.qk_norm and cfg.qkv_bias) or (kind in ("qwen2", "qwen3") and cfg.sliding_window):
         raise ValueError("to_hf: no Hugging Face architecture has the combination of "
@@ -235,6 +272,8 @@ def _llama_config(cfg) -> dict:
                                   "low_freq_factor": s.low_freq_factor,
                                   "high_freq_factor": s.high_freq_factor,
                                   "original_max_position_embeddings": s.original_max_position}
+    if cfg.n_experts:
+        config.update(moe_config(cfg))
     return config
 
 
@@ -261,8 +300,15 @@ def to_hf(model: torch.nn.Module, model_cfg, out_dir, tokenizer_path=None) -> Pa
     config = _gpt2_config(model_cfg) if model_cfg.name == "gpt" else _llama_config(model_cfg)
     keys = model_cfg.model_dump()
     state = model.state_dict()
-    tensors = {theirs: (state[ours].t() if transposed else state[ours]).contiguous()
-               for ours, (theirs, transposed) in name_map(keys).items()}
+    biased = [n for n, t in state.items() if n.endswith(".expert_bias") and t.any()]
+    if biased:
+        raise ValueError(f"to_hf: {biased[0]} is not zero (model.router_bias_rate trained it) and "
+                         "Mixtral and Qwen-MoE have no routing bias to hold it")
+    tensors = {}
+    for ours, (theirs, transposed) in name_map(keys).items():
+        parts = state[ours].unbind(0) if isinstance(theirs, tuple) else (state[ours],)
+        tensors.update({name: (t.t() if transposed else t).contiguous()
+                        for name, t in zip(_each(theirs), parts)})
     dtype = next(iter(tensors.values())).dtype
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     # loomtrain's models know no special tokens; transformers' defaults (GPT-2's 50256) would

@@ -18,6 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from loomtrain.models.moe import GroupedExperts, MoE, is_moe_layer
+from loomtrain.models.swiglu import SwiGLU
+
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
     """RoPE's inverse frequencies theta^(-2i/head_dim), i < head_dim/2 (Su et al., arXiv
@@ -140,36 +143,18 @@ class Attention(nn.Module):
         return y.transpose(1, 2).reshape(b, t, -1)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer, arXiv 2002.05202)."""
-
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
-
-    @property
-    def proj(self) -> nn.Module:
-        """The output projection under the GPT's name (inference/nanobatch.py walks it)."""
-        return self.down_proj
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(self.gate_proj(x)) * self.up_proj(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.hidden(x))
-
-
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg):
+    """Attention then the feed-forward, each after an RMSNorm and added to the residual; the
+    feed-forward is a mixture of experts (models/moe.py) in the blocks `moe` says."""
+
+    def __init__(self, cfg, moe: bool = False):
         super().__init__()
         self.ln1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.rope_theta,
                               cfg.rope_scaling, cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window,
                               cfg.norm_eps, cfg.head_dim)
         self.ln2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_width)
+        self.mlp = MoE(cfg) if moe else SwiGLU(cfg.d_model, cfg.ffn_width)
 
     def forward(self, x: torch.Tensor, cache=None, positions: torch.Tensor | None = None):
         """`positions`: the tokens' positions; None (as a pipeline stage calls it): consecutive
@@ -186,7 +171,8 @@ class Llama(nn.Module):
         super().__init__()
         self.seq_len = cfg.seq_len
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(LlamaBlock(cfg, is_moe_layer(cfg, i))
+                                    for i in range(cfg.n_layers))
         self.ln_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # under sequence parallelism: the global positions of the tokens `forward` gets
@@ -195,7 +181,7 @@ class Llama(nn.Module):
         # output projections scaled as the GPT's (GPT-2): std 0.02 / sqrt(2 * n_layers), so the
         # residual stream's variance does not grow with depth
         for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
         if cfg.tie_embeddings:  # after init: the embedding's N(0, 0.02) is the shared value
             self.head.weight = self.tok_emb.weight
@@ -208,6 +194,9 @@ class Llama(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, GroupedExperts):
+            for p in module.parameters():
+                nn.init.normal_(p, mean=0.0, std=0.02)
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Token embeddings of `idx` (positions enter through the rotation, in attention);

@@ -48,7 +48,7 @@ class DataParallelComponent(Component):
     @classmethod
     def estimate(cls, plan) -> None:
         """The real engine's gradient buckets, all-reduced over dp once per step."""
-        from loomtrain.estimate import gradient_all_reduces
+        from loomtrain.estimate import all_reduce, gradient_all_reduces
         from loomtrain.parallel.data import apply_data_parallel
 
         if plan.replicated:
@@ -57,6 +57,14 @@ class DataParallelComponent(Component):
         engine = apply_data_parallel(plan.model, plan.mesh, p)
         plan.bucket_bytes = [b.buffer.numel() * b.buffer.element_size() for b in engine.buckets]
         plan.reductions = gradient_all_reduces(plan.bucket_bytes, p.dp_size * p.cp, engine.axis)
+        if any(b.axis != engine.axis for b in engine.buckets):  # experts' buckets: over edp
+            plan.reductions = [all_reduce(r.purpose, b.axis, plan.mesh.size(b.axis),
+                                          r.payload_bytes)
+                               for r, b in zip(plan.reductions, engine.buckets)
+                               if plan.mesh.size(b.axis) > 1]
+        if plan.mesh.size("ep") > 1:  # clip_replica_grads: each ep rank holds other experts
+            plan.reductions.append(all_reduce("gradient norm over ep", "ep",
+                                              plan.mesh.size("ep"), 4))
         plan.replicated = True
 
     @classmethod

@@ -18,7 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from loomtrain import comm
 from loomtrain.comm.compress import relative_error
 from loomtrain.comm.mask_sync import broadcast_masks
-from loomtrain.parallel.placement import placement_of
+from loomtrain.parallel.placement import dp_axis_of, placement_of
 from loomtrain.parallel.sparse_dp import SparseCommWindow, bucket_keeps, check_masks
 
 # The hook that runs at the end of backward: the same engine callback DDP and FSDP use.
@@ -35,14 +35,15 @@ class Bucket:
     launched: bool = False
     keep: torch.Tensor | None = None  # sparse-aware DP: the buffer entries that travel
     compact: torch.Tensor | None = None  # ... gathered, in flight
+    axis: str = "dp"  # the ranks it is all-reduced over (an expert's weights: "edp")
 
 
 def build_buckets(params: list[nn.Parameter], bucket_bytes: int,
-                  last_bucket_bytes: int = 0) -> list[Bucket]:
+                  last_bucket_bytes: int = 0, axis: str = "dp") -> list[Bucket]:
     """Greedy buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its own),
-    one dtype and device per bucket, in the order given. With `last_bucket_bytes`, the
-    parameters at the end of the order that fit in it are bucketed apart, in buckets of at
-    most that size."""
+    one dtype, device and reduce axis (`dp_axis_of` in `axis`) per bucket, in the order given.
+    With `last_bucket_bytes`, the parameters at the end of the order that fit in it are
+    bucketed apart, in buckets of at most that size."""
     tail, size = len(params), 0
     while tail > 0 and size + _nbytes(params[tail - 1]) <= last_bucket_bytes:
         tail -= 1
@@ -57,7 +58,7 @@ def build_buckets(params: list[nn.Parameter], bucket_bytes: int,
         for p in group:
             views.append(buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        buckets.append(Bucket(group, buffer, views))
+        buckets.append(Bucket(group, buffer, views, axis=dp_axis_of(group[0], axis)))
     return buckets
 
 
@@ -70,7 +71,7 @@ def _greedy_groups(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
     size = 0
     for p in params:
         nbytes = _nbytes(p)
-        same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
+        same_kind = groups and _kind(groups[-1][0]) == _kind(p)
         if not groups or not same_kind or size + nbytes > bucket_bytes:
             groups.append([])
             size = 0
@@ -79,11 +80,18 @@ def _greedy_groups(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
     return groups
 
 
+def _kind(p: nn.Parameter) -> tuple:
+    return p.dtype, p.device, getattr(p, "dp_axis", None)
+
+
 def broadcast_state(module: nn.Module, mesh, axis: str, chunk_mb: float = 32.0) -> None:
     """Parameters and buffers from the axis member 0 to all, so replicas start identical
-    whatever their seeds (`broadcast_tensors`)."""
+    whatever their seeds (`broadcast_tensors`); a tensor replicated over a sub-axis only (an
+    expert's weights) over that sub-axis."""
     tensors = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
-    broadcast_tensors(tensors, mesh, axis, chunk_mb=chunk_mb)
+    for sub in dict.fromkeys(dp_axis_of(t, axis) for t in tensors):
+        broadcast_tensors([t for t in tensors if dp_axis_of(t, axis) == sub], mesh, sub,
+                          chunk_mb=chunk_mb)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], mesh, axis: str, src_local: int = 0,
@@ -167,14 +175,19 @@ def weighted_groups(items, mesh) -> list[tuple[list[torch.Tensor], float]]:
 def clip_replica_grads(params: list[nn.Parameter], max_norm: float, mesh) -> torch.Tensor:
     """Clip the gradients of one replica's `params` (max_norm 0: only measure); returns the
     norm before clipping, of the whole replica's gradient: its tp and pp ranks each hold
-    pieces of it (`grad_norm`), a dp rank holds all of its own replica's."""
-    if mesh.size("tp") == 1 and mesh.size("pp") == 1:
+    pieces of it (`grad_norm`), a dp rank holds all of its own replica's but the experts
+    its ep peers hold (their squares are summed over "ep", the others' counted 1/ep there)."""
+    ep = mesh.size("ep")
+    if mesh.size("tp") == 1 and mesh.size("pp") == 1 and ep == 1:
         if max_norm > 0:
             return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
                                        foreach=True)
     held = [p for p in params if p.grad is not None]
-    total = grad_norm(weighted_groups(((p, p.grad) for p in held), mesh), mesh, "self")
+    shared = ((p, p.grad) for p in held if dp_axis_of(p, "dp") == "dp")
+    groups = [(g, w / ep) for g, w in weighted_groups(shared, mesh)]
+    groups += weighted_groups(((p, p.grad) for p in held if dp_axis_of(p, "dp") != "dp"), mesh)
+    total = grad_norm(groups, mesh, "ep")
     if max_norm > 0:
         nn.utils.clip_grads_with_norm_(held, max_norm, total, foreach=True)
     return total
@@ -206,7 +219,7 @@ class DataParallel(nn.Module):
         # ranks (gloo), 0.38 MiB instead of 3.39 MiB halved it (docs/benchmarks.md); DDP's
         # rebuilt buckets for that model end with the same 0.38 MiB
         self.buckets = build_buckets(params[::-1], int(bucket_mb * 2**20),
-                                     int(min(last_bucket_mb, bucket_mb) * 2**20))
+                                     int(min(last_bucket_mb, bucket_mb) * 2**20), axis)
         self._where: dict[nn.Parameter, tuple[Bucket, int]] = {}
         self._index = {id(bucket): i for i, bucket in enumerate(self.buckets)}
         for bucket in self.buckets:
@@ -317,7 +330,7 @@ class DataParallel(nn.Module):
         elif self.gradient_reduce == "mean":
             values.div_(n)
         if self.compressor is None:
-            bucket.pending = comm.all_reduce(values, self.mesh, self.axis, async_op=True)
+            bucket.pending = comm.all_reduce(values, self.mesh, bucket.axis, async_op=True)
         else:
             index = self._index[id(bucket)]
             if self._measure:

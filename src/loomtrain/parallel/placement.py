@@ -122,4 +122,11 @@ def placement_of(tensor) -> Placement | None:
     return getattr(tensor, "tp_placement", None)
 
 
-__all__ = ["Box", "Boxes", "Placement", "placement_of"]
+def dp_axis_of(tensor, axis: str) -> str:
+    """The axis whose ranks hold the same values of `tensor` among the replicas of `axis`:
+    `axis` itself, or the sub-axis a split names (an expert's weights: "edp", the dp ranks
+    that hold the same experts, parallel/expert/dispatch.py)."""
+    return getattr(tensor, "dp_axis", axis)
+
+
+__all__ = ["Box", "Boxes", "Placement", "dp_axis_of", "placement_of"]

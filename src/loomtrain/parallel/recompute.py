@@ -119,7 +119,9 @@ def recomputed_activation_bytes(m, micro_batch: int, c: int, recompute: str, tp:
     def layer(kind):
         return layer_activation_bytes(m, kind, micro_batch, c, tp, sequence_parallel)
 
-    embed, block, head = layer("embed"), layer("blocks.0"), layer("head")
+    # the largest block (a mixture of experts' when some are dense): exact when they are alike
+    embed, head = layer("embed"), layer("head")
+    block = max(layer(f"blocks.{i}") for i in range(m.n_layers))
     x = c * micro_batch * m.seq_len * m.d_model // (tp if sequence_parallel else 1)
     kept = {"full": x, "selective": block - core_bytes(m, micro_batch, c, tp)}.get(recompute, block)
     rerun = block - x if recompute == "full" else 0

@@ -35,6 +35,7 @@ class BackpropMode(SyncMode):
         loss_tokens = trainer.first(c.loss_tokens(built, target_tokens(batches), global_tokens)
                                     for c in built.applied)
         loss_tokens = global_tokens if loss_tokens is None else loss_tokens
+        built.step_tokens = loss_tokens
         for component in built.applied:
             component.before_step(built, step)
         loss_sum, grad_norm, stepped = trainer.step(built, batches, loss_tokens, cfg.train.grad_clip)

@@ -11,6 +11,7 @@ from loomtrain.component import Component, Refusal, Switch
 from loomtrain.data.config import ByFile, Digits
 from loomtrain.lowcomm.config import Lowcomm
 from loomtrain.parallel.config import DataParallelComponent
+from loomtrain.parallel.expert.config import ExpertParallel, Experts
 from loomtrain.parallel.offload import ActivationOffload
 from loomtrain.parallel.pipeline.config import AsyncPipeline, Pipeline
 from loomtrain.parallel.recompute import Recompute
@@ -45,8 +46,8 @@ class Timeline(Component):
 # apply order (tensor and sequence parallel, ZeRO, the pipeline split, context parallel, the
 # replica methods), the training modes, the data and the run's own features.
 COMPONENTS: tuple[type[Component], ...] = (
-    DataParallelComponent, TensorParallel, Zero, BF16, SimulatedLink, AsyncSGD, Straggler,
+    DataParallelComponent, TensorParallel, ExpertParallel, Zero, BF16, SimulatedLink, AsyncSGD, Straggler,
     Pipeline, AsyncPipeline, Context, Packing, Balance, Recompute, ActivationOffload,
-    Lowcomm, Compression, Sparsity,
+    Lowcomm, Compression, Sparsity, Experts,
     Digits, ByFile, InitFrom, Zeroth, Plan, Timeline,
 )

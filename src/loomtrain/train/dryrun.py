@@ -122,7 +122,7 @@ def _estimate_on_fake_backend(cfg, components) -> tuple[DryRunPlan, str, int, in
     try:
         try:
             # the layout does not depend on the device; cpu needs no GPU here
-            mesh = build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp},
+            mesh = build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp, "ep": p.ep},
                               ranks_per_node=p.ranks_per_node, device="cpu")
         except ValueError as err:
             raise ConfigError(f"parallel.ranks_per_node={p.ranks_per_node}: {err}") from None

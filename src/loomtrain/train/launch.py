@@ -66,7 +66,7 @@ def init_distributed(cfg) -> Mesh:
     if c.inter_node_gbps is not None:  # config validation guarantees several nodes
         link = SlowLink(c.inter_node_gbps, c.inter_node_latency_ms, p.ranks_per_node,
                         c.link_changes)
-    return build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp},
+    return build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp, "ep": p.ep},
                       ranks_per_node=p.ranks_per_node, device=device, link=link)
 
 

@@ -156,7 +156,7 @@ def setup_peak(cfg) -> SetupPeak:
                          record.model_bytes)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.nproc)
     try:
-        mesh = build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp},
+        mesh = build_mesh({"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp, "ep": p.ep},
                           ranks_per_node=p.ranks_per_node, device="cpu")
         model, _ = apply_tensor_parallel(model, mesh, cfg)
         if p.pp > 1 and (p.pipeline_balance != "time" or p.split_points):

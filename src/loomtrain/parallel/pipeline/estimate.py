@@ -10,7 +10,7 @@ import copy
 from dataclasses import dataclass
 
 from loomtrain.activations import (FP32_BYTES, gpt_layer_bytes, llama_core_bytes,
-                                   llama_layer_bytes, mlp_layer_bytes)
+                                   llama_layer_bytes, mlp_layer_bytes, moe_extra_bytes)
 from loomtrain.comm.meter import wire_bytes
 from loomtrain.estimate import Collective, DryRunPlan
 from loomtrain.parallel.pipeline import schedules as S
@@ -29,7 +29,9 @@ def layer_activation_bytes(m, layer: str, micro_batch: int, c: int, tp: int = 1,
 
         return tensor_layer_bytes(m, _kind(layer), micro_batch, tp, sequence_parallel, c)
     if m.name == "llama":
-        return llama_layer_bytes(_kind(layer), micro_batch, m.seq_len, m, c)
+        block = int(layer.split(".")[1]) if _kind(layer) == "block" else -1
+        return (llama_layer_bytes(_kind(layer), micro_batch, m.seq_len, m, c)
+                + (moe_extra_bytes(m, block, micro_batch, c) if block >= 0 else 0))
     if m.name == "gpt":
         return gpt_layer_bytes(_kind(layer), micro_batch, m.seq_len, m.d_model, m.n_heads,
                                m.mlp_ratio, m.vocab_size, c)

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from loomtrain.parallel.data import broadcast_state, check_gradient_reduce
+from loomtrain.parallel.placement import dp_axis_of
 from loomtrain.parallel.zero.engine import ShardedDataParallel
 from loomtrain.parallel.zero.flat import FlatUnit, ShardPlan
 from loomtrain.parallel.zero.layout import unit_layout
@@ -104,20 +105,31 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, mesh, stage: int, 
     plan = make_plan(mesh, stage, hierarchical, optimizer_shard, compute_dtype, offload_optimizer,
                      axis)
     broadcast_state(model, mesh, axis)
-    multiple = plan.shard_ranks * plan.replica_ranks
+    # parameters replicated over a sub-axis of dp (an expert's weights over "edp") shard there,
+    # in a unit of their own beside their module's
+    plans = {axis: plan}
     named = find_units(model, units)
     modules = dict(named)
     flat_units, root = [], None
     for unit_name, params in assign_parameters(model, named).items():
-        if not params:
-            continue
-        layout = unit_layout(unit_name, [(n, tuple(p.shape)) for n, p in params], multiple)
-        module = modules.get(unit_name, model)
-        flat = FlatUnit(layout, [p for _, p in params], module, plan, mesh.device)
-        if unit_name == ROOT:
-            root = flat
-        else:
-            flat_units.append(flat)
+        for sub in dict.fromkeys(dp_axis_of(p, axis) for _, p in params):
+            if sub not in plans:
+                plans[sub] = make_plan(mesh, stage, hierarchical, optimizer_shard, compute_dtype,
+                                       offload_optimizer, sub)
+            mine = [(n, p) for n, p in params if dp_axis_of(p, axis) == sub]
+            name = unit_name if sub == axis else f"{unit_name}.{sub}"
+            if unit_name == ROOT and sub != axis:
+                raise ValueError(f"{mine[0][0]} is replicated over {sub!r} only and lies "
+                                 "outside every ZeRO unit: give parallel.shard_units patterns "
+                                 "whose modules hold it")
+            flat = FlatUnit(unit_layout(name, [(n, tuple(p.shape)) for n, p in mine],
+                                        plans[sub].shard_ranks * plans[sub].replica_ranks),
+                            [p for _, p in mine], modules.get(unit_name, model), plans[sub],
+                            mesh.device)
+            if unit_name == ROOT:
+                root = flat
+            else:
+                flat_units.append(flat)
     engine = ShardedDataParallel(model, mesh, plan, flat_units, root, prefetch, gradient_reduce)
     return engine, ShardedOptimizer(optimizer, engine)
 

@@ -123,9 +123,11 @@ def publish(units: list[FlatUnit], mesh) -> None:
     host memory), then the all-gathers, each in place, that give every rank the parameters it
     keeps: over the replica axis when the optimizer range is smaller than the shard, then over
     the shard axis for stages 1-2."""
-    if not units:
-        return
-    plan = units[0].plan
+    for plan in dict.fromkeys(u.plan for u in units):  # units sharded over another axis apart
+        _publish([u for u in units if u.plan == plan], plan, mesh)
+
+
+def _publish(units: list[FlatUnit], plan, mesh) -> None:
     with torch.no_grad():
         for u in units:
             own = u.local(u.optimizer_range)

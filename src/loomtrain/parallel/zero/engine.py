@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from loomtrain.parallel.data import grad_norm, norm_weight
+from loomtrain.parallel.placement import dp_axis_of
 from loomtrain.parallel.zero.communication import (GradReduction, ReductionQueue, publish,
                                                    start_gather)
 from loomtrain.parallel.sparse_dp import SparseCommWindow
@@ -305,7 +306,9 @@ class ShardedDataParallel(nn.Module):
         `clip_grad_norm_` computes on the whole gradient, up to summation order)."""
         self.ready_grads()
         grads = [u.grad for u in self.all_units if u.grad.numel()]
-        if self.mesh.size("tp") > 1 or self.mesh.size("pp") > 1:  # pieces weigh differently
+        if self.mesh.size("ep") > 1:  # units sharded over dp and over edp
+            total = grad_norm(self._copies_weighted(), self.mesh, "dp")
+        elif self.mesh.size("tp") > 1 or self.mesh.size("pp") > 1:  # pieces weigh differently
             if self._pieces is None:  # views of the persistent gradient shards: built once
                 self._pieces = self._grad_pieces()
             total = grad_norm(self._pieces, self.mesh, self.plan.optimizer_axis)
@@ -320,6 +323,18 @@ class ShardedDataParallel(nn.Module):
         """Every gradient shard in memory (FlatUnit.ready_grad): what reads them all calls it."""
         for u in self.all_units:
             u.ready_grad()
+
+    def _copies_weighted(self) -> list[tuple[list[torch.Tensor], float]]:
+        """Each unit's gradient range weighted by one over the dp ranks holding the same range:
+        dp over its optimizer ranks, over ep more for a unit of experts (each ep rank holds
+        others)."""
+        ep, dp = self.mesh.size("ep"), self.mesh.size("dp")
+        out = []
+        for u in self.all_units:
+            held = u.plan.optimizer_ranks * (ep if dp_axis_of(u.params[0], "dp") != "dp" else 1)
+            if u.grad.numel():
+                out.append(([u.grad], held / dp))
+        return out
 
     def _grad_pieces(self) -> list[tuple[list[torch.Tensor], float]]:
         """Views of my gradient shards, parameter by parameter, grouped by `norm_weight`."""

@@ -21,6 +21,7 @@ from loomtrain.estimate import (  # wire_bytes_per_step: importable from here to
     wire_bytes_per_step,
 )
 from loomtrain.parallel.data import broadcast_state
+from loomtrain.parallel.placement import dp_axis_of
 from loomtrain.parallel.zero import ROOT, assign_parameters, find_units, make_plan
 from loomtrain.parallel.zero.flat import ShardPlan
 from loomtrain.parallel.zero.layout import unit_layout, zero_memory
@@ -219,6 +220,8 @@ class ZeroLayout:
     root: int  # padded length of the root unit, 0 if empty
     reshard: str | None = None  # inside a pipeline: the mode of parallel.zero_reshard
     reshard_why: str = ""  # how "auto" (or the setting) decided it
+    # the units of parameters replicated over a sub-axis of dp (experts: "edp"), their plan
+    apart: tuple[ShardPlan, list[tuple[str, int]]] | None = None
 
 
 def zero_layout(model, mesh, cfg) -> ZeroLayout:
@@ -231,16 +234,24 @@ def zero_layout(model, mesh, cfg) -> ZeroLayout:
         named = find_units(model, list(p.shard_units) or None)
     except ValueError as err:
         raise ConfigError(f"parallel.shard_units={list(p.shard_units)!r}: {err}") from None
-    multiple = plan.shard_ranks * plan.replica_ranks  # as shard() pads: every rank of dp
-    units, root = [], 0
+    axis = "dpcp" if p.cp > 1 else "dp"
+    units, root, apart = [], 0, []
     for name, params in assign_parameters(model, named).items():
-        if params:
-            padded = unit_layout(name, [(n, tuple(x.shape)) for n, x in params], multiple).padded
+        mine = [(n, x) for n, x in params if dp_axis_of(x, axis) == axis]
+        if mine:  # padded as shard() pads: to every rank of its plan
+            padded = unit_layout(name, [(n, tuple(x.shape)) for n, x in mine],
+                                 plan.shard_ranks * plan.replica_ranks).padded
             if name == ROOT:
                 root = padded
             else:
                 units.append((name, padded))
-    return ZeroLayout(plan, units, root)
+        experts = [(n, tuple(x.shape)) for n, x in params if dp_axis_of(x, axis) != axis]
+        if experts:  # flat: parallel.ep refuses hierarchical ZeRO
+            sub = make_plan(mesh, p.zero_stage, False, p.optimizer_shard, dtype,
+                            p.offload_optimizer, "edp")
+            apart.append((f"{name}.edp", unit_layout(
+                f"{name}.edp", experts, sub.shard_ranks * sub.replica_ranks).padded))
+    return ZeroLayout(plan, units, root, (sub, apart) if apart else None)
 
 
 def estimate_zero(plan: DryRunPlan) -> None:
@@ -262,6 +273,13 @@ def estimate_zero(plan: DryRunPlan) -> None:
     plan.reductions = zero_collectives(
         z.plan, z.units, z.root, cfg.accumulation_steps, z.reshard,
         cfg.accumulation_steps if p.recompute == "full" else 0, len(calls or [None]))
+    if z.apart is not None:  # the experts' units over edp; one gradient norm, over dp
+        sub, apart = z.apart
+        plan.reductions = [c for c in plan.reductions + zero_collectives(
+            sub, apart, 0, cfg.accumulation_steps, z.reshard) if not c.purpose.startswith(
+                "gradient norm")]
+        plan.reductions.append(metered("gradient norm (clip_grad_norm_)", "all_reduce", "dp",
+                                       plan.mesh.size("dp"), 4))
     plan.eval_collectives += zero_eval_gathers(z.plan, z.units, z.root, plan.eval_forwards,
                                                cfg.run.eval_every, cfg.parallel.prefetch, calls)
     plan.parts["zero"] = z

@@ -21,8 +21,6 @@ from loomtrain.parallel.state import (
 def zero_state(engine, optimizer, for_saving: bool) -> dict:
     """{"model": ..., "optim": {"state": ..., "param_groups": ...}} with live views: DCP saves
     from them, or loads into them in place. `for_saving`: leave out what another replica saves."""
-    plan = engine.plan
-    writes = not (for_saving and plan.replica_index > 0 and not plan.optimizer_over_replicas)
     names = aliases(engine.module)
     placements = {name: placement_of(p) for name, p in engine.module.named_parameters()}
     model, state = {}, {}
@@ -31,7 +29,8 @@ def zero_state(engine, optimizer, for_saving: bool) -> dict:
         return Boxes.flat_range(flat, piece.slot.shape, piece.start).placed(placements[piece.slot.name])
 
     for name, group, view, unit, piece in optimizer.slices:
-        if not writes:
+        plan = unit.plan  # another replica of the unit saves it
+        if for_saving and plan.replica_index > 0 and not plan.optimizer_over_replicas:
             continue
         shard = boxes(view.detach(), piece)
         for alias in names[name]:

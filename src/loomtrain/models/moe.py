@@ -1,0 +1,186 @@
+"""The mixture-of-experts feed-forward of the Llama family (docs/moe.md): a router picks
+`experts_per_token` of `n_experts` SwiGLU experts for every token, the experts run grouped, and
+optional shared experts see every token (DeepSeekMoE, arXiv 2401.06066), their output scaled by
+a sigmoid gate in Qwen-MoE (`shared_expert_gate`).
+
+Routing is dropless: every token reaches every expert it chose, whatever the load, so a parallel
+run computes exactly what one process does (no capacity factor, no token dropped by a full
+expert). The experts' weights are stacked ([experts, in, out]) and each matrix product runs over
+all experts at once with `torch.nn.functional.grouped_mm` on the tokens sorted by expert (one
+kernel, not a loop over tokens); where the kernel refuses the shapes (rows that are not
+16-byte aligned) it loops over the experts instead.
+
+Balancing, both optional:
+- the auxiliary loss `aux_loss_coef * E * sum_i f_i * P_i` (Switch Transformer, arXiv
+  2101.03961, eq. 4), f_i the share of the token's picks that went to expert i and P_i its mean
+  router probability. It is taken per sequence, as DeepSeek-V3's sequence-wise balance loss
+  (arXiv 2412.19437, eq. 17-20), and averaged over the sequences by token: a batch-wise loss
+  would change with how rows are grouped into micro-batches and ranks, a sequence-wise one
+  does not, so every layout reproduces the single-process loss;
+- DeepSeek-V3's auxiliary-loss-free bias (section 2.1.2): a per-expert bias added to the scores
+  for choosing the experts only (the weights stay the unbiased scores), moved by
+  `router_bias_rate` towards the mean load after each step (parallel/expert.py).
+
+The auxiliary loss reaches the gradient through `_AuxLoss`, which passes the hidden state through
+unchanged and hands the loss its gradient in the backward, as Megatron-Core's
+MoEAuxLossAutoScaler does: a pipeline stage's routers then learn from their loss without the
+loss having to travel to the last stage. The same backward counts the tokens each expert
+received (once per micro-batch even under recomputation: only the graph that is run backward
+counts), for the metrics and the bias update.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loomtrain.models.swiglu import SwiGLU
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` sorted by expert (`counts[e]` rows for expert e) times their expert's matrix
+    (`weight[e]`, [in, out]): one grouped kernel, or a loop over the experts where the kernel
+    needs 16-byte aligned rows (widths not a multiple of 4 in fp32, of 8 in bf16)."""
+    if all(s * x.element_size() % 16 == 0 for s in (x.shape[-1], weight.shape[-1])):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return F.grouped_mm(x, weight, offs=offsets)
+    pieces = x.split(counts.tolist())
+    return torch.cat([p @ w for p, w in zip(pieces, weight)])
+
+
+class Router(nn.Module):
+    """Scores each token against the experts (softmax or sigmoid of a linear gate) and picks the
+    top k; `norm_topk` renormalizes the k weights to sum to one (Mixtral, DeepSeek-V3; Qwen-MoE
+    leaves them). `expert_bias` (a persistent buffer, zeros) shifts the choice, not the weights."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, score: str, norm_topk: bool):
+        super().__init__()
+        self.gate = nn.Linear(d_model, n_experts, bias=False)
+        self.top_k, self.score, self.norm_topk = top_k, score, norm_topk
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, d] -> (weights [tokens, k] in x's dtype, experts [tokens, k], the fp32
+        probabilities [tokens, E] the auxiliary loss uses)."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        experts = (scores + self.expert_bias).topk(self.top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(-1, experts)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts, probs
+
+
+class GroupedExperts(nn.Module):
+    """`n_experts` SwiGLU feed-forwards, their weights stacked: gate and up [E, d, h], down
+    [E, h, d]. `first` is the global index of this module's first expert (expert parallelism
+    holds a slice of them)."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int, first: int = 0):
+        super().__init__()
+        self.first = first
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows sorted by expert, `counts[e]` of them for expert e."""
+        hidden = F.silu(grouped_mm(x, self.gate_proj, counts)) * grouped_mm(x, self.up_proj, counts)
+        return grouped_mm(hidden, self.down_proj, counts)
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Identity on the hidden state [b, t, d]; its backward gives the layer's auxiliary loss (a
+    sum over the b sequences) the gradient `moe.aux_grad * t`, each sequence's loss weighing as
+    its t tokens do in the step's objective, and adds the picks, the loss and the sequences to
+    the layer's `counted`."""
+
+    @staticmethod
+    def forward(ctx, hidden, aux, experts, moe):
+        ctx.moe, ctx.experts, ctx.tokens = moe, experts, hidden.shape[1]
+        ctx.aux, ctx.rows = aux.detach(), hidden.shape[0]  # no host sync in the forward
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        moe = ctx.moe
+        picks = torch.bincount(ctx.experts.reshape(-1), minlength=moe.n_experts).double()
+        seen = torch.cat([picks, ctx.aux.double().view(1), picks.new_tensor([ctx.rows])])
+        moe.counted = seen if moe.counted is None else moe.counted + seen
+        return grad, grad.new_full((), moe.aux_grad * ctx.tokens, dtype=torch.float32), None, None
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward (see the module's docstring). `aux_grad`: the
+    auxiliary loss's gradient per token of a sequence, set per step by the Experts component
+    (parallel/expert.py) to the coefficient over the step's loss tokens (the objective is
+    (cross-entropy sum + coef * sum of sequence losses * their tokens) / loss tokens);
+    `counted` (fp64, None until a backward): what the backwards saw since the component read it, the
+    picks of each expert, then the auxiliary loss summed over the sequences and their number."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_experts = cfg.n_experts
+        self.router = Router(cfg.d_model, cfg.n_experts, cfg.experts_per_token, cfg.router,
+                             cfg.router_norm_topk)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, cfg.expert_width)
+        self.shared = self.shared_gate = None
+        if cfg.n_shared_experts:
+            self.shared = SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.expert_width)
+        if cfg.shared_expert_gate:  # Qwen-MoE's sigmoid gate on the shared output
+            self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
+        self.aux_grad = 0.0
+        self.counted: torch.Tensor | None = None  # not a buffer: bf16 casts would round it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        tokens = x.reshape(-1, d)
+        weights, experts, probs = self.router(tokens)
+        routed = self.route(tokens, weights, experts)
+        out = routed if self.shared is None else routed + self._shared(tokens)
+        out = out.view(b, t, d)
+        if torch.is_grad_enabled():
+            aux = balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.n_experts)
+            out = _AuxLoss.apply(out, aux, experts, self)
+        return out
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.shared(tokens)
+        return out if self.shared_gate is None else torch.sigmoid(self.shared_gate(tokens)) * out
+
+    def route(self, tokens: torch.Tensor, weights: torch.Tensor,
+              experts: torch.Tensor) -> torch.Tensor:
+        """Each token's k picks sorted by expert, run grouped, weighted and summed back."""
+        k = experts.shape[-1]
+        order = experts.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        source = order // k
+        y = self.experts(tokens[source], counts) * weights.reshape(-1, 1)[order]
+        return torch.zeros_like(tokens).index_add_(0, source, y)
+
+
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss E * sum_i f_i * P_i per sequence, summed over
+    the sequences (probs [b, t, E], experts [b, t, k]): f_i, the share of the sequence's picks
+    that chose expert i; P_i, its mean probability over the sequence's tokens. Minimal (1) when
+    both are uniform."""
+    b, t, k = experts.shape
+    picks = torch.zeros(b, n_experts, device=probs.device).scatter_add_(
+        1, experts.reshape(b, -1), torch.ones(b, t * k, device=probs.device))
+    share = picks / (t * k)
+    return n_experts * (share * probs.mean(1)).sum()
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    """Whether block `layer` (from 0) has the mixture-of-experts feed-forward: every
+    `moe_every`-th block, counted from 1 (Qwen-MoE's decoder_sparse_step)."""
+    return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
+
+
+__all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer"]
