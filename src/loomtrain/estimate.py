@@ -85,6 +85,17 @@ def metered(purpose: str, op: str, axis: str, ranks: int, payload: int, calls: i
                       every, calls, algorithm, unit)
 
 
+def optimizer_states(optimizer: str, momentum: float) -> int:
+    """fp32 state tensors per parameter: AdamW keeps exp_avg and exp_avg_sq; SGD keeps a
+    momentum buffer only when momentum (train.beta1) is non-zero, as torch.optim.SGD does.
+    AdamW's per-tensor `step` scalars are left out (4 bytes per parameter tensor)."""
+    if optimizer == "adamw":
+        return 2
+    if optimizer == "sgd":
+        return 1 if momentum > 0 else 0
+    raise AssertionError(f"no state count for optimizer {optimizer!r}")
+
+
 def all_reduce(purpose: str, axis: str, ranks: int, payload: int, every: int = 1) -> Collective:
     """A ring all-reduce of `payload` bytes over `ranks` ranks, every `every` steps."""
     return Collective(purpose, "all_reduce", axis, ranks, payload,

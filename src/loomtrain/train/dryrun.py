@@ -28,23 +28,13 @@ from loomtrain.estimate import (  # gradient_all_reduces: importable from here t
     all_reduce,
     gradient_all_reduces,
     memory_per_rank,
+    optimizer_states,
 )
 from loomtrain.train.components import COMPONENTS
 
 __all__ = ["DryRun", "activation_bytes", "estimate", "gpt_activation_bytes",
            "gradient_all_reduces", "llama_activation_bytes", "memory_per_rank",
            "mlp_activation_bytes", "optimizer_states", "trainer_collectives"]
-
-
-def optimizer_states(optimizer: str, momentum: float) -> int:
-    """fp32 state tensors per parameter: AdamW keeps exp_avg and exp_avg_sq; SGD keeps a
-    momentum buffer only when momentum (train.beta1) is non-zero, as torch.optim.SGD does.
-    AdamW's per-tensor `step` scalars are left out (4 bytes per parameter tensor)."""
-    if optimizer == "adamw":
-        return 2
-    if optimizer == "sgd":
-        return 1 if momentum > 0 else 0
-    raise AssertionError(f"no state count for optimizer {optimizer!r}")
 
 
 def trainer_collectives(world: int, dp: int, log_every: int, eval_every: int,

@@ -43,22 +43,6 @@ def stream_peaks(memory, pp: int) -> list[int]:
     return [stream_depth(r, pp) * (memory[r].stashed + memory[r].held) for r in range(pp)]
 
 
-def stream_collectives(schedule: S.Schedule, rank: int, boundary_bytes: list[int],
-                       shared: list[tuple[str, int, list[int]]]) -> list[Collective]:
-    """Rank `rank`'s pp-axis communication in a steady-state step: the sends of its M
-    forwards and backwards (`pipeline_collectives`), each tied parameter it holds sent to every
-    other holder after each of its M updates (fp32), and one all-reduce over pp of the step's
-    gradient statistics (3 float64)."""
-    from loomtrain.parallel.pipeline.estimate import _pp_all_reduce, _send, pipeline_collectives
-
-    m, pp = schedule.microbatches, schedule.pp
-    sends = [c for c in pipeline_collectives(schedule, rank, boundary_bytes, []) if c.op == "send"]
-    tied = [_send(f"tied {name} gradient, to pp rank {h}, every update", pp, nbytes,
-                  m) for name, nbytes, ranks in shared if rank in ranks
-            for h in ranks if h != rank]
-    return sends + tied + [_pp_all_reduce("gradient statistics over pp", pp, 3 * 8)]
-
-
 def per_update(reductions: list[Collective], microbatches: int) -> list[Collective]:
     """The dp engine's reductions of one update (the whole-step ones of a held step), M
     times a step: the stream updates after every micro-batch's backward."""

@@ -274,7 +274,7 @@ def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
     """`m`: the [model] keys as a rank runs them (DryRunPlan.local_model; None: cfg.model)."""
     m = m or cfg.model
     if schedule.name == "async":  # a steady-state step of the stream
-        from loomtrain.parallel.pipeline.async_estimate import stream_collectives, stream_peaks
+        from loomtrain.parallel.pipeline.async_estimate import stream_peaks
 
         memory = stage_memories(split.stage_layers, cfg, c, m, cfg.parallel.recompute)
         return PipelineEstimate(split, schedule, S.simulate(schedule), memory,
@@ -293,6 +293,20 @@ def pipeline_estimate(split: PipelineSplit, schedule: S.Schedule, cfg, c: int,
                             pipeline_collectives(schedule, 0, split.boundary_bytes, shared),
                             eval_sends(schedule, 0, split.boundary_bytes, eval_forwards,
                                        cfg.run.eval_every))
+
+
+def stream_collectives(schedule: S.Schedule, rank: int, boundary_bytes: list[int],
+                       shared: list[tuple[str, int, list[int]]]) -> list[Collective]:
+    """Rank `rank`'s pp-axis communication in a steady-state step: the sends of its M
+    forwards and backwards (`pipeline_collectives`), each tied parameter it holds sent to every
+    other holder after each of its M updates (fp32), and one all-reduce over pp of the step's
+    gradient statistics (3 float64)."""
+    m, pp = schedule.microbatches, schedule.pp
+    sends = [c for c in pipeline_collectives(schedule, rank, boundary_bytes, []) if c.op == "send"]
+    tied = [_send(f"tied {name} gradient, to pp rank {h}, every update", pp, nbytes,
+                  m) for name, nbytes, ranks in shared if rank in ranks
+            for h in ranks if h != rank]
+    return sends + tied + [_pp_all_reduce("gradient statistics over pp", pp, 3 * 8)]
 
 
 def estimate_pipeline(plan: DryRunPlan) -> None:

@@ -131,7 +131,8 @@ def shard_built(built: Built, axis: str) -> None:
     except ValueError as err:  # a unit pattern that matches nothing, an unsupported optimizer
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: {err}") from None
     if p.pp > 1:
-        from loomtrain.parallel.zero.reshard import resolve_reshard, stage_calls
+        from loomtrain.parallel.zero.reshard import stage_calls
+        from loomtrain.parallel.zero.reshard_auto import resolve_reshard
 
         engine = built.model
         engine.pipeline(resolve_reshard(built, engine), stage_calls(engine.module))

@@ -251,7 +251,7 @@ def zero_layout(model, mesh, cfg) -> ZeroLayout:
                             p.offload_optimizer, "edp")
             apart.append((f"{name}.edp", unit_layout(
                 f"{name}.edp", experts, sub.shard_ranks * sub.replica_ranks).padded))
-    return ZeroLayout(plan, units, root, (sub, apart) if apart else None)
+    return ZeroLayout(plan, units, root, apart=(sub, apart) if apart else None)
 
 
 def estimate_zero(plan: DryRunPlan) -> None:
