@@ -54,11 +54,8 @@ PAIRS = [  # world 4: the pipeline with each axis it refused before issue 28 (tp
     _layout({"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved",
              "virtual_stages": 2}, LLAMA),
     # data.balance: each pool rank's tokens of every micro-batch, dealt alike on every stage,
-    # received into buffers of that micro-batch's shape (dp2 x pp2 zero-bubble; a pool of
-    # cp2 under an interleaved pipeline, recomputed)
+    # received into buffers of that micro-batch's shape (dp2 x pp2, zero-bubble)
     _layout({"pp": 2, "schedule": "zb-h1"}, data=BALANCED),
-    _layout({"pp": 2, "cp": 2, "schedule": "interleaved", "virtual_stages": 2,
-             "recompute": "full"}, data=BALANCED),
 ]
 PAIRS_BF16 = [  # world 4, within 2% of the fp32 run
     _layout({"pp": 2, "zero_stage": 3, "schedule": "1f1b"}, train=BF16),
