@@ -14,7 +14,7 @@ from loomtrain.mesh import build_mesh
 from loomtrain.models import GPT, token_loss_sum
 from loomtrain.parallel.data import DataParallel
 from loomtrain.parallel.pipeline import schedules
-from loomtrain.parallel.pipeline.runtime import PipelineRuntime
+from loomtrain.parallel.pipeline.runtime import PipelineRuntime, output_shape
 from loomtrain.parallel.tensor import ColumnParallelLinear, parallelize_tensor
 
 VOCAB, SEQ, D_MODEL, HEADS, BLOCKS = 64, 16, 32, 4, 4
@@ -214,3 +214,15 @@ def test_tensor_parallel_or_data_parallel_stages_train_as_on_one_process(
         sizes, runs, tensor_parallel, loss_ranks):
     results = run_world(_world, 4, sizes, runs, tensor_parallel, timeout_s=240)
     _check(results, runs, _oracle(sizes.get("dp", 1) * MICRO), loss_ranks)
+
+
+def test_a_stage_output_shape_follows_its_micro_batch_input():
+    # found for (2, 32) tokens: (2, 32, 8), or 1/tp of the tokens under sequence parallelism
+    assert output_shape((2, 32, 8), (2, 32), (3, 32)) == (3, 32, 8)  # evaluation's rows
+    assert output_shape((2, 32, 8), (2, 32), (1, 57)) == (1, 57, 8)  # data.balance's deal
+    assert output_shape((2, 16, 8), (2, 32), (1, 40)) == (1, 20, 8)  # tp2 with SP
+    assert output_shape((2, 10), (2, 64), (5, 64)) == (5, 10)  # the MLP: rows only
+    assert output_shape((2, 16, 8), None, (1, 40)) == (1, 16, 8)  # no sample: rows only
+    assert output_shape((2, 16, 8), (2, 32), None) == (2, 16, 8)  # the async stream
+    with pytest.raises(ValueError, match="does not divide"):
+        output_shape((2, 16, 8), (2, 32), (1, 41))

@@ -23,6 +23,7 @@ from test_zero import _train_many
 GPT = {"n_layers": 6}  # 8 layers (embed, 6 blocks, head): 2 stages of 2 virtual ones each
 LLAMA = {"name": "llama", "n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2}
 PACKED = {"packing": True}
+BALANCED = {"packing": True, "balance": True}
 BF16 = {"precision": "bf16"}
 
 
@@ -57,6 +58,9 @@ PAIRS = [  # world 4: the pipeline with each axis it refused before issue 28 (tp
     _layout({"pp": 2, "cp": 2, "cp_method": "auto", "schedule": "1f1b"}),
     _layout({"pp": 2, "tp": 2, "sequence_parallel": True, "schedule": "interleaved",
              "virtual_stages": 2}, LLAMA),
+    # data.balance: each pool rank's tokens of every micro-batch, dealt alike on every stage,
+    # received into buffers of that micro-batch's shape (dp2 x pp2, zero-bubble)
+    _layout({"pp": 2, "schedule": "zb-h1"}, data=BALANCED),
 ]
 PAIRS_BF16 = [  # world 4, within 2% of the fp32 run
     _layout({"pp": 2, "zero_stage": 3, "schedule": "1f1b"}, train=BF16),

@@ -91,12 +91,13 @@ STEPS = 150
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, corpus) -> list[dict]:
+def one_rank(tmp_path_factory, corpus, doc_corpus) -> list[dict]:
     """150 MeZO steps on one rank, then the one-rank references of the split replicas
     (SPLITS, REFERENCES), in one spawned world."""
     root = tmp_path_factory.mktemp("one_rank")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2})
-    return run_world(_train, 1, [tree, *_references(root, corpus, 1)], True, timeout_s=150)[0]
+    return run_world(_train, 1, [tree, *_references(root, corpus, doc_corpus, 1)], True,
+                     timeout_s=150)[0]
 
 
 def test_mezo_trains_one_rank_from_forward_passes_only(one_rank):
@@ -113,13 +114,14 @@ def test_mezo_trains_one_rank_from_forward_passes_only(one_rank):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, corpus) -> tuple[dict, list[list[dict]]]:
+def two_ranks(tmp_path_factory, corpus, doc_corpus) -> tuple[dict, list[list[dict]]]:
     """150 MeZO steps on two ranks, then the dp2 references of the split replicas (SPLITS,
     REFERENCES), in one spawned world: (the first run's tree, every rank's runs)."""
     root = tmp_path_factory.mktemp("two_ranks")
     tree = _zo_tree(root, corpus, train={"steps": STEPS}, run={"eval_every": STEPS // 2},
                     parallel={"nproc": 2}, checkpoint={"every": STEPS // 2})
-    return tree, run_world(_train, 2, [tree, *_references(root, corpus, 2)], timeout_s=200)
+    return tree, run_world(_train, 2, [tree, *_references(root, corpus, doc_corpus, 2)],
+                           timeout_s=200)
 
 
 def test_mezo_on_two_ranks_exchanges_only_pairs_and_stays_identical(two_ranks):
@@ -152,7 +154,7 @@ def test_mezo_on_two_ranks_exchanges_only_pairs_and_stays_identical(two_ranks):
 # every method, 6 steps with a checkpoint at 3, then resumed from that checkpoint; the
 # small MeZO-SVRG period puts refreshes at steps 0, 2 and 4 (one in each half); dropout makes
 # the RNG state part of what a resume must restore
-METHOD_KEYS = {"mezo-svrg": {"svrg_every": 2, "svrg_batches": 2}, "sparse-mezo": {"mask_every": 2},
+METHOD_KEYS = {"mezo-svrg": {"svrg_every": 2, "svrg_batches": 3}, "sparse-mezo": {"mask_every": 2},
                "helene": {"hessian_every": 2}, "zo-adam": {"n_perturbations": 2}}
 
 
@@ -194,7 +196,7 @@ def _forward_passes(name: str, steps: int) -> int:
     if name != "mezo-svrg":
         return 2 * k * steps
     refreshes = len(range(0, steps, 2))
-    return 2 * k * 2 * refreshes + 4 * k * (steps - refreshes)
+    return 2 * k * 3 * refreshes + 4 * k * (steps - refreshes)
 
 
 @pytest.mark.parametrize("name", ZO_METHODS)
@@ -231,30 +233,49 @@ def test_a_resumed_run_continues_bitwise(every_method, name):
 # pp2, checkpointed at step 6 and resumed from it; MeZO over dp2 x tp2 with sequence
 # parallelism; MeZO over dp2 x cp2 (Ulysses); HELENE over cp2 x tp2 (ring attention; its
 # floors are the whole tensors' means); sparse MeZO (thresholds of the whole tensors, every 2
-# steps) over tp2 x pp2, resumed as well (each stage's thresholds restored)
+# steps) over tp2 x pp2, resumed as well (each stage's thresholds restored); MeZO-SVRG over
+# dp2 x tp2 (refreshes of 3 batches at steps 1, 3, ...); on packed documents (the
+# probes' forwards through the document masks, as the backprop loss's), MeZO over cp2 x pp2,
+# and MeZO with data.balance over a dp2 x cp2 pool: one replica, whose dp ranks probe the same
+# seeds on the whole batch dealt by work, as one process on it (one rank's deal is all of
+# it: the same maths as packing alone)
+PACKING, BALANCE = {"packing": True}, {"packing": True, "balance": True}
 SPLITS = [("zo-adam", {"tp": 2, "pp": 2}, 1), ("mezo", {"tp": 2, "sequence_parallel": True}, 2),
           ("mezo", {"cp": 2, "cp_method": "ulysses"}, 2), ("helene", {"cp": 2, "tp": 2}, 1),
-          ("sparse-mezo", {"tp": 2, "pp": 2}, 1)]
+          ("sparse-mezo", {"tp": 2, "pp": 2}, 1), ("mezo-svrg", {"tp": 2}, 2),
+          ("mezo", {"cp": 2, "pp": 2}, 1, PACKING), ("mezo", {"cp": 2}, 1, BALANCE)]
 RESUMED = {0, 4}  # the SPLITS that checkpoint at step 6 and resume from it
 SPLIT_STEPS = 12
-# the whole replicas, one run per (method, world), in the one- and two-rank spawns
-REFERENCES = sorted({(name, world) for name, _, world in SPLITS})
 
 
-def _split_tree(root, corpus, world: int, split: int | None = None,
-                name: str | None = None) -> dict:
-    """SPLITS[split]'s run at world 4, or (split None) the reference run of method `name` on
-    `world` ranks."""
-    parallel = SPLITS[split][1] if split is not None else {}
-    name = SPLITS[split][0] if split is not None else name
-    return _zo_tree(root, corpus, name, run_name=f"split-{name}-{world}-{split}",
+def _reference_of(split: tuple) -> tuple:
+    """(method, world, packed): the whole replica a SPLITS entry is checked against."""
+    name, _, world, *data = split
+    return name, world, bool(data)
+
+
+# the whole replicas, one run per (method, world, packed), in the one- and two-rank spawns
+REFERENCES = sorted({_reference_of(split) for split in SPLITS})
+
+
+def _split_tree(root, corpus, doc_corpus, world: int, split: int | None = None,
+                reference: tuple | None = None) -> dict:
+    """SPLITS[split]'s run at world 4, or the run of `reference` (REFERENCES)."""
+    if split is None:
+        name, parallel, data = reference[0], {}, PACKING if reference[2] else {}
+    else:
+        name, parallel, _, *data = SPLITS[split]
+        data = data[0] if data else {}
+    source = {"source": str(doc_corpus)} if data else {}
+    return _zo_tree(root, corpus, name, run_name=f"split-{name}-{world}-{split}-{bool(data)}",
                     optim=METHOD_KEYS.get(name, {}), train={"steps": SPLIT_STEPS},
-                    parallel={"nproc": world, **parallel},
+                    parallel={"nproc": world, **parallel}, data={**data, **source},
                     checkpoint={"every": SPLIT_STEPS // 2 if split in RESUMED else 0})
 
 
-def _references(root, corpus, world: int) -> list[dict]:
-    return [_split_tree(root, corpus, world, name=name) for name, w in REFERENCES if w == world]
+def _references(root, corpus, doc_corpus, world: int) -> list[dict]:
+    return [_split_tree(root, corpus, doc_corpus, world, reference=r) for r in REFERENCES
+            if r[1] == world]
 
 
 def _split_world(rank, world, trees):
@@ -268,18 +289,19 @@ def _split_world(rank, world, trees):
 
 
 @pytest.fixture(scope="module")
-def split_replicas(tmp_path_factory, corpus) -> list[list[dict]]:
+def split_replicas(tmp_path_factory, corpus, doc_corpus) -> list[list[dict]]:
     root = tmp_path_factory.mktemp("split")
-    trees = [_split_tree(root, corpus, 4, i) for i in range(len(SPLITS))]
+    trees = [_split_tree(root, corpus, doc_corpus, 4, i) for i in range(len(SPLITS))]
     return run_world(_split_world, 4, trees, timeout_s=300)
 
 
 @pytest.mark.parametrize("i", range(len(SPLITS)))
 def test_a_split_replica_trains_as_its_whole_replica(split_replicas, one_rank, two_ranks, i):
     got = split_replicas[0][i]["records"]
-    name, _, world = SPLITS[i]
+    reference = _reference_of(SPLITS[i])
+    world = reference[1]
     runs = {1: one_rank, 2: two_ranks[1][0]}[world][1:]
-    ref = runs[[r for r in REFERENCES if r[1] == world].index((name, world))]["records"]
+    ref = runs[[r for r in REFERENCES if r[1] == world].index(reference)]["records"]
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, SPLIT_STEPS + 1))
     # the same perturbations and updates; the losses sum the same terms in other orders
     # (tensor-parallel matmuls and all-reduces): measured within 2e-6 relative
@@ -313,17 +335,22 @@ def test_a_pipeline_sends_each_probe_loss_from_its_last_stage(split_replicas):
         assert ("pp", "zo_loss") not in runs[1]["saved"]["counts"]  # no pipeline, no broadcast
 
 
-@pytest.mark.parametrize("i", range(3))
-def test_the_dry_run_predicts_a_split_replicas_step(split_replicas, tmp_path, corpus, i):
-    # step 3 of tp2 x pp2 (rank 0: pipeline stage 0), dp2 x tp2 with sequence parallelism and
-    # dp2 x cp2: no evaluation or checkpoint, every collective of a step, op by op
-    cfg = config_from_dict(_split_tree(tmp_path, corpus, 4, i))
+@pytest.mark.parametrize("i, step", [(0, 3), (1, 3), (2, 3), (3, 3), (4, 4), (4, 5), (5, 3),
+                                     (5, 4)])
+def test_the_dry_run_predicts_a_split_replicas_step(split_replicas, tmp_path, corpus,
+                                                     doc_corpus, i, step):
+    # a step of tp2 x pp2 (rank 0: pipeline stage 0), dp2 x tp2 with sequence parallelism,
+    # dp2 x cp2, HELENE's floors over tp, sparse MeZO's threshold gathers (after steps 2, 4,
+    # ...) and MeZO-SVRG's refreshes (steps 1, 3, ...: 3 batches of probes in place of a
+    # minibatch step's 4 forwards): no evaluation or checkpoint, every collective, op by op
+    cfg = config_from_dict(_split_tree(tmp_path, corpus, doc_corpus, 4, i))
     predicted: dict[str, int] = {}
     for c in dryrun.estimate(cfg).collectives:
-        if c.every_steps == 1:
+        refresh = c.purpose.startswith("refresh")
+        if (step - refresh) % c.every_steps == 0:
             predicted[c.op] = predicted.get(c.op, 0) + c.calls * c.wire_bytes
-    record = split_replicas[0][i]["records"][2]
-    assert record["step"] == 3
+    record = split_replicas[0][i]["records"][step - 1]
+    assert record["step"] == step
     got = {op: n for op, n in record["comm_bytes"].items() if op != "total"}
     assert got == {op: n for op, n in predicted.items() if n or op in got}
 
@@ -437,7 +464,6 @@ def _cfg(tmp_path, corpus, **sections):
      r"compression.method='topk' is not supported: there is no gradient"),
     ({"optim": {"name": "mezo"}, "parallel": {"nproc": 3}, "async": {"mode": "ps"},
       "train": {"global_batch": 4}}, r"async.mode='ps'"),
-    ({"optim": {"name": "mezo"}, "data": {"packing": True}}, r"data.packing=True"),
     ({"optim": {"name": "mezo", "betas": [0.9, 1.0]}}, r"optim.betas=\[0.9, 1.0\]"),
     ({"optim": {"name": "mezo", "trainable": [""]}}, r"a pattern is empty"),
     ({"optim": {"name": "mezo", "eps": 0}}, r"optim.eps"),

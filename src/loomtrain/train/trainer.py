@@ -162,8 +162,12 @@ def validate(built: Built, sampler, device) -> dict:
 
 def loaded_ranks(built: Built) -> list[int]:
     """The dp ranks whose rows this rank loads (its own, unless a component loads more)."""
-    mesh = built.mesh
-    ranks = first(c.loaded_ranks(built.cfg, mesh) for c in built.applied)
+    return ranks_loaded(built.applied, built.cfg, built.mesh)
+
+
+def ranks_loaded(components, cfg, mesh) -> list[int]:
+    """`loaded_ranks` under the `components` that apply (the dry run's, before a build)."""
+    ranks = first(c.loaded_ranks(cfg, mesh) for c in components)
     return [mesh.local_rank("dp")] if ranks is None else ranks
 
 

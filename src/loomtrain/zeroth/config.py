@@ -79,10 +79,6 @@ class Zeroth(Component):
                             "rank computes none", yet=False),
         "straggler": Refusal("it slows the ranks of the backprop trainer, which the zeroth-order "
                              "loop is not"),
-        "packing": Refusal("the probes' forwards through the sequence runtime's document "
-                           "masks are not checked against the single-process run yet"),
-        "balance": Refusal("the pool deals every dp rank's rows by work, and a zeroth-order "
-                           "rank's probes are seeded for, and measure, its own rows"),
         "sparsity": Refusal("sparse training masks gradients and regrows from them (RigL), and "
                             "SAM and ZO-SAM take backprop steps at perturbed weights; sparse MeZO "
                             "(optim.name=\"sparse-mezo\") is the zeroth-order method that "

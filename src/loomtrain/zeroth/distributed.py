@@ -4,7 +4,8 @@ every rank applies them all, so the parameters stay bitwise identical with no pa
 gradient communication. Packing, bytes per step and the seed check: docs/zeroth.md,
 "Distributed: seeds and scalars only". A replica split into pipeline stages: its last stage
 sends each probe's loss to the others; split by context parallelism: its cp ranks add their
-tokens' loss sums (`shared_loss`; docs/zeroth.md, "Split replicas").
+tokens' loss sums (`shared_loss`; docs/zeroth.md, "Split replicas"); under data.balance the
+dp x cp pool is one replica that adds them over dp x cp.
 """
 
 from __future__ import annotations
@@ -46,16 +47,17 @@ def loss_reduce_bytes(cp: int, forwards: int) -> dict[str, int]:
     return {"calls": forwards, "payload": forwards * LOSS_BYTES, "wire": forwards * wire}
 
 
-def shared_loss(total: torch.Tensor | None, targets: float, mesh) -> torch.Tensor:
+def shared_loss(total: torch.Tensor | None, targets: float, mesh,
+                axis: str = "cp") -> torch.Tensor:
     """A probe's loss, the mean over the whole rows' `targets`, on every rank of a replica.
     `total`: this rank's loss sum (float64; None off a pipeline's last stage, which holds no
     output). Under context parallelism each cp rank holds its tokens of every row: their sums
-    are all-reduced over cp (one float64). Under a pipeline the last stage broadcasts the loss
-    over pp (one float64). Tensor-parallel ranks already share it (the vocabulary-parallel
-    loss)."""
-    if total is not None and mesh.size("cp") > 1:
+    are all-reduced over `axis` (one float64; "dpcp" where data.balance deals the rows of
+    the whole dp x cp pool). Under a pipeline the last stage broadcasts the loss over pp (one
+    float64). Tensor-parallel ranks already share it (the vocabulary-parallel loss)."""
+    if total is not None and mesh.size(axis) > 1:
         total = total.detach().reshape(1)
-        comm.all_reduce(total, mesh, "cp")
+        comm.all_reduce(total, mesh, axis)
         total = total[0]
     loss = None if total is None else total / targets
     pp = mesh.size("pp")

@@ -23,8 +23,8 @@ from loomtrain.train.components import COMPONENTS
 from loomtrain.train.loop import Stepped, SyncMode, SyncStep, train_sync
 from loomtrain.train.task import build_task_model
 from loomtrain.train.trainer import forward_loss
-from loomtrain.zeroth import (STATE_PER_PARAMETER, SeedScalarExchange, ZOOptimizer,
-                              build_zo_optimizer, hyper_keys)
+from loomtrain.zeroth import (STATE_PER_PARAMETER, LocalExchange, SeedScalarExchange,
+                              ZOOptimizer, build_zo_optimizer, hyper_keys)
 from loomtrain.zeroth.distributed import shared_loss
 from loomtrain.zeroth.perturb import parameter_indices
 from loomtrain.zeroth.state import ZEROTH
@@ -32,9 +32,9 @@ from loomtrain.zeroth.state import ZEROTH
 
 class ZerothMode(SyncMode):
     """The zeroth-order mode of the run loop (train/loop.py): the model split by the
-    components that split it (tensor, pipeline and context parallelism), no replica engine;
-    a step
-    probes the loss and the dp ranks exchange only seeds and scalars."""
+    components that split it (tensor, pipeline and context parallelism), with those that
+    build nothing (data.balance's choice of the rows a rank loads, its metrics), no replica
+    engine; a step probes the loss and the dp ranks exchange only seeds and scalars."""
 
     nonfinite = "projected gradient"
 
@@ -42,7 +42,7 @@ class ZerothMode(SyncMode):
         with torch.device("meta"):  # the whole model's names: they index each piece's seeds
             whole = build_task_model(cfg)
         splits = [c for c in type(cfg).components or COMPONENTS
-                  if c.stage in (SPLIT, PIPELINE, CONTEXT)]
+                  if c.stage in (None, SPLIT, PIPELINE, CONTEXT)]
         built, setup = build_run(cfg, mesh,
                                  lambda model: build_optimizer(cfg, model, whole, mesh),
                                  fresh, splits)
@@ -51,18 +51,24 @@ class ZerothMode(SyncMode):
         super().__init__(built, data)
         self.init = setup.init
         self.description = f"{data.description}; {describe(setup.parameters, built.optimizer)}"
-        self.exchange = KeptPairs(SeedScalarExchange(mesh, "dp"))
+        # a rank that loads several dp ranks' rows (data.balance: the pool's, dealt over dp x
+        # cp by work) holds no batch of its own: the dp ranks probe the same seeds on the
+        # whole batch, each forward's loss sums added over dp x cp, and exchange nothing
+        pooled = len(self.ranks) > 1
+        self.loss_axis = "dpcp" if pooled else "cp"
+        self.exchange = KeptPairs(LocalExchange() if pooled else SeedScalarExchange(mesh, "dp"))
         self.schedule = schedule(cfg)
-        # every stage and cp rank learns the whole loss; one of them records it (the loop
-        # sums the records over dp, cp and pp)
+        # every stage and cp rank (pooled: every dp rank) learns the whole loss; one of them
+        # records it (the loop sums the records over dp, cp and pp)
         self.records_loss = (mesh.local_rank("pp") == mesh.size("pp") - 1
-                             and mesh.local_rank("cp") == 0)
+                             and mesh.local_rank("cp") == 0
+                             and (not pooled or mesh.local_rank("dp") == 0))
 
     def load(self, step: int):
         """Step `step`'s rows (a refresh: those of steps step .. step + svrg_batches - 1)."""
         opt, cfg, mesh = self.built.optimizer, self.cfg, self.mesh
         refresh = opt.needs_refresh()
-        groups = [batches_of_step(self.data.train, cfg, mesh, step + b, mesh.device)
+        groups = [batches_of_step(self.data.train, cfg, mesh, step + b, mesh.device, self.ranks)
                   for b in range(opt.svrg_batches if refresh else 1)]
         return (groups, refresh), [batch for batches in groups for batch in batches]
 
@@ -73,9 +79,10 @@ class ZerothMode(SyncMode):
         skipped = opt.skipped_steps
         targets = sum(target_tokens(batches) for batches in groups)
         if refresh:
-            loss = opt.refresh([batch_loss(self.built, b) for b in groups], exchange, lr)
+            loss = opt.refresh([batch_loss(self.built, b, self.loss_axis) for b in groups],
+                               exchange, lr)
         else:
-            loss = opt.step(batch_loss(self.built, groups[0]), exchange, lr)
+            loss = opt.step(batch_loss(self.built, groups[0], self.loss_axis), exchange, lr)
         loss_sum = torch.tensor(loss * targets * self.records_loss, dtype=torch.float64,
                                 device=self.mesh.device)
         return Stepped(opt.skipped_steps == skipped, global_tokens,
@@ -84,10 +91,11 @@ class ZerothMode(SyncMode):
     def _fields(self) -> dict:
         """zo_grad: the mean of the step's exchanged scalars (MeZO-SVRG: g(theta) -
         g(snapshot) on minibatch steps, the large batch's g on a refresh); forward_passes: the
-        probes' forwards so far over all ranks (each runs the same ones)."""
+        probes' forwards so far over all replicas (each runs the same ones; a pool of dp
+        ranks is one replica)."""
         grads = [p.grad for p in self.exchange.pairs]
         return {"zo_grad": sum(grads) / len(grads),
-                "forward_passes": self.built.optimizer.forward_passes * self.mesh.size("dp")}
+                "forward_passes": self.built.optimizer.forward_passes * self.exchange.world}
 
 
 def train_zeroth(cfg, run_dir: Path, resume: Path | None, mesh, stop) -> int:
@@ -173,15 +181,17 @@ def describe(parameters: int, opt: ZOOptimizer) -> str:
             "values)")
 
 
-def batch_loss(built, batches: list) -> Callable[[], torch.Tensor]:
+def batch_loss(built, batches: list, axis: str = "cp") -> Callable[[], torch.Tensor]:
     """The mean target loss of `batches` (micro-batches summed, divided by their targets),
     through the split model's forward (a pipeline's stage after stage, each cp rank on its
-    tokens of the rows: `Built.local`), on every rank: the cp ranks' sums added, a
-    pipeline's last stage sending the loss to the others (`shared_loss`)."""
+    tokens of the rows, under packing with its documents' masks: `Built.local`, as the
+    backprop step's loss), on every rank: the sums of the ranks of `axis` added ("cp", or
+    "dpcp" for a pool that deals the rows over dp x cp), a pipeline's last stage sending the
+    loss to the others (`shared_loss`)."""
     targets = target_tokens(batches)
 
     def loss_fn() -> torch.Tensor:
-        return shared_loss(forward_loss(built, batches), targets, built.mesh)
+        return shared_loss(forward_loss(built, batches), targets, built.mesh, axis)
     return loss_fn
 
 

@@ -106,7 +106,7 @@ def pipeline(model, mesh, schedule: schedules.Schedule, sample: torch.Tensor,
                 m.recompute_core = True
     module, shapes, shared = _split_real(model, mesh, schedule.stages, sample, balance, materialize)
     module.runtime = PipelineRuntime(module.stage_modules(), mesh, schedule, shapes, shared,
-                                     recompute)
+                                     recompute, tuple(sample.shape))
     return module
 
 
@@ -143,7 +143,8 @@ def _optimal_pipeline(model, mesh, cfg, materialize, loss_sum) -> PipelineModule
     p, microbatches = cfg.parallel, cfg.accumulation_steps
     module, shapes, shared = split_model(model, mesh, cfg, materialize)
     module.runtime = PipelineRuntime(module.stage_modules(), mesh,
-                                     schedules.build("zb-h1", p.pp, microbatches), shapes, shared)
+                                     schedules.build("zb-h1", p.pp, microbatches), shapes, shared,
+                                     sample_shape=tuple(_sample(cfg, mesh).shape))
     targets = torch.randint(0, cfg.model.vocab_size, _sample(cfg, mesh).shape, device=mesh.device)
     table = profile_stages(module.runtime, _sample(cfg, mesh),
                            lambda logits: loss_sum(logits, targets))

@@ -151,6 +151,11 @@ class AsyncPipelineRuntime(PipelineRuntime):
 
     # --- execution ----------------------------------------------------------------------
 
+    def _input_shape(self, microbatch: int) -> None:
+        """Every micro-batch has the shape the stages' output shapes were found for (the
+        stream keeps no step's batches)."""
+        return None
+
     def _run(self, actions: list[S.Action]) -> None:
         for a in actions:  # receives first, so messages arrive while this rank computes
             if a.kind == S.F and a.stage > 0:

@@ -184,6 +184,11 @@ class AsyncPipeline(Component):
     refuses = {
         "timeline": Refusal("it streams micro-batches across steps, and a timeline records one "
                             "step of a fixed schedule: set run.timeline_step=0", yet=False),
+        **{other: Refusal("its stream takes the micro-batches as loaded and carries no "
+                          "micro-batch's sequence context (the rank's tokens and positions, "
+                          "the documents' masks) to its forwards, which run in later steps; "
+                          "the synchronous schedules run it")
+           for other in ("context", "packing")},
     }
 
 

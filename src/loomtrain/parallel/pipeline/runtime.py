@@ -146,14 +146,16 @@ class PipelineRuntime:
     s on pp rank s % pp); `module(x)` runs stage s on its input (stage 0: the micro-batch's
     tokens), any module: a slice of a model's layers (`PipelineModule.stage_modules()`), a
     tensor-parallel block, a hand-built one. `shapes[s]`: stage s's output (shape, dtype) for
-    one micro-batch, for every stage that sends (s < stages - 1). `shared`: the parameters
+    one micro-batch, for every stage that sends (s < stages - 1), found for an input of
+    `sample_shape`: a micro-batch with other rows or tokens gets buffers of its own
+    (`output_shape`). `shared`: the parameters
     several pp ranks hold (a tied embedding and head), as [(this rank's copy or None, shape)]
     in one order on every pp rank; their gradients are summed over pp. The loss is the
     runtime's: `loss_fn(last stage's output, targets)`. The gradient engine (dp's) is given
     to each `train_step`."""
 
     def __init__(self, stages: Mapping[int, nn.Module], mesh, schedule: S.Schedule, shapes,
-                 shared, recompute: str = "none"):
+                 shared, recompute: str = "none", sample_shape: tuple | None = None):
         self.mesh, self.schedule = mesh, schedule
         self.rank, self.pp = mesh.local_rank("pp"), mesh.size("pp")
         self.last = schedule.stages - 1
@@ -161,6 +163,7 @@ class PipelineRuntime:
         self.stages = dict(stages)
         self.module = RankStages(stages)
         self.shapes = shapes  # stage s's output (shape, dtype), for a micro-batch
+        self.sample_shape = sample_shape  # the input `shapes` were found for (None: not given)
         self.recompute = recompute
         self.deferred = DeferredWeightGrads()
         if any(a.kind == S.I for a in schedule.actions[self.rank]):
@@ -322,14 +325,26 @@ class PipelineRuntime:
     def _recv(self, a: S.Action) -> None:
         st, key = self._step, (a.microbatch, a.stage)
         if a.kind == S.RECV_F:
-            (shape, dtype), frm, what, table = self.shapes[a.stage - 1], a.stage - 1, _ACT, st.recv_f
+            sender, frm, what, table = a.stage - 1, a.stage - 1, _ACT, st.recv_f
         else:
-            (shape, dtype), frm, what, table = self.shapes[a.stage], a.stage + 1, _GRAD, st.recv_b
-        buffer = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+            sender, frm, what, table = a.stage, a.stage + 1, _GRAD, st.recv_b
+        buffer = self._buffer(sender, self._input_shape(a.microbatch))
         issued = time.perf_counter()
         pending = comm.recv(buffer, self.mesh, "pp", S.stage_rank(frm, self.pp), async_op=True,
                             tag=self._tag(what, a.microbatch, a.stage if what == _ACT else frm))
         table[key] = (buffer, pending, a, issued)
+
+    def _input_shape(self, microbatch: int) -> torch.Size:
+        """The first-stage input's shape of a step's micro-batch (every pp rank holds it)."""
+        return self._step.batches[microbatch][0].shape
+
+    def _buffer(self, stage: int, input_shape) -> torch.Tensor:
+        """An empty tensor for stage `stage`'s output (or its gradient) on the micro-batch
+        whose first-stage input has `input_shape` (None: the micro-batch `shapes` were
+        found for)."""
+        shape, dtype = self.shapes[stage]
+        return torch.empty(output_shape(shape, self.sample_shape, input_shape), dtype=dtype,
+                           device=self.mesh.device)
 
     def _offload(self, a: S.Action) -> None:
         t0 = time.perf_counter()
@@ -398,13 +413,12 @@ class PipelineRuntime:
     def forward_only(self, x: torch.Tensor) -> torch.Tensor | None:
         """The model's output for `x` on the rank of the last stage (None elsewhere): stage
         after stage, each rank's stages in turn, blocking sends and receives."""
-        out = None
+        out, given = None, x.shape
         for stage in range(self.schedule.stages):
             if S.stage_rank(stage, self.pp) != self.rank:
                 continue
             if stage > 0:
-                shape, dtype = self.shapes[stage - 1]
-                x = torch.empty((x.shape[0], *shape[1:]), dtype=dtype, device=self.mesh.device)
+                x = self._buffer(stage - 1, given)
                 comm.recv(x, self.mesh, "pp", S.stage_rank(stage - 1, self.pp),
                           tag=self._tag(_EVAL, 0, stage))
             out = self.stages[stage](x)
@@ -412,6 +426,24 @@ class PipelineRuntime:
                 comm.send(out.contiguous(), self.mesh, "pp", S.stage_rank(stage + 1, self.pp),
                           tag=self._tag(_EVAL, 0, stage + 1))
         return out if self.rank == S.stage_rank(self.last, self.pp) else None
+
+
+def output_shape(shape, sample_shape, input_shape) -> tuple:
+    """A stage's output `shape`, found for a first-stage input of `sample_shape`, for an input
+    of `input_shape`: its rows follow the input's (an evaluation's micro-batches), and so do
+    its tokens, in the stage's proportion (1/tp of them under sequence parallelism), where
+    an input has its own count (data.balance deals each rank its own tokens every
+    micro-batch; every stage of a pipeline holds the same deal). Without `sample_shape`
+    only the rows follow; without `input_shape`, nothing."""
+    if input_shape is None:
+        return tuple(shape)
+    if sample_shape is None or len(shape) < 2 or len(input_shape) < 2:
+        return (input_shape[0], *shape[1:])
+    tokens, given = shape[1] * input_shape[1], sample_shape[1]
+    if tokens % given:
+        raise ValueError(f"a stage's output of {shape[1]} tokens for an input of {given} does "
+                         f"not divide for an input of {input_shape[1]} tokens")
+    return (input_shape[0], tokens // given, *shape[2:])
 
 
 def _rng_state(device: torch.device) -> tuple:

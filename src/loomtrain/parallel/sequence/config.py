@@ -129,9 +129,10 @@ class Balance(Component):
     name = "balance"
     switches = (Switch("data.balance", False),)
     summary = "documents dealt over dp x cp by attention work (ByteScale)"
-    refuses = {"pipeline": Refusal("the pool deals each rank a different number of rows every "
-                                   "micro-step, and a pipeline's stages exchange activations of "
-                                   "one fixed shape")}
+    refuses = {"async_pipeline": Refusal("the pool deals each rank its own tokens every "
+                                         "micro-batch, and the asynchronous runtime streams "
+                                         "micro-batches across steps as loaded, with no "
+                                         "per-micro-batch context")}
 
     @classmethod
     def loaded_ranks(cls, cfg, mesh) -> list[int]:

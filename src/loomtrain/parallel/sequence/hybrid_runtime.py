@@ -47,7 +47,8 @@ class HybridRuntime:
     def __init__(self, model, mesh, attention: str):
         if attention != "softmax":
             raise ValueError("data.balance splits long documents with ring attention: softmax only")
-        self.model, self.mesh = model, mesh
+        # the model whose embedding reads `position_ids`: the whole model under a pipeline
+        self.model, self.mesh = getattr(model, "whole", model), mesh
         self.pool, self.me = mesh.size("dpcp"), mesh.local_rank("dpcp")
         self.imbalance = self.dp_imbalance = 0.0
         self.whole: list[slice] = []  # local token ranges of whole documents
@@ -86,6 +87,15 @@ class HybridRuntime:
         self.model.position_ids = index[1].to(x.device)
         local_y = torch.where(keep, y[index], torch.full_like(y[index], IGNORE_INDEX))
         return x[index][None], local_y[None]
+
+    def context_state(self) -> tuple:
+        """What the last `shard` set: its documents' local ranges, rings and positions."""
+        return self.whole, self.split, self.model.position_ids
+
+    def restore(self, state: tuple) -> None:
+        """Back to a `context_state()`: a pipeline runs micro-batches sharded earlier, each
+        stage with the same deal (every stage of a pool rank deals the same rows alike)."""
+        self.whole, self.split, self.model.position_ids = state
 
     def attend(self, q, k, v):
         """Whole documents by SDPA, split ones by the layer's rings; outputs in local order."""
