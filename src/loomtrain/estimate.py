@@ -134,6 +134,7 @@ class DryRunPlan:
     model: Any  # meta device: shapes, no storage
     optimizer_states: int  # fp32 state tensors per parameter of train.optimizer
     eval_forwards: int  # forwards per rank and evaluation: ceil(eval_batches / dp)
+    loaded: int = 1  # the dp ranks whose rows this rank loads (data.balance's pool: all)
     compute_bytes: int = FP32_BYTES  # per activation element
     activation_bytes: int | None = None  # one rank's peak; None: the model's, one micro-batch
     memory: MemoryEstimate | None = None  # None: nothing sharded (memory_per_rank)

@@ -31,6 +31,7 @@ from loomtrain.estimate import (  # gradient_all_reduces: importable from here t
     optimizer_states,
 )
 from loomtrain.train.components import COMPONENTS
+from loomtrain.train.trainer import ranks_loaded
 
 __all__ = ["DryRun", "activation_bytes", "estimate", "gpt_activation_bytes",
            "gradient_all_reduces", "llama_activation_bytes", "memory_per_rank",
@@ -121,7 +122,8 @@ def _estimate_on_fake_backend(cfg, components) -> tuple[DryRunPlan, str, int, in
         # trainer.validate: every rank runs ceil(eval_batches / dp) forwards, so that the
         # collectives of an evaluation forward match on every rank
         plan = DryRunPlan(cfg, mesh, model, optimizer_states(t.optimizer, t.beta1),
-                          eval_forwards=-(-cfg.run.eval_batches // p.dp_size))
+                          eval_forwards=-(-cfg.run.eval_batches // p.dp_size),
+                          loaded=len(ranks_loaded(components, cfg, mesh)))
         whole = plan.parameters
         for component in components:
             component.estimate(plan)

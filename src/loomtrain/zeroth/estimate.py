@@ -30,12 +30,7 @@ def setting(cfg, key: str):
 def pooled(plan: DryRunPlan) -> bool:
     """Whether a rank loads several dp ranks' rows (data.balance's pool): the dp ranks are
     then one replica, which exchanges no pairs and adds its loss sums over dp x cp."""
-    from loomtrain.train.components import COMPONENTS
-    from loomtrain.train.trainer import ranks_loaded
-
-    cfg = plan.cfg
-    applied = [c for c in type(cfg).components or COMPONENTS if c.applies(cfg)]
-    return len(ranks_loaded(applied, cfg, plan.mesh)) > 1
+    return plan.loaded > 1
 
 
 def estimate_zeroth(plan: DryRunPlan) -> None:
@@ -153,7 +148,7 @@ def _trainable(plan: DryRunPlan) -> list:
     import torch
 
     from loomtrain.train.task import build_task_model
-    from loomtrain.zeroth.train import select_trainable
+    from loomtrain.zeroth.trainable import select_trainable
 
     with torch.device("meta"):  # its names check the patterns, as the run's do
         whole = build_task_model(plan.cfg)

@@ -6,7 +6,6 @@ docs/zeroth.md, "Training with loom train".
 
 from __future__ import annotations
 
-import fnmatch
 from pathlib import Path
 from typing import Callable
 
@@ -14,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from loomtrain.component import CONTEXT, PIPELINE, SPLIT
-from loomtrain.errors import CheckpointError, ConfigError
+from loomtrain.errors import CheckpointError
 from loomtrain.optim import lr_at
 from loomtrain.train import checkpoint
 from loomtrain.train.apply import build_run
@@ -27,6 +26,7 @@ from loomtrain.zeroth import (STATE_PER_PARAMETER, LocalExchange, SeedScalarExch
                               ZOOptimizer, build_zo_optimizer, hyper_keys)
 from loomtrain.zeroth.distributed import shared_loss
 from loomtrain.zeroth.perturb import parameter_indices
+from loomtrain.zeroth.trainable import select_trainable
 from loomtrain.zeroth.state import ZEROTH
 
 
@@ -123,32 +123,6 @@ def build_optimizer(cfg, model: nn.Module, whole: nn.Module | None = None,
 def schedule(cfg):
     """[train] with the zeroth-order peak lr: lr_at(step, schedule(cfg)) is a step's lr."""
     return cfg.train if cfg.optim.lr is None else cfg.train.model_copy(update={"lr": cfg.optim.lr})
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """A glob (with * ? or [) matches the whole name; anything else is a prefix of it."""
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(name, pattern)
-    return name.startswith(pattern)
-
-
-def select_trainable(model: nn.Module, patterns: list[str],
-                     whole: nn.Module | None = None) -> list[nn.Parameter]:
-    """The parameters whose names (any of a tied parameter's names) match a pattern, in model
-    order, each once; all of them for no pattern. A pattern that matches nothing of `whole`
-    (default: `model`; a split model's part may hold none of what it matches) is a
-    ConfigError naming the model's parameters."""
-    named = list(model.named_parameters(remove_duplicate=False))
-    if not patterns:
-        return list(dict.fromkeys(p for _, p in named))
-    names = [name for name, _ in (whole or model).named_parameters(remove_duplicate=False)]
-    for pattern in patterns:
-        if not any(_matches(name, pattern) for name in names):
-            shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
-            raise ConfigError(f"optim.trainable: {pattern!r} matches no parameter of the model; "
-                              f"its parameters are {shown}. Give name prefixes (\"blocks.1.\": "
-                              "everything under blocks.1) or globs (\"*.bias\", whole names)")
-    return list(dict.fromkeys(p for name, p in named if any(_matches(name, pat) for pat in patterns)))
 
 
 def check_trainable(cfg) -> None:
