@@ -76,18 +76,21 @@ class LowcommConfig(Section):
 
 _REPLICAS = "its replicas are whole fp32 models over dp"
 # the algorithms whose replica may run in the sharded engine (parallel/zero/): in bf16, or
-# ZeRO-sharded over the ranks of a node; each rank syncs its slices of the fp32 master weights
-# with the ranks that hold the same slices in the other replicas (lowcomm/local_sgd.py)
+# ZeRO-sharded over the dp ranks of a node, whole or split over tp, pp and cp; each rank syncs
+# its slices of the fp32 master weights with the ranks that hold the same slices in the other
+# replicas (lowcomm/local_sgd.py)
 SHARDED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
 _SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slices of the fp32 "
                 "master weights); HPSGD and DASO reduce the parameters' own gradients every "
                 "step, DreamDDP syncs the whole model's layers timed in its own backward, and "
                 "LoRDO steps its own low-rank optimizer, not ZeRO's elementwise one over slices")
+
+
 class Lowcomm(EngineTimeline, Component):
     """Low-communication replicas over dp, each on its own rows, each whole or itself split
     over tp, cp and pp (each rank syncs its own pieces over dp; LoRDO's projections are the
-    whole matrices'), or run by the sharded engine in bf16 or ZeRO-sharded over the ranks of
-    a node (SHARDED_REPLICAS), checkpointed only where they are synchronized."""
+    whole matrices'), and run by the sharded engine in bf16 or ZeRO-sharded over the dp ranks
+    of a node (SHARDED_REPLICAS), checkpointed only where they are synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
@@ -112,7 +115,7 @@ class Lowcomm(EngineTimeline, Component):
 
         cfg = built.cfg
         if Zero.applies(cfg):  # each replica in the sharded engine: in bf16, or ZeRO over a node
-            shard_built(built, "dp.local" if cfg.parallel.zero_stage else "self")
+            shard_built(built, replica_shard_axis(cfg.parallel))
         built.model, built.optimizer = apply_lowcomm(built.model, built.optimizer, built.mesh,
                                                      cfg.lowcomm, cfg.run.seed)
         if built.compressor is not None:  # applies_to="pseudo_gradients": the outer all-reduce
@@ -227,19 +230,12 @@ def _check_restarts(cfg) -> None:
 
 
 def _check_sharded(cfg) -> None:
-    """Replicas in the sharded engine (SHARDED_REPLICAS): with ZeRO, a replica is the ranks of
-    one node, which shard it, and the replicas sync across nodes; neither yet with a replica
-    split over tp, pp or cp, nor with compressed pseudo-gradients."""
+    """Replicas in the sharded engine (SHARDED_REPLICAS): with ZeRO, a replica is the dp ranks
+    that share a node, which shard it (tp, pp and cp split it as they split any replica), and
+    the replicas sync across nodes; not yet with compressed pseudo-gradients."""
     lc, p = cfg.lowcomm, cfg.parallel
     what = (f"parallel.zero_stage={p.zero_stage}" if p.zero_stage
             else 'train.precision="bf16"')
-    split = {k: getattr(p, k) for k in ("tp", "pp", "cp") if getattr(p, k) > 1}
-    if split:
-        key, value = next(iter(split.items()))
-        raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r} and parallel.{key}="
-                         f"{value}: replicas that are both run by the sharded engine and split "
-                         f"over tp, pp or cp are not supported yet; set parallel.{key}=1, or "
-                         "keep the split with fp32 replicas and parallel.zero_stage=0")
     if cfg.run.max_restarts:
         raise ValueError(f"{what} with run.max_restarts={cfg.run.max_restarts} under [lowcomm]: "
                          "a lost replica is restarted alone as one process that holds the whole "
@@ -259,6 +255,14 @@ def _check_sharded(cfg) -> None:
                          "replica with no other to sync with; set parallel.ranks_per_node to a "
                          "divisor of nproc below it (e.g. 2), or parallel.zero_stage=0 (each "
                          "rank a whole replica)")
+    if dp_nodes(p) == 1:
+        raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r}: each replica is the "
+                         "dp ranks that share a node, which shard it with ZeRO, and the replicas "
+                         f"sync across nodes, but parallel.ranks_per_node={p.ranks_per_node} "
+                         f"puts all parallel.dp={p.dp_size} dp ranks of a pipeline stage on one "
+                         f"node (the nodes divide parallel.pp={p.pp}, not dp): a single replica "
+                         "with no other to sync with. Set parallel.ranks_per_node to a divisor "
+                         f"of parallel.dp x cp x tp = {p.dp_size * p.cp * p.tp} below it")
     if p.offload_optimizer:
         raise ValueError(f"parallel.offload_optimizer=true with lowcomm.algorithm="
                          f"{lc.algorithm!r}: the replicas sync the fp32 master weights, which "
@@ -269,6 +273,23 @@ def _check_sharded(cfg) -> None:
                          "hierarchical ZeRO reduces the gradients across nodes every step, where "
                          "the replicas (one per node) sync only every lowcomm.inner_steps steps; "
                          "set parallel.hierarchical=false")
+
+
+def dp_nodes(p) -> int:
+    """How many nodes the dp ranks of one (pp, cp, tp) position spread over: the grid is
+    (pp, dp, cp, tp), tp innermost, so a rank's dp peers are cp x tp ranks apart."""
+    apart = p.cp * p.tp
+    return len({d * apart // p.ranks_per_node for d in range(p.dp_size)})
+
+
+def replica_shard_axis(p) -> str:
+    """The axis the sharded engine runs each replica over: with ZeRO the dp ranks of a node,
+    "dp.local" ("dpcp.local" under cp, whose peers hold the same replica, so that the engine
+    sums their tokens' gradients as it shards); at stage 0 (bf16) nothing is sharded: "self"
+    ("cp" under cp: the engine all-reduces the peers' gradients over it)."""
+    if p.zero_stage:
+        return "dpcp.local" if p.cp > 1 else "dp.local"
+    return "cp" if p.cp > 1 else "self"
 
 
 def _check_streaming(lc: LowcommConfig, m) -> None:
@@ -302,9 +323,8 @@ def _check_hierarchical(lc: LowcommConfig, p) -> None:
                          f"parameters between nodes, but parallel.ranks_per_node={rpn} puts all "
                          f"parallel.nproc={p.nproc} ranks on one node: set parallel.ranks_per_node "
                          "to a divisor of nproc below it (e.g. 2 ranks per node)")
-    # the grid is (pp, dp, cp, tp), tp innermost: a rank's dp peers are cp * tp ranks apart
     apart = p.cp * p.tp
-    if len({d * apart // p.ranks_per_node for d in range(p.dp_size)}) == 1:
+    if dp_nodes(p) == 1:
         raise ValueError(f'lowcomm.algorithm="hierarchical" averages gradients inside each node '
                          f"and parameters between nodes, but parallel.ranks_per_node="
                          f"{p.ranks_per_node} puts all parallel.dp={p.dp_size} replicas of a "

@@ -29,8 +29,9 @@ class LocalSGD(nn.Module):
 
     The wrapped module is `.module` (its state_dict keys are unchanged there): the model, or
     the sharded engine (parallel/zero/) that runs each replica in bf16 or ZeRO-shards it over
-    the ranks of a node; the wrapper then syncs each rank's own fp32 master weights over the
-    replicas' axis (`replica_axis`) and publishes them to the engine's parameters."""
+    the dp ranks of a node (each of them a tp, pp or cp piece or the whole model); the wrapper
+    then syncs each rank's own fp32 master weights over the replicas' axis (`replica_axis`)
+    and publishes them to the engine's parameters."""
 
     replicas_apart = True  # each replica steps on its own gradient (train/loop.py in_streak)
 
@@ -88,6 +89,12 @@ class LocalSGD(nn.Module):
         if self.engine is not None:
             self.engine.sync_gradients()
 
+    def unreduced_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s gradient summed over the step's micro-batches, which the pipeline sums over
+        pp for the parameters several stages share: a sharded replica's engine holds it
+        outside `.grad` at stages 2-3 (ShardedDataParallel.unreduced_grad)."""
+        return p.grad if self.engine is None else self.engine.unreduced_grad(p)
+
     def replica_tokens(self, local_tokens: int) -> float:
         """The target tokens this replica's gradient is normalized by: this rank's own, or,
         where the replica is ZeRO-sharded over a node's ranks, each with rows of its own,
@@ -129,8 +136,9 @@ class LocalSGD(nn.Module):
         tokens (the loss is divided by the replica's token count): one all-reduce over cp
         makes it the replica's, on each of them, every step: traffic inside the replica, as
         the data-parallel engine's reduction over dp and cp together is (parallel/data.py).
-        Tensor and pipeline ranks need nothing: each holds its own pieces' whole gradient."""
-        if self.mesh.size("cp") == 1:
+        Tensor and pipeline ranks need nothing: each holds its own pieces' whole gradient,
+        nor does a replica run by the sharded engine, which sums over cp as it reduces."""
+        if self.mesh.size("cp") == 1 or self.engine is not None:
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         flat = _flatten_dense_tensors(grads)
@@ -211,7 +219,10 @@ class LocalSGD(nn.Module):
 
 
 def replica_axis(engine: ShardedDataParallel | None) -> str:
-    """The axis the replicas' peers lie on: "dp", or "dp.cross" for replicas each ZeRO-sharded
-    over the ranks of a node (lowcomm/config.py `shard_axis`), where a rank syncs its shard
-    with the ranks that hold the same one on the other nodes."""
-    return "dp.cross" if engine is not None and engine.plan.shard_axis == "dp.local" else "dp"
+    """The axis the replicas' peers lie on: "dp", or "dp.cross" ("dpcp.cross" under cp) for
+    replicas each ZeRO-sharded over the dp ranks of a node (lowcomm/config.py
+    `replica_shard_axis`), where a rank syncs its shard with the ranks that hold the same one
+    in the other replicas: the same place in their node's shard group."""
+    if engine is None or not engine.plan.shard_axis.endswith(".local"):
+        return "dp"
+    return engine.plan.shard_axis.replace(".local", ".cross")

@@ -67,7 +67,9 @@ def stage_preceding(module: nn.Module, names: list[str], blocks: str = "blocks")
     from loomtrain.parallel.pipeline.split import PipelineModule
     from loomtrain.parallel.zero.engine import ShardedDataParallel
 
-    if isinstance(module, ShardedDataParallel):
+    if isinstance(module, ShardedDataParallel):  # a sharded replica: its stage's module
+        if isinstance(module.module, PipelineModule):
+            return stage_preceding(module.module, names, blocks)
         return _shard_preceding(module.module, names, blocks)
     if not isinstance(module, PipelineModule):
         return None
