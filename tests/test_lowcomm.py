@@ -22,7 +22,7 @@ from loomtrain.lowcomm.state import LOWCOMM
 from loomtrain.models import build_model
 from loomtrain.parallel.state import PLAIN
 from loomtrain.sparsity import unpack_mask
-from loomtrain.train import checkpoint, trainer
+from loomtrain.train import checkpoint, dryrun, trainer
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.launch import init_distributed
 from loomtrain.train.metrics import read_metrics
@@ -530,6 +530,32 @@ def test_world4_zero_sharded_replicas_sync_as_whole_ones(world2, world4, tmp_pat
     parameters = sum(p.numel() for p in model.parameters())
     replica = sum(sent[r]["diloco_zero3_bf16"]["dp.cross"] for r in (0, 1))
     assert replica == 4 * 4 * parameters, (replica, parameters)
+
+
+def test_world4_dry_run_of_sharded_replicas_matches_the_meter(world4, tmp_path, corpus):
+    """`loom train --dry-run` of replicas run by the sharded engine (ZeRO-1 and ZeRO-3 over
+    the ranks of a node, bf16 split over tp): every record of the real runs (log_every 1),
+    per op and to the byte: the engine's collectives inside the replica, the replica's token
+    count, and on the steps that sync (multiples of H, and the last) the sync over the
+    replicas and, at stages 1-2, the parameters gathered again."""
+    out = world4[0]
+    by_name = {name: (lowcomm, train) for name, lowcomm, _, train, _ in SPLIT}
+    for name, parallel, train, reference in SHARDED:
+        lowcomm, base = by_name[reference]
+        if lowcomm["algorithm"] not in ("local_sgd", "diloco"):  # the ones the dry run models
+            continue
+        cfg = config_from_dict(tiny_tree(tmp_path, corpus, lowcomm=lowcomm,
+                                         parallel={"nproc": 4, **ZERO_NODE, **parallel},
+                                         train={"steps": SPLIT_STEPS, **base, **train}))
+        collectives = [c for c in dryrun.estimate(cfg).collectives
+                       if not c.purpose.startswith("validation")]
+        for k, record in enumerate(out[name][0], start=1):
+            expected = {}
+            for c in collectives:
+                if k % c.every_steps == 0 or k == SPLIT_STEPS:
+                    expected[c.op] = expected.get(c.op, 0) + c.calls * c.wire_bytes
+            got = {op: n for op, n in record["comm_bytes"].items() if op != "total"}
+            assert got == expected, (name, k, got, expected)
 
 
 # replicas both ZeRO-sharded and split, at world 8: each replica the dp ranks of a node (ZeRO

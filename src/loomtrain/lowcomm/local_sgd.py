@@ -16,6 +16,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from loomtrain import comm
 from loomtrain.parallel.data import broadcast_state, broadcast_tensors, clip_replica_grads
 from loomtrain.parallel.zero.engine import ShardedDataParallel
+from loomtrain.parallel.zero.flat import ShardPlan
 
 
 def build(model, optimizer, mesh, cfg, seed: int):
@@ -39,7 +40,8 @@ class LocalSGD(nn.Module):
         super().__init__()
         assert inner_steps >= 1, inner_steps
         self.engine = module if isinstance(module, ShardedDataParallel) else None
-        self.module, self.mesh, self.axis = module, mesh, axis or replica_axis(self.engine)
+        self.module, self.mesh, self.axis = module, mesh, axis or replica_axis(
+            None if self.engine is None else self.engine.plan)
         self.inner_steps = inner_steps
         self.steps_since_sync = 0
         # a run that outlives lost replicas (lowcomm/replicas.py) sets these: the replica's own
@@ -218,11 +220,11 @@ class LocalSGD(nn.Module):
         self.load_outer_state(state)
 
 
-def replica_axis(engine: ShardedDataParallel | None) -> str:
+def replica_axis(plan: ShardPlan | None) -> str:
     """The axis the replicas' peers lie on: "dp", or "dp.cross" ("dpcp.cross" under cp) for
     replicas each ZeRO-sharded over the dp ranks of a node (lowcomm/config.py
     `replica_shard_axis`), where a rank syncs its shard with the ranks that hold the same one
     in the other replicas: the same place in their node's shard group."""
-    if engine is None or not engine.plan.shard_axis.endswith(".local"):
+    if plan is None or not plan.shard_axis.endswith(".local"):
         return "dp"
-    return engine.plan.shard_axis.replace(".local", ".cross")
+    return plan.shard_axis.replace(".local", ".cross")
