@@ -266,13 +266,16 @@ def _check_sharded(cfg) -> None:
     if p.offload_optimizer:
         raise ValueError(f"parallel.offload_optimizer=true with lowcomm.algorithm="
                          f"{lc.algorithm!r}: the replicas sync the fp32 master weights, which "
-                         "offload keeps in host memory, and syncing them from there is not "
-                         "supported yet; set parallel.offload_optimizer=false")
+                         "offload keeps in host memory, where NCCL cannot reduce them; copying "
+                         "them to the device for each sync is not supported yet; set "
+                         "parallel.offload_optimizer=false")
     if p.hierarchical:
         raise ValueError(f"parallel.hierarchical=true with lowcomm.algorithm={lc.algorithm!r}: "
-                         "hierarchical ZeRO reduces the gradients across nodes every step, where "
-                         "the replicas (one per node) sync only every lowcomm.inner_steps steps; "
-                         "set parallel.hierarchical=false")
+                         "hierarchical ZeRO shards inside a node and reduces the gradients "
+                         "across nodes every step, and here each node is a replica, which syncs "
+                         "with the others only every lowcomm.inner_steps steps; sharding "
+                         "hierarchically inside replicas of several nodes is not supported yet "
+                         "(no key gives a replica's nodes); set parallel.hierarchical=false")
 
 
 def dp_nodes(p) -> int:
