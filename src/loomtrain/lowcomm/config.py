@@ -237,9 +237,14 @@ def _check_sharded(cfg) -> None:
     what = (f"parallel.zero_stage={p.zero_stage}" if p.zero_stage
             else 'train.precision="bf16"')
     if cfg.run.max_restarts:
+        why = ("a ZeRO-sharded replica is several processes (a node's dp ranks), and the "
+               "launcher restarts a lost replica as one process and re-forms the replicas' "
+               "group with it (lowcomm/replicas.py), not a node's shard groups" if p.zero_stage
+               else "the hand-over to a restarted replica (a peer's parameters, outer state "
+               "and inner optimizer state) is written for the fp32 model, not for the sharded "
+               "engine's fp32 master weights and its optimizer's slices")
         raise ValueError(f"{what} with run.max_restarts={cfg.run.max_restarts} under [lowcomm]: "
-                         "a lost replica is restarted alone as one process that holds the whole "
-                         "fp32 model, not the sharded engine; set run.max_restarts=0")
+                         f"{why}; this is not supported yet: set run.max_restarts=0")
     if cfg.compression.method != "none":
         raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r} and [compression]: "
                          "compressing the pseudo-gradients of replicas run by the sharded engine "
@@ -263,12 +268,6 @@ def _check_sharded(cfg) -> None:
                          f"node (the nodes divide parallel.pp={p.pp}, not dp): a single replica "
                          "with no other to sync with. Set parallel.ranks_per_node to a divisor "
                          f"of parallel.dp x cp x tp = {p.dp_size * p.cp * p.tp} below it")
-    if p.offload_optimizer:
-        raise ValueError(f"parallel.offload_optimizer=true with lowcomm.algorithm="
-                         f"{lc.algorithm!r}: the replicas sync the fp32 master weights, which "
-                         "offload keeps in host memory, where NCCL cannot reduce them; copying "
-                         "them to the device for each sync is not supported yet; set "
-                         "parallel.offload_optimizer=false")
     if p.hierarchical:
         raise ValueError(f"parallel.hierarchical=true with lowcomm.algorithm={lc.algorithm!r}: "
                          "hierarchical ZeRO shards inside a node and reduces the gradients "

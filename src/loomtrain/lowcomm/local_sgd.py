@@ -68,8 +68,9 @@ class LocalSGD(nn.Module):
         if self.engine is None:
             broadcast_state(self.module, self.mesh, self.axis)
         else:
-            broadcast_tensors(self.params, self.mesh, self.axis)
-            self.engine.publish()
+            flat = self.flat_params()
+            broadcast_tensors([flat], self.mesh, self.axis)
+            self._set_params(flat)
 
     @property
     def replica(self) -> int:
@@ -176,10 +177,18 @@ class LocalSGD(nn.Module):
     def synchronize(self) -> None:
         """The parameters of every replica become their mean over the axis: one flat
         all-reduce (sum, then divide)."""
-        flat = _flatten_dense_tensors([p.detach() for p in self.params])
+        flat = self.flat_params()
         comm.all_reduce(flat, self.mesh, self.axis)
         flat.div_(self.mesh.size(self.axis))
         self._set_params(flat)
+
+    def flat_params(self, params: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The values of `params` (default: all this rank syncs) as one fresh flat tensor on
+        the mesh's device, where the collectives run: a sharded replica with
+        `offload_optimizer` keeps its master weights in host memory, which NCCL cannot
+        reduce (a copy there; on the device already, none)."""
+        params = self.params if params is None else params
+        return _flatten_dense_tensors([p.detach() for p in params]).to(self.mesh.device)
 
     def _set_params(self, flat: torch.Tensor) -> None:
         for p, value in zip(self.params, _unflatten_dense_tensors(flat, self.params)):

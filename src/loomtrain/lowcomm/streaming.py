@@ -172,8 +172,8 @@ class StreamingDiLoCo(LocalSGD):
 
     def _flat(self, p: int) -> torch.Tensor:
         if not self.fragment_params[p]:  # a pipeline rank that holds none of its blocks
-            return self.params[0].detach().new_empty(0)
-        return _flatten_dense_tensors([t.detach() for t in self.fragment_params[p]])
+            return self.params[0].new_empty(0, device=self.mesh.device)
+        return self.flat_params(self.fragment_params[p])
 
     def _set_fragment(self, p: int, flat: torch.Tensor) -> None:
         for t, value in zip(self.fragment_params[p],
