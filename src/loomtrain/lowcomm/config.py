@@ -111,6 +111,7 @@ class Lowcomm(EngineTimeline, Component):
     def apply(cls, built: Built) -> None:
         """No gradient all-reduce: the replicas synchronize every inner_steps steps."""
         from loomtrain.lowcomm import apply_lowcomm
+        from loomtrain.lowcomm.local_sgd import replica_shard_axis
         from loomtrain.parallel.zero.config import Zero, shard_built
 
         cfg = built.cfg
@@ -282,16 +283,6 @@ def dp_nodes(p) -> int:
     (pp, dp, cp, tp), tp innermost, so a rank's dp peers are cp x tp ranks apart."""
     apart = p.cp * p.tp
     return len({d * apart // p.ranks_per_node for d in range(p.dp_size)})
-
-
-def replica_shard_axis(p) -> str:
-    """The axis the sharded engine runs each replica over: with ZeRO the dp ranks of a node,
-    "dp.local" ("dpcp.local" under cp, whose peers hold the same replica, so that the engine
-    sums their tokens' gradients as it shards); at stage 0 (bf16) nothing is sharded: "self"
-    ("cp" under cp: the engine all-reduces the peers' gradients over it)."""
-    if p.zero_stage:
-        return "dpcp.local" if p.cp > 1 else "dp.local"
-    return "cp" if p.cp > 1 else "self"
 
 
 def _check_streaming(lc: LowcommConfig, m) -> None:

@@ -10,8 +10,7 @@ import torch
 
 from loomtrain.errors import ConfigError
 from loomtrain.estimate import FP32_BYTES, Collective, DryRunPlan, MemoryRow, all_reduce, metered
-from loomtrain.lowcomm.config import replica_shard_axis
-from loomtrain.lowcomm.local_sgd import replica_axis
+from loomtrain.lowcomm.local_sgd import replica_axis, replica_shard_axis
 from loomtrain.parallel.data import broadcast_state, broadcast_tensors
 from loomtrain.parallel.zero import ROOT
 from loomtrain.parallel.zero.config import Zero
@@ -67,7 +66,7 @@ def estimate_lowcomm(plan: DryRunPlan) -> None:
 
 
 def _estimate_sharded(plan: DryRunPlan) -> int:
-    """Replicas run by the sharded engine (lowcomm/config.py `replica_shard_axis`): the
+    """Replicas run by the sharded engine (lowcomm/local_sgd.py `replica_shard_axis`): the
     engine's own estimate over the replica's ranks, each step the replica's token count summed
     over them, and every H steps the sync of this rank's fp32 master slices over the replica
     axis, after which stages 1-2 gather the parameters as after an optimizer step (engine

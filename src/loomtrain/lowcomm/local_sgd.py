@@ -231,9 +231,20 @@ class LocalSGD(nn.Module):
 
 def replica_axis(plan: ShardPlan | None) -> str:
     """The axis the replicas' peers lie on: "dp", or "dp.cross" ("dpcp.cross" under cp) for
-    replicas each ZeRO-sharded over the dp ranks of a node (lowcomm/config.py
-    `replica_shard_axis`), where a rank syncs its shard with the ranks that hold the same one
-    in the other replicas: the same place in their node's shard group."""
+    replicas each ZeRO-sharded over the dp ranks of a node (`replica_shard_axis`), where a
+    rank syncs its shard with the ranks that hold the same one in the other replicas: the
+    same place in their node's shard group."""
     if plan is None or not plan.shard_axis.endswith(".local"):
         return "dp"
     return plan.shard_axis.replace(".local", ".cross")
+
+
+def replica_shard_axis(p) -> str:
+    """The axis the sharded engine runs each replica over (`p`: the [parallel] keys; the
+    Lowcomm component shards with it, lowcomm/config.py): with ZeRO the dp ranks of a node,
+    "dp.local" ("dpcp.local" under cp, whose peers hold the same replica, so that the engine
+    sums their tokens' gradients as it shards); at stage 0 (bf16) nothing is sharded: "self"
+    ("cp" under cp: the engine all-reduces the peers' gradients over it)."""
+    if p.zero_stage:
+        return "dpcp.local" if p.cp > 1 else "dp.local"
+    return "cp" if p.cp > 1 else "self"
