@@ -76,18 +76,21 @@ class LowcommConfig(Section):
 
 _REPLICAS = "its replicas are whole fp32 models over dp"
 # the algorithms whose replica may run in the sharded engine (parallel/zero/): in bf16, or
-# ZeRO-sharded over the ranks of a node; each rank syncs its slices of the fp32 master weights
-# with the ranks that hold the same slices in the other replicas (lowcomm/local_sgd.py)
+# ZeRO-sharded over the dp ranks of a node, whole or split over tp, pp and cp; each rank syncs
+# its slices of the fp32 master weights with the ranks that hold the same slices in the other
+# replicas (lowcomm/local_sgd.py)
 SHARDED_REPLICAS = ("local_sgd", "diloco", "streaming_diloco", "noloco")
 _SHARDED_WHY = (" that run in bf16 or are ZeRO-sharded (each rank syncs its slices of the fp32 "
                 "master weights); HPSGD and DASO reduce the parameters' own gradients every "
                 "step, DreamDDP syncs the whole model's layers timed in its own backward, and "
                 "LoRDO steps its own low-rank optimizer, not ZeRO's elementwise one over slices")
+
+
 class Lowcomm(EngineTimeline, Component):
     """Low-communication replicas over dp, each on its own rows, each whole or itself split
     over tp, cp and pp (each rank syncs its own pieces over dp; LoRDO's projections are the
-    whole matrices'), or run by the sharded engine in bf16 or ZeRO-sharded over the ranks of
-    a node (SHARDED_REPLICAS), checkpointed only where they are synchronized."""
+    whole matrices'), and run by the sharded engine in bf16 or ZeRO-sharded over the dp ranks
+    of a node (SHARDED_REPLICAS), checkpointed only where they are synchronized."""
 
     name = "lowcomm"
     section, keys = "lowcomm", LowcommConfig
@@ -108,11 +111,12 @@ class Lowcomm(EngineTimeline, Component):
     def apply(cls, built: Built) -> None:
         """No gradient all-reduce: the replicas synchronize every inner_steps steps."""
         from loomtrain.lowcomm import apply_lowcomm
+        from loomtrain.lowcomm.local_sgd import replica_shard_axis
         from loomtrain.parallel.zero.config import Zero, shard_built
 
         cfg = built.cfg
         if Zero.applies(cfg):  # each replica in the sharded engine: in bf16, or ZeRO over a node
-            shard_built(built, "dp.local" if cfg.parallel.zero_stage else "self")
+            shard_built(built, replica_shard_axis(cfg.parallel))
         built.model, built.optimizer = apply_lowcomm(built.model, built.optimizer, built.mesh,
                                                      cfg.lowcomm, cfg.run.seed)
         if built.compressor is not None:  # applies_to="pseudo_gradients": the outer all-reduce
@@ -227,23 +231,21 @@ def _check_restarts(cfg) -> None:
 
 
 def _check_sharded(cfg) -> None:
-    """Replicas in the sharded engine (SHARDED_REPLICAS): with ZeRO, a replica is the ranks of
-    one node, which shard it, and the replicas sync across nodes; neither yet with a replica
-    split over tp, pp or cp, nor with compressed pseudo-gradients."""
+    """Replicas in the sharded engine (SHARDED_REPLICAS): with ZeRO, a replica is the dp ranks
+    that share a node, which shard it (tp, pp and cp split it as they split any replica), and
+    the replicas sync across nodes; not yet with compressed pseudo-gradients."""
     lc, p = cfg.lowcomm, cfg.parallel
     what = (f"parallel.zero_stage={p.zero_stage}" if p.zero_stage
             else 'train.precision="bf16"')
-    split = {k: getattr(p, k) for k in ("tp", "pp", "cp") if getattr(p, k) > 1}
-    if split:
-        key, value = next(iter(split.items()))
-        raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r} and parallel.{key}="
-                         f"{value}: replicas that are both run by the sharded engine and split "
-                         f"over tp, pp or cp are not supported yet; set parallel.{key}=1, or "
-                         "keep the split with fp32 replicas and parallel.zero_stage=0")
     if cfg.run.max_restarts:
+        why = ("a ZeRO-sharded replica is several processes (a node's dp ranks), and the "
+               "launcher restarts a lost replica as one process and re-forms the replicas' "
+               "group with it (lowcomm/replicas.py), not a node's shard groups" if p.zero_stage
+               else "the hand-over to a restarted replica (a peer's parameters, outer state "
+               "and inner optimizer state) is written for the fp32 model, not for the sharded "
+               "engine's fp32 master weights and its optimizer's slices")
         raise ValueError(f"{what} with run.max_restarts={cfg.run.max_restarts} under [lowcomm]: "
-                         "a lost replica is restarted alone as one process that holds the whole "
-                         "fp32 model, not the sharded engine; set run.max_restarts=0")
+                         f"{why}; this is not supported yet: set run.max_restarts=0")
     if cfg.compression.method != "none":
         raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r} and [compression]: "
                          "compressing the pseudo-gradients of replicas run by the sharded engine "
@@ -259,16 +261,28 @@ def _check_sharded(cfg) -> None:
                          "replica with no other to sync with; set parallel.ranks_per_node to a "
                          "divisor of nproc below it (e.g. 2), or parallel.zero_stage=0 (each "
                          "rank a whole replica)")
-    if p.offload_optimizer:
-        raise ValueError(f"parallel.offload_optimizer=true with lowcomm.algorithm="
-                         f"{lc.algorithm!r}: the replicas sync the fp32 master weights, which "
-                         "offload keeps in host memory, and syncing them from there is not "
-                         "supported yet; set parallel.offload_optimizer=false")
+    if dp_nodes(p) == 1:
+        raise ValueError(f"{what} with lowcomm.algorithm={lc.algorithm!r}: each replica is the "
+                         "dp ranks that share a node, which shard it with ZeRO, and the replicas "
+                         f"sync across nodes, but parallel.ranks_per_node={p.ranks_per_node} "
+                         f"puts all parallel.dp={p.dp_size} dp ranks of a pipeline stage on one "
+                         f"node (the nodes divide parallel.pp={p.pp}, not dp): a single replica "
+                         "with no other to sync with. Set parallel.ranks_per_node to a divisor "
+                         f"of parallel.dp x cp x tp = {p.dp_size * p.cp * p.tp} below it")
     if p.hierarchical:
         raise ValueError(f"parallel.hierarchical=true with lowcomm.algorithm={lc.algorithm!r}: "
-                         "hierarchical ZeRO reduces the gradients across nodes every step, where "
-                         "the replicas (one per node) sync only every lowcomm.inner_steps steps; "
-                         "set parallel.hierarchical=false")
+                         "hierarchical ZeRO shards inside a node and reduces the gradients "
+                         "across nodes every step, and here each node is a replica, which syncs "
+                         "with the others only every lowcomm.inner_steps steps; sharding "
+                         "hierarchically inside replicas of several nodes is not supported yet "
+                         "(no key gives a replica's nodes); set parallel.hierarchical=false")
+
+
+def dp_nodes(p) -> int:
+    """How many nodes the dp ranks of one (pp, cp, tp) position spread over: the grid is
+    (pp, dp, cp, tp), tp innermost, so a rank's dp peers are cp x tp ranks apart."""
+    apart = p.cp * p.tp
+    return len({d * apart // p.ranks_per_node for d in range(p.dp_size)})
 
 
 def _check_streaming(lc: LowcommConfig, m) -> None:
@@ -302,9 +316,8 @@ def _check_hierarchical(lc: LowcommConfig, p) -> None:
                          f"parameters between nodes, but parallel.ranks_per_node={rpn} puts all "
                          f"parallel.nproc={p.nproc} ranks on one node: set parallel.ranks_per_node "
                          "to a divisor of nproc below it (e.g. 2 ranks per node)")
-    # the grid is (pp, dp, cp, tp), tp innermost: a rank's dp peers are cp * tp ranks apart
     apart = p.cp * p.tp
-    if len({d * apart // p.ranks_per_node for d in range(p.dp_size)}) == 1:
+    if dp_nodes(p) == 1:
         raise ValueError(f'lowcomm.algorithm="hierarchical" averages gradients inside each node '
                          f"and parameters between nodes, but parallel.ranks_per_node="
                          f"{p.ranks_per_node} puts all parallel.dp={p.dp_size} replicas of a "

@@ -32,7 +32,7 @@ class DiLoCo(LocalSGD):
                  outer_momentum: float = 0.9, nesterov: bool = True, axis: str | None = None):
         super().__init__(module, mesh, inner_steps, axis)
         # theta: after the broadcast, every replica's copy is dp rank 0's parameters
-        self.global_params = _flatten_dense_tensors([p.detach() for p in self.params]).clone()
+        self.global_params = self.flat_params()
         momentum = outer_momentum if nesterov else 0.0
         self.outer = torch.optim.SGD([self.global_params], lr=outer_lr, momentum=momentum,
                                      nesterov=nesterov)
@@ -53,7 +53,7 @@ class DiLoCo(LocalSGD):
     def synchronize(self) -> None:
         """The outer step: average the pseudo-gradient over the axis, step theta, and copy
         theta into this replica's parameters."""
-        local = _flatten_dense_tensors([p.detach() for p in self.params])
+        local = self.flat_params()
         pseudo_gradient = torch.sub(self.global_params, local)
         if self.compressor is None:
             comm.all_reduce(pseudo_gradient, self.mesh, self.axis)
@@ -88,7 +88,7 @@ class DiLoCo(LocalSGD):
         """After the model's parameters were loaded: theta is them (a checkpoint is written
         at a sync), the momentum is the saved one."""
         super().load_outer_state(state)
-        self.global_params.copy_(_flatten_dense_tensors([p.detach() for p in self.params]))
+        self.global_params.copy_(self.flat_params())
         if state:
             buffer = _flatten_dense_tensors([state[f"momentum_buffer.{n}"] for n in self.names])
             self.outer.state[self.global_params]["momentum_buffer"] = buffer

@@ -16,6 +16,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from loomtrain import comm
 from loomtrain.parallel.data import broadcast_state, broadcast_tensors, clip_replica_grads
 from loomtrain.parallel.zero.engine import ShardedDataParallel
+from loomtrain.parallel.zero.flat import ShardPlan
 
 
 def build(model, optimizer, mesh, cfg, seed: int):
@@ -29,8 +30,9 @@ class LocalSGD(nn.Module):
 
     The wrapped module is `.module` (its state_dict keys are unchanged there): the model, or
     the sharded engine (parallel/zero/) that runs each replica in bf16 or ZeRO-shards it over
-    the ranks of a node; the wrapper then syncs each rank's own fp32 master weights over the
-    replicas' axis (`replica_axis`) and publishes them to the engine's parameters."""
+    the dp ranks of a node (each of them a tp, pp or cp piece or the whole model); the wrapper
+    then syncs each rank's own fp32 master weights over the replicas' axis (`replica_axis`)
+    and publishes them to the engine's parameters."""
 
     replicas_apart = True  # each replica steps on its own gradient (train/loop.py in_streak)
 
@@ -38,7 +40,8 @@ class LocalSGD(nn.Module):
         super().__init__()
         assert inner_steps >= 1, inner_steps
         self.engine = module if isinstance(module, ShardedDataParallel) else None
-        self.module, self.mesh, self.axis = module, mesh, axis or replica_axis(self.engine)
+        self.module, self.mesh, self.axis = module, mesh, axis or replica_axis(
+            None if self.engine is None else self.engine.plan)
         self.inner_steps = inner_steps
         self.steps_since_sync = 0
         # a run that outlives lost replicas (lowcomm/replicas.py) sets these: the replica's own
@@ -65,8 +68,9 @@ class LocalSGD(nn.Module):
         if self.engine is None:
             broadcast_state(self.module, self.mesh, self.axis)
         else:
-            broadcast_tensors(self.params, self.mesh, self.axis)
-            self.engine.publish()
+            flat = self.flat_params()
+            broadcast_tensors([flat], self.mesh, self.axis)
+            self._set_params(flat)
 
     @property
     def replica(self) -> int:
@@ -87,6 +91,12 @@ class LocalSGD(nn.Module):
         """Gradients stay in the replica: nothing to reduce but a sharded replica's own."""
         if self.engine is not None:
             self.engine.sync_gradients()
+
+    def unreduced_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s gradient summed over the step's micro-batches, which the pipeline sums over
+        pp for the parameters several stages share: a sharded replica's engine holds it
+        outside `.grad` at stages 2-3 (ShardedDataParallel.unreduced_grad)."""
+        return p.grad if self.engine is None else self.engine.unreduced_grad(p)
 
     def replica_tokens(self, local_tokens: int) -> float:
         """The target tokens this replica's gradient is normalized by: this rank's own, or,
@@ -129,8 +139,9 @@ class LocalSGD(nn.Module):
         tokens (the loss is divided by the replica's token count): one all-reduce over cp
         makes it the replica's, on each of them, every step: traffic inside the replica, as
         the data-parallel engine's reduction over dp and cp together is (parallel/data.py).
-        Tensor and pipeline ranks need nothing: each holds its own pieces' whole gradient."""
-        if self.mesh.size("cp") == 1:
+        Tensor and pipeline ranks need nothing: each holds its own pieces' whole gradient,
+        nor does a replica run by the sharded engine, which sums over cp as it reduces."""
+        if self.mesh.size("cp") == 1 or self.engine is not None:
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         flat = _flatten_dense_tensors(grads)
@@ -166,10 +177,18 @@ class LocalSGD(nn.Module):
     def synchronize(self) -> None:
         """The parameters of every replica become their mean over the axis: one flat
         all-reduce (sum, then divide)."""
-        flat = _flatten_dense_tensors([p.detach() for p in self.params])
+        flat = self.flat_params()
         comm.all_reduce(flat, self.mesh, self.axis)
         flat.div_(self.mesh.size(self.axis))
         self._set_params(flat)
+
+    def flat_params(self, params: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The values of `params` (default: all this rank syncs) as one fresh flat tensor on
+        the mesh's device, where the collectives run: a sharded replica with
+        `offload_optimizer` keeps its master weights in host memory, which NCCL cannot
+        reduce (a copy there; on the device already, none)."""
+        params = self.params if params is None else params
+        return _flatten_dense_tensors([p.detach() for p in params]).to(self.mesh.device)
 
     def _set_params(self, flat: torch.Tensor) -> None:
         for p, value in zip(self.params, _unflatten_dense_tensors(flat, self.params)):
@@ -210,8 +229,22 @@ class LocalSGD(nn.Module):
         self.load_outer_state(state)
 
 
-def replica_axis(engine: ShardedDataParallel | None) -> str:
-    """The axis the replicas' peers lie on: "dp", or "dp.cross" for replicas each ZeRO-sharded
-    over the ranks of a node (lowcomm/config.py `shard_axis`), where a rank syncs its shard
-    with the ranks that hold the same one on the other nodes."""
-    return "dp.cross" if engine is not None and engine.plan.shard_axis == "dp.local" else "dp"
+def replica_axis(plan: ShardPlan | None) -> str:
+    """The axis the replicas' peers lie on: "dp", or "dp.cross" ("dpcp.cross" under cp) for
+    replicas each ZeRO-sharded over the dp ranks of a node (`replica_shard_axis`), where a
+    rank syncs its shard with the ranks that hold the same one in the other replicas: the
+    same place in their node's shard group."""
+    if plan is None or not plan.shard_axis.endswith(".local"):
+        return "dp"
+    return plan.shard_axis.replace(".local", ".cross")
+
+
+def replica_shard_axis(p) -> str:
+    """The axis the sharded engine runs each replica over (`p`: the [parallel] keys; the
+    Lowcomm component shards with it, lowcomm/config.py): with ZeRO the dp ranks of a node,
+    "dp.local" ("dpcp.local" under cp, whose peers hold the same replica, so that the engine
+    sums their tokens' gradients as it shards); at stage 0 (bf16) nothing is sharded: "self"
+    ("cp" under cp: the engine all-reduces the peers' gradients over it)."""
+    if p.zero_stage:
+        return "dpcp.local" if p.cp > 1 else "dp.local"
+    return "cp" if p.cp > 1 else "self"

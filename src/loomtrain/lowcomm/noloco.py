@@ -79,7 +79,7 @@ class NoLoCo(LocalSGD):
         super().__init__(module, mesh, inner_steps, axis)
         self.seed, self.outer_lr, self.outer_momentum = seed, outer_lr, outer_momentum
         self.outer_pull = outer_pull
-        self.outer_params = _flatten_dense_tensors([p.detach() for p in self.params]).clone()
+        self.outer_params = self.flat_params()
         self.momentum = torch.zeros_like(self.outer_params)
         self.one_model = True  # every replica holds the same parameters (after the broadcast)
         self.step = 0  # the last optimizer step seen by after_step
@@ -115,7 +115,7 @@ class NoLoCo(LocalSGD):
     @torch.no_grad()
     def outer_step(self, index: int) -> None:
         """Outer step number `index`: swap messages with this step's partner and update."""
-        fast = _flatten_dense_tensors([p.detach() for p in self.params])
+        fast = self.flat_params()
         own = pair_message(fast, self.outer_params, self.outer_lr, self.outer_pull)
         partner = partners(self.mesh.size(self.axis), self.seed, index)[self.replica]
         received = own
@@ -139,7 +139,7 @@ class NoLoCo(LocalSGD):
         """Every replica's parameters and outer weights become their mean over the axis (one
         all-reduce): only at the end of a run and before a checkpoint."""
         super().synchronize()
-        self.outer_params.copy_(_flatten_dense_tensors([p.detach() for p in self.params]))
+        self.outer_params.copy_(self.flat_params())
         self.one_model = True
 
     def metrics(self) -> dict:
@@ -166,7 +166,7 @@ class NoLoCo(LocalSGD):
         """After the model's parameters were loaded: they are every replica's outer weights (a
         checkpoint holds the average), the momentum is this replica's saved one."""
         super().load_outer_state(state)
-        self.outer_params.copy_(_flatten_dense_tensors([p.detach() for p in self.params]))
+        self.outer_params.copy_(self.flat_params())
         self.momentum.copy_(_flatten_dense_tensors(
             [state[f"replica{self.replica}.momentum.{n}"] for n in self.names]))
         self.one_model = True

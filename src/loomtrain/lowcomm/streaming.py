@@ -67,7 +67,9 @@ def stage_preceding(module: nn.Module, names: list[str], blocks: str = "blocks")
     from loomtrain.parallel.pipeline.split import PipelineModule
     from loomtrain.parallel.zero.engine import ShardedDataParallel
 
-    if isinstance(module, ShardedDataParallel):
+    if isinstance(module, ShardedDataParallel):  # a sharded replica: its stage's module
+        if isinstance(module.module, PipelineModule):
+            return stage_preceding(module.module, names, blocks)
         return _shard_preceding(module.module, names, blocks)
     if not isinstance(module, PipelineModule):
         return None
@@ -170,8 +172,8 @@ class StreamingDiLoCo(LocalSGD):
 
     def _flat(self, p: int) -> torch.Tensor:
         if not self.fragment_params[p]:  # a pipeline rank that holds none of its blocks
-            return self.params[0].detach().new_empty(0)
-        return _flatten_dense_tensors([t.detach() for t in self.fragment_params[p]])
+            return self.params[0].new_empty(0, device=self.mesh.device)
+        return self.flat_params(self.fragment_params[p])
 
     def _set_fragment(self, p: int, flat: torch.Tensor) -> None:
         for t, value in zip(self.fragment_params[p],

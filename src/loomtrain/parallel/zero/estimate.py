@@ -23,7 +23,7 @@ from loomtrain.estimate import (  # wire_bytes_per_step: importable from here to
 from loomtrain.parallel.data import broadcast_state
 from loomtrain.parallel.placement import dp_axis_of
 from loomtrain.parallel.zero import ROOT, assign_parameters, find_units, make_plan
-from loomtrain.parallel.zero.flat import ShardPlan
+from loomtrain.parallel.zero.flat import ShardPlan, optimizer_range
 from loomtrain.parallel.zero.layout import unit_layout, zero_memory
 
 
@@ -222,44 +222,57 @@ class ZeroLayout:
     reshard_why: str = ""  # how "auto" (or the setting) decided it
     # the units of parameters replicated over a sub-axis of dp (experts: "edp"), their plan
     apart: tuple[ShardPlan, list[tuple[str, int]]] | None = None
+    # the parameters' elements in this rank's optimizer ranges (its fp32 master weights
+    # without the padding): what a sharded replica syncs (lowcomm/estimate.py)
+    master_elements: int = 0
 
 
-def zero_layout(model, mesh, cfg) -> ZeroLayout:
-    """The plan and unit lengths `shard()` would build, from shapes only (a meta model)."""
+def zero_layout(model, mesh, cfg, axis: str | None = None) -> ZeroLayout:
+    """The plan and unit lengths `shard()` would build, from shapes only (a meta model).
+    `axis`: the one `shard()` is given, "dp" ("dpcp" under cp) by default."""
     p = cfg.parallel
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    replicas = "dpcp" if p.cp > 1 else "dp"
     plan = make_plan(mesh, p.zero_stage, p.hierarchical, p.optimizer_shard, dtype,
-                     p.offload_optimizer, "dpcp" if p.cp > 1 else "dp")
+                     p.offload_optimizer, axis or replicas)
     try:
         named = find_units(model, list(p.shard_units) or None)
     except ValueError as err:
         raise ConfigError(f"parallel.shard_units={list(p.shard_units)!r}: {err}") from None
-    axis = "dpcp" if p.cp > 1 else "dp"
-    units, root, apart = [], 0, []
+    units, root, apart, master = [], 0, [], 0
     for name, params in assign_parameters(model, named).items():
-        mine = [(n, x) for n, x in params if dp_axis_of(x, axis) == axis]
+        mine = [(n, x) for n, x in params if dp_axis_of(x, replicas) == replicas]
         if mine:  # padded as shard() pads: to every rank of its plan
-            padded = unit_layout(name, [(n, tuple(x.shape)) for n, x in mine],
-                                 plan.shard_ranks * plan.replica_ranks).padded
+            layout = unit_layout(name, [(n, tuple(x.shape)) for n, x in mine],
+                                 plan.shard_ranks * plan.replica_ranks)
+            own = optimizer_range(layout.range(plan.shard_index, plan.shard_ranks), plan)
+            master += sum(piece.numel for piece in layout.slices(*own))
             if name == ROOT:
-                root = padded
+                root = layout.padded
             else:
-                units.append((name, padded))
-        experts = [(n, tuple(x.shape)) for n, x in params if dp_axis_of(x, axis) != axis]
+                units.append((name, layout.padded))
+        experts = [(n, tuple(x.shape)) for n, x in params if dp_axis_of(x, replicas) != replicas]
         if experts:  # flat: parallel.ep refuses hierarchical ZeRO
             sub = make_plan(mesh, p.zero_stage, False, p.optimizer_shard, dtype,
                             p.offload_optimizer, "edp")
             apart.append((f"{name}.edp", unit_layout(
                 f"{name}.edp", experts, sub.shard_ranks * sub.replica_ranks).padded))
-    return ZeroLayout(plan, units, root, apart=(sub, apart) if apart else None)
+    return ZeroLayout(plan, units, root, apart=(sub, apart) if apart else None,
+                      master_elements=master)
 
 
 def estimate_zero(plan: DryRunPlan) -> None:
     """The sharded engine's part of the dry run (the `Zero` component's hook): its layout of
     the meta model, its memory per rank and its collectives (docs/dry-run.md, "ZeRO")."""
-    cfg = plan.cfg
-    z = zero_layout(plan.model, plan.mesh, cfg)
     broadcast_state(plan.model, plan.mesh, "dp")  # what shard() sends first
+    estimate_engine(plan)
+
+
+def estimate_engine(plan: DryRunPlan, axis: str | None = None) -> ZeroLayout:
+    """The engine's layout over `axis` (zero_layout's), its memory per rank, its collectives
+    and its evaluation's gathers, into `plan`; returns the layout."""
+    cfg = plan.cfg
+    z = zero_layout(plan.model, plan.mesh, cfg, axis)
     pipe = plan.parts.get("pipeline")
     calls = None if pipe is None else [  # this rank's stages, each a forward call of its own
         [x for x in pipe.split.stage_layers[s] if x in dict(z.units)]
@@ -284,6 +297,7 @@ def estimate_zero(plan: DryRunPlan) -> None:
                                                cfg.run.eval_every, cfg.parallel.prefetch, calls)
     plan.parts["zero"] = z
     plan.replicated = True
+    return z
 
 
 def _reshard(plan: DryRunPlan, z: ZeroLayout, schedule) -> tuple[str, str]:

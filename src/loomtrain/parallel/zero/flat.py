@@ -52,6 +52,16 @@ class ShardPlan:
         return self.shard_axis
 
 
+def optimizer_range(shard: tuple[int, int], plan: ShardPlan) -> tuple[int, int]:
+    """The flat range of a unit whose master weights and optimizer state this rank keeps: its
+    shard, or its part of the shard where the optimizer state is split over the replicas too."""
+    lo, hi = shard
+    if not plan.optimizer_over_replicas:
+        return lo, hi
+    sub = (hi - lo) // plan.replica_ranks
+    return lo + sub * plan.replica_index, lo + sub * (plan.replica_index + 1)
+
+
 class FlatUnit:
     """The parameters of one unit (a module, or the model's leftover parameters) as one flat buffer."""
 
@@ -59,17 +69,14 @@ class FlatUnit:
                  plan: ShardPlan, device: torch.device):
         self.layout, self.params, self.module, self.plan = layout, params, module, plan
         self.shard = layout.range(plan.shard_index, plan.shard_ranks)
-        lo, hi = self.shard
-        sub = (hi - lo) // (plan.replica_ranks if plan.optimizer_over_replicas else 1)
-        skip = sub * plan.replica_index if plan.optimizer_over_replicas else 0
-        self.optimizer_range = (lo + skip, lo + skip + sub)
+        self.optimizer_range = optimizer_range(self.shard, plan)
         self.sharded_params = plan.stage == 3 and plan.shard_ranks > 1
         dtype = plan.compute_dtype
         with torch.no_grad():
             full = torch.zeros(layout.padded, dtype=torch.float32, device=device)
             for p, slot in zip(params, layout.slots):
                 full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-            mine = full[lo:hi] if self.sharded_params else full
+            mine = full[self.shard[0]:self.shard[1]] if self.sharded_params else full
             self.store = mine.to(dtype, copy=True) if (self.sharded_params or dtype != torch.float32) else mine
             o_lo, o_hi = self.optimizer_range
             if dtype != torch.float32 or plan.offload:  # the master weights are a tensor of their own
