@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -175,7 +176,8 @@ def _llama_names(keys: dict) -> dict[str, tuple]:
         block += ["attn.q_norm.weight", "attn.k_norm.weight"]
     experts = {}
     for i in range(keys["n_layers"]):
-        moe = is_moe_layer(_Layers(keys), i)
+        moe = is_moe_layer(SimpleNamespace(n_experts=keys.get("n_experts", 0),
+                                           moe_every=keys.get("moe_every", 1)), i)
         for ours in block + ([] if moe else dense):
             theirs = next((new + ours[len(old):] for old, new in _LLAMA_RENAMES.items()
                            if ours.startswith(old)), ours)
@@ -184,12 +186,6 @@ def _llama_names(keys: dict) -> dict[str, tuple]:
             experts.update(moe_names(keys, i))
     return {**{ours: (theirs, False) for ours, theirs in pairs.items()}, **experts}
 
-
-class _Layers:
-    """The two keys `is_moe_layer` reads, from a dict of [model] keys."""
-
-    def __init__(self, keys: dict):
-        self.n_experts, self.moe_every = keys.get("n_experts", 0), keys.get("moe_every", 1)
 
 
 def name_map(keys: dict) -> dict[str, tuple]:
