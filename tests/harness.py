@@ -57,6 +57,7 @@ def _entry(rank, world, port, collective_timeout_s, call, queue, env, cwd, path)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    finished = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -64,11 +65,24 @@ def _entry(rank, world, port, collective_timeout_s, call, queue, env, cwd, path)
         result = fn(rank, world, *args)
         # plain pickle: tensors travel by value, not as shared memory that dies with the rank
         queue.put((rank, "ok", pickle.dumps(result)))
+        finished = True
     except BaseException:  # report any failure, including SystemExit, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            if finished:
+                _wait_for_peers(dist)
             dist.destroy_process_group()
+
+
+def _wait_for_peers(dist) -> None:
+    """Rank 0 hosts the store: leaving before the others finish (their singleton groups still
+    being made there) resets their connection. A rank whose peers failed waits here until the
+    collective timeout or until the parent, holding every result already, kills it."""
+    try:
+        dist.barrier()
+    except Exception:  # a group a timed-out collective broke: the result is already sent
+        pass
 
 
 def run_world(fn, world: int, *args, timeout_s: float = 120.0, collective_timeout_s: float = 30.0,
