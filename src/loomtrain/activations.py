@@ -98,7 +98,7 @@ def moe_feed_forward_bytes(b: int, t: int, m, c: int) -> int:
     fp32 scores (T E) and the picks (int64 T k), with renormalization the picked weights (fp32
     T k) and their sum (T), with the sigmoid router the scores' sum (T); the copies' source and
     order indices (int64 2K); the experts' input rows (c K d), SwiGLU (c 4 K h) and the int32
-    expert offsets of their three grouped products; the weighted combine's expert outputs and
+    expert offsets their three grouped products share; the weighted combine's expert outputs and
     weights, and its weighted rows that index_add_ keeps (c K (2d + 1)); the shared experts' SwiGLU (c 4 T
     s), with Qwen's gate its sigmoid (c T) and the shared output (c T d); the balance loss's
     per-sequence shares (fp32 b E). Which expert gets which token does not change the sizes:
@@ -110,7 +110,7 @@ def moe_feed_forward_bytes(b: int, t: int, m, c: int) -> int:
     if m.router == "sigmoid":
         router += FP32_BYTES * tokens
     experts = (2 * INDEX_BYTES * copies + c * copies * (m.d_model + 4 * m.expert_width)
-               + 3 * 4 * m.n_experts)  # each grouped product's int32 row offsets
+               + 4 * m.n_experts)  # the int32 row offsets the three grouped products share
     combine = c * copies * (2 * m.d_model + 1)
     shared = c * tokens * 4 * m.n_shared_experts * m.expert_width
     if m.shared_expert_gate:

@@ -38,13 +38,20 @@ import torch.nn.functional as F
 from loomtrain.models.swiglu import SwiGLU
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def row_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """The grouped kernel's `offs`: where each expert's rows end (int32 cumulative counts)."""
+    return counts.cumsum(0).to(torch.int32)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+               offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of `x` sorted by expert (`counts[e]` rows for expert e) times their expert's matrix
     (`weight[e]`, [in, out]): one grouped kernel, or a loop over the experts where the kernel
-    needs 16-byte aligned rows (widths not a multiple of 4 in fp32, of 8 in bf16)."""
+    needs 16-byte aligned rows (widths not a multiple of 4 in fp32, of 8 in bf16). `offsets`:
+    `row_offsets(counts)`, where the caller shares them between products (autograd then saves
+    one tensor for all of them)."""
     if all(s * x.element_size() % 16 == 0 for s in (x.shape[-1], weight.shape[-1])):
-        offsets = counts.cumsum(0).to(torch.int32)
-        return F.grouped_mm(x, weight, offs=offsets)
+        return F.grouped_mm(x, weight, offs=row_offsets(counts) if offsets is None else offsets)
     pieces = x.split(counts.tolist())
     return torch.cat([p @ w for p, w in zip(pieces, weight)])
 
@@ -90,9 +97,12 @@ class GroupedExperts(nn.Module):
         return self.gate_proj.shape[0]
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: rows sorted by expert, `counts[e]` of them for expert e."""
-        hidden = F.silu(grouped_mm(x, self.gate_proj, counts)) * grouped_mm(x, self.up_proj, counts)
-        return grouped_mm(hidden, self.down_proj, counts)
+        """x: rows sorted by expert, `counts[e]` of them for expert e; the three products
+        share one tensor of row offsets."""
+        offsets = row_offsets(counts)
+        hidden = F.silu(grouped_mm(x, self.gate_proj, counts, offsets)) * \
+            grouped_mm(x, self.up_proj, counts, offsets)
+        return grouped_mm(hidden, self.down_proj, counts, offsets)
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -183,4 +193,5 @@ def is_moe_layer(cfg, layer: int) -> bool:
     return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
 
 
-__all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer"]
+__all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer",
+           "row_offsets"]
