@@ -121,7 +121,8 @@ class Mesh:
         return self.world // self.ranks_per_node
 
     def size(self, axis: str) -> int:
-        """Size of an axis, or of a sub-group: "dp", "ep", "edp", "dp.local", "dp.cross"."""
+        """Size of an axis, or of a sub-group: "dp", "ep", "edp", "dp.local", "dp.cross",
+        "edp.local", "edp.cross"."""
         if axis in self.sizes:
             return self.sizes[axis]
         return len(self._member_ranks(axis))
@@ -134,7 +135,7 @@ class Mesh:
     def group(self, axis: str):
         """The process group of `axis` ("dp", "tp", ..., "dpcp" (dp and cp together), "ep"
         and "edp" (dp cut for expert parallelism, `expert_groups`),
-        "dp.local", "dp.cross", "dpcp.local", "dpcp.cross", "world", or
+        "dp.local", "dp.cross", "dpcp.local", "dpcp.cross", "edp.local", "edp.cross", "world", or
         "self": this rank alone, for code that treats "not sharded" as a group of one)."""
         return self._groups[axis][1]
 
@@ -206,6 +207,8 @@ def build_mesh(
     groups = {axis: axis_groups(sizes, axis) for axis in AXES}
     if sizes["cp"] > 1:
         groups["dpcp"] = dpcp  # hierarchical ZeRO under cp shards inside a node over dp x cp
+    if 1 < ep < sizes["dp"]:
+        groups["edp"] = expert_groups(sizes, ep)[1]  # hierarchical ZeRO's experts
     for axis, every in groups.items():
         if ranks_per_node == world:
             mesh._groups[f"{axis}.local"] = mesh._groups[axis]
@@ -217,9 +220,11 @@ def build_mesh(
                 pg = dist.new_group(ranks) if len(ranks) > 1 else None
                 if mesh.rank in ranks:
                     mesh._groups[name] = (ranks, pg)
-    if sizes["cp"] == 1:
-        for part in ("local", "cross"):
+    for part in ("local", "cross"):
+        if sizes["cp"] == 1:
             mesh._groups[f"dpcp.{part}"] = mesh._groups[f"dp.{part}"]
+        if ep == 1 or ep == sizes["dp"]:  # edp is dp, or this rank alone
+            mesh._groups[f"edp.{part}"] = mesh._groups[f"dp.{part}" if ep == 1 else "self"]
     return mesh
 
 

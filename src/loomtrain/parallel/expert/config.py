@@ -90,16 +90,7 @@ class ExpertParallel(Component):
     switches = (Switch("parallel.ep", 1),)
     summary = "the experts split over ep ranks of dp, tokens dispatched by all-to-all"
     stage = SPLIT + 5  # after tensor parallelism, before the pipeline split (DESIGN.md)
-    refuses = {
-        "zero": Refusal("hierarchical ZeRO would shard the experts inside a node of edp ranks; "
-                        "not built yet", when=lambda cfg: cfg.parallel.hierarchical,
-                        partly="hierarchical"),
-        "compression": Refusal("the compressors reduce every bucket over dp; expert buckets "
-                               "reduce over edp (not built yet)"),
-        "recompute": Refusal("recomputing a block would rerun its all-to-alls, which the dry "
-                             "run does not count yet"),
-        "offload": Refusal("not checked with the all-to-all dispatch yet"),
-    }
+
 
     @classmethod
     def apply(cls, built: Built) -> None:
@@ -129,6 +120,27 @@ class ExpertParallel(Component):
                 raise ValueError(f"parallel.ep={p.ep} must divide {key} = {n} (the ep ranks "
                                  "are a sub-axis of dp and hold n_experts / ep experts each); "
                                  f"choose parallel.ep among its divisors")
+        if p.hierarchical and not within_nodes(p, p.ep):
+            fits = [e for e in range(1, p.dp_size + 1)
+                    if p.dp_size % e == 0 and m.n_experts % e == 0 and within_nodes(p, e)]
+            raise ValueError(
+                f"parallel.ep={p.ep} with parallel.hierarchical=true: the hierarchical layout "
+                "keeps each expert-parallel group inside a node (its all-to-alls on the node's "
+                "links; the experts' replicas, edp, sharded inside the node and reduced across "
+                f"nodes), but ep groups of {p.ep} dp ranks span nodes of "
+                f"parallel.ranks_per_node={p.ranks_per_node or p.nproc} ranks; choose parallel.ep "
+                f"among {fits}, or set parallel.hierarchical=false")
+
+
+def within_nodes(p, ep: int) -> bool:
+    """Whether every ep group (mesh.py `expert_groups`) of the [parallel] keys `p` lies on
+    one node of `ranks_per_node` ranks. Pure."""
+    from loomtrain.mesh import expert_groups
+
+    sizes = {"pp": p.pp, "dp": p.dp_size, "cp": p.cp, "tp": p.tp}
+    per_node = p.ranks_per_node or p.nproc
+    return all(len({r // per_node for r in group}) == 1
+               for group in expert_groups(sizes, ep)[0])
 
 
 def exchange_collectives(plan) -> None:
@@ -139,9 +151,11 @@ def exchange_collectives(plan) -> None:
     A dispatch sends this rank's T k rows; a combine sends back the rows it received, T k
     on average over the ep ranks (exactly T k under even routing): the payload and wire
     bytes of the rows are those of balanced routing, (ep - 1) / ep of the payload on the wire
-    (comm/ counts the rows actually sent). Evaluation forwards run the counts, the dispatch
+    (comm/ counts the rows actually sent). A micro-batch whose blocks are recomputed
+    (`recomputed_microbatches`) runs their forward again in its backward: the counts, the
+    dispatch and the combine once more. Evaluation forwards run the counts, the dispatch
     and the combine."""
-    from loomtrain.estimate import metered
+    from loomtrain.estimate import metered, recomputed_microbatches
     from loomtrain.parallel.expert.balance import moe_layers
 
     cfg, ep = plan.cfg, plan.mesh.size("ep")
@@ -150,10 +164,12 @@ def exchange_collectives(plan) -> None:
         cfg.model.d_model * plan.compute_bytes
     counts = 8 * cfg.model.n_experts
     micro = cfg.accumulation_steps * layers
+    runs = micro + recomputed_microbatches(plan) * layers  # forwards and their reruns
     plan.collectives += [
-        metered("expert counts (all-to-all)", "all_to_all", "ep", ep, counts, micro),
-        metered("expert dispatch and combine, forward and backward", "all_to_all", "ep", ep,
-                rows, 4 * micro)]
+        metered("expert counts (all-to-all), each forward and rerun", "all_to_all", "ep", ep,
+                counts, runs),
+        metered("expert dispatch and combine, each forward and rerun, and their gradients",
+                "all_to_all", "ep", ep, rows, 2 * runs + 2 * micro)]
     forwards = plan.eval_forwards * layers
     plan.eval_collectives += [
         metered("expert counts, evaluation", "all_to_all", "ep", ep, counts, forwards,

@@ -252,8 +252,8 @@ def zero_layout(model, mesh, cfg, axis: str | None = None) -> ZeroLayout:
             else:
                 units.append((name, layout.padded))
         experts = [(n, tuple(x.shape)) for n, x in params if dp_axis_of(x, replicas) != replicas]
-        if experts:  # flat: parallel.ep refuses hierarchical ZeRO
-            sub = make_plan(mesh, p.zero_stage, False, p.optimizer_shard, dtype,
+        if experts:  # over edp; hierarchical: inside the node, across nodes (as shard())
+            sub = make_plan(mesh, p.zero_stage, p.hierarchical, p.optimizer_shard, dtype,
                             p.offload_optimizer, "edp")
             apart.append((f"{name}.edp", unit_layout(
                 f"{name}.edp", experts, sub.shard_ranks * sub.replica_ranks).padded))
