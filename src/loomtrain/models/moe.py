@@ -139,6 +139,8 @@ class MoE(nn.Module):
         self.counted: torch.Tensor | None = None  # not a buffer: bf16 casts would round it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # no values to route by: the pipeline's split asks for the shape alone
+            return torch.empty_like(x)
         b, t, d = x.shape
         tokens = x.reshape(-1, d)
         weights, experts, probs = self.router(tokens)
@@ -183,4 +185,10 @@ def is_moe_layer(cfg, layer: int) -> bool:
     return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
 
 
-__all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer"]
+def moe_blocks(cfg) -> list[int]:
+    """The blocks (from 0) with the mixture-of-experts feed-forward, in order."""
+    return [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
+
+
+__all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer",
+           "moe_blocks"]
