@@ -10,7 +10,7 @@ from importlib import import_module
 from types import SimpleNamespace
 
 import torch
-from conftest import tiny_tree
+from conftest import refused, tiny_tree
 from harness import run_world
 from test_moe import MODEL, STEPS, _cfg, _check_dry_run, _metered, _rel_loss
 
@@ -53,15 +53,16 @@ def test_a_stage_holds_its_blocks_rows_among_the_whole_models(monkeypatch):
     assert rows == [[0], [1]]
 
 
-# world 2: pp 2 under each synchronous schedule; stage 0 of the zero-bubble one holds dense
+# world 2: pp 2 under each synchronous schedule (the optimal one profiles its stages at build:
+# backwards the step's counts must not include); stage 0 of the zero-bubble one holds dense
 # blocks only (it fills no row of the step's expert table)
-PP2 = [{"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
-       {"pp": 2, "schedule": "zb-h1", "split_points": [2]},
+PP2 = [{"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "recompute": "full"},
+       {"pp": 2, "schedule": "zb-h1", "split_points": [2], "offload_activations": 0.5},
        {"pp": 2, "schedule": "optimal"}]
-# world 4: dp 2 in each stage: ep 2 x pp 2, with ZeRO-1 and zero-bubble, ZeRO-3 without ep
+# world 4: dp 2 in each stage: ep 2 x pp 2, and with ZeRO-3 (the experts' units sharded
+# over edp: each rank alone at ep = dp) and zero-bubble
 PP4 = [{"pp": 2, "ep": 2, "schedule": "1f1b"},
-       {"pp": 2, "ep": 2, "zero_stage": 1, "schedule": "zb-h1"},
-       {"pp": 2, "zero_stage": 3, "schedule": "gpipe"}]
+       {"pp": 2, "ep": 2, "zero_stage": 3, "schedule": "zb-h1"}]
 
 
 def test_pipeline_and_expert_parallelism_reproduce_the_single_process_run(tmp_path, corpus):
@@ -83,3 +84,9 @@ def test_pipeline_and_expert_parallelism_reproduce_the_single_process_run(tmp_pa
                 [r["moe_tokens_per_expert"] for r in want], layouts[i]
             aux = max(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) for a, b in zip(got, want))
             assert aux < 1e-5, (layouts[i], aux)
+
+
+def test_the_asynchronous_pipeline_is_refused_with_its_reason(capsys):
+    argv = ["train", "--dry-run", "--nproc", "2", "--set", "model.name=llama", "--set",
+            "model.n_experts=4", "--set", "parallel.pp=2", "--set", "parallel.schedule=async"]
+    assert "a later step than its forward" in refused(capsys, argv)

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from loomtrain.component import FINISH, SPLIT, Built, Component, Refusal, Section, Switch
 
-_NOT_YET = ("the mixture of experts runs with data parallelism, ZeRO and expert parallelism "
+_NOT_YET = ("the mixture of experts runs with data, expert and pipeline parallelism and ZeRO "
             "today; the other axes come next")
 
 
@@ -20,8 +20,12 @@ class Experts(Component):
     summary = "mixture-of-experts feed-forwards: balance loss, bias balancing, expert metrics"
     stage = FINISH
     refuses = {
-        **{other: Refusal(_NOT_YET) for other in ("tensor", "async_pipeline",
-                                                   "context", "balance")},
+        **{other: Refusal(_NOT_YET) for other in ("tensor", "context", "balance")},
+        "async_pipeline": Refusal("its stream runs a micro-batch's backward, where the routers "
+                                  "count their loads and the balance loss takes its weight, in "
+                                  "a later step than its forward: a step's expert figures and "
+                                  "the loss's weight would mix two steps' micro-batches (not "
+                                  "built yet)"),
         "asyncsgd": Refusal("the parameter server's workers route on stale weights and the "
                             "server has no step at which to agree on the experts' loads yet"),
         "zeroth": Refusal("the routers' counts and balance loss are taken in the backward, "
