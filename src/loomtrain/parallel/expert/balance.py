@@ -43,7 +43,8 @@ def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
 def step_figures(layers: list[MoE], rows: list[int], cfg, mesh) -> torch.Tensor | None:
     """[MoE blocks of the model `cfg` describes, experts + 2]: each block's picks per expert,
     balance-loss sum and sequences over the step on every rank (one all-reduce per token and
-    block axis), this rank's `layers` (at `rows`) counts reset. None without MoE blocks."""
+    block axis); the counts of this rank's `layers` (the table's `rows`) reset. None without
+    MoE blocks."""
     blocks = len(moe_blocks(cfg))
     if not blocks:
         return None
