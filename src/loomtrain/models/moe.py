@@ -19,7 +19,7 @@ Balancing, both optional:
   does not, so every layout reproduces the single-process loss;
 - DeepSeek-V3's auxiliary-loss-free bias (section 2.1.2): a per-expert bias added to the scores
   for choosing the experts only (the weights stay the unbiased scores), moved by
-  `router_bias_rate` towards the mean load after each step (parallel/expert.py).
+  `router_bias_rate` towards the mean load after each step (parallel/expert/balance.py).
 
 The auxiliary loss reaches the gradient through `_AuxLoss`, which passes the hidden state through
 unchanged and hands the loss its gradient in the backward, as Megatron-Core's
@@ -129,7 +129,7 @@ class _AuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward (see the module's docstring). `aux_grad`: the
     auxiliary loss's gradient per token of a sequence, set per step by the Experts component
-    (parallel/expert.py) to the coefficient over the step's loss tokens (the objective is
+    (parallel/expert/config.py) to the coefficient over the step's loss tokens (the objective is
     (cross-entropy sum + coef * sum of sequence losses * their tokens) / loss tokens);
     `counted` (fp64, None until a backward): what the backwards saw since the component read it, the
     picks of each expert, then the auxiliary loss summed over the sequences and their number."""
@@ -149,6 +149,8 @@ class MoE(nn.Module):
         self.counted: torch.Tensor | None = None  # not a buffer: bf16 casts would round it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # no values to route by: the pipeline's split asks for the shape alone
+            return torch.empty_like(x)
         b, t, d = x.shape
         tokens = x.reshape(-1, d)
         weights, experts, probs = self.router(tokens)
@@ -193,5 +195,10 @@ def is_moe_layer(cfg, layer: int) -> bool:
     return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
 
 
+def moe_blocks(cfg) -> list[int]:
+    """The blocks (from 0) with the mixture-of-experts feed-forward, in order."""
+    return [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
+
+
 __all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer",
-           "row_offsets"]
+           "moe_blocks", "row_offsets"]

@@ -5,18 +5,32 @@ expert's bias moves by `rate` towards the mean load, b_i += rate * sign(mean - l
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from loomtrain import comm
-from loomtrain.models.moe import MoE
+from loomtrain.models.moe import MoE, moe_blocks
 
 # the axes whose ranks route different tokens: their counts add up to the step's
 TOKEN_AXES = ("dp",)
+# the axes whose ranks hold different blocks (the pipeline's stages): each rank fills its own
+# blocks' rows of the step's table and leaves the others' zero, so the sum holds every block
+BLOCK_AXES = ("pp",)
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoE]:
     """The model's mixture-of-experts feed-forwards, in order (a pipeline stage's own)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_rows(model: torch.nn.Module, cfg) -> list[int]:
+    """The row of each of `moe_layers(model)` among all the MoE blocks of the model `cfg`
+    describes, in block order: a pipeline stage holds some of the blocks, under their names
+    in the whole model (`blocks.3.mlp`, parallel/pipeline/split.py)."""
+    blocks = moe_blocks(cfg)
+    names = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+    return [blocks.index(int(re.search(r"blocks\.(\d+)\.mlp$", name)[1])) for name in names]
 
 
 def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
@@ -26,13 +40,18 @@ def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
         layer.aux_grad = coef / loss_tokens
 
 
-def step_figures(layers: list[MoE], mesh) -> torch.Tensor | None:
-    """[layers, experts + 2]: each layer's picks per expert, balance-loss sum and sequences
-    over the step on every rank (one all-reduce per token axis), the layers' counts reset."""
-    if not layers:
+def step_figures(layers: list[MoE], rows: list[int], cfg, mesh) -> torch.Tensor | None:
+    """[MoE blocks of the model `cfg` describes, experts + 2]: each block's picks per expert,
+    balance-loss sum and sequences over the step on every rank (one all-reduce per token and
+    block axis); the counts of this rank's `layers` (the table's `rows`) reset. None without
+    MoE blocks."""
+    blocks = len(moe_blocks(cfg))
+    if not blocks:
         return None
-    seen = torch.stack([_take(layer) for layer in layers])
-    for axis in TOKEN_AXES:
+    seen = torch.zeros(blocks, cfg.n_experts + 2, dtype=torch.float64, device=mesh.device)
+    if layers:  # a pipeline stage may hold dense blocks only
+        seen[rows] = torch.stack([_take(layer) for layer in layers])
+    for axis in (*TOKEN_AXES, *BLOCK_AXES):
         comm.all_reduce(seen, mesh, axis)
     return seen
 

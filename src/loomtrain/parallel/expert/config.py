@@ -8,7 +8,7 @@ from pydantic import Field
 
 from loomtrain.component import FINISH, SPLIT, Built, Component, Refusal, Section, Switch
 
-_NOT_YET = ("the mixture of experts runs with data parallelism, ZeRO and expert parallelism "
+_NOT_YET = ("the mixture of experts runs with data, expert and pipeline parallelism and ZeRO "
             "today; the other axes come next")
 
 
@@ -20,8 +20,12 @@ class Experts(Component):
     summary = "mixture-of-experts feed-forwards: balance loss, bias balancing, expert metrics"
     stage = FINISH
     refuses = {
-        **{other: Refusal(_NOT_YET) for other in ("tensor", "pipeline", "async_pipeline",
-                                                   "context", "balance")},
+        **{other: Refusal(_NOT_YET) for other in ("tensor", "context", "balance")},
+        "async_pipeline": Refusal("its stream runs a micro-batch's backward, where the routers "
+                                  "count their loads and the balance loss takes its weight, in "
+                                  "a later step than its forward: a step's expert figures and "
+                                  "the loss's weight would mix two steps' micro-batches (not "
+                                  "built yet)"),
         "asyncsgd": Refusal("the parameter server's workers route on stale weights and the "
                             "server has no step at which to agree on the experts' loads yet"),
         "zeroth": Refusal("the routers' counts and balance loss are taken in the backward, "
@@ -34,20 +38,29 @@ class Experts(Component):
 
     @classmethod
     def apply(cls, built: Built) -> None:
-        from loomtrain.parallel.expert.balance import moe_layers
+        """This rank's MoE layers (a pipeline stage's own) and their rows among all the
+        model's; what a backward at build counted (the pipeline's timing or profile of its
+        stages) is forgotten."""
+        from loomtrain.parallel.expert.balance import moe_layers, moe_rows
 
-        built.parts[cls.name] = {"layers": moe_layers(built.model), "seen": None}
+        layers = moe_layers(built.model)
+        for layer in layers:
+            layer.counted = None
+        built.parts[cls.name] = {"layers": layers, "rows": moe_rows(built.model, built.cfg.model),
+                                 "seen": None}
 
     @classmethod
     def estimate(cls, plan) -> None:
-        """The step's counts all-reduced over the token axes: [layers, experts + 2] float64
-        (balance.py `step_figures`); the activations are the model's (activations.py)."""
+        """The step's counts all-reduced over the token and block axes: [MoE blocks, experts
+        + 2] float64 (balance.py `step_figures`); the activations are the model's
+        (activations.py)."""
         from loomtrain.estimate import all_reduce
-        from loomtrain.parallel.expert.balance import TOKEN_AXES, moe_layers
+        from loomtrain.models.moe import moe_blocks
+        from loomtrain.parallel.expert.balance import BLOCK_AXES, TOKEN_AXES
 
-        layers = len(moe_layers(plan.model))
+        layers = len(moe_blocks(plan.cfg.model))
         payload = 8 * layers * (plan.cfg.model.n_experts + 2)
-        for axis in TOKEN_AXES:
+        for axis in (*TOKEN_AXES, *BLOCK_AXES):
             n = plan.mesh.size(axis)
             if n > 1 and layers:
                 plan.collectives.append(all_reduce("expert loads and balance loss", axis, n,
@@ -65,9 +78,10 @@ class Experts(Component):
         from loomtrain.parallel.expert.balance import step_figures, update_bias
 
         part = built.parts[cls.name]
-        part["seen"] = step_figures(part["layers"], built.mesh)
+        part["seen"] = step_figures(part["layers"], part["rows"], built.cfg.model, built.mesh)
         if built.cfg.model.router_bias_rate and part["seen"] is not None:
-            update_bias(part["layers"], part["seen"], built.cfg.model.router_bias_rate)
+            update_bias(part["layers"], part["seen"][part["rows"]],
+                        built.cfg.model.router_bias_rate)
 
     @classmethod
     def metrics(cls, built: Built, evaluated: bool) -> dict:

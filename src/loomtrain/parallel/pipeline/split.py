@@ -115,8 +115,8 @@ def stage_shapes(model: nn.Module, layers: list[Layer], bounds: list[int],
                  sample: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
     """(shape, dtype) of every stage's output for an input like `sample`, found on the meta
     device (no compute, no memory). A layer the meta device cannot run (one reading values:
-    `.item()`, `torch.nonzero`, as mixture-of-experts routing does) raises there; the shapes
-    then come from running the layers on `sample` itself (`_real_shapes`)."""
+    `.item()`, `torch.nonzero`, as a Hugging Face mixture of experts' routing does) raises
+    there; the shapes then come from running the layers on `sample` itself (`_real_shapes`)."""
     try:
         return _shapes(copy.deepcopy(model).to("meta"), layers, bounds, sample.to("meta"))
     except (NotImplementedError, RuntimeError):
