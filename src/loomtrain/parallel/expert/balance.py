@@ -10,8 +10,11 @@ import torch
 from loomtrain import comm
 from loomtrain.models.moe import MoE
 
-# the axes whose ranks route different tokens: their counts add up to the step's
-TOKEN_AXES = ("dp",)
+
+def token_axis(mesh) -> str:
+    """The ranks whose routers see different tokens, whose counts add up to the step's: dp,
+    and with it cp, which splits every row (the "dpcp" group)."""
+    return "dpcp" if mesh.size("cp") > 1 else "dp"
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoE]:
@@ -28,12 +31,11 @@ def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
 
 def step_figures(layers: list[MoE], mesh) -> torch.Tensor | None:
     """[layers, experts + 2]: each layer's picks per expert, balance-loss sum and sequences
-    over the step on every rank (one all-reduce per token axis), the layers' counts reset."""
+    over the step on every rank (one all-reduce over `token_axis`), the layers' counts reset."""
     if not layers:
         return None
     seen = torch.stack([_take(layer) for layer in layers])
-    for axis in TOKEN_AXES:
-        comm.all_reduce(seen, mesh, axis)
+    comm.all_reduce(seen, mesh, token_axis(mesh))
     return seen
 
 

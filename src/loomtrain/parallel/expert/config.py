@@ -8,7 +8,7 @@ from pydantic import Field
 
 from loomtrain.component import FINISH, SPLIT, Built, Component, Refusal, Section, Switch
 
-_NOT_YET = ("the mixture of experts runs with data parallelism, ZeRO and expert parallelism "
+_NOT_YET = ("the mixture of experts runs with data, context and expert parallelism and ZeRO "
             "today; the other axes come next")
 
 
@@ -20,8 +20,7 @@ class Experts(Component):
     summary = "mixture-of-experts feed-forwards: balance loss, bias balancing, expert metrics"
     stage = FINISH
     refuses = {
-        **{other: Refusal(_NOT_YET) for other in ("tensor", "pipeline", "async_pipeline",
-                                                   "context", "balance")},
+        **{other: Refusal(_NOT_YET) for other in ("tensor", "pipeline", "async_pipeline")},
         "asyncsgd": Refusal("the parameter server's workers route on stale weights and the "
                             "server has no step at which to agree on the experts' loads yet"),
         "zeroth": Refusal("the routers' counts and balance loss are taken in the backward, "
@@ -34,24 +33,39 @@ class Experts(Component):
 
     @classmethod
     def apply(cls, built: Built) -> None:
+        """Each layer's balance loss takes whole rows where the sequence runtime splits them
+        over ranks (context parallelism, data.balance's pool)."""
         from loomtrain.parallel.expert.balance import moe_layers
+        from loomtrain.parallel.sequence import sequence_of
 
-        built.parts[cls.name] = {"layers": moe_layers(built.model), "seen": None}
+        layers = moe_layers(built.model)
+        runtime = sequence_of(built.model)
+        for layer in layers if runtime is not None else ():
+            layer.split_rows = runtime.shared_rows
+        built.parts[cls.name] = {"layers": layers, "seen": None}
 
     @classmethod
     def estimate(cls, plan) -> None:
-        """The step's counts all-reduced over the token axes: [layers, experts + 2] float64
-        (balance.py `step_figures`); the activations are the model's (activations.py)."""
-        from loomtrain.estimate import all_reduce
-        from loomtrain.parallel.expert.balance import TOKEN_AXES, moe_layers
+        """The step's counts all-reduced over the token axis: [layers, experts + 2] float64
+        (balance.py `step_figures`); where the rows are split over ranks, each layer's picks
+        and probabilities per row ([rows, 2 experts] fp32, `balance_loss`) all-reduced in every
+        forward of a step that computes gradients (recomputed ones too). The activations are
+        the model's (activations.py)."""
+        from loomtrain.estimate import all_reduce, metered, recomputed_microbatches
+        from loomtrain.parallel.expert.balance import moe_layers, token_axis
+        from loomtrain.parallel.sequence import rows_axis
 
-        layers = len(moe_layers(plan.model))
-        payload = 8 * layers * (plan.cfg.model.n_experts + 2)
-        for axis in TOKEN_AXES:
-            n = plan.mesh.size(axis)
-            if n > 1 and layers:
-                plan.collectives.append(all_reduce("expert loads and balance loss", axis, n,
-                                                   payload))
+        cfg, layers = plan.cfg, len(moe_layers(plan.model))
+        experts, tokens, shared = cfg.model.n_experts, token_axis(plan.mesh), rows_axis(cfg)
+        if layers and plan.mesh.size(tokens) > 1:
+            plan.collectives.append(all_reduce("expert loads and balance loss", tokens,
+                                               plan.mesh.size(tokens), 8 * layers * (experts + 2)))
+        if layers and shared is not None and plan.mesh.size(shared) > 1:
+            rows = plan.loaded * cfg.train.micro_batch  # what `shard` is given
+            forwards = cfg.accumulation_steps + recomputed_microbatches(plan)
+            plan.collectives.append(metered(
+                "expert picks and probabilities per row (balance loss)", "all_reduce", shared,
+                plan.mesh.size(shared), 4 * rows * 2 * experts, layers * forwards))
 
     @classmethod
     def before_step(cls, built: Built, step: int) -> None:
@@ -133,7 +147,8 @@ class ExpertParallel(Component):
 
 def exchange_collectives(plan) -> None:
     """The all-to-alls of expert parallelism over ep (parallel/expert/exchange.py), per MoE
-    block and micro-batch of T = micro_batch * seq_len tokens, k picks each, width d, c bytes
+    block and micro-batch of T = micro_batch * seq_len / cp tokens (a cp rank's share of
+    each row), k picks each, width d, c bytes
     a value: the counts ([ep, E/ep] int64, 8E bytes) in the forward; the rows T k d c in
     four exchanges, the forward's dispatch and combine and their two gradients in the backward.
     A dispatch sends this rank's T k rows; a combine sends back the rows it received, T k
@@ -146,7 +161,7 @@ def exchange_collectives(plan) -> None:
 
     cfg, ep = plan.cfg, plan.mesh.size("ep")
     layers = len(moe_layers(plan.model))
-    rows = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.experts_per_token * \
+    rows = cfg.train.micro_batch * plan.local_model.seq_len * cfg.model.experts_per_token * \
         cfg.model.d_model * plan.compute_bytes
     counts = 8 * cfg.model.n_experts
     micro = cfg.accumulation_steps * layers
