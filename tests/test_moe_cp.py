@@ -8,7 +8,7 @@ run predicts their collectives."""
 
 from __future__ import annotations
 
-from conftest import tiny_tree
+from conftest import refused, tiny_tree
 from harness import run_world
 
 from loomtrain.mesh import expert_replicas
@@ -58,3 +58,10 @@ def test_context_and_expert_parallel_moe_reproduces_the_single_process_run(tmp_p
         aux = max(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) for a, b in zip(got, want))
         assert aux < 1e-5, (parallel, aux)
     assert want[-1]["loss"] < want[0]["loss"] - 0.2  # it learns
+
+
+def test_expert_parallelism_with_the_balance_pool_is_refused(capsys):
+    says = refused(capsys, ["train", "--dry-run", "--set", "model.name=llama", "--set",
+                            "model.n_experts=4", "--set", "parallel.ep=2", "--set",
+                            "data.packing=true", "--set", "data.balance=true", "--nproc", "2"])
+    assert "the all-to-alls carry other bytes than the dry run counts" in says

@@ -1,8 +1,10 @@
 """The named device mesh: every rank's place on the (pp, dp, cp, tp) grid.
 
 The grid is `arange(world).view(pp, dp, cp, tp)`, tp innermost; expert parallelism cuts dp
-into "ep" x "edp" (`expert_groups`); `ranks_per_node` adds node-local and cross-node
-sub-groups for hierarchical methods, and `mesh.link` a simulated slow link between nodes. The layout, with an example: docs/architecture.md, "The mesh".
+into "ep" x "edp" (`expert_groups`; "edpcp", edp with its cp peers: `expert_replicas`);
+`ranks_per_node` adds node-local and cross-node sub-groups for hierarchical methods, and
+`mesh.link` a simulated slow link between nodes. The layout, with an example:
+docs/architecture.md, "The mesh".
 """
 
 from __future__ import annotations

@@ -113,6 +113,10 @@ class ExpertParallel(Component):
         "recompute": Refusal("recomputing a block would rerun its all-to-alls, which the dry "
                              "run does not count yet"),
         "offload": Refusal("not checked with the all-to-all dispatch yet"),
+        "balance": Refusal("the pool deals each rank as many tokens as its documents come "
+                           "to (split ones padded), so the all-to-alls carry other bytes than "
+                           "the dry run counts (not modelled yet); ep runs with plain context "
+                           "parallelism"),
     }
 
     @classmethod
