@@ -148,8 +148,9 @@ class Mesh:
     def group(self, axis: str):
         """The process group of `axis` ("dp", "tp", ..., "dpcp" (dp and cp together), "ep"
         and "edp" (dp cut for expert parallelism, `expert_groups`), "edpcp" (edp and cp
-        together, `expert_replicas`), "dp.local", "dp.cross", "dpcp.local", "dpcp.cross", "world", or
-        "self": this rank alone, for code that treats "not sharded" as a group of one)."""
+        together, `expert_replicas`), "dp.local", "dp.cross", "dpcp.local", "dpcp.cross",
+        "world", or "self": this rank alone, for code that treats "not sharded" as a group of
+        one)."""
         return self._groups[axis][1]
 
     def group_ranks(self, axis: str) -> list[int]:

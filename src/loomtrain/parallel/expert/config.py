@@ -38,10 +38,10 @@ class Experts(Component):
         from loomtrain.parallel.expert.balance import moe_layers
         from loomtrain.parallel.sequence import sequence_of
 
-        layers = moe_layers(built.model)
-        runtime = sequence_of(built.model)
-        for layer in layers if runtime is not None else ():
-            layer.split_rows = runtime.shared_rows
+        layers, runtime = moe_layers(built.model), sequence_of(built.model)
+        if runtime is not None:
+            for layer in layers:
+                layer.split_rows = runtime.shared_rows
         built.parts[cls.name] = {"layers": layers, "seen": None}
 
     @classmethod
@@ -59,7 +59,8 @@ class Experts(Component):
         experts, tokens, shared = cfg.model.n_experts, token_axis(plan.mesh), rows_axis(cfg)
         if layers and plan.mesh.size(tokens) > 1:
             plan.collectives.append(all_reduce("expert loads and balance loss", tokens,
-                                               plan.mesh.size(tokens), 8 * layers * (experts + 2)))
+                                               plan.mesh.size(tokens),
+                                               8 * layers * (experts + 2)))
         if layers and shared is not None and plan.mesh.size(shared) > 1:
             rows = plan.loaded * cfg.train.micro_batch  # what `shard` is given
             forwards = cfg.accumulation_steps + recomputed_microbatches(plan)
@@ -152,9 +153,9 @@ class ExpertParallel(Component):
 def exchange_collectives(plan) -> None:
     """The all-to-alls of expert parallelism over ep (parallel/expert/exchange.py), per MoE
     block and micro-batch of T = micro_batch * seq_len / cp tokens (a cp rank's share of
-    each row), k picks each, width d, c bytes
-    a value: the counts ([ep, E/ep] int64, 8E bytes) in the forward; the rows T k d c in
-    four exchanges, the forward's dispatch and combine and their two gradients in the backward.
+    each row), k picks each, width d, c bytes a value: the counts ([ep, E/ep] int64, 8E
+    bytes) in the forward; the rows T k d c in four exchanges, the forward's dispatch and
+    combine and their two gradients in the backward.
     A dispatch sends this rank's T k rows; a combine sends back the rows it received, T k
     on average over the ep ranks (exactly T k under even routing): the payload and wire
     bytes of the rows are those of balanced routing, (ep - 1) / ep of the payload on the wire

@@ -1,7 +1,9 @@
 """What a sequence-parallel attention kernel knows about the tokens it holds: where every ring
 member's tokens sit in the full sequence (the contiguous and zig-zag layouts), the documents
 of the full rows, and the ring to talk over. Masks come from global positions, never from
-local indices. Details: docs/sequence.md, "Layouts" and "The context a kernel sees".
+local indices. Details: docs/sequence.md, "Layouts" and "The context a kernel sees". And,
+for what is taken per whole row outside attention (the mixture of experts' balance loss),
+which rows a rank's tokens belong to (`SharedRows`, docs/moe.md "Context parallelism").
 """
 
 from __future__ import annotations
@@ -145,9 +147,9 @@ class SeqContext:
 class SharedRows:
     """How a micro-batch's rows lie over the ranks of `axis` that share them, for a statistic
     taken per whole row (the mixture of experts' balance loss, models/moe.py): `rows` rows of
-    `length` tokens; this rank's tokens (b, t) are local row i's tokens of row i (`row` None:
-    context parallelism, each rank holds some tokens of every row), or `row[j]`'s for the
-    local tokens `tokens[j]` of the flattened (b * t), the others padding (data.balance)."""
+    `length` tokens; this rank's tokens (b, t) are, when `tokens` is None, some of each row's
+    (local row i: row i; context parallelism), else the local tokens `tokens[j]` of the
+    flattened (b * t) are row `row[j]`'s and the others padding (data.balance's pool)."""
 
     mesh: Any
     axis: str
@@ -158,7 +160,7 @@ class SharedRows:
 
     def own(self, values: torch.Tensor) -> torch.Tensor:
         """(b, t, ...) per local token -> those of the tokens that belong to a row."""
-        return values if self.tokens is None else values.flatten(0, 1)[self.tokens]
+        return values if self.tokens is None else values.flatten(0, 1).index_select(0, self.tokens)
 
     def sums(self, values: torch.Tensor) -> torch.Tensor:
         """(b, t, C) per local token -> (rows, C): each row's sums over all its tokens, on

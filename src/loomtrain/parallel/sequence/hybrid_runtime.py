@@ -84,12 +84,12 @@ class HybridRuntime:
             ring = Ring(self.mesh, "dpcp", list(share.members))
             self.split.append((span, SeqContext(positions, ring.me, None, ring, self.window)))
         index = (torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
-        keep = torch.tensor(valid, device=y.device)
-        real = torch.tensor(valid).nonzero().view(-1)  # the local tokens that are not padding
+        keep = torch.tensor(valid, dtype=torch.bool)
+        real = keep.nonzero().view(-1)  # the local tokens that are not padding
         self.rows = SharedRows(self.mesh, "dpcp", x.shape[0], x.shape[1], real.to(x.device),
                                index[0][real].to(x.device))
         self.model.position_ids = index[1].to(x.device)
-        local_y = torch.where(keep, y[index], torch.full_like(y[index], IGNORE_INDEX))
+        local_y = torch.where(keep.to(y.device), y[index], torch.full_like(y[index], IGNORE_INDEX))
         return x[index][None], local_y[None]
 
     def context_state(self) -> tuple:
