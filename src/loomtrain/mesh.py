@@ -1,8 +1,10 @@
 """The named device mesh: every rank's place on the (pp, dp, cp, tp) grid.
 
 The grid is `arange(world).view(pp, dp, cp, tp)`, tp innermost; expert parallelism cuts dp
-into "ep" x "edp" (`expert_groups`); `ranks_per_node` adds node-local and cross-node
-sub-groups for hierarchical methods, and `mesh.link` a simulated slow link between nodes. The layout, with an example: docs/architecture.md, "The mesh".
+into "ep" x "edp" (`expert_groups`; "edpcp", edp with its cp peers: `expert_replicas`);
+`ranks_per_node` adds node-local and cross-node sub-groups for hierarchical methods, and
+`mesh.link` a simulated slow link between nodes. The layout, with an example:
+docs/architecture.md, "The mesh".
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ def expert_groups(sizes: dict[str, int], ep: int) -> tuple[list[list[int]], list
         ep_groups += [group[i:i + ep] for i in range(0, len(group), ep)]
         edp_groups += [group[j::ep] for j in range(ep)]
     return sorted(ep_groups), sorted(edp_groups)
+
+
+def expert_replicas(sizes: dict[str, int], ep: int) -> list[list[int]]:
+    """The "edpcp" groups: the ranks that hold the same experts under context parallelism,
+    an edp group (`expert_groups`) with its cp peers (the ranks that share their (pp, tp)
+    coordinates and their dp coordinate % ep), as "dpcp" is dp with its cp peers: each cp
+    rank of a replica holds the same weights and the gradient of its own tokens. Pure."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for rank in range(_prod(sizes.values())):
+        c = grid_coords(rank, sizes)
+        groups.setdefault((c["pp"], c["tp"], c["dp"] % ep), []).append(rank)
+    return sorted(groups.values())
 
 
 def split_by_node(groups: list[list[int]], ranks_per_node: int) -> tuple[list, list]:
@@ -134,9 +148,10 @@ class Mesh:
 
     def group(self, axis: str):
         """The process group of `axis` ("dp", "tp", ..., "dpcp" (dp and cp together), "ep"
-        and "edp" (dp cut for expert parallelism, `expert_groups`),
-        "dp.local", "dp.cross", "dpcp.local", "dpcp.cross", "edp.local", "edp.cross", "world", or
-        "self": this rank alone, for code that treats "not sharded" as a group of one)."""
+        and "edp" (dp cut for expert parallelism, `expert_groups`), "edpcp" (edp and cp
+        together, `expert_replicas`), "dp.local", "dp.cross", "dpcp.local", "dpcp.cross",
+        "edp.local", "edp.cross", "world", or "self": this rank alone, for code that treats
+        "not sharded" as a group of one)."""
         return self._groups[axis][1]
 
     def group_ranks(self, axis: str) -> list[int]:
@@ -231,12 +246,25 @@ def build_mesh(
 def _add_expert_groups(mesh: Mesh, ep: int) -> None:
     """The "ep" and "edp" groups (`expert_groups`): at ep = 1 this rank alone and dp, at
     ep = dp dp and this rank alone; otherwise new groups (collective: every rank creates
-    every group)."""
+    every group). "edpcp" (`expert_replicas`): edp at cp = 1, "dpcp" at ep = 1, cp at
+    ep = dp."""
     if ep == 1 or ep == mesh.sizes["dp"]:
         alone, dp = mesh._groups["self"], mesh._groups["dp"]
         mesh._groups["ep"], mesh._groups["edp"] = (alone, dp) if ep == 1 else (dp, alone)
-        return
-    for axis, parts in zip(("ep", "edp"), expert_groups(mesh.sizes, ep)):
+    else:
+        _new_groups(mesh, zip(("ep", "edp"), expert_groups(mesh.sizes, ep)))
+    if mesh.sizes["cp"] == 1 or ep == 1:
+        mesh._groups["edpcp"] = mesh._groups["edp" if mesh.sizes["cp"] == 1 else "dpcp"]
+    elif ep == mesh.sizes["dp"]:
+        mesh._groups["edpcp"] = mesh._groups["cp"]
+    else:
+        _new_groups(mesh, [("edpcp", expert_replicas(mesh.sizes, ep))])
+
+
+def _new_groups(mesh: Mesh, axes) -> None:
+    """(axis, every group of it) pairs as process groups, this rank's kept under the axis
+    (collective: every rank creates every group)."""
+    for axis, parts in axes:
         for ranks in parts:
             pg = dist.new_group(ranks)
             if mesh.rank in ranks:

@@ -106,24 +106,27 @@ class GroupedExperts(nn.Module):
 
 
 class _AuxLoss(torch.autograd.Function):
-    """Identity on the hidden state [b, t, d]; its backward gives the layer's auxiliary loss (a
-    sum over the b sequences) the gradient `moe.aux_grad * t`, each sequence's loss weighing as
-    its t tokens do in the step's objective, and adds the picks, the loss and the sequences to
-    the layer's `counted`."""
+    """Identity on the hidden state; its backward gives the layer's auxiliary loss (a sum over
+    sequences of `tokens` tokens each) the gradient `moe.aux_grad * tokens`, each sequence's
+    loss weighing as its tokens do in the step's objective, and adds to the layer's `counted`
+    the picks `experts` of this rank's tokens, and the loss and its `sequences` (0: another
+    rank counts the sequences, which context parallelism shares)."""
 
     @staticmethod
-    def forward(ctx, hidden, aux, experts, moe):
-        ctx.moe, ctx.experts, ctx.tokens = moe, experts, hidden.shape[1]
-        ctx.aux, ctx.rows = aux.detach(), hidden.shape[0]  # no host sync in the forward
+    def forward(ctx, hidden, aux, experts, moe, tokens, sequences):
+        ctx.moe, ctx.experts, ctx.tokens, ctx.sequences = moe, experts, tokens, sequences
+        ctx.aux = aux.detach()  # no host sync in the forward
         return hidden.view_as(hidden)
 
     @staticmethod
     def backward(ctx, grad):
         moe = ctx.moe
         picks = torch.bincount(ctx.experts.reshape(-1), minlength=moe.n_experts).double()
-        seen = torch.cat([picks, ctx.aux.double().view(1), picks.new_tensor([ctx.rows])])
+        aux = ctx.aux.double().view(1) if ctx.sequences else picks.new_zeros(1)
+        seen = torch.cat([picks, aux, picks.new_tensor([ctx.sequences])])
         moe.counted = seen if moe.counted is None else moe.counted + seen
-        return grad, grad.new_full((), moe.aux_grad * ctx.tokens, dtype=torch.float32), None, None
+        aux_grad = grad.new_full((), moe.aux_grad * ctx.tokens, dtype=torch.float32)
+        return grad, aux_grad, None, None, None, None
 
 
 class MoE(nn.Module):
@@ -132,7 +135,10 @@ class MoE(nn.Module):
     (parallel/expert/config.py) to the coefficient over the step's loss tokens (the objective is
     (cross-entropy sum + coef * sum of sequence losses * their tokens) / loss tokens);
     `counted` (fp64, None until a backward): what the backwards saw since the component read it, the
-    picks of each expert, then the auxiliary loss summed over the sequences and their number."""
+    picks of each expert, then the auxiliary loss summed over the sequences and their number.
+    `split_rows`: None, or a function giving how the micro-batch's rows lie over the ranks that
+    share them (parallel/sequence/context.py `SharedRows`), set where context parallelism
+    splits the rows (parallel/expert/config.py)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -147,6 +153,7 @@ class MoE(nn.Module):
             self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
         self.aux_grad = 0.0
         self.counted: torch.Tensor | None = None  # not a buffer: bf16 casts would round it
+        self.split_rows = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:  # no values to route by: the pipeline's split asks for the shape alone
@@ -158,8 +165,13 @@ class MoE(nn.Module):
         out = routed if self.shared is None else routed + self._shared(tokens)
         out = out.view(b, t, d)
         if torch.is_grad_enabled():
-            aux = balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.n_experts)
-            out = _AuxLoss.apply(out, aux, experts, self)
+            rows = None if self.split_rows is None else self.split_rows()
+            probs, experts = probs.view(b, t, -1), experts.view(b, t, -1)
+            aux = balance_loss(probs, experts, self.n_experts, rows)
+            if rows is None:
+                out = _AuxLoss.apply(out, aux, experts, self, t, b)
+            else:
+                out = _AuxLoss.apply(out, aux, rows.own(experts), self, rows.length, rows.counted)
         return out
 
     def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -177,16 +189,21 @@ class MoE(nn.Module):
         return torch.zeros_like(tokens).index_add_(0, source, y)
 
 
-def balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int,
+                 rows=None) -> torch.Tensor:
     """Switch Transformer's load-balancing loss E * sum_i f_i * P_i per sequence, summed over
     the sequences (probs [b, t, E], experts [b, t, k]): f_i, the share of the sequence's picks
     that chose expert i; P_i, its mean probability over the sequence's tokens. Minimal (1) when
-    both are uniform."""
-    b, t, k = experts.shape
-    picks = torch.zeros(b, n_experts, device=probs.device).scatter_add_(
-        1, experts.reshape(b, -1), torch.ones(b, t * k, device=probs.device))
-    share = picks / (t * k)
-    return n_experts * (share * probs.mean(1)).sum()
+    both are uniform. `rows` (parallel/sequence/context.py `SharedRows`): the sequences are
+    whole rows that other ranks hold tokens of; both are taken over the whole rows, from their
+    picks and probabilities summed over those ranks in one all-reduce."""
+    t, k = experts.shape[1:]
+    picks = torch.zeros_like(probs).scatter_add_(2, experts, torch.ones_like(probs[..., :k]))
+    sums = torch.cat([picks, probs], -1)  # [b, t, 2E]: picks are exact in fp32 up to 2^24
+    sums = sums.sum(1) if rows is None else rows.sums(sums)
+    length = t if rows is None else rows.length
+    share = sums[:, :n_experts].detach() / (length * k)
+    return n_experts * (share * (sums[:, n_experts:] / length)).sum()
 
 
 def is_moe_layer(cfg, layer: int) -> bool:

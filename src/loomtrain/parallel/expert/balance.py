@@ -12,8 +12,13 @@ import torch
 from loomtrain import comm
 from loomtrain.models.moe import MoE, moe_blocks
 
-# the axes whose ranks route different tokens: their counts add up to the step's
-TOKEN_AXES = ("dp",)
+
+def token_axis(mesh) -> str:
+    """The ranks whose routers see different tokens, whose counts add up to the step's: dp,
+    and with it cp, which splits every row (the "dpcp" group)."""
+    return "dpcp" if mesh.size("cp") > 1 else "dp"
+
+
 # the axes whose ranks hold different blocks (the pipeline's stages): each rank fills its own
 # blocks' rows of the step's table and leaves the others' zero, so the sum holds every block
 BLOCK_AXES = ("pp",)
@@ -42,16 +47,16 @@ def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
 
 def step_figures(layers: list[MoE], rows: list[int], cfg, mesh) -> torch.Tensor | None:
     """[MoE blocks of the model `cfg` describes, experts + 2]: each block's picks per expert,
-    balance-loss sum and sequences over the step on every rank (one all-reduce per token and
-    block axis); the counts of this rank's `layers` (the table's `rows`) reset. None without
-    MoE blocks."""
+    balance-loss sum and sequences over the step on every rank (one all-reduce over
+    `token_axis`, one per block axis); the counts of this rank's `layers` (the table's `rows`)
+    reset. None without MoE blocks."""
     blocks = len(moe_blocks(cfg))
     if not blocks:
         return None
     seen = torch.zeros(blocks, cfg.n_experts + 2, dtype=torch.float64, device=mesh.device)
     if layers:  # a pipeline stage may hold dense blocks only
         seen[rows] = torch.stack([_take(layer) for layer in layers])
-    for axis in (*TOKEN_AXES, *BLOCK_AXES):
+    for axis in (token_axis(mesh), *BLOCK_AXES):
         comm.all_reduce(seen, mesh, axis)
     return seen
 

@@ -8,8 +8,8 @@ from pydantic import Field
 
 from loomtrain.component import FINISH, SPLIT, Built, Component, Refusal, Section, Switch
 
-_NOT_YET = ("the mixture of experts runs with data, expert and pipeline parallelism and ZeRO "
-            "today; the other axes come next")
+_NOT_YET = ("the mixture of experts runs with data, context, expert and pipeline parallelism "
+            "and ZeRO today; the other axes come next")
 
 
 class Experts(Component):
@@ -20,7 +20,7 @@ class Experts(Component):
     summary = "mixture-of-experts feed-forwards: balance loss, bias balancing, expert metrics"
     stage = FINISH
     refuses = {
-        **{other: Refusal(_NOT_YET) for other in ("tensor", "context", "balance")},
+        "tensor": Refusal(_NOT_YET),
         "async_pipeline": Refusal("its stream runs a micro-batch's backward, where the routers "
                                   "count their loads and the balance loss takes its weight, in "
                                   "a later step than its forward: a step's expert figures and "
@@ -40,31 +40,45 @@ class Experts(Component):
     def apply(cls, built: Built) -> None:
         """This rank's MoE layers (a pipeline stage's own) and their rows among all the
         model's; what a backward at build counted (the pipeline's timing or profile of its
-        stages) is forgotten."""
+        stages) is forgotten. Each layer's balance loss takes whole rows where the sequence
+        runtime splits them over ranks (context parallelism, data.balance's pool)."""
         from loomtrain.parallel.expert.balance import moe_layers, moe_rows
+        from loomtrain.parallel.sequence import sequence_of
 
-        layers = moe_layers(built.model)
+        layers, runtime = moe_layers(built.model), sequence_of(built.model)
         for layer in layers:
             layer.counted = None
+            if runtime is not None:
+                layer.split_rows = runtime.shared_rows
         built.parts[cls.name] = {"layers": layers, "rows": moe_rows(built.model, built.cfg.model),
                                  "seen": None}
 
     @classmethod
     def estimate(cls, plan) -> None:
-        """The step's counts all-reduced over the token and block axes: [MoE blocks, experts
-        + 2] float64 (balance.py `step_figures`); the activations are the model's
-        (activations.py)."""
-        from loomtrain.estimate import all_reduce
+        """The step's counts all-reduced over the token axis and the block axes: [MoE blocks,
+        experts + 2] float64 (balance.py `step_figures`); where the rows are split over ranks,
+        each of this rank's layers' picks and probabilities per row ([rows, 2 experts] fp32,
+        `balance_loss`) all-reduced in every forward of a step that computes gradients
+        (recomputed ones too). The activations are the model's (activations.py)."""
+        from loomtrain.estimate import all_reduce, metered, recomputed_microbatches
         from loomtrain.models.moe import moe_blocks
-        from loomtrain.parallel.expert.balance import BLOCK_AXES, TOKEN_AXES
+        from loomtrain.parallel.expert.balance import BLOCK_AXES, moe_layers, token_axis
+        from loomtrain.parallel.sequence import rows_axis
 
-        layers = len(moe_blocks(plan.cfg.model))
-        payload = 8 * layers * (plan.cfg.model.n_experts + 2)
-        for axis in (*TOKEN_AXES, *BLOCK_AXES):
+        cfg = plan.cfg
+        blocks, layers = len(moe_blocks(cfg.model)), len(moe_layers(plan.model))
+        experts, shared = cfg.model.n_experts, rows_axis(cfg)
+        for axis in (token_axis(plan.mesh), *BLOCK_AXES):
             n = plan.mesh.size(axis)
-            if n > 1 and layers:
+            if n > 1 and blocks:
                 plan.collectives.append(all_reduce("expert loads and balance loss", axis, n,
-                                                   payload))
+                                                   8 * blocks * (experts + 2)))
+        if layers and shared is not None and plan.mesh.size(shared) > 1:
+            rows = plan.loaded * cfg.train.micro_batch  # what `shard` is given
+            forwards = cfg.accumulation_steps + recomputed_microbatches(plan)
+            plan.collectives.append(metered(
+                "expert picks and probabilities per row (balance loss)", "all_reduce", shared,
+                plan.mesh.size(shared), 4 * rows * 2 * experts, layers * forwards))
 
     @classmethod
     def before_step(cls, built: Built, step: int) -> None:
@@ -104,7 +118,16 @@ class ExpertParallel(Component):
     switches = (Switch("parallel.ep", 1),)
     summary = "the experts split over ep ranks of dp, tokens dispatched by all-to-all"
     stage = SPLIT + 5  # after tensor parallelism, before the pipeline split (DESIGN.md)
-
+    refuses = {
+        "balance": Refusal("the pool deals each rank as many tokens as its documents come "
+                           "to (split ones padded), so the all-to-alls carry other bytes than "
+                           "the dry run counts (not modelled yet); ep runs with plain context "
+                           "parallelism"),
+        "context": Refusal("hierarchical ZeRO would shard the experts over edp and cp inside a "
+                           "node, a group not built yet; flat ZeRO runs with ep and cp",
+                           when=lambda cfg: cfg.parallel.hierarchical,
+                           partly="with hierarchical ZeRO"),
+    }
 
     @classmethod
     def apply(cls, built: Built) -> None:
@@ -159,9 +182,10 @@ def within_nodes(p, ep: int) -> bool:
 
 def exchange_collectives(plan) -> None:
     """The all-to-alls of expert parallelism over ep (parallel/expert/exchange.py), per MoE
-    block and micro-batch of T = micro_batch * seq_len tokens, k picks each, width d, c bytes
-    a value: the counts ([ep, E/ep] int64, 8E bytes) in the forward; the rows T k d c in
-    four exchanges, the forward's dispatch and combine and their two gradients in the backward.
+    block and micro-batch of T = micro_batch * seq_len / cp tokens (a cp rank's share of
+    each row), k picks each, width d, c bytes a value: the counts ([ep, E/ep] int64, 8E
+    bytes) in the forward; the rows T k d c in four exchanges, the forward's dispatch and
+    combine and their two gradients in the backward.
     A dispatch sends this rank's T k rows; a combine sends back the rows it received, T k
     on average over the ep ranks (exactly T k under even routing): the payload and wire
     bytes of the rows are those of balanced routing, (ep - 1) / ep of the payload on the wire
@@ -174,7 +198,7 @@ def exchange_collectives(plan) -> None:
 
     cfg, ep = plan.cfg, plan.mesh.size("ep")
     layers = len(moe_layers(plan.model))
-    rows = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.experts_per_token * \
+    rows = cfg.train.micro_batch * plan.local_model.seq_len * cfg.model.experts_per_token * \
         cfg.model.d_model * plan.compute_bytes
     counts = 8 * cfg.model.n_experts
     micro = cfg.accumulation_steps * layers

@@ -29,18 +29,20 @@ class ExpertParallelExperts(GroupedExperts):
     every member's rows sorted by global expert. Each weight is the slice of the full tensor
     (its placement, parallel/placement.py: checkpoints save boxes of the full tensor, and the
     meta build materializes the slice of the single-process values) and is replicated over
-    "edp", the ranks holding the same experts (`dp_axis`: the gradient is reduced there)."""
+    "edp", the ranks holding the same experts, and their cp peers ("edpcp" under context
+    parallelism, as the other weights over "dpcp"): `dp_axis`, where the gradient is reduced."""
 
     def __init__(self, whole: GroupedExperts, mesh):
         ep, rank = mesh.size("ep"), mesh.local_rank("ep")
         n = whole.n_experts // ep
         super().__init__(0, 1, 1, first=whole.first + rank * n)
         self.mesh = mesh
+        replicas = "edpcp" if mesh.size("cp") > 1 else "edp"
         for name in EXPERT_WEIGHTS:
             full = getattr(whole, name)
             placement = Placement(tuple(full.shape), 0, ((self.first, 0, n),))
             piece = nn.Parameter(placement.take(full.detach(), n), requires_grad=full.requires_grad)
-            piece.tp_placement, piece.dp_axis = placement, "edp"
+            piece.tp_placement, piece.dp_axis = placement, replicas
             setattr(self, name, piece)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,15 @@ def resolve_method(cfg) -> str:
     return "lasp" if cfg.model.attention == "linear" else "ring"
 
 
+def rows_axis(cfg) -> str | None:
+    """The ranks that share each micro-batch's rows (`SharedRows.axis`), None where every rank
+    holds whole rows: data.balance's pool over dp x cp deals the rows of every dp rank,
+    context parallelism splits each row over cp."""
+    if cfg.data.balance:
+        return "dpcp"
+    return "cp" if cfg.parallel.cp > 1 else None
+
+
 def staged_kernel(cfg) -> str:
     """What cp_method="auto" runs under a pipeline: the kernel its plan would choose for these
     heads (auto.py `choose_method`), in the model's own attention modules, as "ring" and
@@ -55,4 +64,5 @@ def apply_sequence(model, mesh, cfg):
     return model
 
 
-__all__ = ["SequenceRuntime", "apply_sequence", "resolve_method", "sequence_of", "staged_kernel"]
+__all__ = ["SequenceRuntime", "apply_sequence", "resolve_method", "rows_axis", "sequence_of",
+           "staged_kernel"]

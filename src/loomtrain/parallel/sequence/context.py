@@ -1,17 +1,21 @@
 """What a sequence-parallel attention kernel knows about the tokens it holds: where every ring
 member's tokens sit in the full sequence (the contiguous and zig-zag layouts), the documents
 of the full rows, and the ring to talk over. Masks come from global positions, never from
-local indices. Details: docs/sequence.md, "Layouts" and "The context a kernel sees".
+local indices. Details: docs/sequence.md, "Layouts" and "The context a kernel sees". And,
+for what is taken per whole row outside attention (the mixture of experts' balance loss),
+which rows a rank's tokens belong to (`SharedRows`, docs/moe.md "Context parallelism").
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from loomtrain import comm
+from loomtrain.parallel.tensor_comm import ReduceFromTP
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -137,6 +141,44 @@ class SeqContext:
         mask = visible_mask(self.positions[q_member], self.positions[k_member], self.docs,
                             self.window)
         return mask if device is None else mask.to(device)
+
+
+@dataclass
+class SharedRows:
+    """How a micro-batch's rows lie over the ranks of `axis` that share them, for a statistic
+    taken per whole row (the mixture of experts' balance loss, models/moe.py): `rows` rows of
+    `length` tokens; this rank's tokens (b, t) are, when `tokens` is None, some of each row's
+    (local row i: row i; context parallelism), else the local tokens `tokens[j]` of the
+    flattened (b * t) are row `row[j]`'s and the others padding (data.balance's pool)."""
+
+    mesh: Any
+    axis: str
+    rows: int
+    length: int
+    tokens: torch.Tensor | None = None
+    row: torch.Tensor | None = None
+
+    def own(self, values: torch.Tensor) -> torch.Tensor:
+        """(b, t, ...) per local token -> those of the tokens that belong to a row."""
+        return values if self.tokens is None else values.flatten(0, 1).index_select(0, self.tokens)
+
+    def sums(self, values: torch.Tensor) -> torch.Tensor:
+        """(b, t, C) per local token -> (rows, C): each row's sums over all its tokens, on
+        every rank of the axis. All-reduced forward, identity backward (Megatron's `g`): every
+        rank computes the same function of the sums, and its gradient reaches each rank's own
+        tokens from that rank's copy, so it counts once."""
+        if self.tokens is None:
+            local = values.sum(1)
+        else:
+            mine = values.flatten(0, 1).index_select(0, self.tokens)
+            local = mine.new_zeros(self.rows, mine.shape[1]).index_add_(0, self.row, mine)
+        return ReduceFromTP.apply(local, self.mesh, self.axis)
+
+    @property
+    def counted(self) -> int:
+        """The rows this rank counts in a statistic summed over the axis (its first member
+        counts them all)."""
+        return self.rows if self.mesh.local_rank(self.axis) == 0 else 0
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

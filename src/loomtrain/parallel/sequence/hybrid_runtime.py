@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from loomtrain.models import IGNORE_INDEX
-from loomtrain.parallel.sequence.context import Ring, SeqContext
+from loomtrain.parallel.sequence.context import Ring, SeqContext, SharedRows
 from loomtrain.parallel.sequence.hybrid import dp_imbalance, plan_shares, zigzag_split
 from loomtrain.parallel.sequence.ring import _backward, _forward
 from loomtrain.parallel.sequence.runtime import attention_modules, local_attention
@@ -53,6 +53,7 @@ class HybridRuntime:
         self.imbalance = self.dp_imbalance = 0.0
         self.whole: list[slice] = []  # local token ranges of whole documents
         self.split: list[tuple[slice, SeqContext]] = []  # and of split ones, with their ring
+        self.rows: SharedRows | None = None  # the pool's rows, which the deal spreads
         modules = attention_modules(model)
         self.window = max((getattr(m, "window", 0) for m in modules), default=0)  # runtime.py
         for module in modules:
@@ -83,19 +84,26 @@ class HybridRuntime:
             ring = Ring(self.mesh, "dpcp", list(share.members))
             self.split.append((span, SeqContext(positions, ring.me, None, ring, self.window)))
         index = (torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long))
-        keep = torch.tensor(valid, device=y.device)
+        keep = torch.tensor(valid, dtype=torch.bool)
+        real = keep.nonzero().view(-1)  # the local tokens that are not padding
+        self.rows = SharedRows(self.mesh, "dpcp", x.shape[0], x.shape[1], real.to(x.device),
+                               index[0][real].to(x.device))
         self.model.position_ids = index[1].to(x.device)
-        local_y = torch.where(keep, y[index], torch.full_like(y[index], IGNORE_INDEX))
+        local_y = torch.where(keep.to(y.device), y[index], torch.full_like(y[index], IGNORE_INDEX))
         return x[index][None], local_y[None]
 
     def context_state(self) -> tuple:
-        """What the last `shard` set: its documents' local ranges, rings and positions."""
-        return self.whole, self.split, self.model.position_ids
+        """What the last `shard` set: its documents' local ranges, rings, rows and positions."""
+        return self.whole, self.split, self.rows, self.model.position_ids
 
     def restore(self, state: tuple) -> None:
         """Back to a `context_state()`: a pipeline runs micro-batches sharded earlier, each
         stage with the same deal (every stage of a pool rank deals the same rows alike)."""
-        self.whole, self.split, self.model.position_ids = state
+        self.whole, self.split, self.rows, self.model.position_ids = state
+
+    def shared_rows(self) -> SharedRows:
+        """How the last deal spread the pool's rows: their real tokens, in one local row."""
+        return self.rows
 
     def attend(self, q, k, v):
         """Whole documents by SDPA, split ones by the layer's rings; outputs in local order."""

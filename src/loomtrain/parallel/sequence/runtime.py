@@ -11,7 +11,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from loomtrain.parallel.sequence.context import Ring, SeqContext, grouped_kv
+from loomtrain.parallel.sequence.context import Ring, SeqContext, SharedRows, grouped_kv
 
 LAYOUT = {"ring": "zigzag", "ulysses": "contiguous", "lasp": "contiguous", "local": "contiguous"}
 
@@ -48,6 +48,7 @@ class SequenceRuntime:
         self.linear = attention == "linear"
         self.ring = Ring(mesh, "cp") if method != "local" else None
         self.context: SeqContext | None = None
+        self.rows: SharedRows | None = None  # how the last batch's rows lie over cp
         modules = attention_modules(model)
         # the llama's sliding window (models/llama.py), one for every layer; the GPT has none
         self.window = max((getattr(m, "window", 0) for m in modules), default=0)
@@ -67,17 +68,23 @@ class SequenceRuntime:
             self.context = SeqContext.local(seq_len, docs, self.window)
             return x, y
         self.context = SeqContext.of_ring(self.ring, seq_len, self.layout, docs, self.window)
+        self.rows = SharedRows(self.mesh, self.ring.axis, x.shape[0], seq_len)
         positions = self.context.local_positions.to(x.device)
         self.model.position_ids = positions
         return x[:, positions], y[:, positions]
 
     def context_state(self) -> tuple:
-        """What the last `shard` set: the kernels' context and the model's positions."""
-        return self.context, self.model.position_ids
+        """What the last `shard` set: the kernels' context, the rows' split, the model's
+        positions."""
+        return self.context, self.rows, self.model.position_ids
 
     def restore(self, state: tuple) -> None:
         """Back to a `context_state()`: a pipeline runs micro-batches sharded earlier."""
-        self.context, self.model.position_ids = state
+        self.context, self.rows, self.model.position_ids = state
+
+    def shared_rows(self) -> SharedRows | None:
+        """How the last batch's rows lie over the ranks (None: each rank holds whole rows)."""
+        return self.rows
 
     def _core_for(self, module):
         """The kernel for `module`, chosen once; the core reads the batch's context per call."""

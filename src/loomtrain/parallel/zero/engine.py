@@ -306,8 +306,8 @@ class ShardedDataParallel(nn.Module):
         `clip_grad_norm_` computes on the whole gradient, up to summation order)."""
         self.ready_grads()
         grads = [u.grad for u in self.all_units if u.grad.numel()]
-        if self.mesh.size("ep") > 1:  # units sharded over dp and over edp
-            total = grad_norm(self._copies_weighted(), self.mesh, "dp")
+        if self.mesh.size("ep") > 1:  # units sharded over dp and over edp (x cp)
+            total = grad_norm(self._copies_weighted(), self.mesh, self.plan.data_axis)
         elif self.mesh.size("tp") > 1 or self.mesh.size("pp") > 1:  # pieces weigh differently
             if self._pieces is None:  # views of the persistent gradient shards: built once
                 self._pieces = self._grad_pieces()
@@ -325,10 +325,10 @@ class ShardedDataParallel(nn.Module):
             u.ready_grad()
 
     def _copies_weighted(self) -> list[tuple[list[torch.Tensor], float]]:
-        """Each unit's gradient range weighted by one over the dp ranks holding the same range:
-        dp over its optimizer ranks, over ep more for a unit of experts (each ep rank holds
-        others)."""
-        ep, dp = self.mesh.size("ep"), self.mesh.size("dp")
+        """Each unit's gradient range weighted by one over the dp ranks (dp x cp under cp)
+        holding the same range: dp over its optimizer ranks, over ep more for a unit of
+        experts (each ep rank holds others)."""
+        ep, dp = self.mesh.size("ep"), self.mesh.size(self.plan.data_axis)
         out = []
         for u in self.all_units:
             held = u.plan.optimizer_ranks * (ep if dp_axis_of(u.params[0], "dp") != "dp" else 1)

@@ -220,7 +220,8 @@ class ZeroLayout:
     root: int  # padded length of the root unit, 0 if empty
     reshard: str | None = None  # inside a pipeline: the mode of parallel.zero_reshard
     reshard_why: str = ""  # how "auto" (or the setting) decided it
-    # the units of parameters replicated over a sub-axis of dp (experts: "edp"), their plan
+    # the units of parameters replicated over a sub-axis of dp (experts: "edp", or "edpcp"),
+    # their plan
     apart: tuple[ShardPlan, list[tuple[str, int]]] | None = None
     # the parameters' elements in this rank's optimizer ranges (its fp32 master weights
     # without the padding): what a sharded replica syncs (lowcomm/estimate.py)
@@ -251,12 +252,14 @@ def zero_layout(model, mesh, cfg, axis: str | None = None) -> ZeroLayout:
                 root = layout.padded
             else:
                 units.append((name, layout.padded))
-        experts = [(n, tuple(x.shape)) for n, x in params if dp_axis_of(x, replicas) != replicas]
-        if experts:  # over edp; hierarchical: inside the node, across nodes (as shard())
+        experts = [(n, x) for n, x in params if dp_axis_of(x, replicas) != replicas]
+        if experts:  # over edp ("edpcp" under cp); hierarchical: inside the node, across nodes
+            sub_axis = dp_axis_of(experts[0][1], replicas)
             sub = make_plan(mesh, p.zero_stage, p.hierarchical, p.optimizer_shard, dtype,
-                            p.offload_optimizer, "edp")
-            apart.append((f"{name}.edp", unit_layout(
-                f"{name}.edp", experts, sub.shard_ranks * sub.replica_ranks).padded))
+                            p.offload_optimizer, sub_axis)
+            apart.append((f"{name}.{sub_axis}", unit_layout(
+                f"{name}.{sub_axis}", [(n, tuple(x.shape)) for n, x in experts],
+                sub.shard_ranks * sub.replica_ranks).padded))
     return ZeroLayout(plan, units, root, apart=(sub, apart) if apart else None,
                       master_elements=master)
 
@@ -286,13 +289,14 @@ def estimate_engine(plan: DryRunPlan, axis: str | None = None) -> ZeroLayout:
     plan.reductions = zero_collectives(
         z.plan, z.units, z.root, cfg.accumulation_steps, z.reshard,
         cfg.accumulation_steps if p.recompute == "full" else 0, len(calls or [None]))
-    if z.apart is not None:  # the experts' units over edp; one gradient norm, over dp
+    if z.apart is not None:  # the experts' units over edp; one gradient norm, over dp (x cp)
         sub, apart = z.apart
         plan.reductions = [c for c in plan.reductions + zero_collectives(
             sub, apart, 0, cfg.accumulation_steps, z.reshard) if not c.purpose.startswith(
                 "gradient norm")]
-        plan.reductions.append(metered("gradient norm (clip_grad_norm_)", "all_reduce", "dp",
-                                       plan.mesh.size("dp"), 4))
+        axis = z.plan.data_axis
+        plan.reductions.append(metered("gradient norm (clip_grad_norm_)", "all_reduce", axis,
+                                       plan.mesh.size(axis), 4))
     plan.eval_collectives += zero_eval_gathers(z.plan, z.units, z.root, plan.eval_forwards,
                                                cfg.run.eval_every, cfg.parallel.prefetch, calls)
     plan.parts["zero"] = z
