@@ -97,13 +97,14 @@ class GroupedExperts(nn.Module):
 
 class _AuxLoss(torch.autograd.Function):
     """Identity on the hidden state [b, t, d]; its backward gives the layer's auxiliary loss (a
-    sum over the b sequences) the gradient `moe.aux_grad * t`, each sequence's loss weighing as
-    its t tokens do in the step's objective, and adds the picks, the loss and the sequences to
+    sum over the b sequences) the gradient `moe.aux_grad * tokens`, each sequence's loss
+    weighing as its `tokens` tokens (t, or the whole sequence's length where the rank holds a
+    piece of it) do in the step's objective, and adds the picks, the loss and the sequences to
     the layer's `counted`."""
 
     @staticmethod
-    def forward(ctx, hidden, aux, experts, moe):
-        ctx.moe, ctx.experts, ctx.tokens = moe, experts, hidden.shape[1]
+    def forward(ctx, hidden, aux, experts, tokens, moe):
+        ctx.moe, ctx.experts, ctx.tokens = moe, experts, tokens
         ctx.aux, ctx.rows = aux.detach(), hidden.shape[0]  # no host sync in the forward
         return hidden.view_as(hidden)
 
@@ -113,7 +114,8 @@ class _AuxLoss(torch.autograd.Function):
         picks = torch.bincount(ctx.experts.reshape(-1), minlength=moe.n_experts).double()
         seen = torch.cat([picks, ctx.aux.double().view(1), picks.new_tensor([ctx.rows])])
         moe.counted = seen if moe.counted is None else moe.counted + seen
-        return grad, grad.new_full((), moe.aux_grad * ctx.tokens, dtype=torch.float32), None, None
+        aux_grad = grad.new_full((), moe.aux_grad * ctx.tokens, dtype=torch.float32)
+        return grad, aux_grad, None, None, None
 
 
 class MoE(nn.Module):
@@ -146,9 +148,18 @@ class MoE(nn.Module):
         out = routed if self.shared is None else routed + self._shared(tokens)
         out = out.view(b, t, d)
         if torch.is_grad_enabled():
-            aux = balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.n_experts)
-            out = _AuxLoss.apply(out, aux, experts, self)
+            counts = balance_counts(probs.view(b, t, -1), experts.view(b, t, -1), self.n_experts)
+            counts, tokens = self.whole_sequences(counts, t)
+            aux = balance_loss_of(counts, tokens, experts.shape[-1])
+            out = _AuxLoss.apply(out, aux, experts, tokens, self)
         return out
+
+    def whole_sequences(self, counts: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
+        """The balance loss's per-sequence counts (`balance_counts`) and length of the whole
+        sequences this layer saw `t` tokens of each of: its own here; under sequence
+        parallelism, where each rank sees a piece of every sequence, their sums over the
+        ranks (parallel/tensor_llama.py `SequenceParallelMoE`)."""
+        return counts, t
 
     def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.shared(tokens)
@@ -171,10 +182,25 @@ def balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> 
     that chose expert i; P_i, its mean probability over the sequence's tokens. Minimal (1) when
     both are uniform."""
     b, t, k = experts.shape
+    return balance_loss_of(balance_counts(probs, experts, n_experts), t, k)
+
+
+def balance_counts(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[b, 2E]: each sequence's picks of each expert, then each expert's probabilities summed
+    over the sequence's tokens: sums, so the pieces of a sequence held by several ranks add
+    up to the whole sequence's."""
+    b, t, k = experts.shape
     picks = torch.zeros(b, n_experts, device=probs.device).scatter_add_(
         1, experts.reshape(b, -1), torch.ones(b, t * k, device=probs.device))
-    share = picks / (t * k)
-    return n_experts * (share * probs.mean(1)).sum()
+    return torch.cat([picks, probs.sum(1)], 1)
+
+
+def balance_loss_of(counts: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """`balance_loss` from the `balance_counts` of sequences of `t` tokens with `k` picks each.
+    The picks are counts, not differentiable: the gradient reaches the probabilities only."""
+    n_experts = counts.shape[1] // 2
+    share = counts[:, :n_experts].detach() / (t * k)
+    return n_experts * (share * (counts[:, n_experts:] / t)).sum()
 
 
 def is_moe_layer(cfg, layer: int) -> bool:
@@ -183,4 +209,5 @@ def is_moe_layer(cfg, layer: int) -> bool:
     return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
 
 
-__all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer"]
+__all__ = ["GroupedExperts", "MoE", "Router", "balance_counts", "balance_loss", "balance_loss_of",
+           "grouped_mm", "is_moe_layer"]

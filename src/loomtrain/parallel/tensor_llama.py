@@ -8,6 +8,11 @@ Grouped-query attention: k_proj and v_proj are split by kv heads when tp divides
 when tp is a multiple of n_kv_heads instead, every rank keeps k_proj and v_proj whole and uses
 the rows of the one kv head its query heads read (Megatron replicates the kv heads the same
 way). Details: docs/models.md, "Tensor parallel".
+
+A mixture-of-experts feed-forward (models/moe.py) stays whole on every tp rank, the experts
+unsplit (Megatron-Core's expert tensor-parallel size 1): without sequence parallelism every
+rank runs it on the same tokens; with it, on its own piece of the sequence
+(`SequenceParallelMoE`). docs/moe.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
 
+from loomtrain.models.moe import MoE
 from loomtrain.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear,
                                               VocabParallelEmbedding, VocabParallelHead,
                                               _contiguous, _split)
-from loomtrain.parallel.tensor_comm import CopyToTP, GatherFromSP
+from loomtrain.parallel.tensor_comm import CopyToTP, GatherFromSP, ReduceFromTP
 
 
 def kv_layout(n_heads: int, n_kv_heads: int, parts: int) -> str:
@@ -80,6 +87,35 @@ class ReplicatedKVLinear(nn.Module):
         return F.linear(x, mine(self.weight), mine(self.bias))
 
 
+class SequenceParallelMoE(MoE):
+    """A mixture of experts on this tp rank's 1/tp of every sequence (Megatron's sequence
+    parallelism), routing its own tokens, the same module otherwise (its submodules, names and
+    state are `moe`'s). What a whole sequence decides is agreed over tp:
+    - the balance loss's per-sequence counts (`whole_sequences`) are summed by Megatron's `g`
+      (all-reduce forward, identity backward): every rank computes the whole sequences' loss
+      from the sums, and its gradient reaches each rank's own tokens, the single process's;
+    - every weight enters through Megatron's `f` (identity forward, all-reduce of the gradient
+      backward), so each rank ends backward with the gradient of the whole sequences, as
+      TensorParallelRMSNorm's partial weights do; the weights are read where the forward
+      starts, so the experts expert parallelism splits later are summed too."""
+
+    def __init__(self, moe: MoE, mesh, axis: str):
+        nn.Module.__init__(self)
+        vars(self).update(vars(moe))  # moe's submodules, parameters and counts, its names
+        self.mesh, self.axis = mesh, axis
+
+    def forward(self, x: torch.Tensor, synced: bool = False) -> torch.Tensor:
+        """`synced`: the weights are the `f` outputs already (the call below)."""
+        if synced:
+            return super().forward(x)
+        weights = {name: CopyToTP.apply(p, self.mesh, self.axis)
+                   for name, p in self.named_parameters()}
+        return functional_call(self, weights, (x,), {"synced": True})
+
+    def whole_sequences(self, counts: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
+        return ReduceFromTP.apply(counts, self.mesh, self.axis), t * self.mesh.size(self.axis)
+
+
 def _split_attention(attn, rank: int, parts: int, mesh, axis: str, sp: bool) -> None:
     hd, layout = attn.head_dim, kv_layout(attn.n_heads, attn.n_kv_heads, parts)
     q_rows = _contiguous(attn.n_heads * hd, rank, parts, "q_proj's width")  # my heads' rows
@@ -110,7 +146,9 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     `sequence_parallel` (with `vocab_parallel`) keeps 1/tp of the sequence between the column
     and row layers: the embedding reduce-scatters, the norms sum their weight gradients over
     tp. Rotary positions need nothing: attention runs on the gathered, whole sequence, whose
-    positions are 0..t-1 (LlamaBlock counts them on ln1's output, the gathered sequence)."""
+    positions are 0..t-1 (LlamaBlock counts them on ln1's output, the gathered sequence).
+    A mixture-of-experts block keeps its feed-forward whole and its ln2 outside the region;
+    under sequence parallelism the feed-forward becomes a `SequenceParallelMoE`."""
     parts, rank = mesh.size(axis), mesh.local_rank(axis)
     sp = sequence_parallel
     if sp:
@@ -118,12 +156,17 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     enter = GatherFromSP if sp else CopyToTP
     for block in model.blocks:
         _split_attention(block.attn, rank, parts, mesh, axis, sp)
+        block.ln1 = TensorParallelRMSNorm(block.ln1, mesh, axis, partial=sp, enter=enter)
         mlp = block.mlp
+        if isinstance(mlp, MoE):  # whole on every rank: ln2's output does not enter the region
+            block.ln2 = TensorParallelRMSNorm(block.ln2, mesh, axis, partial=sp)
+            if sp:
+                block.mlp = SequenceParallelMoE(mlp, mesh, axis)
+            continue
         mine = _contiguous(mlp.gate_proj.out_features, rank, parts, "the MLP's hidden width")
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, mine, mesh, axis, sp, enters=False)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj, mine, mesh, axis, sp, enters=False)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, mine, mesh, axis, sp)
-        block.ln1 = TensorParallelRMSNorm(block.ln1, mesh, axis, partial=sp, enter=enter)
         block.ln2 = TensorParallelRMSNorm(block.ln2, mesh, axis, partial=sp, enter=enter)
     if vocab_parallel:
         tied = model.head.weight is model.tok_emb.weight
@@ -134,4 +177,5 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     return model
 
 
-__all__ = ["ReplicatedKVLinear", "TensorParallelRMSNorm", "kv_layout", "parallelize_llama"]
+__all__ = ["ReplicatedKVLinear", "SequenceParallelMoE", "TensorParallelRMSNorm", "kv_layout",
+           "parallelize_llama"]

@@ -10,13 +10,18 @@ import torch
 from loomtrain import comm
 from loomtrain.models.moe import MoE
 
-# the axes whose ranks route different tokens: their counts add up to the step's
-TOKEN_AXES = ("dp",)
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoE]:
     """The model's mixture-of-experts feed-forwards, in order (a pipeline stage's own)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def token_axes(parallel) -> tuple[str, ...]:
+    """The axes whose ranks route different tokens, so their counts add up to the step's
+    (`parallel`: the [parallel] keys): dp, and tp under sequence parallelism, where each tp
+    rank routes its piece of every sequence (without it the tp ranks route the same tokens)."""
+    return ("dp", "tp") if parallel.sequence_parallel else ("dp",)
 
 
 def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
@@ -26,13 +31,15 @@ def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
         layer.aux_grad = coef / loss_tokens
 
 
-def step_figures(layers: list[MoE], mesh) -> torch.Tensor | None:
+def step_figures(layers: list[MoE], mesh, axes: tuple[str, ...]) -> torch.Tensor | None:
     """[layers, experts + 2]: each layer's picks per expert, balance-loss sum and sequences
-    over the step on every rank (one all-reduce per token axis), the layers' counts reset."""
+    over the step on every rank (one all-reduce per token axis of `axes`, `token_axes`), the
+    layers' counts reset. Under sequence parallelism every tp rank counts each sequence and
+    its loss once: the sums over tp hold both tp times, their ratio the mean."""
     if not layers:
         return None
     seen = torch.stack([_take(layer) for layer in layers])
-    for axis in TOKEN_AXES:
+    for axis in axes:
         comm.all_reduce(seen, mesh, axis)
     return seen
 

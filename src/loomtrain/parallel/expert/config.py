@@ -8,8 +8,8 @@ from pydantic import Field
 
 from loomtrain.component import FINISH, SPLIT, Built, Component, Refusal, Section, Switch
 
-_NOT_YET = ("the mixture of experts runs with data parallelism, ZeRO and expert parallelism "
-            "today; the other axes come next")
+_NOT_YET = ("the mixture of experts runs with data parallelism, ZeRO, tensor and expert "
+            "parallelism today; the other axes come next")
 
 
 class Experts(Component):
@@ -20,8 +20,8 @@ class Experts(Component):
     summary = "mixture-of-experts feed-forwards: balance loss, bias balancing, expert metrics"
     stage = FINISH
     refuses = {
-        **{other: Refusal(_NOT_YET) for other in ("tensor", "pipeline", "async_pipeline",
-                                                   "context", "balance")},
+        **{other: Refusal(_NOT_YET) for other in ("pipeline", "async_pipeline", "context",
+                                                   "balance")},
         "asyncsgd": Refusal("the parameter server's workers route on stale weights and the "
                             "server has no step at which to agree on the experts' loads yet"),
         "zeroth": Refusal("the routers' counts and balance loss are taken in the backward, "
@@ -43,11 +43,11 @@ class Experts(Component):
         """The step's counts all-reduced over the token axes: [layers, experts + 2] float64
         (balance.py `step_figures`); the activations are the model's (activations.py)."""
         from loomtrain.estimate import all_reduce
-        from loomtrain.parallel.expert.balance import TOKEN_AXES, moe_layers
+        from loomtrain.parallel.expert.balance import moe_layers, token_axes
 
         layers = len(moe_layers(plan.model))
         payload = 8 * layers * (plan.cfg.model.n_experts + 2)
-        for axis in TOKEN_AXES:
+        for axis in token_axes(plan.cfg.parallel):
             n = plan.mesh.size(axis)
             if n > 1 and layers:
                 plan.collectives.append(all_reduce("expert loads and balance loss", axis, n,
@@ -62,10 +62,10 @@ class Experts(Component):
 
     @classmethod
     def after_step(cls, built: Built, done: int, last: bool, loss_sum, loss_tokens: float) -> None:
-        from loomtrain.parallel.expert.balance import step_figures, update_bias
+        from loomtrain.parallel.expert.balance import step_figures, token_axes, update_bias
 
         part = built.parts[cls.name]
-        part["seen"] = step_figures(part["layers"], built.mesh)
+        part["seen"] = step_figures(part["layers"], built.mesh, token_axes(built.cfg.parallel))
         if built.cfg.model.router_bias_rate and part["seen"] is not None:
             update_bias(part["layers"], part["seen"], built.cfg.model.router_bias_rate)
 
@@ -133,8 +133,10 @@ class ExpertParallel(Component):
 
 def exchange_collectives(plan) -> None:
     """The all-to-alls of expert parallelism over ep (parallel/expert/exchange.py), per MoE
-    block and micro-batch of T = micro_batch * seq_len tokens, k picks each, width d, c bytes
-    a value: the counts ([ep, E/ep] int64, 8E bytes) in the forward; the rows T k d c in
+    block and micro-batch of T = micro_batch * seq_len tokens (over tp under sequence
+    parallelism: each tp rank exchanges its piece of the sequence; without it every tp rank
+    exchanges the same tokens in its own ep group), k picks each, width d, c bytes a value:
+    the counts ([ep, E/ep] int64, 8E bytes) in the forward; the rows T k d c in
     four exchanges, the forward's dispatch and combine and their two gradients in the backward.
     A dispatch sends this rank's T k rows; a combine sends back the rows it received, T k
     on average over the ep ranks (exactly T k under even routing): the payload and wire
@@ -146,8 +148,10 @@ def exchange_collectives(plan) -> None:
 
     cfg, ep = plan.cfg, plan.mesh.size("ep")
     layers = len(moe_layers(plan.model))
-    rows = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.experts_per_token * \
-        cfg.model.d_model * plan.compute_bytes
+    tokens = cfg.train.micro_batch * cfg.model.seq_len
+    if cfg.parallel.sequence_parallel:
+        tokens //= cfg.parallel.tp
+    rows = tokens * cfg.model.experts_per_token * cfg.model.d_model * plan.compute_bytes
     counts = 8 * cfg.model.n_experts
     micro = cfg.accumulation_steps * layers
     plan.collectives += [
