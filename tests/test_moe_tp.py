@@ -20,9 +20,11 @@ from loomtrain.train.metrics import read_metrics
 SAVED = 6
 # world 4, tp 2 x dp 2: sequence parallelism with the experts whole (recomputed: its balance
 # counts' all-reduce runs again); dp 2 as ep 2 in each tp coordinate, without and with sequence
-# parallelism (the last under ZeRO-3, saving at step SAVED)
+# parallelism, the last under ZeRO-3 with the experts in units of their own (gathered inside
+# the MoE's forward, after it starts), saving at step SAVED
 LAYOUTS = [{"tp": 2, "sequence_parallel": True, "recompute": "full"}, {"tp": 2, "ep": 2},
-           {"tp": 2, "ep": 2, "sequence_parallel": True, "zero_stage": 3}]
+           {"tp": 2, "ep": 2, "sequence_parallel": True, "zero_stage": 3,
+            "shard_units": ["blocks.*.attn", "blocks.*.mlp.experts"]}]
 # the activations of tp-split mixtures of experts: MODEL's, and Qwen's gated shared expert over
 # a dense and a MoE block with the softmax router, each with and without sequence parallelism
 SHAPES = [MODEL, {**MODEL, "router": "softmax", "shared_expert_gate": True, "moe_every": 2,

@@ -31,6 +31,8 @@ counts), for the metrics and the bias update.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -76,7 +78,9 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """`n_experts` SwiGLU feed-forwards, their weights stacked: gate and up [E, d, h], down
     [E, h, d]. `first` is the global index of this module's first expert (expert parallelism
-    holds a slice of them)."""
+    holds a slice of them). `weight_entry`: None, or a function each weight passes through
+    where the forward reads it (Megatron's `f` under sequence parallelism, where each rank
+    sees part of the tokens: parallel/tensor_llama.py `SequenceParallelMoE`)."""
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, first: int = 0):
         super().__init__()
@@ -84,6 +88,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.up_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.weight_entry: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def n_experts(self) -> int:
@@ -91,8 +96,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: rows sorted by expert, `counts[e]` of them for expert e."""
-        hidden = F.silu(grouped_mm(x, self.gate_proj, counts)) * grouped_mm(x, self.up_proj, counts)
-        return grouped_mm(hidden, self.down_proj, counts)
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if self.weight_entry is not None:
+            gate, up, down = (self.weight_entry(w) for w in (gate, up, down))
+        hidden = F.silu(grouped_mm(x, gate, counts)) * grouped_mm(x, up, counts)
+        return grouped_mm(hidden, down, counts)
 
 
 class _AuxLoss(torch.autograd.Function):

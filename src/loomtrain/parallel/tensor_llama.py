@@ -17,10 +17,11 @@ rank runs it on the same tokens; with it, on its own piece of the sequence
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from loomtrain.models.moe import MoE
 from loomtrain.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear,
@@ -87,30 +88,47 @@ class ReplicatedKVLinear(nn.Module):
         return F.linear(x, mine(self.weight), mine(self.bias))
 
 
+class PartialLinear(nn.Linear):
+    """An nn.Linear (the same weight and bias, whole on every tp rank) that sees part of what
+    the whole model sees (1/tp of the sequence): both enter through Megatron's `f` where its
+    forward reads them, so their gradients are the sum over tp when backward returns, as
+    TensorParallelRMSNorm's `partial` weight's."""
+
+    def __init__(self, linear: nn.Linear, mesh, axis: str):
+        super().__init__(linear.in_features, linear.out_features, linear.bias is not None,
+                         device="meta")
+        self.mesh, self.axis = mesh, axis
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else CopyToTP.apply(self.bias, self.mesh, self.axis)
+        return F.linear(x, CopyToTP.apply(self.weight, self.mesh, self.axis), bias)
+
+
 class SequenceParallelMoE(MoE):
     """A mixture of experts on this tp rank's 1/tp of every sequence (Megatron's sequence
-    parallelism), routing its own tokens, the same module otherwise (its submodules, names and
-    state are `moe`'s). What a whole sequence decides is agreed over tp:
+    parallelism), routing its own tokens; `moe` otherwise (its submodules, parameters and
+    state, under their names). What a whole sequence decides is agreed over tp:
+    - every weight enters through Megatron's `f` (identity forward, all-reduce of the gradient
+      backward) where its own module's forward reads it (`PartialLinear`, the experts'
+      `weight_entry`, which expert parallelism's slice keeps), so each rank ends backward
+      with the gradient of the whole sequences, and a ZeRO-3 unit inside the block has
+      gathered it by then;
     - the balance loss's per-sequence counts (`whole_sequences`) are summed by Megatron's `g`
       (all-reduce forward, identity backward): every rank computes the whole sequences' loss
-      from the sums, and its gradient reaches each rank's own tokens, the single process's;
-    - every weight enters through Megatron's `f` (identity forward, all-reduce of the gradient
-      backward), so each rank ends backward with the gradient of the whole sequences, as
-      TensorParallelRMSNorm's partial weights do; the weights are read where the forward
-      starts, so the experts expert parallelism splits later are summed too."""
+      from the sums, and its gradient reaches each rank's own tokens, the single process's."""
 
     def __init__(self, moe: MoE, mesh, axis: str):
         nn.Module.__init__(self)
-        vars(self).update(vars(moe))  # moe's submodules, parameters and counts, its names
+        vars(self).update(vars(moe))  # moe's submodules, parameters and counts
         self.mesh, self.axis = mesh, axis
-
-    def forward(self, x: torch.Tensor, synced: bool = False) -> torch.Tensor:
-        """`synced`: the weights are the `f` outputs already (the call below)."""
-        if synced:
-            return super().forward(x)
-        weights = {name: CopyToTP.apply(p, self.mesh, self.axis)
-                   for name, p in self.named_parameters()}
-        return functional_call(self, weights, (x,), {"synced": True})
+        linears = [(self.router, "gate"), (self, "shared_gate")]
+        if self.shared is not None:
+            linears += [(self.shared, name) for name in ("gate_proj", "up_proj", "down_proj")]
+        for owner, name in linears:
+            if getattr(owner, name) is not None:
+                setattr(owner, name, PartialLinear(getattr(owner, name), mesh, axis))
+        self.experts.weight_entry = partial(CopyToTP.apply, mesh=mesh, axis=axis)
 
     def whole_sequences(self, counts: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
         return ReduceFromTP.apply(counts, self.mesh, self.axis), t * self.mesh.size(self.axis)
@@ -177,5 +195,5 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     return model
 
 
-__all__ = ["ReplicatedKVLinear", "SequenceParallelMoE", "TensorParallelRMSNorm", "kv_layout",
+__all__ = ["PartialLinear", "ReplicatedKVLinear", "SequenceParallelMoE", "TensorParallelRMSNorm", "kv_layout",
            "parallelize_llama"]
