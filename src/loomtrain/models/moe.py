@@ -189,7 +189,7 @@ def balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> 
     the sequences (probs [b, t, E], experts [b, t, k]): f_i, the share of the sequence's picks
     that chose expert i; P_i, its mean probability over the sequence's tokens. Minimal (1) when
     both are uniform."""
-    b, t, k = experts.shape
+    _, t, k = experts.shape
     return balance_loss_of(balance_counts(probs, experts, n_experts), t, k)
 
 

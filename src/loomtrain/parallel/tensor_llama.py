@@ -195,5 +195,5 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     return model
 
 
-__all__ = ["PartialLinear", "ReplicatedKVLinear", "SequenceParallelMoE", "TensorParallelRMSNorm", "kv_layout",
-           "parallelize_llama"]
+__all__ = ["PartialLinear", "ReplicatedKVLinear", "SequenceParallelMoE", "TensorParallelRMSNorm",
+           "kv_layout", "parallelize_llama"]

@@ -11,7 +11,6 @@ from loomtrain import comm
 from loomtrain.models.moe import MoE
 
 
-
 def moe_layers(model: torch.nn.Module) -> list[MoE]:
     """The model's mixture-of-experts feed-forwards, in order (a pipeline stage's own)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
