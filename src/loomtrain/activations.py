@@ -183,17 +183,25 @@ def llama_activation_bytes(m, micro_batch: int, compute_bytes: int = FP32_BYTES,
     sum of llama_layer_bytes's parts (`m` as there)."""
     parts = {kind: llama_layer_bytes(kind, micro_batch, m.seq_len, m, compute_bytes, tp,
                                      sequence_parallel) for kind in ("embed", "block", "head")}
-    experts = sum(moe_extra_bytes(m, i, micro_batch, compute_bytes) for i in range(m.n_layers))
+    experts = sum(moe_extra_bytes(m, i, micro_batch, compute_bytes, tp, sequence_parallel)
+                  for i in range(m.n_layers))
     return parts["embed"] + m.n_layers * parts["block"] + parts["head"] + experts
 
 
-def moe_extra_bytes(m, layer: int, b: int, c: int) -> int:
-    """What block `layer` saves beyond a dense llama block: its mixture of experts' bytes less
-    the SwiGLU's (4 ffn per token) it replaces; 0 for a dense block (or a shape without
-    experts: the planner's)."""
+def moe_extra_bytes(m, layer: int, b: int, c: int, tp: int = 1,
+                    sequence_parallel: bool = False) -> int:
+    """What block `layer` saves beyond a dense llama block, on one of `tp` ranks: its mixture
+    of experts' bytes (whole on every rank, over the rank's tokens: 1/tp of each sequence under
+    sequence parallelism, parallel/tensor_llama.py) less the SwiGLU piece's (4 ffn / tp per
+    token) it replaces, and under sequence parallelism less ln2's output beyond the rank's
+    piece (a dense block's column layers keep it gathered); 0 for a dense block (or a shape
+    without experts: the planner's)."""
     if not getattr(m, "n_experts", 0) or not is_moe_layer(m, layer):
         return 0
-    return moe_feed_forward_bytes(b, m.seq_len, m, c) - c * b * m.seq_len * 4 * m.ffn_width
+    t = m.seq_len
+    mine = t // tp if sequence_parallel else t
+    return (moe_feed_forward_bytes(b, mine, m, c) - c * b * t * 4 * (m.ffn_width // tp)
+            - c * b * (t - mine) * m.d_model)
 
 
 def activation_bytes(model_cfg, micro_batch: int, compute_bytes: int = FP32_BYTES) -> int:

@@ -31,6 +31,8 @@ counts), for the metrics and the bias update.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -83,7 +85,9 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """`n_experts` SwiGLU feed-forwards, their weights stacked: gate and up [E, d, h], down
     [E, h, d]. `first` is the global index of this module's first expert (expert parallelism
-    holds a slice of them)."""
+    holds a slice of them). `weight_entry`: None, or a function each weight passes through
+    where the forward reads it (Megatron's `f` under sequence parallelism, where each rank
+    sees part of the tokens: parallel/tensor_llama.py `SequenceParallelMoE`)."""
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, first: int = 0):
         super().__init__()
@@ -91,6 +95,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.up_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.weight_entry: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def n_experts(self) -> int:
@@ -99,18 +104,21 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: rows sorted by expert, `counts[e]` of them for expert e; the three products
         share one tensor of row offsets."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if self.weight_entry is not None:
+            gate, up, down = (self.weight_entry(w) for w in (gate, up, down))
         offsets = row_offsets(counts)
-        hidden = F.silu(grouped_mm(x, self.gate_proj, counts, offsets)) * \
-            grouped_mm(x, self.up_proj, counts, offsets)
-        return grouped_mm(hidden, self.down_proj, counts, offsets)
+        hidden = F.silu(grouped_mm(x, gate, counts, offsets)) * grouped_mm(x, up, counts, offsets)
+        return grouped_mm(hidden, down, counts, offsets)
 
 
 class _AuxLoss(torch.autograd.Function):
     """Identity on the hidden state; its backward gives the layer's auxiliary loss (a sum over
-    sequences of `tokens` tokens each) the gradient `moe.aux_grad * tokens`, each sequence's
-    loss weighing as its tokens do in the step's objective, and adds to the layer's `counted`
-    the picks `experts` of this rank's tokens, and the loss and its `sequences` (0: another
-    rank counts the sequences, which context parallelism shares)."""
+    sequences of `tokens` tokens each: t, or the whole sequence's length where the rank holds
+    a piece of it) the gradient `moe.aux_grad * tokens`, each sequence's loss weighing as its
+    tokens do in the step's objective, and adds to the layer's `counted` the picks `experts`
+    of this rank's tokens, and the loss and its `sequences` (0: another rank counts the
+    sequences, which context parallelism shares)."""
 
     @staticmethod
     def forward(ctx, hidden, aux, experts, moe, tokens, sequences):
@@ -167,12 +175,21 @@ class MoE(nn.Module):
         if torch.is_grad_enabled():
             rows = None if self.split_rows is None else self.split_rows()
             probs, experts = probs.view(b, t, -1), experts.view(b, t, -1)
-            aux = balance_loss(probs, experts, self.n_experts, rows)
+            counts, length = balance_counts(probs, experts, rows)
+            counts, length = self.whole_sequences(counts, length)
+            aux = balance_loss_of(counts, length, experts.shape[-1])
             if rows is None:
-                out = _AuxLoss.apply(out, aux, experts, self, t, b)
+                out = _AuxLoss.apply(out, aux, experts, self, length, b)
             else:
-                out = _AuxLoss.apply(out, aux, rows.own(experts), self, rows.length, rows.counted)
+                out = _AuxLoss.apply(out, aux, rows.own(experts), self, length, rows.counted)
         return out
+
+    def whole_sequences(self, counts: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
+        """The balance loss's per-sequence counts (`balance_counts`) and length of the whole
+        sequences this layer saw `t` tokens of each of: its own here; under sequence
+        parallelism, where each rank sees a piece of every sequence, their sums over the
+        ranks (parallel/tensor_llama.py `SequenceParallelMoE`)."""
+        return counts, t
 
     def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.shared(tokens)
@@ -189,21 +206,36 @@ class MoE(nn.Module):
         return torch.zeros_like(tokens).index_add_(0, source, y)
 
 
-def balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int,
-                 rows=None) -> torch.Tensor:
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor, rows=None) -> torch.Tensor:
     """Switch Transformer's load-balancing loss E * sum_i f_i * P_i per sequence, summed over
     the sequences (probs [b, t, E], experts [b, t, k]): f_i, the share of the sequence's picks
     that chose expert i; P_i, its mean probability over the sequence's tokens. Minimal (1) when
-    both are uniform. `rows` (parallel/sequence/context.py `SharedRows`): the sequences are
-    whole rows that other ranks hold tokens of; both are taken over the whole rows, from their
-    picks and probabilities summed over those ranks in one all-reduce."""
+    both are uniform. `rows`: as `balance_counts`."""
+    counts, length = balance_counts(probs, experts, rows)
+    return balance_loss_of(counts, length, experts.shape[-1])
+
+
+def balance_counts(probs: torch.Tensor, experts: torch.Tensor,
+                   rows=None) -> tuple[torch.Tensor, int]:
+    """([sequences, 2E], their length): each sequence's picks of each expert, then each
+    expert's probabilities summed over the sequence's tokens: sums, so the pieces of a sequence
+    held by several ranks add up to the whole sequence's (picks are exact in fp32 up to 2^24).
+    `rows` (parallel/sequence/context.py `SharedRows`): the sequences are whole rows that other
+    ranks hold tokens of, summed over those ranks in one all-reduce."""
     t, k = experts.shape[1:]
     picks = torch.zeros_like(probs).scatter_add_(2, experts, torch.ones_like(probs[..., :k]))
-    sums = torch.cat([picks, probs], -1)  # [b, t, 2E]: picks are exact in fp32 up to 2^24
-    sums = sums.sum(1) if rows is None else rows.sums(sums)
-    length = t if rows is None else rows.length
-    share = sums[:, :n_experts].detach() / (length * k)
-    return n_experts * (share * (sums[:, n_experts:] / length)).sum()
+    sums = torch.cat([picks, probs], -1)  # [b, t, 2E]
+    if rows is None:
+        return sums.sum(1), t
+    return rows.sums(sums), rows.length
+
+
+def balance_loss_of(counts: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """`balance_loss` from the `balance_counts` of sequences of `t` tokens with `k` picks each.
+    The picks are counts, not differentiable: the gradient reaches the probabilities only."""
+    n_experts = counts.shape[1] // 2
+    share = counts[:, :n_experts].detach() / (t * k)
+    return n_experts * (share * (counts[:, n_experts:] / t)).sum()
 
 
 def is_moe_layer(cfg, layer: int) -> bool:
@@ -217,5 +249,5 @@ def moe_blocks(cfg) -> list[int]:
     return [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
 
 
-__all__ = ["GroupedExperts", "MoE", "Router", "balance_loss", "grouped_mm", "is_moe_layer",
-           "moe_blocks", "row_offsets"]
+__all__ = ["GroupedExperts", "MoE", "Router", "balance_counts", "balance_loss", "balance_loss_of",
+           "grouped_mm", "is_moe_layer", "moe_blocks", "row_offsets"]

@@ -18,7 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from loomtrain import comm
 from loomtrain.comm.compress import relative_error
 from loomtrain.comm.mask_sync import broadcast_masks
-from loomtrain.parallel.placement import dp_axis_of, placement_of
+from loomtrain.parallel.placement import dp_axis_of, split_over_tp
 from loomtrain.parallel.sparse_dp import SparseCommWindow, bucket_keeps, check_masks
 
 # The hook that runs at the end of backward: the same engine callback DDP and FSDP use.
@@ -142,9 +142,10 @@ def check_gradient_reduce(gradient_reduce: str) -> None:
 
 def norm_weight(p: torch.Tensor, mesh) -> float:
     """What the square of `p`'s gradient counts for in the global norm, on each rank holding
-    it: a tensor-parallel piece counts whole, a tensor replicated over tp for 1/tp; a
-    parameter held by several pipeline stages (a tied embedding) for 1/`pp_copies`."""
-    weight = 1.0 if placement_of(p) is not None else 1.0 / mesh.size("tp")
+    it: a tensor-parallel piece counts whole, a tensor replicated over tp (an expert's slice
+    too) for 1/tp; a parameter held by several pipeline stages (a tied embedding) for
+    1/`pp_copies`."""
+    weight = 1.0 if split_over_tp(p) else 1.0 / mesh.size("tp")
     return weight / getattr(p, "pp_copies", 1)
 
 

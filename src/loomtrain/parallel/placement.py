@@ -122,6 +122,13 @@ def placement_of(tensor) -> Placement | None:
     return getattr(tensor, "tp_placement", None)
 
 
+def split_over_tp(tensor) -> bool:
+    """Whether the tp ranks hold different pieces of `tensor`: it has a placement, and not
+    an expert's slice, which expert parallelism cuts over ep, a sub-axis of dp, and every tp
+    rank holds whole (its `dp_axis` is "edp", parallel/expert/dispatch.py)."""
+    return placement_of(tensor) is not None and not hasattr(tensor, "dp_axis")
+
+
 def dp_axis_of(tensor, axis: str) -> str:
     """The axis whose ranks hold the same values of `tensor` among the replicas of `axis`:
     `axis` itself, or the sub-axis a split names (an expert's weights: "edp", the dp ranks
@@ -129,4 +136,4 @@ def dp_axis_of(tensor, axis: str) -> str:
     return getattr(tensor, "dp_axis", axis)
 
 
-__all__ = ["Box", "Boxes", "Placement", "dp_axis_of", "placement_of"]
+__all__ = ["Box", "Boxes", "Placement", "dp_axis_of", "placement_of", "split_over_tp"]

@@ -6,10 +6,11 @@ autograd saves). Notation: docs/tensor.md, "Dry run".
 
 from __future__ import annotations
 
-from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_layer_bytes,
-                                   mlp_layer_bytes)
+from loomtrain.activations import (FP32_BYTES, INDEX_BYTES, llama_activation_bytes,
+                                   llama_layer_bytes, mlp_layer_bytes)
 from loomtrain.estimate import Collective, DryRunPlan, metered, recomputed_microbatches
 from loomtrain.models.config import padded_vocab
+from loomtrain.models.moe import is_moe_layer
 
 
 def estimate_tensor(plan: DryRunPlan) -> None:
@@ -35,7 +36,7 @@ def _add_collectives(plan: DryRunPlan, at: int) -> None:
     plan.collectives[at:at] = tensor_collectives(
         plan.local_model, cfg.train.micro_batch, p.tp, p.sequence_parallel,
         cfg.accumulation_steps, plan.compute_bytes, plan.eval_forwards, cfg.run.eval_every,
-        plan.layers, "full" if reruns else p.recompute, p.pp > 1, reruns)
+        plan.layers, "full" if reruns else p.recompute, p.pp > 1, reruns, p.ep)
 
 
 def rerun_ops(forward: list, kind: str, recompute: str, pipelined: bool) -> list:
@@ -43,28 +44,33 @@ def rerun_ops(forward: list, kind: str, recompute: str, pipelined: bool) -> list
     recomputation reruns a pipeline stage's whole forward (parallel/pipeline/runtime.py); outside
     a pipeline each block's, under torch's checkpoint (parallel/recompute.py), which stops
     once the block's last saved tensor is back: before its last op, the collective after the
-    MLP's row-parallel projection. "selective" reruns the attention core, which holds no tp
+    MLP's row-parallel projection; a mixture-of-experts block ("moe") saves tensors after its
+    last tp op (ln2's input, after o_proj's; the balance loss's shares, after its counts'
+    all-reduce): all of them. "selective" reruns the attention core, which holds no tp
     collective."""
     if recompute != "full":
         return []
-    if pipelined:
+    if pipelined or kind == "moe":
         return forward
     return forward[:-1] if kind == "block" else []
 
 
 def layer_counts(m, layers: list[str] | None) -> dict[str, int]:
     """How many layers of each kind ("embed", "block", "head") `layers` holds (None: the
-    whole model)."""
+    whole model), and how many of the blocks have a mixture of experts ("moe")."""
     if layers is None:
-        return {"embed": 1, "block": m.n_layers, "head": 1}
-    kinds = ["block" if x.startswith("blocks.") else x for x in layers]
-    return {k: kinds.count(k) for k in ("embed", "block", "head")}
+        layers = ["embed", *(f"blocks.{i}" for i in range(m.n_layers)), "head"]
+    blocks = [int(x.split(".")[1]) for x in layers if x.startswith("blocks.")]
+    moe = sum(is_moe_layer(m, i) for i in blocks) if getattr(m, "n_experts", 0) else 0
+    return {"embed": layers.count("embed"), "block": len(blocks), "moe": moe,
+            "head": layers.count("head")}
 
 
 def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, accumulation: int,
                        compute_bytes: int, eval_forwards: int = 0, eval_every: int = 1,
                        layers: list[str] | None = None, recompute: str = "none",
-                       pipelined: bool = False, reruns: int | None = None) -> list[Collective]:
+                       pipelined: bool = False, reruns: int | None = None,
+                       ep: int = 1) -> list[Collective]:
     """The tp-axis collectives of one step of `accumulation` micro-batches through `layers`
     (a pipeline rank's; None: the whole model), in the layout
     `loomtrain.parallel.apply_tensor_parallel` builds, then the evaluation forwards: each
@@ -72,16 +78,20 @@ def tensor_collectives(m, micro_batch: int, tp: int, sequence_parallel: bool, ac
     (recomputation), its backward ops once (`_layer_ops` has them), the gradient norm's 4-byte
     all-reduce once. With a pipeline, zero-bubble's deferred weight gradients communicate
     nothing: a layer's backward ops run in its input-gradient pass. `reruns`: how many of the
-    micro-batches are recomputed (None: all of them, under "full").
+    micro-batches are recomputed (None: all of them, under "full"). `ep`: the expert-parallel
+    ranks the experts are split over (their weights' gradients under sequence parallelism).
     """
     if tp == 1:
         return []
     counts = layer_counts(m, layers)
-    ops = _layer_ops(m, micro_batch, tp, sequence_parallel, compute_bytes)
+    counts["block"] -= counts["moe"]  # the dense blocks
+    ops = _layer_ops(m, micro_batch, tp, sequence_parallel, compute_bytes, ep)
     a = accumulation
     r = a if reruns is None else reruns
     step, forward = [], []
     for kind, n in counts.items():
+        if not n:
+            continue
         fwd, bwd = ops[kind]
         forward += [(x, n) for x in fwd]
         step += ([(x, n * a) for x in fwd] + [(x, n * r) for x in rerun_ops(fwd, kind, recompute, pipelined)]
@@ -105,7 +115,8 @@ def _merged(ops) -> list:
     return list(out.items())
 
 
-def _layer_ops(m, micro_batch: int, tp: int, sequence_parallel: bool, c: int) -> dict:
+def _layer_ops(m, micro_batch: int, tp: int, sequence_parallel: bool, c: int,
+               ep: int = 1) -> dict:
     """{kind: (forward, backward)} tp ops of one micro-batch through one layer of that kind,
     each (purpose, op, payload bytes). S = b s h c, one activation.
 
@@ -125,7 +136,8 @@ def _layer_ops(m, micro_batch: int, tp: int, sequence_parallel: bool, c: int) ->
     act, tokens = b * s * h * c, b * s * FP32_BYTES
     loss = ("loss: max, sum of exp, target logit", "all_reduce", tokens)
     if m.name == "llama":
-        return _llama_ops(m, tp, act, loss, sequence_parallel, c)
+        return _llama_ops(m, tp, act, loss, sequence_parallel, c,
+                          _moe_ops(m, micro_batch, sequence_parallel, c, ep))
     if m.name == "mlp":
         return {"embed": ([], []), "head": ([], []),
                 "block": ([("MLP outputs (row-parallel proj)", "all_reduce", act)],
@@ -149,7 +161,8 @@ def _layer_ops(m, micro_batch: int, tp: int, sequence_parallel: bool, c: int) ->
             "head": ([gather] + [loss] * 3, [gather_back, norms, norms])}
 
 
-def _llama_ops(m, tp: int, act: int, loss: tuple, sequence_parallel: bool, c: int) -> dict:
+def _llama_ops(m, tp: int, act: int, loss: tuple, sequence_parallel: bool, c: int,
+               moe: tuple[list, list]) -> dict:
     """`_layer_ops` of parallel/tensor_llama.py: as the GPT's, with one entry into the
     tensor-parallel region per block half (ln1's, shared by q, k and v; ln2's, shared by gate
     and up), except that under sequence parallelism the embedding reduce-scatters its lookup
@@ -157,14 +170,14 @@ def _llama_ops(m, tp: int, act: int, loss: tuple, sequence_parallel: bool, c: in
     (d each) and ln_f's. Backward also sums the gradients of what each rank holds whole but
     uses a part of: q_norm's and k_norm's weights (head_dim each, every micro-batch), and,
     with the kv heads replicated (tp a multiple of n_kv_heads), k_proj's and v_proj's weights
-    (and biases)."""
+    (and biases). A mixture-of-experts block ("moe") has the attention half only, ln2's
+    gradient under sequence parallelism, and `moe` (forward, backward): `_moe_ops`."""
     d, head_dim = m.d_model, m.head_width
     if not sequence_parallel:
+        out = ("attention and MLP outputs (row-parallel o_proj, down_proj)", "all_reduce", act)
+        back = ("attention and MLP input gradients (ln1, ln2 outputs)", "all_reduce", act)
         ops = {"embed": ([("embedding lookup (vocabulary-parallel)", "all_reduce", act)], []),
-               "block": ([("attention and MLP outputs (row-parallel o_proj, down_proj)",
-                           "all_reduce", act)] * 2,
-                         [("attention and MLP input gradients (ln1, ln2 outputs)", "all_reduce",
-                           act)] * 2),
+               "block": ([out] * 2, [back] * 2), "moe": ([out], [back]),
                "head": ([loss] * 3, [("head input gradient", "all_reduce", act)])}
     else:
         gather = ("sequence all-gather after ln1, ln2 and ln_f", "all_gather", act)
@@ -176,22 +189,47 @@ def _llama_ops(m, tp: int, act: int, loss: tuple, sequence_parallel: bool, c: in
                            "reduce_scatter", act)], [scatter_back]),
                "block": ([gather, gather, scatter, scatter],
                          [gather_back, gather_back, scatter_back, scatter_back, norms, norms]),
+               "moe": ([gather, scatter], [gather_back, scatter_back, norms, norms]),
                "head": ([gather] + [loss] * 3, [gather_back, norms])}
-    block = ops["block"][1]
+    ops["moe"] = (ops["moe"][0] + moe[0], ops["moe"][1] + moe[1])
+    attention = []
     if m.qk_norm:
-        block += [("q_norm and k_norm weight gradients (my heads each)", "all_reduce",
-                   head_dim * c)] * 2
+        attention += [("q_norm and k_norm weight gradients (my heads each)", "all_reduce",
+                       head_dim * c)] * 2
     if m.kv_heads % tp:
         width = m.kv_heads * head_dim
         for what, size in (("weight", width * d), ("bias", width))[:1 + m.qkv_bias]:
-            block += [(f"replicated k_proj, v_proj {what} gradients", "all_reduce", size * c)] * 2
+            attention += [(f"replicated k_proj, v_proj {what} gradients", "all_reduce",
+                           size * c)] * 2
+    for kind in ("block", "moe"):
+        ops[kind][1].extend(attention)
     return ops
+
+
+def _moe_ops(m, micro_batch: int, sequence_parallel: bool, c: int, ep: int) -> tuple[list, list]:
+    """(forward, backward) tp ops of a mixture of experts (parallel/tensor_llama.py), whole
+    on every tp rank: none without sequence parallelism (every rank runs the same tokens).
+    With it (`SequenceParallelMoE`), forward: the balance loss's per-sequence counts summed
+    (b 2E fp32); backward: each weight's gradient summed, c bytes a value: the router's (E d),
+    this rank's E/ep experts' three (E/ep d h each), the shared experts' three (s d each, s =
+    n_shared_experts h) and Qwen's shared gate (d)."""
+    if not sequence_parallel or not getattr(m, "n_experts", 0):
+        return [], []
+    e, d, h = m.n_experts, m.d_model, m.expert_width
+    weights = [e * d] + [e // ep * d * h] * 3 + [m.n_shared_experts * h * d] * 3 * \
+        bool(m.n_shared_experts) + [d] * m.shared_expert_gate
+    return ([("balance-loss counts per sequence", "all_reduce", FP32_BYTES * micro_batch * 2 * e)],
+            [("mixture-of-experts weight gradients (one sequence piece each)", "all_reduce",
+              n * c) for n in weights])
 
 
 def tensor_activation_bytes(m, micro_batch: int, tp: int, sequence_parallel: bool,
                             compute_bytes: int = FP32_BYTES) -> int:
     """Bytes autograd saves in one forward of the tp-split model plus its loss, per rank: the
-    sum of `tensor_layer_bytes` over the embedding, the blocks and the head."""
+    sum of `tensor_layer_bytes` over the embedding, the blocks and the head (the llama's:
+    activations.py `llama_activation_bytes`, its mixture-of-experts blocks included)."""
+    if m.name == "llama":
+        return llama_activation_bytes(m, micro_batch, compute_bytes, tp, sequence_parallel)
     parts = {kind: tensor_layer_bytes(m, kind, micro_batch, tp, sequence_parallel, compute_bytes)
              for kind in ("embed", "block", "head")}
     return parts["embed"] + m.n_layers * parts["block"] + parts["head"]

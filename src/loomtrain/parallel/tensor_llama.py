@@ -8,18 +8,26 @@ Grouped-query attention: k_proj and v_proj are split by kv heads when tp divides
 when tp is a multiple of n_kv_heads instead, every rank keeps k_proj and v_proj whole and uses
 the rows of the one kv head its query heads read (Megatron replicates the kv heads the same
 way). Details: docs/models.md, "Tensor parallel".
+
+A mixture-of-experts feed-forward (models/moe.py) stays whole on every tp rank, the experts
+unsplit (Megatron-Core's expert tensor-parallel size 1): without sequence parallelism every
+rank runs it on the same tokens; with it, on its own piece of the sequence
+(`SequenceParallelMoE`). docs/moe.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loomtrain.models.moe import MoE
 from loomtrain.parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear,
                                               VocabParallelEmbedding, VocabParallelHead,
                                               _contiguous, _split)
-from loomtrain.parallel.tensor_comm import CopyToTP, GatherFromSP
+from loomtrain.parallel.tensor_comm import CopyToTP, GatherFromSP, ReduceFromTP
 
 
 def kv_layout(n_heads: int, n_kv_heads: int, parts: int) -> str:
@@ -80,6 +88,52 @@ class ReplicatedKVLinear(nn.Module):
         return F.linear(x, mine(self.weight), mine(self.bias))
 
 
+class PartialLinear(nn.Linear):
+    """An nn.Linear (the same weight and bias, whole on every tp rank) that sees part of what
+    the whole model sees (1/tp of the sequence): both enter through Megatron's `f` where its
+    forward reads them, so their gradients are the sum over tp when backward returns, as
+    TensorParallelRMSNorm's `partial` weight's."""
+
+    def __init__(self, linear: nn.Linear, mesh, axis: str):
+        super().__init__(linear.in_features, linear.out_features, linear.bias is not None,
+                         device="meta")
+        self.mesh, self.axis = mesh, axis
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else CopyToTP.apply(self.bias, self.mesh, self.axis)
+        return F.linear(x, CopyToTP.apply(self.weight, self.mesh, self.axis), bias)
+
+
+class SequenceParallelMoE(MoE):
+    """A mixture of experts on this tp rank's 1/tp of every sequence (Megatron's sequence
+    parallelism), routing its own tokens; `moe` otherwise (its submodules, parameters and
+    state, under their names). What a whole sequence decides is agreed over tp:
+    - every weight enters through Megatron's `f` (identity forward, all-reduce of the gradient
+      backward) where its own module's forward reads it (`PartialLinear`, the experts'
+      `weight_entry`, which expert parallelism's slice keeps), so each rank ends backward
+      with the gradient of the whole sequences, and a ZeRO-3 unit inside the block has
+      gathered it by then;
+    - the balance loss's per-sequence counts (`whole_sequences`) are summed by Megatron's `g`
+      (all-reduce forward, identity backward): every rank computes the whole sequences' loss
+      from the sums, and its gradient reaches each rank's own tokens, the single process's."""
+
+    def __init__(self, moe: MoE, mesh, axis: str):
+        nn.Module.__init__(self)
+        vars(self).update(vars(moe))  # moe's submodules, parameters and counts
+        self.mesh, self.axis = mesh, axis
+        linears = [(self.router, "gate"), (self, "shared_gate")]
+        if self.shared is not None:
+            linears += [(self.shared, name) for name in ("gate_proj", "up_proj", "down_proj")]
+        for owner, name in linears:
+            if getattr(owner, name) is not None:
+                setattr(owner, name, PartialLinear(getattr(owner, name), mesh, axis))
+        self.experts.weight_entry = partial(CopyToTP.apply, mesh=mesh, axis=axis)
+
+    def whole_sequences(self, counts: torch.Tensor, t: int) -> tuple[torch.Tensor, int]:
+        return ReduceFromTP.apply(counts, self.mesh, self.axis), t * self.mesh.size(self.axis)
+
+
 def _split_attention(attn, rank: int, parts: int, mesh, axis: str, sp: bool) -> None:
     hd, layout = attn.head_dim, kv_layout(attn.n_heads, attn.n_kv_heads, parts)
     q_rows = _contiguous(attn.n_heads * hd, rank, parts, "q_proj's width")  # my heads' rows
@@ -110,7 +164,9 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     `sequence_parallel` (with `vocab_parallel`) keeps 1/tp of the sequence between the column
     and row layers: the embedding reduce-scatters, the norms sum their weight gradients over
     tp. Rotary positions need nothing: attention runs on the gathered, whole sequence, whose
-    positions are 0..t-1 (LlamaBlock counts them on ln1's output, the gathered sequence)."""
+    positions are 0..t-1 (LlamaBlock counts them on ln1's output, the gathered sequence).
+    A mixture-of-experts block keeps its feed-forward whole and its ln2 outside the region;
+    under sequence parallelism the feed-forward becomes a `SequenceParallelMoE`."""
     parts, rank = mesh.size(axis), mesh.local_rank(axis)
     sp = sequence_parallel
     if sp:
@@ -118,12 +174,17 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     enter = GatherFromSP if sp else CopyToTP
     for block in model.blocks:
         _split_attention(block.attn, rank, parts, mesh, axis, sp)
+        block.ln1 = TensorParallelRMSNorm(block.ln1, mesh, axis, partial=sp, enter=enter)
         mlp = block.mlp
+        if isinstance(mlp, MoE):  # whole on every rank: ln2's output does not enter the region
+            block.ln2 = TensorParallelRMSNorm(block.ln2, mesh, axis, partial=sp)
+            if sp:
+                block.mlp = SequenceParallelMoE(mlp, mesh, axis)
+            continue
         mine = _contiguous(mlp.gate_proj.out_features, rank, parts, "the MLP's hidden width")
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, mine, mesh, axis, sp, enters=False)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj, mine, mesh, axis, sp, enters=False)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, mine, mesh, axis, sp)
-        block.ln1 = TensorParallelRMSNorm(block.ln1, mesh, axis, partial=sp, enter=enter)
         block.ln2 = TensorParallelRMSNorm(block.ln2, mesh, axis, partial=sp, enter=enter)
     if vocab_parallel:
         tied = model.head.weight is model.tok_emb.weight
@@ -134,4 +195,5 @@ def parallelize_llama(model, mesh, axis: str, vocab_parallel: bool,
     return model
 
 
-__all__ = ["ReplicatedKVLinear", "TensorParallelRMSNorm", "kv_layout", "parallelize_llama"]
+__all__ = ["PartialLinear", "ReplicatedKVLinear", "SequenceParallelMoE", "TensorParallelRMSNorm",
+           "kv_layout", "parallelize_llama"]

@@ -13,10 +13,13 @@ from loomtrain import comm
 from loomtrain.models.moe import MoE, moe_blocks
 
 
-def token_axis(mesh) -> str:
-    """The ranks whose routers see different tokens, whose counts add up to the step's: dp,
-    and with it cp, which splits every row (the "dpcp" group)."""
-    return "dpcp" if mesh.size("cp") > 1 else "dp"
+def token_axes(mesh, parallel) -> tuple[str, ...]:
+    """The axes whose ranks route different tokens, so their counts add up to the step's
+    (`parallel`: the [parallel] keys): dp, with cp, which splits every row (the "dpcp"
+    group), and tp under sequence parallelism, where each tp rank routes its piece of every
+    sequence (without it the tp ranks route the same tokens)."""
+    tokens = ("dpcp" if mesh.size("cp") > 1 else "dp",)
+    return (*tokens, "tp") if parallel.sequence_parallel and mesh.size("tp") > 1 else tokens
 
 
 # the axes whose ranks hold different blocks (the pipeline's stages): each rank fills its own
@@ -45,18 +48,21 @@ def set_aux_grad(layers: list[MoE], coef: float, loss_tokens: float) -> None:
         layer.aux_grad = coef / loss_tokens
 
 
-def step_figures(layers: list[MoE], rows: list[int], cfg, mesh) -> torch.Tensor | None:
+def step_figures(layers: list[MoE], rows: list[int], cfg, mesh,
+                 axes: tuple[str, ...]) -> torch.Tensor | None:
     """[MoE blocks of the model `cfg` describes, experts + 2]: each block's picks per expert,
-    balance-loss sum and sequences over the step on every rank (one all-reduce over
-    `token_axis`, one per block axis); the counts of this rank's `layers` (the table's `rows`)
-    reset. None without MoE blocks."""
+    balance-loss sum and sequences over the step on every rank (one all-reduce per token axis
+    of `axes`, `token_axes`, and per block axis); the counts of this rank's `layers` (the
+    table's `rows`) reset. None without MoE blocks. Under sequence parallelism every tp rank
+    counts each sequence and its loss once: the sums over tp hold both tp times, their ratio
+    the mean."""
     blocks = len(moe_blocks(cfg))
     if not blocks:
         return None
     seen = torch.zeros(blocks, cfg.n_experts + 2, dtype=torch.float64, device=mesh.device)
     if layers:  # a pipeline stage may hold dense blocks only
         seen[rows] = torch.stack([_take(layer) for layer in layers])
-    for axis in (token_axis(mesh), *BLOCK_AXES):
+    for axis in (*axes, *BLOCK_AXES):
         comm.all_reduce(seen, mesh, axis)
     return seen
 

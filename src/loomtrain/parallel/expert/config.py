@@ -8,9 +8,6 @@ from pydantic import Field
 
 from loomtrain.component import FINISH, SPLIT, Built, Component, Refusal, Section, Switch
 
-_NOT_YET = ("the mixture of experts runs with data, context, expert and pipeline parallelism "
-            "and ZeRO today; the other axes come next")
-
 
 class Experts(Component):
     """The routers' bookkeeping over each step (parallel/expert/balance.py)."""
@@ -20,12 +17,16 @@ class Experts(Component):
     summary = "mixture-of-experts feed-forwards: balance loss, bias balancing, expert metrics"
     stage = FINISH
     refuses = {
-        "tensor": Refusal(_NOT_YET),
         "async_pipeline": Refusal("its stream runs a micro-batch's backward, where the routers "
                                   "count their loads and the balance loss takes its weight, in "
                                   "a later step than its forward: a step's expert figures and "
                                   "the loss's weight would mix two steps' micro-batches (not "
                                   "built yet)"),
+        "context": Refusal("under Megatron's sequence parallelism a tp rank holds a piece of a "
+                           "cp rank's piece of each row: the balance loss's per-row sums would "
+                           "have to add both splits (not built yet); cp runs with tp without "
+                           "it", when=lambda cfg: cfg.parallel.sequence_parallel,
+                           partly="with sequence_parallel"),
         "asyncsgd": Refusal("the parameter server's workers route on stale weights and the "
                             "server has no step at which to agree on the experts' loads yet"),
         "zeroth": Refusal("the routers' counts and balance loss are taken in the backward, "
@@ -55,20 +56,20 @@ class Experts(Component):
 
     @classmethod
     def estimate(cls, plan) -> None:
-        """The step's counts all-reduced over the token axis and the block axes: [MoE blocks,
+        """The step's counts all-reduced over the token axes and the block axes: [MoE blocks,
         experts + 2] float64 (balance.py `step_figures`); where the rows are split over ranks,
         each of this rank's layers' picks and probabilities per row ([rows, 2 experts] fp32,
         `balance_loss`) all-reduced in every forward of a step that computes gradients
         (recomputed ones too). The activations are the model's (activations.py)."""
         from loomtrain.estimate import all_reduce, metered, recomputed_microbatches
         from loomtrain.models.moe import moe_blocks
-        from loomtrain.parallel.expert.balance import BLOCK_AXES, moe_layers, token_axis
+        from loomtrain.parallel.expert.balance import BLOCK_AXES, moe_layers, token_axes
         from loomtrain.parallel.sequence import rows_axis
 
         cfg = plan.cfg
         blocks, layers = len(moe_blocks(cfg.model)), len(moe_layers(plan.model))
         experts, shared = cfg.model.n_experts, rows_axis(cfg)
-        for axis in (token_axis(plan.mesh), *BLOCK_AXES):
+        for axis in (*token_axes(plan.mesh, cfg.parallel), *BLOCK_AXES):
             n = plan.mesh.size(axis)
             if n > 1 and blocks:
                 plan.collectives.append(all_reduce("expert loads and balance loss", axis, n,
@@ -89,10 +90,11 @@ class Experts(Component):
 
     @classmethod
     def after_step(cls, built: Built, done: int, last: bool, loss_sum, loss_tokens: float) -> None:
-        from loomtrain.parallel.expert.balance import step_figures, update_bias
+        from loomtrain.parallel.expert.balance import step_figures, token_axes, update_bias
 
         part = built.parts[cls.name]
-        part["seen"] = step_figures(part["layers"], part["rows"], built.cfg.model, built.mesh)
+        part["seen"] = step_figures(part["layers"], part["rows"], built.cfg.model, built.mesh,
+                                    token_axes(built.mesh, built.cfg.parallel))
         if built.cfg.model.router_bias_rate and part["seen"] is not None:
             update_bias(part["layers"], part["seen"][part["rows"]],
                         built.cfg.model.router_bias_rate)
@@ -182,10 +184,12 @@ def within_nodes(p, ep: int) -> bool:
 
 def exchange_collectives(plan) -> None:
     """The all-to-alls of expert parallelism over ep (parallel/expert/exchange.py), per MoE
-    block and micro-batch of T = micro_batch * seq_len / cp tokens (a cp rank's share of
-    each row), k picks each, width d, c bytes a value: the counts ([ep, E/ep] int64, 8E
-    bytes) in the forward; the rows T k d c in four exchanges, the forward's dispatch and
-    combine and their two gradients in the backward.
+    block and micro-batch of T = micro_batch * seq_len tokens (a cp rank's share of each row,
+    seq_len / cp; over tp too under sequence parallelism: each tp rank exchanges its piece of
+    the sequence; without it every tp rank exchanges the same tokens in its own ep group), k
+    picks each, width d, c bytes a value: the counts ([ep, E/ep] int64, 8E bytes) in the
+    forward; the rows T k d c in four exchanges, the forward's dispatch and combine and their
+    two gradients in the backward.
     A dispatch sends this rank's T k rows; a combine sends back the rows it received, T k
     on average over the ep ranks (exactly T k under even routing): the payload and wire
     bytes of the rows are those of balanced routing, (ep - 1) / ep of the payload on the wire
@@ -198,8 +202,10 @@ def exchange_collectives(plan) -> None:
 
     cfg, ep = plan.cfg, plan.mesh.size("ep")
     layers = len(moe_layers(plan.model))
-    rows = cfg.train.micro_batch * plan.local_model.seq_len * cfg.model.experts_per_token * \
-        cfg.model.d_model * plan.compute_bytes
+    tokens = cfg.train.micro_batch * plan.local_model.seq_len
+    if cfg.parallel.sequence_parallel:
+        tokens //= cfg.parallel.tp
+    rows = tokens * cfg.model.experts_per_token * cfg.model.d_model * plan.compute_bytes
     counts = 8 * cfg.model.n_experts
     micro = cfg.accumulation_steps * layers
     runs = micro + recomputed_microbatches(plan) * layers  # forwards and their reruns

@@ -36,7 +36,7 @@ class ExpertParallelExperts(GroupedExperts):
         ep, rank = mesh.size("ep"), mesh.local_rank("ep")
         n = whole.n_experts // ep
         super().__init__(0, 1, 1, first=whole.first + rank * n)
-        self.mesh = mesh
+        self.mesh, self.weight_entry = mesh, whole.weight_entry
         replicas = "edpcp" if mesh.size("cp") > 1 else "edp"
         for name in EXPERT_WEIGHTS:
             full = getattr(whole, name)

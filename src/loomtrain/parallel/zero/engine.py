@@ -327,19 +327,23 @@ class ShardedDataParallel(nn.Module):
     def _copies_weighted(self) -> list[tuple[list[torch.Tensor], float]]:
         """Each unit's gradient range weighted by one over the dp ranks (dp x cp under cp)
         holding the same range: dp over its optimizer ranks, over ep more for a unit of
-        experts (each ep rank holds others)."""
+        experts (each ep rank holds others); under tp or pp, parameter by parameter, times
+        `norm_weight`."""
         ep, dp = self.mesh.size("ep"), self.mesh.size(self.plan.data_axis)
+        by_piece = self.mesh.size("tp") > 1 or self.mesh.size("pp") > 1
         out = []
         for u in self.all_units:
             held = u.plan.optimizer_ranks * (ep if dp_axis_of(u.params[0], "dp") != "dp" else 1)
             if u.grad.numel():
-                out.append(([u.grad], held / dp))
+                pieces = self._grad_pieces([u]) if by_piece else [([u.grad], 1.0)]
+                out += [(grads, weight * held / dp) for grads, weight in pieces]
         return out
 
-    def _grad_pieces(self) -> list[tuple[list[torch.Tensor], float]]:
-        """Views of my gradient shards, parameter by parameter, grouped by `norm_weight`."""
+    def _grad_pieces(self, units=None) -> list[tuple[list[torch.Tensor], float]]:
+        """Views of my gradient shards of `units` (None: all), parameter by parameter,
+        grouped by `norm_weight`."""
         groups: dict[float, list[torch.Tensor]] = {}
-        for u in self.all_units:
+        for u in self.all_units if units is None else units:
             lo, hi = u.optimizer_range
             param_of = dict(zip(u.layout.slots, u.params))
             for piece in u.layout.slices(lo, hi):
