@@ -11,7 +11,8 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Plan:
-    """One configuration of a step: the mesh (dp x pp x cp x tp = devices), ZeRO, the
+    """One configuration of a step: the mesh (dp x pp x cp x tp = devices; ep, expert
+    parallelism, a sub-axis of dp that splits a mixture of experts' experts), ZeRO, the
     pipeline's schedule, recompute and offload, precision, and DiLoCo's period.
 
     `micro_batch` is in sequences; each dp replica runs `microbatches` of them per step, so
@@ -23,6 +24,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # dp ranks that split each MoE block's experts (parallel.ep; divides dp)
     zero_stage: int = 0
     hierarchical: bool = False  # ZeRO: shard inside the node, reduce across nodes (two levels)
     micro_batch: int = 1
