@@ -54,13 +54,13 @@ class Plan:
 @dataclass(frozen=True)
 class StageCosts:
     """One pipeline stage (a virtual stage with interleaving), per microbatch unless said.
-    Times include the tp and cp collectives on the critical path of that compute."""
+    Times include the tp, cp and ep collectives on the critical path of that compute."""
     forward_s: float
     backward_input_s: float  # gradient w.r.t. the stage's input (zb-h1's I)
     backward_weight_s: float  # gradient w.r.t. its weights (zb-h1's W); B = I + W
     recompute_s: float  # the forward replayed before backward (0 without recompute)
-    forward_comm_s: float  # the part of forward_s that is blocking tp/cp communication
-    backward_comm_s: float  # the part of backward_input_s + backward_weight_s that is tp/cp comm
+    forward_comm_s: float  # the part of forward_s that is blocking tp/cp/ep communication
+    backward_comm_s: float  # the part of backward_input_s + backward_weight_s that is tp/cp/ep comm
     send_s: float  # the activation (or its gradient) to the neighbouring stage
     grad_sync_s: float  # per step: the dp/ZeRO reduction of this stage's gradients
     param_gather_s: float  # per microbatch: ZeRO-3's all-gathers (forward and backward)

@@ -23,7 +23,7 @@ from loomtrain.planner.specs import ClusterSpec
 SPACES = ("all", "loom")
 REFINE_PLANS = 2  # pipeline plans the MILP rebalances after the grid
 REFINE_TIME_LIMIT_S = 1.0  # per MILP: HiGHS's best split by then (estimate() judges it)
-PARTS = {"compute": "compute", "tp_cp_comm": "tp/cp collectives", "bubble": "pipeline bubble",
+PARTS = {"compute": "compute", "tp_cp_comm": "tp/cp/ep collectives", "bubble": "pipeline bubble",
          "zero3_gather": "ZeRO-3 gathers", "offload": "offload copies", "grad_sync": "gradient sync",
          "optimizer": "optimizer step"}
 
