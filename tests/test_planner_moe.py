@@ -94,10 +94,9 @@ def test_memory_and_all_to_all_bytes_equal_the_dry_runs(ep):
         8 * 8 + 4 * 32 * 2 * 64 * 4))  # 2 micro-batches x 2 blocks: counts and 4 row exchanges
 
 
-def _lightest(shape, cluster, batch: int, fix: dict) -> dict[int, int]:
-    """The least memory per device of the plans `loom train` runs (every plan of the space,
-    offload variants included), by ep."""
-    space, least = Space(shape, cluster, batch, fix), {}
+def _runnable_estimates(shape, cluster, batch: int, fix: dict) -> list:
+    """Every plan of the space `loom train` runs (offload variants included), estimated."""
+    space, out = Space(shape, cluster, batch, fix), []
     for dp, tp, pp, cp in space.meshes():
         for b, m in space.micro_batches(dp):
             for ep in space.expert_splits(dp):
@@ -105,35 +104,39 @@ def _lightest(shape, cluster, batch: int, fix: dict) -> dict[int, int]:
                     for v in space.sync_variants(dp, tp, cp):
                         plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=b,
                                     microbatches=m, **key, **v)
-                        for p in [plan] + [replace(plan, **o) for o in space.offload_variants(plan)]:
-                            if runnable(p, shape, batch) is None:
-                                mem = estimate(shape, cluster, p).mem_per_device_bytes
-                                least[ep] = min(least.get(ep, mem), mem)
-    return least
+                        out += [estimate(shape, cluster, p) for p in [plan] + [
+                            replace(plan, **o) for o in space.offload_variants(plan)]
+                            if runnable(p, shape, batch) is None]
+    return out
 
 
-def _split_only(shape, devices: int, batch: int, fix: dict) -> int:
-    """A device memory that holds a plan `loom train` runs only when ep splits the experts:
-    half-way between the lightest such plan with ep > 1 and the lightest with ep = 1."""
-    least = _lightest(shape, ClusterSpec(H100, devices, devices), batch, fix)
-    split = min(v for ep, v in least.items() if ep > 1)
-    assert split < least[1], least  # only splitting the experts saves their gathered unit
-    return (split + least[1]) // 2
+def _split_only(every: list) -> int:
+    """A device memory that holds a plan of `every` only when ep splits the experts: half-way
+    between the lightest plan with ep > 1 and the lightest with ep = 1."""
+    least = {ep: min(e.mem_per_device_bytes for e in every if (e.plan.ep > 1) == ep)
+             for ep in (False, True)}
+    assert least[True] < least[False], least  # only split experts save the gathered block
+    return (least[True] + least[False]) // 2
 
 
 def test_the_search_splits_the_experts_where_only_that_fits():
     """World 4 (dp 4): without memory pressure the search ranks plans of every ep; on a
-    device that holds only split experts, the best plan `loom train` runs has ep > 1, and
-    pinning ep = 1 leaves no plan."""
-    shape = from_model_config(ModelConfig(**HEAVY), "heavy")
-    ranked = search(shape, ClusterSpec(H100, 4, 4), 8, top=40, fix={"dp": 4}).ranked
+    device that holds only split experts, the best plans `loom train` runs have ep > 1 and
+    are the exhaustive enumeration's (the bounds stay exact with ep), and pinning ep = 1
+    leaves no plan."""
+    shape, roomy = from_model_config(ModelConfig(**HEAVY), "heavy"), ClusterSpec(H100, 4, 4)
+    ranked = search(shape, roomy, 8, top=40, fix={"dp": 4}).ranked
     assert {e.plan.ep for e in ranked} == {1, 2, 4}
-    cluster = ClusterSpec(replace(H100, mem_bytes=_split_only(shape, 4, 8, {"dp": 4})), 4, 4)
+    every = _runnable_estimates(shape, roomy, 8, {"dp": 4})
+    mem = _split_only(every)
+    fitting = sorted(e.step_time_s for e in every if e.mem_per_device_bytes <= mem)
+    cluster = ClusterSpec(replace(H100, mem_bytes=mem), 4, 4)
 
     def accept(plan):
         return runnable(plan, shape, 8)
     best = search(shape, cluster, 8, top=3, space="loom", fix={"dp": 4}, accept=accept).ranked
-    assert best and all(e.fits and e.plan.ep > 1 for e in best)
+    assert all(e.fits and e.plan.ep > 1 for e in best)
+    assert [e.step_time_s for e in best] == pytest.approx(fitting[:3], rel=1e-12)
     assert not search(shape, cluster, 8, top=3, space="loom", fix={"dp": 4, "ep": 1},
                       accept=accept).ranked
 
@@ -160,7 +163,8 @@ def test_loom_plan_writes_an_ep_config_that_trains(tmp_path, corpus):
     fix = {"dp": 2, "precision": "fp32"}
     spec = {k: v for k, v in asdict(H100).items() if v is not None and k != "source"}
     device, config, out = (tmp_path / name for name in ("device.toml", "moe.toml", "planned.toml"))
-    device.write_text(tomli_w.dumps({**spec, "mem_bytes": _split_only(shape, 2, 8, fix)}))
+    every = _runnable_estimates(shape, ClusterSpec(H100, 2, 2), 8, fix)
+    device.write_text(tomli_w.dumps({**spec, "mem_bytes": _split_only(every)}))
     config.write_text(tomli_w.dumps(tree))
     assert main(["plan", "--model", str(config), "--gpus", "2", "--gpu", str(device),
                  "--fix", "precision=fp32", "--write-config", str(out)]) == 0
