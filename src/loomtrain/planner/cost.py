@@ -70,7 +70,8 @@ def model_flops_per_step(model: ModelShape, global_batch: int) -> float:
     """Forward + backward (3x forward) of the whole model on global_batch sequences, without
     recompute: the numerator of MFU (Chowdhery et al. 2022, appendix B)."""
     tokens = global_batch * model.seq_len
-    return 3 * sum(n * forward_flops(model, kind, tokens) for kind, n in Counter(_kinds(model)).items())
+    kinds = Counter(_kinds(model))
+    return 3 * sum(n * forward_flops(model, kind, tokens) for kind, n in kinds.items())
 
 
 def layer_params(model: ModelShape, kind: str) -> int:
@@ -345,7 +346,8 @@ def _state_bytes(plan: Plan, inside: int) -> tuple[float, float, float]:
             0 if plan.offload_optimizer else OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1))
 
 
-def _sync_parts(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups: list) -> tuple[tuple, tuple]:
+def _sync_parts(model: ModelShape, cluster: ClusterSpec, plan: Plan,
+                groups: list) -> tuple[tuple, tuple]:
     """`_sync_costs` of the stages `groups` (each a list of (layer, count)): of their
     parameters over the replicas, and of the experts ep splits over edp (zeros at ep = 1),
     each in units of their own (a MoE block's experts are a ZeRO unit apart, parallel/zero)."""
@@ -474,8 +476,8 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
     sharded = plan.zero_stage >= 1
     inside = _shard_groups(cluster, plan)[0] if sharded else 1
     inside_experts = _shard_groups(cluster, plan, experts=True)[0] if sharded else 1
-    stage_shards = [_stage_params(model, plan, g) / inside + _total(g, "expert_params") / inside_experts
-                    for g in groups]
+    stage_shards = [_stage_params(model, plan, g) / inside
+                    + _total(g, "expert_params") / inside_experts for g in groups]
     shard = max(sum(stage_shards[r::plan.pp]) for r in range(plan.pp))
     if plan.offload_optimizer:  # gradients down, weights up over the host link; CPU Adam
         optimizer_s = (2 * c * shard / d.host_link_bytes_per_s + shard / HOST_ADAM_PARAMS_PER_S)

@@ -95,7 +95,8 @@ class LlamaShape(Shape):
         the E experts, not E (dropless top-k routing)."""
         d, h = self.d_model, self.expert_width
         swiglus = 3 * d * h * (self.experts_per_token + self.n_shared_experts)
-        return self._attention_matmul_params + d * self.n_experts + swiglus + d * self.shared_expert_gate
+        gate = d * self.shared_expert_gate
+        return self._attention_matmul_params + d * self.n_experts + swiglus + gate
 
     @property
     def moe_block_params(self) -> int:

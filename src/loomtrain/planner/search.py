@@ -11,10 +11,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from loomtrain.planner.cost import (COMPUTE_BYTES, HOST_ADAM_PARAMS_PER_S, OPTIMIZER_TRAFFIC, _memory,
-                                    _shard_groups, _stage_groups, _state_bytes, _sync_parts,
-                                    _total, bubble_scale, estimate, layer_costs, layer_kinds, split_experts,
-                                    stage_layers)
+from loomtrain.planner.cost import (COMPUTE_BYTES, HOST_ADAM_PARAMS_PER_S, OPTIMIZER_TRAFFIC,
+                                    _memory, _shard_groups, _stage_groups, _state_bytes,
+                                    _sync_parts, _total, bubble_scale, estimate, layer_costs,
+                                    layer_kinds, split_experts, stage_layers)
 from loomtrain.planner.plan import Estimate, Plan
 from loomtrain.planner.presets import ModelShape
 from loomtrain.planner.search_space import Space, check_fix
@@ -155,7 +155,8 @@ class _Run:
         stages = plan.pp * plan.virtual_stages
         if stages not in self._stages:  # the layers of each kind per stage
             kinds = layer_kinds(self.shape)
-            self._stages[stages] = [Counter(kinds[i] for i in s) for s in stage_layers(self.shape, plan)]
+            self._stages[stages] = [Counter(kinds[i] for i in s)
+                                    for s in stage_layers(self.shape, plan)]
         return [sum(n * (t[k] + r[k] * recompute) for k, n in stage.items())
                 for stage in self._stages[stages]]
 
@@ -201,8 +202,9 @@ class _Run:
 
     def memory_bound(self, plan: Plan) -> float:
         outer = 8 if plan.diloco_h > 1 else 0
-        per_param, per_expert = (sum(_state_bytes(plan, _shard_groups(self.cluster, plan, experts)[0]))
-                                 + outer for experts in (False, True))
+        per_param, per_expert = (
+            sum(_state_bytes(plan, _shard_groups(self.cluster, plan, experts)[0])) + outer
+            for experts in (False, True))
         a, c = self.layers(plan)[2:]
         stash = a if plan.recompute == "none" else c
         chunks = plan.virtual_stages if plan.offload_activations else 1
@@ -226,7 +228,8 @@ class _Run:
             for b, m in self.space.micro_batches(dp):
                 for ep in eps:
                     for key in keys:
-                        plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=b, microbatches=m, **key)
+                        plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=b,
+                                    microbatches=m, **key)
                         items.append((self.pipeline_bound(plan), len(items), plan, variants))
                 self.candidates += len(eps) * len(keys) * len(variants)
         items.sort(key=lambda x: x[:2])

@@ -22,7 +22,7 @@ class Shape:
     seq_len: int
     vocab_size: int
 
-    n_experts = 0  # routed experts per MoE block; a class attribute here (dense), a field of the llama's
+    n_experts = 0  # routed experts per MoE block: a class attribute here (dense), the llama's field
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` (from 0) is a mixture of experts: never in a dense family."""

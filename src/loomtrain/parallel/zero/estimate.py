@@ -301,7 +301,8 @@ def estimate_engine(plan: DryRunPlan, axis: str | None = None) -> ZeroLayout:
     return z
 
 
-def with_experts(memory: MemoryEstimate, z: ZeroLayout, states: int, prefetch: int) -> MemoryEstimate:
+def with_experts(memory: MemoryEstimate, z: ZeroLayout, states: int,
+                 prefetch: int) -> MemoryEstimate:
     """`memory` (of the units over dp) with the experts' units over edp (`z.apart`) added:
     their parameters, gradients and optimizer state as `zero_memory` keeps them over edp's
     ranks (in host memory when offloaded, as the others'), and under stage 3 the gathered
