@@ -6,6 +6,7 @@ config that `loom train` runs, the dry run matching its meter."""
 
 from __future__ import annotations
 
+import random
 import tomllib
 from collections import Counter
 from dataclasses import asdict, replace
@@ -29,6 +30,7 @@ from loomtrain.train import dryrun
 from loomtrain.train.config import config_from_dict
 from loomtrain.train.metrics import read_metrics
 from test_moe import MODEL, _check_dry_run
+from test_planner_apply import _loom_train_takes
 from test_weave import _metered
 
 H100 = BUILTIN["h100-80g"]
@@ -94,9 +96,9 @@ def test_memory_and_all_to_all_bytes_equal_the_dry_runs(ep):
         8 * 8 + 4 * 32 * 2 * 64 * 4))  # 2 micro-batches x 2 blocks: counts and 4 row exchanges
 
 
-def _runnable_estimates(shape, cluster, batch: int, fix: dict) -> list:
-    """Every plan of the space `loom train` runs (offload variants included), estimated."""
-    space, out = Space(shape, cluster, batch, fix), []
+def _plans(shape, cluster, batch: int, fix: dict):
+    """Every plan of the space, ep and offload variants included."""
+    space = Space(shape, cluster, batch, fix)
     for dp, tp, pp, cp in space.meshes():
         for b, m in space.micro_batches(dp):
             for ep in space.expert_splits(dp):
@@ -104,10 +106,32 @@ def _runnable_estimates(shape, cluster, batch: int, fix: dict) -> list:
                     for v in space.sync_variants(dp, tp, cp):
                         plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=b,
                                     microbatches=m, **key, **v)
-                        out += [estimate(shape, cluster, p) for p in [plan] + [
-                            replace(plan, **o) for o in space.offload_variants(plan)]
-                            if runnable(p, shape, batch) is None]
-    return out
+                        yield plan
+                        yield from (replace(plan, **o) for o in space.offload_variants(plan))
+
+
+def _runnable_estimates(shape, cluster, batch: int, fix: dict) -> list:
+    """Every plan of the space `loom train` runs, estimated."""
+    return [estimate(shape, cluster, plan) for plan in _plans(shape, cluster, batch, fix)
+            if runnable(plan, shape, batch) is None]
+
+
+def test_the_loom_space_of_a_mixture_is_what_loom_train_takes():
+    """`runnable` (the components' refusals, asked of the config's validation) says None
+    exactly for the plans of a mixture of experts `loom train` takes, on a sample of its
+    whole space on 4 devices (tp, pp and cp included): the search's space "loom" keeps to
+    layouts the trainer accepts, ep among them."""
+    shape, batch = from_model_config(ModelConfig(**MOE), "moe"), 8
+    plans = list(_plans(shape, ClusterSpec(H100, 4, 4), batch, {}))
+    pure = [p for p in plans if p.dp == 4 and p.recompute == "none" and not p.offload_activations]
+    sample = [x for group, n in ((plans, 8), ([p for p in plans if p.ep > 1], 4), (pure, 4))
+              for x in random.Random(0).sample(group, n)]  # dp x ep with ZeRO: mostly taken
+    verdicts = [(plan, runnable(plan, shape, batch) is None, _loom_train_takes(plan, shape, batch))
+                for plan in sample]
+    for plan, listed, takes in verdicts:
+        assert listed == takes, (plan, runnable(plan, shape, batch))
+    assert {listed for _, listed, _ in verdicts} == {True, False}
+    assert any(plan.ep > 1 and listed for plan, listed, _ in verdicts)
 
 
 def _split_only(every: list) -> int:
