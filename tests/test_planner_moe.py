@@ -89,7 +89,8 @@ def test_memory_and_all_to_all_bytes_equal_the_dry_runs(ep):
         wire = Counter()
         for c in dry.engine:
             wire[c.axis, c.op] += c.wire_bytes * c.calls
-        assert e.comm_bytes["ep"] == wire["ep", "all_to_all"] > 0 or ep == 1
+        assert e.comm_bytes["ep"] == wire["ep", "all_to_all"]
+        assert (e.comm_bytes["ep"] > 0) == (ep > 1)
         edp = sum(v for (axis, _), v in wire.items() if axis == "edp")
         assert e.comm_bytes["edp"] == edp
     assert e.comm_bytes["ep"] == (0 if ep == 1 else 2 * 2 * (ep - 1) / ep * (
@@ -139,7 +140,9 @@ def _split_only(every: list) -> int:
     between the lightest plan with ep > 1 and the lightest with ep = 1."""
     least = {ep: min(e.mem_per_device_bytes for e in every if (e.plan.ep > 1) == ep)
              for ep in (False, True)}
-    assert least[True] < least[False], least  # only split experts save the gathered block
+    # at ep = 1 every rank holds (or ZeRO-3 gathers) the block's 16 experts whole, which
+    # outweighs the activations ep keeps (it refuses recomputation and activation offload)
+    assert least[True] < least[False], least
     return (least[True] + least[False]) // 2
 
 
@@ -191,7 +194,7 @@ def test_loom_plan_writes_an_ep_config_that_trains(tmp_path, corpus):
     device.write_text(tomli_w.dumps({**spec, "mem_bytes": _split_only(every)}))
     config.write_text(tomli_w.dumps(tree))
     assert main(["plan", "--model", str(config), "--gpus", "2", "--gpu", str(device),
-                 "--fix", "precision=fp32", "--write-config", str(out)]) == 0
+                 "--fix", "dp=2,precision=fp32", "--write-config", str(out)]) == 0
     planned = tomllib.loads(out.read_text())
     assert planned["parallel"]["ep"] == 2 and planned["parallel"]["nproc"] == 2
     ranks = run_world(_metered, 2, [planned], str(tmp_path / "run"), True, timeout_s=200)
