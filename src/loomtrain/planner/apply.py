@@ -19,7 +19,7 @@ from loomtrain.planner.plan import Plan
 from loomtrain.planner.presets import ModelShape, from_model_config
 
 # the [parallel] keys a plan decides; a base config's values for them are replaced (or dropped)
-PLANNED_PARALLEL = ("plan", "nproc", "dp", "tp", "pp", "cp", "zero_stage", "hierarchical",
+PLANNED_PARALLEL = ("plan", "nproc", "dp", "tp", "pp", "cp", "ep", "zero_stage", "hierarchical",
                     "schedule", "virtual_stages", "microbatches", "recompute", "offload_optimizer",
                     "offload_activations", "sequence_parallel", "split_points")
 # the first line of every file write_config writes: only such a file may be overwritten
@@ -71,6 +71,8 @@ def plan_config(plan: Plan, shape: ModelShape, batch: int, base: dict | None = N
     par.update(nproc=plan.devices, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                zero_stage=plan.zero_stage, hierarchical=plan.hierarchical,
                offload_optimizer=plan.offload_optimizer, sequence_parallel=plan.sequence_parallel)
+    if plan.ep > 1:  # written only for a mixture of experts' plan, which needs it
+        par["ep"] = plan.ep
     recompute = _recompute(plan)
     if plan.pp > 1:  # the config refuses pipeline keys without a pipeline, even at their defaults
         par.update(schedule=plan.schedule, virtual_stages=plan.virtual_stages,

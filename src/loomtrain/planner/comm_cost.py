@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from loomtrain.planner.specs import ClusterSpec
 
-INNER = {"tp": (), "cp": ("tp",), "dp": ("cp", "tp"), "pp": ("dp", "cp", "tp")}
+# the axes inside each (mesh.py's order, tp innermost); ep is the run of ep consecutive dp ranks
+INNER = {"tp": (), "cp": ("tp",), "ep": ("cp", "tp"), "dp": ("cp", "tp"), "pp": ("dp", "cp", "tp")}
 
 
 def spans_nodes(cluster: ClusterSpec, sizes: dict[str, int], axis: str) -> bool:
@@ -71,6 +72,15 @@ def gather_s(cluster: ClusterSpec, payload_bytes: float, n: int, crosses: bool) 
         return measured_all_reduce_s(cluster.device.collective_table, payload_bytes, n) / 2
     alpha, beta = link(cluster, crosses, n)
     return (n - 1) * alpha + (n - 1) / n * payload_bytes / beta
+
+
+def all_to_all_s(cluster: ClusterSpec, payload_bytes: float, n: int, crosses: bool) -> float:
+    """An all-to-all in which each of n ranks sends `payload_bytes`, S/n to every rank (itself
+    included), as pairwise exchange runs it (Thakur, Rabenseifner & Gropp 2005: n - 1 steps
+    of S/n): (n-1) alpha + (n-1)/n S / beta, the cost of an all-gather of S. cpu-here measured
+    no all-to-all: it is derived the same way, as the all-gather's half of the measured
+    all-reduce."""
+    return gather_s(cluster, payload_bytes, n, crosses)
 
 
 def send_s(cluster: ClusterSpec, payload_bytes: float, crosses: bool) -> float:

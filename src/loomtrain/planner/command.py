@@ -89,7 +89,8 @@ def plan_row(e: Estimate) -> dict:
 
 def describe(plan: Plan) -> str:
     s = plan.settings()
-    text = " ".join(f"{k}={s[k]}" for k in ("dp", "tp", "pp", "cp") if s[k] > 1) or "single"
+    mesh = ("dp", "tp", "pp", "cp", "ep")
+    text = " ".join(f"{k}={s[k]}" for k in mesh if s.get(k, 1) > 1) or "single"
     text += f" zero{plan.zero_stage}" + " hier" * plan.hierarchical
     text += f" mb{plan.micro_batch}x{plan.microbatches}"
     if plan.pp > 1:

@@ -12,7 +12,7 @@ _COVERS = ("the planner's cost model covers backprop on the GPT and the llama ov
 
 class PlanKeys(Section):
     # "auto": before training, the planner (loomtrain.planner) searches the plans of this
-    # model on nproc ranks at train.global_batch and runs the best; its dp, tp, pp, cp, ZeRO,
+    # model on nproc ranks at train.global_batch and runs the best; its dp, tp, pp, cp, ep, ZeRO,
     # schedule, micro-batch, recompute and offload settings replace those given here
     # (train.precision is kept: planner/apply.py choose_here, resolve_auto), and the written
     # config.toml holds them, with "none"

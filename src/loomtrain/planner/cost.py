@@ -7,6 +7,7 @@ event simulator (simulate.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
@@ -37,22 +38,31 @@ OPTIMIZER_TRAFFIC = {"fp32": 96, "bf16": 100}
 # Operator launches per forward: the shape's `ops`; backward launches twice as many.
 OPTIMIZER_OPS = 24  # foreach AdamW, norm, clip, zero_grad over the whole parameter list
 HOST_ADAM_PARAMS_PER_S = 1e9  # offload: CPU Adam, an assumption (docs/planner.md)
+BLOCKS = ("block", "moe")  # the kinds of a transformer block: dense, a mixture of experts
+
+
+@lru_cache(maxsize=256)
+def _kinds(model: ModelShape) -> tuple[str, ...]:
+    return ("embed", *("moe" if model.is_moe(i) else "block" for i in range(model.n_layers)), "head")
 
 
 def layer_kinds(model: ModelShape) -> list[str]:
-    return ["embed", *["block"] * model.n_layers, "head"]
+    """[embed, a kind per block ("block", or "moe" for a mixture of experts), head]."""
+    return list(_kinds(model))
 
 
 def forward_flops(model: ModelShape, kind: str, tokens: float) -> float:
     """Matmul FLOPs of one layer's forward over `tokens` tokens (Narayanan et al. 2021, eq. 3
     without the 3x for backward): a block 2 FLOPs per matmul weight per token (the GPT's
-    (4 + 2r)h^2; the llama's q, k, v, o and SwiGLU matrices, `block_matmul_params`) plus
-    attention's QK^T and AV, 4 s h per token (counted over the full causal square, as Megatron
-    counts it, and over every query head: grouped-query attention shares k and v, not the
-    products); the head 2 h V; the embedding none (a gather)."""
+    (4 + 2r)h^2; the llama's q, k, v, o and SwiGLU matrices, `block_matmul_params`; a MoE
+    block's router and the k experts and shared experts a token runs, `moe_matmul_params`)
+    plus attention's QK^T and AV, 4 s h per token (counted over the full causal square, as
+    Megatron counts it, and over every query head: grouped-query attention shares k and v,
+    not the products); the head 2 h V; the embedding none (a gather)."""
     h = model.d_model
-    if kind == "block":
-        return tokens * (2 * model.block_matmul_params + 4 * model.seq_len * h)
+    if kind in BLOCKS:
+        weights = model.moe_matmul_params if kind == "moe" else model.block_matmul_params
+        return tokens * (2 * weights + 4 * model.seq_len * h)
     return tokens * 2 * h * model.vocab_size if kind == "head" else 0.0
 
 
@@ -60,16 +70,26 @@ def model_flops_per_step(model: ModelShape, global_batch: int) -> float:
     """Forward + backward (3x forward) of the whole model on global_batch sequences, without
     recompute: the numerator of MFU (Chowdhery et al. 2022, appendix B)."""
     tokens = global_batch * model.seq_len
-    return 3 * (model.n_layers * forward_flops(model, "block", tokens)
-                + forward_flops(model, "head", tokens))
+    kinds = Counter(_kinds(model))
+    return 3 * sum(n * forward_flops(model, kind, tokens) for kind, n in kinds.items())
 
 
 def layer_params(model: ModelShape, kind: str) -> int:
+    """The parameters of a layer of this kind, all its experts included."""
     if kind == "block":
         return model.block_params
+    if kind == "moe":
+        return model.moe_block_params
     if kind == "embed":
         return model.embedding_params
     return model.head_params
+
+
+def split_experts(model: ModelShape, kind: str, ep: int) -> int:
+    """The routed experts' weights of a layer when ep > 1 splits them (parallel/expert/: they
+    are replicated over edp, not dp, and shard there under ZeRO); 0 at ep = 1, where they are
+    the block's weights like any other."""
+    return model.expert_params if kind == "moe" and ep > 1 else 0
 
 
 def even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
@@ -83,7 +103,7 @@ def even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
 class _Layer:
     """One layer's per-microbatch costs under a plan (times in s, bytes per device)."""
     __slots__ = ("kind", "forward_s", "input_s", "weight_s", "recompute_s", "fwd_comm_s", "bwd_comm_s",
-                 "stash_bytes", "checkpoint_bytes", "params", "tp_wire")
+                 "stash_bytes", "checkpoint_bytes", "params", "expert_params", "tp_wire", "ep_wire")
 
 
 def padded(model: ModelShape, tp: int) -> ModelShape:
@@ -104,18 +124,22 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
     bandwidth = d.mem_bandwidth_bytes_per_s * d.share(plan.devices)
     flops = forward_flops(model, kind, tokens) / tp
     attn_s = 0.0
-    if kind == "block":  # the attention core at its own rate, the GEMMs at the matmul rate
+    ops = model.ops[kind]
+    if kind in BLOCKS:  # the attention core at its own rate, the GEMMs at the matmul rate
         attn_flops = tokens * 4 * model.seq_len * h / tp
         attn_s = attn_flops / (rate * d.attention_efficiency)
         flops -= attn_flops
         split, repl = model.traffic_h["split"], model.traffic_h["replicated"]
+        if kind == "moe":
+            split += model.traffic_h["moe"] + model.traffic_h["moe_ep"] * (plan.ep > 1)
+            ops += model.ops["moe_ep"] * (plan.ep > 1)
         elems = tokens * h * (split / tp + repl / (tp if plan.sequence_parallel else 1))
         traffic = elems * c
     elif kind == "embed":
         traffic = tokens * model.traffic_h["embed"] * h * c
     else:
         traffic = tokens * (model.traffic_h["head"] * h * c + 2 * FP32 * model.vocab_size / tp)
-    overhead = model.ops[kind] * d.overhead_s(plan.devices)
+    overhead = ops * d.overhead_s(plan.devices)
     L = _Layer()
     L.kind = kind
     L.forward_s = flops / rate + attn_s + traffic / bandwidth + overhead
@@ -127,7 +151,7 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
     L.recompute_s = 0.0
     act = b * s_local * h * c  # one activation tensor (b, s/cp, h)
     L.stash_bytes = model.stash_bytes(kind, b, s_local, c, tp, plan.sequence_parallel)
-    if kind == "block":
+    if kind in BLOCKS:
         if recompute == "full":  # keep the block's input only; replay its forward
             L.recompute_s = L.forward_s
             L.stash_bytes = act // (tp if plan.sequence_parallel else 1)
@@ -136,7 +160,10 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
             L.stash_bytes -= model.core_bytes(b, s_local, c, tp)
     L.checkpoint_bytes = act
     L.fwd_comm_s, L.bwd_comm_s, L.tp_wire = _tp_comm(model, cluster, plan, kind, act)
-    if cp > 1 and kind == "block":
+    ep_fwd, ep_bwd, L.ep_wire = _ep_comm(model, cluster, plan, kind, act)
+    L.fwd_comm_s += ep_fwd
+    L.bwd_comm_s += ep_bwd
+    if cp > 1 and kind in BLOCKS:
         sizes = {"tp": tp, "cp": cp, "dp": plan.dp, "pp": plan.pp}
         kv = 2 * act / tp
         hop = (C.send_s(cluster, kv, C.spans_nodes(cluster, sizes, "cp"))
@@ -148,8 +175,32 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
         L.tp_wire += 3 * (cp - 1) * kv
     L.forward_s += L.fwd_comm_s
     L.input_s += L.bwd_comm_s
-    L.params = layer_params(model, kind) / tp
+    L.expert_params = split_experts(model, kind, plan.ep) / (tp * plan.ep)
+    L.params = (layer_params(model, kind) - split_experts(model, kind, plan.ep)) / tp
     return L
+
+
+def _ep_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
+             act: float) -> tuple[float, float, float]:
+    """(forward s, backward s, wire bytes) of a MoE block's all-to-alls over ep per
+    microbatch, as parallel/expert/ runs them (the dry run's `exchange_collectives`): the
+    counts (8 E bytes) and the k copies of the microbatch's activation (`act` bytes, b s d c:
+    dispatch, then combine) forward; the copies' gradients, combine's and dispatch's,
+    backward. Each is an all-to-all (comm_cost.all_to_all_s) of balanced routing, blocking
+    (the experts wait for their rows), and pays the sync penalty."""
+    if kind != "moe" or plan.ep == 1:
+        return 0.0, 0.0, 0.0
+    ep = plan.ep
+    sizes = {"tp": plan.tp, "cp": plan.cp, "ep": ep, "dp": plan.dp, "pp": plan.pp}
+    crosses = C.spans_nodes(cluster, sizes, "ep")
+    penalty = C.inline_s(cluster, ep, plan.devices)
+    counts, rows = 8 * model.n_experts, act * model.experts_per_token
+
+    def call(nbytes):
+        return C.all_to_all_s(cluster, nbytes, ep, crosses) + penalty
+
+    wire = C.gather_wire(counts, ep) + 4 * C.gather_wire(rows, ep)
+    return call(counts) + 2 * call(rows), 2 * call(rows), wire
 
 
 def _tp_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
@@ -195,8 +246,8 @@ def _layers(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> list[_Layer]
         return cache[kind, mode]
 
     flags = plan.recompute_layers or (None,) * model.n_layers
-    blocks = [get("block", plan.recompute if f is None else ("full" if f else "none"))
-              for f in flags]
+    blocks = [get(kind, plan.recompute if f is None else ("full" if f else "none"))
+              for kind, f in zip(_kinds(model)[1:-1], flags)]
     return [get("embed", "none"), *blocks, get("head", "none")]
 
 
@@ -225,7 +276,7 @@ def _groups(layers: list[_Layer], rng: range, uniform: bool) -> list[tuple[_Laye
 
 def _offloaded(groups, fraction: float) -> list[_Layer]:
     """pp = 1: the blocks parallel/offload.py offloads, the first round(f L)."""
-    blocks = [x for x, n in groups if x.kind == "block" for _ in range(n)]
+    blocks = [x for x, n in groups if x.kind in BLOCKS for _ in range(n)]
     return blocks[:round(fraction * len(blocks))]
 
 
@@ -266,20 +317,51 @@ def _even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
     return even_split(model, stages)
 
 
-def _shard_groups(cluster: ClusterSpec, plan: Plan) -> tuple[int, int, bool]:
-    """(ranks sharding ZeRO state, ranks outside them, does the dp x cp group cross nodes).
-    Gradients are reduced over dp x cp (cp ranks hold whole replicas); hierarchical ZeRO
+def _replicas(plan: Plan, experts: bool = False) -> int:
+    """The ranks holding a copy of a parameter: dp x cp (cp ranks hold whole replicas); for
+    the experts ep splits, dp x cp / ep (the "edp" ranks holding the same experts)."""
+    return plan.dp * plan.cp // (plan.ep if experts else 1)
+
+
+def _shard_groups(cluster: ClusterSpec, plan: Plan, experts: bool = False) -> tuple[int, int, bool]:
+    """(ranks sharding ZeRO state, ranks outside them, does the dp x cp group cross nodes) of
+    the parameters (`experts`: of the experts ep splits, over edp, whose ranks span the dp
+    group's extent). Gradients are reduced over the replicas (`_replicas`); hierarchical ZeRO
     shards inside the node and reduces across (AsyncHZP, ZeRO++ hpZ)."""
-    n = plan.dp * plan.cp
-    crosses = plan.tp * n > cluster.gpus_per_node
+    n = _replicas(plan, experts)
+    crosses = plan.tp * plan.dp * plan.cp > cluster.gpus_per_node
     if not plan.hierarchical:
         return n, 1, crosses
-    inside = max(1, min(n, cluster.gpus_per_node // plan.tp))
+    inside = max(1, min(n, cluster.gpus_per_node // (plan.tp * (plan.ep if experts else 1))))
     return inside, n // inside, crosses
 
 
-def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float,
-                units: int = 1) -> tuple[float, float, float]:
+def _state_bytes(plan: Plan, inside: int) -> tuple[float, float, float]:
+    """Bytes per parameter of (weights, gradients, optimizer state) one rank keeps when ZeRO
+    shards over `inside` ranks (Rajbhandari et al. 2020, sec. 3.1): stage 1 the optimizer
+    state, 2 also the gradients, 3 also the weights; offloaded, no optimizer state."""
+    z, prec = plan.zero_stage, plan.precision
+    return (WEIGHT_BYTES[prec] / (inside if z == 3 else 1),
+            GRAD_BYTES[prec] / (inside if z >= 2 else 1),
+            0 if plan.offload_optimizer else OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1))
+
+
+def _sync_parts(model: ModelShape, cluster: ClusterSpec, plan: Plan,
+                groups: list) -> tuple[tuple, tuple]:
+    """`_sync_costs` of the stages `groups` (each a list of (layer, count)): of their
+    parameters over the replicas, and of the experts ep splits over edp (zeros at ep = 1),
+    each in units of their own (a MoE block's experts are a ZeRO unit apart, parallel/zero)."""
+    dense = _sync_costs(cluster, plan, sum(_stage_params(model, plan, g) for g in groups),
+                        sum(_units(g) for g in groups))
+    experts = sum(_total(g, "expert_params") for g in groups)
+    if not experts:
+        return dense, (0.0, 0.0, 0.0)
+    units = sum(n for g in groups for x, n in g if x.expert_params)
+    return dense, _sync_costs(cluster, plan, experts, units, experts=True)
+
+
+def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float, units: int = 1,
+                experts: bool = False) -> tuple[float, float, float]:
     """For one stage's `params` (per tp rank) in `units` layers: (gradient sync per step s,
     ZeRO-3 gathers per microbatch s, wire bytes per step). Stage 0: one all-reduce; 1:
     reduce-scatter and the updated weights' all-gather (the same bytes, Rajbhandari et al.
@@ -287,11 +369,11 @@ def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float,
     each forward and backward, one call per layer (parallel/zero: a unit per block, one for
     the rest), each paying the sync penalty (comm_cost.inline_s). Hierarchical: reduce-scatter
     and gather inside the node, all-reduce of the node's shard across nodes. DiLoCo (H > 1):
-    an fp32 all-reduce every H steps, amortized."""
+    an fp32 all-reduce every H steps, amortized. `experts`: the experts ep splits, over edp."""
     g = params * GRAD_BYTES[plan.precision]
     w = params * WEIGHT_BYTES[plan.precision]
-    inside, outside, crosses = _shard_groups(cluster, plan)
-    n, m, z = plan.dp * plan.cp, plan.microbatches, plan.zero_stage
+    inside, outside, crosses = _shard_groups(cluster, plan, experts)
+    n, m, z = _replicas(plan, experts), plan.microbatches, plan.zero_stage
     if plan.diloco_h > 1:
         t = C.all_reduce_s(cluster, params * FP32, n, crosses) / plan.diloco_h
         return t, 0.0, C.all_reduce_wire(params * FP32, n) / plan.diloco_h
@@ -312,16 +394,20 @@ def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float,
 def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict[str, int]:
     """Bytes on the most loaded pp rank: the stash of its microbatches in flight under the
     schedule, weights, gradients and optimizer state as ZeRO shards them over `inside` ranks,
-    ZeRO-3's gathered units, DiLoCo's outer state."""
+    ZeRO-3's gathered units, DiLoCo's outer state; the experts ep splits, E / ep per MoE
+    block, as ZeRO shards them over the `inside` ranks of edp."""
     p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
-    inside = _shard_groups(cluster, plan)[0]
+    per_param = _state_bytes(plan, _shard_groups(cluster, plan)[0])
+    per_expert = _state_bytes(plan, _shard_groups(cluster, plan, experts=True)[0])
     z, prec = plan.zero_stage, plan.precision
     stage_params = [_stage_params(model, plan, g) for g in groups]
+    stage_experts = [_total(g, "expert_params") for g in groups]
     stage_stash = [_total(g, "stash_bytes") for g in groups]
     worst: dict[str, int] = {}
     for rank in range(p):
         mine = range(rank, p * v, p)
         params = sum(stage_params[s] for s in mine)
+        experts = sum(stage_experts[s] for s in mine)
         stash = max(stage_stash[s] for s in mine)
         if plan.schedule == "gpipe" or p == 1:
             in_flight = m if p > 1 else 1
@@ -335,16 +421,14 @@ def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict
             kept = stash * in_flight * (1 - plan.offload_activations)
             if plan.offload_activations:
                 kept += stash  # the microbatch being computed stays on the device
-        weights = params * WEIGHT_BYTES[prec] / (inside if z == 3 else 1)
-        grads = params * GRAD_BYTES[prec] / (inside if z >= 2 else 1)
-        optimizer = params * OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1)
-        if plan.offload_optimizer:
-            optimizer = 0
+        weights, grads, optimizer = (params * a + experts * b for a, b in zip(per_param, per_expert))
         if plan.diloco_h > 1:  # DiLoCo's outer state: the global weights and Nesterov momentum
-            optimizer += 2 * params * FP32
+            optimizer += 2 * (params + experts) * FP32
         gathered = 0
-        if z == 3:  # the unit computing and the one prefetched, gathered whole
-            gathered = 2 * max(x.params for s in mine for x, _ in groups[s]) * WEIGHT_BYTES[prec]
+        if z == 3:  # the unit computing and the one prefetched, gathered whole (a MoE
+            # block's experts with it, unless edp is one rank: then they are whole already)
+            gathered = 2 * max(x.params + x.expert_params * (per_expert[0] < per_param[0])
+                               for s in mine for x, _ in groups[s]) * WEIGHT_BYTES[prec]
         parts = {"weights": weights, "gradients": grads, "optimizer": optimizer,
                  "activations": kept, "gathered": gathered}
         parts = {k: int(x) for k, x in parts.items()}
@@ -359,7 +443,7 @@ def step_costs(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> StepCosts
 
 def _stage_groups(model: ModelShape, cluster: ClusterSpec, plan: Plan):
     layers = _layers(model, cluster, plan)
-    uniform = plan.recompute_layers is None
+    uniform = plan.recompute_layers is None and len(set(_kinds(model)[1:-1])) == 1
     return [_groups(layers, rng, uniform) for rng in stage_layers(model, plan)]
 
 
@@ -372,11 +456,11 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
                     C.spans_nodes(cluster, sizes, "pp")) if plan.pp > 1 else 0.0
     out, memo = [], {}
     for g in groups:
-        params = _stage_params(model, plan, g)
-        units = _units(g)
-        if (params, units) not in memo:
-            memo[params, units] = _sync_costs(cluster, plan, params, units)
-        sync_s, gather_s, _ = memo[params, units]
+        key = (_stage_params(model, plan, g), _units(g), _total(g, "expert_params"))
+        if key not in memo:
+            dense, experts = _sync_parts(model, cluster, plan, [g])
+            memo[key] = (dense[0] + experts[0], dense[1] + experts[1])
+        sync_s, gather_s = memo[key]
         offload = 0.0
         stash = _total(g, "stash_bytes")
         if plan.offload_activations and plan.pp == 1:
@@ -389,10 +473,12 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
             forward_comm_s=_total(g, "fwd_comm_s"), backward_comm_s=_total(g, "bwd_comm_s"),
             send_s=send, grad_sync_s=sync_s, param_gather_s=gather_s, offload_s=offload,
             activation_bytes=int(stash)))
-    inside = _shard_groups(cluster, plan)[0]
-    stage_params = [_stage_params(model, plan, g) for g in groups]
-    local = max(sum(stage_params[r::plan.pp]) for r in range(plan.pp))
-    shard = local / (inside if plan.zero_stage >= 1 else 1)
+    sharded = plan.zero_stage >= 1
+    inside = _shard_groups(cluster, plan)[0] if sharded else 1
+    inside_experts = _shard_groups(cluster, plan, experts=True)[0] if sharded else 1
+    stage_shards = [_stage_params(model, plan, g) / inside
+                    + _total(g, "expert_params") / inside_experts for g in groups]
+    shard = max(sum(stage_shards[r::plan.pp]) for r in range(plan.pp))
     if plan.offload_optimizer:  # gradients down, weights up over the host link; CPU Adam
         optimizer_s = (2 * c * shard / d.host_link_bytes_per_s + shard / HOST_ADAM_PARAMS_PER_S)
     else:
@@ -407,8 +493,9 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
 
 
 def _units(groups) -> int:
-    """ZeRO-3 gathers of a stage: one unit per block, one for everything else it holds."""
-    blocks = sum(n for x, n in groups if x.kind == "block")
+    """ZeRO-3 gathers of a stage: one unit per block, one for everything else it holds (the
+    experts ep splits are units apart: `_sync_parts`)."""
+    blocks = sum(n for x, n in groups if x.kind in BLOCKS)
     return blocks + (blocks < sum(n for _, n in groups))
 
 
@@ -436,10 +523,11 @@ def estimate(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> Estimate:
     batch = plan.dp * plan.microbatches * plan.micro_batch
     flops = model_flops_per_step(model, batch)
     mine = [x for s, g in enumerate(groups) if s % plan.pp == 0 for x in g]
-    params = sum(_stage_params(model, plan, groups[s]) for s in range(0, len(groups), plan.pp))
+    dense, experts = _sync_parts(model, cluster, plan, groups[::plan.pp])  # pp rank 0's
     act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * COMPUTE_BYTES[plan.precision]
-    comm = {"dp": int(_sync_costs(cluster, plan, params)[2]),  # wire bytes: units do not matter
+    comm = {"dp": int(dense[2]), "edp": int(experts[2]),
             "tp_cp": int(plan.microbatches * _total(mine, "tp_wire")),
+            "ep": int(plan.microbatches * _total(mine, "ep_wire")),
             "pp": int(2 * plan.microbatches * plan.virtual_stages * act) if plan.pp > 1 else 0}
     mem = sum(memory.values())
     return Estimate(plan=plan, step_time_s=step_s, tokens_per_s=batch * model.seq_len / step_s,
@@ -456,19 +544,16 @@ def layer_costs(model: ModelShape, cluster: ClusterSpec, plan: Plan):
     optimizer state as the plan's ZeRO stage keeps them), the stash a kept, the checkpoint c
     kept instead when recomputed; and the device's memory budget. Embed and head are never
     recomputed (r = 0, c = a)."""
-    plain = _layer(model, cluster, plan, "block", "none")
-    full = _layer(model, cluster, plan, "block", "full")
-    inside = _shard_groups(cluster, plan)[0]
-    z, prec = plan.zero_stage, plan.precision
-    per_param = (WEIGHT_BYTES[prec] / (inside if z == 3 else 1)
-                 + GRAD_BYTES[prec] / (inside if z >= 2 else 1)
-                 + (0 if plan.offload_optimizer else OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1)))
+    plain = {k: _layer(model, cluster, plan, k, "none") for k in set(_kinds(model))}
+    full = {k: _layer(model, cluster, plan, k, "full") for k in BLOCKS if k in plain}
+    per_param = sum(_state_bytes(plan, _shard_groups(cluster, plan)[0]))
+    per_expert = sum(_state_bytes(plan, _shard_groups(cluster, plan, experts=True)[0]))
     t, r, p, a, c = [], [], [], [], []
-    for kind in layer_kinds(model):
-        x = plain if kind == "block" else _layer(model, cluster, plan, kind, "none")
+    for kind in _kinds(model):
+        x = plain[kind]
         t.append(x.forward_s + x.input_s + x.weight_s)
-        r.append(full.recompute_s if kind == "block" else 0.0)
-        p.append(x.params * per_param)
+        r.append(full[kind].recompute_s if kind in full else 0.0)
+        p.append(x.params * per_param + x.expert_params * per_expert)
         a.append(x.stash_bytes)
-        c.append(full.stash_bytes if kind == "block" else x.stash_bytes)
+        c.append(full[kind].stash_bytes if kind in full else x.stash_bytes)
     return t, r, p, a, c, cluster.mem_per_device

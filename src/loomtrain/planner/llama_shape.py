@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loomtrain.activations import llama_core_bytes, llama_layer_bytes
+from loomtrain.activations import llama_core_bytes, llama_layer_bytes, moe_feed_forward_bytes
+from loomtrain.models.moe import is_moe_layer
 from loomtrain.planner.shape import Shape
 
 # Llama 3's pre-training sequence length (arXiv 2407.21783, sec. 3.4.1: 8,192 tokens after
@@ -17,6 +18,10 @@ from loomtrain.planner.shape import Shape
 # default, 128 (train/config.py). `loom plan --seq` overrides either.
 PRESET_SEQ_LEN = 8192
 DEBUG_SEQ_LEN = 128
+# the mixture of experts' [model] keys the shape keeps (the cost reads them; aux_loss_coef and
+# router_bias_rate change no cost and stay the config's own)
+MOE_KEYS = ("n_experts", "experts_per_token", "n_shared_experts", "shared_expert_gate",
+            "moe_every", "moe_hidden", "router", "router_norm_topk")
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,10 @@ class LlamaShape(Shape):
     """Token embedding, blocks of (RMSNorm, attention with q, k, v and o projections, RMSNorm,
     SwiGLU), a final RMSNorm and a head, tied to the embedding or not. `preset`: the
     models/presets.py name it came from, written into a planned config so that the keys the
-    cost does not read (rope_theta, rope_scaling, norm_eps) come with it."""
+    cost does not read (rope_theta, rope_scaling, norm_eps) come with it. With `n_experts`,
+    every `moe_every`-th block's SwiGLU is a mixture of experts (models/moe.py): a router,
+    `n_experts` SwiGLUs of `expert_width` of which each token runs `experts_per_token`, and
+    `n_shared_experts` every token runs (the "moe" kind of layer; docs/moe.md)."""
 
     kv_heads: int
     ffn_width: int
@@ -34,6 +42,14 @@ class LlamaShape(Shape):
     sliding_window: int = 0
     preset: str | None = None
     head_dim: int = 0  # the [model] key: Qwen3's wider heads; 0: d_model / n_heads
+    n_experts: int = 0  # the mixture of experts' [model] keys (models/config.py), 0: dense
+    experts_per_token: int = 2
+    n_shared_experts: int = 0
+    shared_expert_gate: bool = False
+    moe_every: int = 1
+    moe_hidden: int = 0
+    router: str = "softmax"
+    router_norm_topk: bool = True
 
     @property
     def head_width(self) -> int:
@@ -45,6 +61,13 @@ class LlamaShape(Shape):
         return self.n_heads * self.head_width / self.d_model
 
     @property
+    def expert_width(self) -> int:
+        return self.moe_hidden or self.ffn_width
+
+    def is_moe(self, layer: int) -> bool:
+        return is_moe_layer(self, layer)
+
+    @property
     def tied_head(self) -> bool:
         return self.tie_embeddings
 
@@ -53,8 +76,40 @@ class LlamaShape(Shape):
         """The weights a token multiplies in a block: q and o d x heads head_dim each (d^2 but
         where head_dim widens the heads), k and v d x kv_heads head_dim each (grouped-query
         attention), the three SwiGLU matrices d f each."""
+        return self._attention_matmul_params + 3 * self.d_model * self.ffn_width
+
+    @property
+    def _attention_matmul_params(self) -> int:
         d, q, kv = self.d_model, self.n_heads * self.head_width, self.kv_heads * self.head_width
-        return 2 * d * q + 2 * d * kv + 3 * d * self.ffn_width
+        return 2 * d * q + 2 * d * kv
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' weights of one MoE block: gate, up [E, d, h] and down [E, h, d]."""
+        return 3 * self.n_experts * self.d_model * self.expert_width
+
+    @property
+    def moe_matmul_params(self) -> int:
+        """The weights a token multiplies in a MoE block: attention's, the router's d x E, its
+        k experts' and the shared experts' SwiGLUs (3 d h each), Qwen's shared gate d: k of
+        the E experts, not E (dropless top-k routing)."""
+        d, h = self.d_model, self.expert_width
+        swiglus = 3 * d * h * (self.experts_per_token + self.n_shared_experts)
+        gate = d * self.shared_expert_gate
+        return self._attention_matmul_params + d * self.n_experts + swiglus + gate
+
+    @property
+    def moe_block_params(self) -> int:
+        """A MoE block: a dense block's, its SwiGLU replaced by the router, the E experts, the
+        shared experts (one SwiGLU n_shared h wide) and the shared gate."""
+        d, h = self.d_model, self.expert_width
+        moe = (d * self.n_experts + self.expert_params + 3 * d * h * self.n_shared_experts
+               + d * self.shared_expert_gate)
+        return self.block_params - 3 * d * self.ffn_width + moe
+
+    @property
+    def moe_blocks(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
 
     @property
     def block_params(self) -> int:
@@ -75,7 +130,9 @@ class LlamaShape(Shape):
     @property
     def params(self) -> int:
         untied = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-        return self.embedding_params + self.n_layers * self.block_params + self.d_model + untied
+        moe = self.moe_blocks
+        blocks = (self.n_layers - moe) * self.block_params + moe * self.moe_block_params
+        return self.embedding_params + blocks + self.d_model + untied
 
     @property
     def traffic_h(self) -> dict[str, float]:
@@ -88,15 +145,25 @@ class LlamaShape(Shape):
         q, k, v and output (4d), the SwiGLU's silu and product (5f), and with qk_norm the
         norms of q and k (7 per element) and o_proj's input copy (2d); "embed": the gather
         (2d); "head": ln_f (7d). The attention's terms scale with the heads' width
-        (`attention_width`)."""
+        (`attention_width`). "moe": what a MoE block moves beyond a dense one (models/moe.py,
+        E experts, k picks of width h, s shared): the router's fp32 cast, softmax, bias and
+        top-k over E (7E) and its k weights (6k), the copies' gather, weighting and index_add_
+        (7kd + d), their SwiGLUs (5kh) and the shared ones' (5sh, plus the sum 3d; Qwen's gate
+        3d), the balance loss's mean (E), less the SwiGLU's 5f; "moe_ep": with expert
+        parallelism, the received rows regrouped by expert and back (4kd)."""
         kv = self.kv_heads / self.n_heads
         attention = 9 * (1 + kv) + 4
         if kv < 1:
             attention += 2 * (1 + kv)
         if self.qk_norm:
             attention += 7 * (1 + kv) + 2
-        split = attention * self.attention_width + 5 * self.ffn_width / self.d_model
-        return {"split": split, "replicated": 20, "embed": 2, "head": 7}
+        d, f, k = self.d_model, self.ffn_width, self.experts_per_token
+        split = attention * self.attention_width + 5 * f / d
+        h, shared = self.expert_width, self.n_shared_experts
+        moe = (8 * self.n_experts + 6 * k + 7 * k * d + d + 5 * k * h + 5 * shared * h
+               + 3 * d * (shared > 0) + 3 * d * self.shared_expert_gate - 5 * f) / d
+        return {"split": split, "replicated": 20, "embed": 2, "head": 7, "moe": moe,
+                "moe_ep": 4 * k}
 
     @property
     def ops(self) -> dict[str, int]:
@@ -104,13 +171,28 @@ class LlamaShape(Shape):
         their views (1), the two rotations (11 each: angles, cos, sin, the tables' repeats,
         the half swap, two products, the sum, the cast), the kv expansion (2), attention, its
         reshape, o_proj, the SwiGLU (5), two adds; qk_norm's two norms (12); the embedding's
-        lookup and positions; the head's ln_f, matmul, log-softmax and loss."""
-        return {"embed": 2, "block": 50 + 12 * self.qk_norm, "head": 9}
+        lookup and positions; the head's ln_f, matmul, log-softmax and loss. A MoE block
+        (models/moe.py) runs, instead of the SwiGLU: the router (7; renormalized 2 more, the
+        sigmoid's normalization 2), the route (19: sort, counts, gather, three grouped
+        products with their offsets, silu, product, weighting, index_add_), the shared
+        experts (5 and their sum; the gate 3), the balance loss and its autograd node (11);
+        "moe_ep": expert parallelism's exchange (33: the counts' and rows' all-to-alls and
+        buffers, the regrouping by expert and back, parallel/expert/dispatch.py)."""
+        block = 50 + 12 * self.qk_norm
+        moe = (block - 5 + 7 + 2 * self.router_norm_topk + 2 * (self.router == "sigmoid") + 19
+               + 6 * (self.n_shared_experts > 0) + 3 * self.shared_expert_gate + 11)
+        return {"embed": 2, "block": block, "head": 9, "moe": moe, "moe_ep": 33}
 
     def stash_bytes(self, kind: str, b: int, t: int, c: int, tp: int, sp: bool) -> int:
         """A layer's saved activations on one tp rank (activations.py, held to the tensors
-        autograd saves by tests/test_dryrun.py)."""
-        return llama_layer_bytes(kind, b, t, self, c, tp, sp)
+        autograd saves by tests/test_dryrun.py); a MoE block's mixture in place of the
+        SwiGLU (`moe_feed_forward_bytes`, whole on every tp rank: the experts split over ep,
+        each rank's k copies per token stay)."""
+        if kind != "moe":
+            return llama_layer_bytes(kind, b, t, self, c, tp, sp)
+        swiglu = c * b * t * 4 * (self.ffn_width // tp)
+        return llama_layer_bytes("block", b, t, self, c, tp, sp) - swiglu + \
+            moe_feed_forward_bytes(b, t, self, c)
 
     def core_bytes(self, b: int, t: int, c: int, tp: int) -> int:
         """What selective recomputation of a block's attention core frees."""
@@ -153,6 +235,8 @@ class LlamaShape(Shape):
                 "qk_norm": self.qk_norm, "sliding_window": self.sliding_window}
         if self.head_dim:
             keys["head_dim"] = self.head_dim
+        if self.n_experts:
+            keys.update({k: getattr(self, k) for k in MOE_KEYS})
         return keys if self.preset is None else {"preset": self.preset, **keys}
 
 
@@ -160,7 +244,8 @@ def llama_shape(m, name: str) -> LlamaShape:
     """The shape of a ModelConfig with name "llama"."""
     return LlamaShape(name, m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size,
                       m.kv_heads, m.ffn_width, m.tie_embeddings, m.qkv_bias, m.qk_norm,
-                      m.sliding_window, m.preset, m.head_dim)
+                      m.sliding_window, m.preset, m.head_dim,
+                      **{k: getattr(m, k) for k in MOE_KEYS})
 
 
 def llama_presets() -> dict[str, LlamaShape]:

@@ -11,7 +11,8 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Plan:
-    """One configuration of a step: the mesh (dp x pp x cp x tp = devices), ZeRO, the
+    """One configuration of a step: the mesh (dp x pp x cp x tp = devices; ep, expert
+    parallelism, a sub-axis of dp that splits a mixture of experts' experts), ZeRO, the
     pipeline's schedule, recompute and offload, precision, and DiLoCo's period.
 
     `micro_batch` is in sequences; each dp replica runs `microbatches` of them per step, so
@@ -23,6 +24,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # dp ranks that split each MoE block's experts (parallel.ep; divides dp)
     zero_stage: int = 0
     hierarchical: bool = False  # ZeRO: shard inside the node, reduce across nodes (two levels)
     micro_batch: int = 1
@@ -52,13 +54,13 @@ class Plan:
 @dataclass(frozen=True)
 class StageCosts:
     """One pipeline stage (a virtual stage with interleaving), per microbatch unless said.
-    Times include the tp and cp collectives on the critical path of that compute."""
+    Times include the tp, cp and ep collectives on the critical path of that compute."""
     forward_s: float
     backward_input_s: float  # gradient w.r.t. the stage's input (zb-h1's I)
     backward_weight_s: float  # gradient w.r.t. its weights (zb-h1's W); B = I + W
     recompute_s: float  # the forward replayed before backward (0 without recompute)
-    forward_comm_s: float  # the part of forward_s that is blocking tp/cp communication
-    backward_comm_s: float  # the part of backward_input_s + backward_weight_s that is tp/cp comm
+    forward_comm_s: float  # the part of forward_s that is blocking tp/cp/ep communication
+    backward_comm_s: float  # the part of backward_input_s + backward_weight_s that is tp/cp/ep comm
     send_s: float  # the activation (or its gradient) to the neighbouring stage
     grad_sync_s: float  # per step: the dp/ZeRO reduction of this stage's gradients
     param_gather_s: float  # per microbatch: ZeRO-3's all-gathers (forward and backward)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from loomtrain.planner.cost import (COMPUTE_BYTES, GRAD_BYTES, HOST_ADAM_PARAMS_PER_S, OPTIMIZER_BYTES,
-                                    OPTIMIZER_TRAFFIC, WEIGHT_BYTES, _memory, _stage_groups, _stage_params,
-                                    _sync_costs, _total, _units, bubble_scale, estimate, layer_costs,
-                                    stage_layers)
+from loomtrain.planner.cost import (COMPUTE_BYTES, HOST_ADAM_PARAMS_PER_S, OPTIMIZER_TRAFFIC,
+                                    _memory, _shard_groups, _stage_groups, _state_bytes,
+                                    _sync_parts, _total, bubble_scale, estimate, layer_costs,
+                                    layer_kinds, split_experts, stage_layers)
 from loomtrain.planner.plan import Estimate, Plan
 from loomtrain.planner.presets import ModelShape
 from loomtrain.planner.search_space import Space, check_fix
@@ -22,7 +23,7 @@ from loomtrain.planner.specs import ClusterSpec
 SPACES = ("all", "loom")
 REFINE_PLANS = 2  # pipeline plans the MILP rebalances after the grid
 REFINE_TIME_LIMIT_S = 1.0  # per MILP: HiGHS's best split by then (estimate() judges it)
-PARTS = {"compute": "compute", "tp_cp_comm": "tp/cp collectives", "bubble": "pipeline bubble",
+PARTS = {"compute": "compute", "tp_cp_comm": "tp/cp/ep collectives", "bubble": "pipeline bubble",
          "zero3_gather": "ZeRO-3 gathers", "offload": "offload copies", "grad_sync": "gradient sync",
          "optimizer": "optimizer step"}
 
@@ -133,33 +134,39 @@ class _Run:
         self.pipelines = _TopK(REFINE_PLANS)  # the fastest one-chunk pipeline plans, to refine
         self.evaluated = self.pruned = self.candidates = 0
         self._layers, self._stages, self._fb = {}, {}, {}
+        self.kinds = Counter(layer_kinds(self.shape))  # layers of each kind
+        # the routed experts' weights, all blocks, that ep > 1 splits
+        self.experts = sum(n * split_experts(self.shape, k, 2) for k, n in self.kinds.items())
 
-    def layers(self, plan: Plan) -> tuple[float, ...]:
-        """One microbatch: forward+backward s of the embedding, a block, the head; a block's
-        full-recompute replay s; the stash bytes of all layers, without and with full recompute."""
-        key = (plan.tp, plan.cp, plan.micro_batch, plan.sequence_parallel, plan.precision)
+    def layers(self, plan: Plan) -> tuple[dict, dict, float, float]:
+        """One microbatch: forward+backward s of each kind of layer (embed, block, moe, head);
+        its full-recompute replay s (0 but for blocks); the stash bytes of all layers, without
+        and with full recompute."""
+        key = (plan.tp, plan.cp, plan.ep, plan.micro_batch, plan.sequence_parallel, plan.precision)
         if key not in self._layers:
             t, r, _, a, c, _ = layer_costs(self.shape, self.cluster, plan)
-            self._layers[key] = (t[0], t[1], t[-1], r[1], sum(a), sum(c))
+            kinds = layer_kinds(self.shape)
+            self._layers[key] = (dict(zip(kinds, t)), dict(zip(kinds, r)), sum(a), sum(c))
         return self._layers[key]
 
-    def stage_times(self, plan: Plan, recompute_s: float = 0.0) -> list[float]:
-        """Forward + backward of one microbatch per stage (+ recompute_s per block)."""
-        t_embed, t_block, t_head, _, _, _ = self.layers(plan)
+    def stage_times(self, plan: Plan, recompute: bool = False) -> list[float]:
+        """Forward + backward of one microbatch per stage (+ each block's full replay)."""
+        t, r, _, _ = self.layers(plan)
         stages = plan.pp * plan.virtual_stages
-        if stages not in self._stages:  # (holds the embedding, holds the head, blocks) per stage
-            last = self.shape.n_layers + 2
-            self._stages[stages] = [(s.start == 0, s.stop == last, len(s) - (s.start == 0) - (s.stop == last))
+        if stages not in self._stages:  # the layers of each kind per stage
+            kinds = layer_kinds(self.shape)
+            self._stages[stages] = [Counter(kinds[i] for i in s)
                                     for s in stage_layers(self.shape, plan)]
-        return [t_embed * e + t_head * h + (t_block + recompute_s) * n for e, h, n in self._stages[stages]]
+        return [sum(n * (t[k] + r[k] * recompute) for k, n in stage.items())
+                for stage in self._stages[stages]]
 
     def pipeline_bound(self, plan: Plan) -> float:
         """compute + tp/cp comm + bubble as step_time.py's formulas give them for these
         stages, without the sends (>= 0) and selective recompute's replay (>= 0)."""
-        key = (plan.tp, plan.cp, plan.micro_batch, plan.sequence_parallel, plan.precision,
+        key = (plan.tp, plan.cp, plan.ep, plan.micro_batch, plan.sequence_parallel, plan.precision,
                plan.recompute == "full", plan.pp, plan.virtual_stages)
         if key not in self._fb:  # (slowest stage, slowest rank's chunks, all stages, stages)
-            fb = self.stage_times(plan, self.layers(plan)[3] if plan.recompute == "full" else 0.0)
+            fb = self.stage_times(plan, plan.recompute == "full")
             p = plan.pp
             self._fb[key] = (max(fb), max(sum(fb[r::p]) for r in range(p)), sum(fb), len(fb))
         slowest, busiest, total, n = self._fb[key]
@@ -173,9 +180,19 @@ class _Run:
         bound = m * busiest + bubble_scale(self.cluster, plan) * (bound - m * busiest)
         return bound * (1 - 1e-9)  # summed in another order than step_time.py
 
+    def held(self, plan: Plan, per_param: float, per_expert: float) -> float:
+        """The mean pp rank's parameters, parameters / (tp pp) with the experts ep splits
+        E / ep, weighed by the bytes (or shares) per parameter and per expert weight."""
+        dense = (self.shape.params - self.experts) * per_param
+        return (dense + self.experts * per_expert / plan.ep) / (plan.tp * plan.pp)
+
+    def shard_share(self, plan: Plan, experts: bool = False) -> float:
+        """The share of its parameters a rank's optimizer updates: 1 / the ZeRO group."""
+        return 1 / _shard_groups(self.cluster, plan, experts)[0] if plan.zero_stage else 1.0
+
     def optimizer_bound(self, plan: Plan) -> float:
         """The optimizer step on at least parameters / (tp pp) (the mean pp rank), sharded."""
-        shard = self.shape.params / (plan.tp * plan.pp) / (self.shard_group(plan) if plan.zero_stage else 1)
+        shard = self.held(plan, self.shard_share(plan), self.shard_share(plan, experts=True))
         d = self.cluster.device
         if plan.offload_optimizer:
             return (2 * COMPUTE_BYTES[plan.precision] * shard / d.host_link_bytes_per_s
@@ -183,22 +200,17 @@ class _Run:
         return (OPTIMIZER_TRAFFIC[plan.precision] * shard
                 / (d.mem_bandwidth_bytes_per_s * d.share(plan.devices)))
 
-    def shard_group(self, plan: Plan) -> int:
-        n = plan.dp * plan.cp  # as cost._shard_groups
-        return max(1, min(n, self.cluster.gpus_per_node // plan.tp)) if plan.hierarchical else n
-
     def memory_bound(self, plan: Plan) -> float:
-        inside, z, prec = self.shard_group(plan), plan.zero_stage, plan.precision
-        per_param = (WEIGHT_BYTES[prec] / (inside if z == 3 else 1)
-                     + GRAD_BYTES[prec] / (inside if z >= 2 else 1)
-                     + (0 if plan.offload_optimizer else OPTIMIZER_BYTES[prec] / (inside if z >= 1 else 1))
-                     + (8 if plan.diloco_h > 1 else 0))
-        a, c = self.layers(plan)[4:]
+        outer = 8 if plan.diloco_h > 1 else 0
+        per_param, per_expert = (
+            sum(_state_bytes(plan, _shard_groups(self.cluster, plan, experts)[0])) + outer
+            for experts in (False, True))
+        a, c = self.layers(plan)[2:]
         stash = a if plan.recompute == "none" else c
         chunks = plan.virtual_stages if plan.offload_activations else 1
         if plan.offload_activations and plan.pp == 1:  # all but two blocks may leave
             stash = 0
-        return self.shape.params / (plan.tp * plan.pp) * per_param + stash / (plan.pp * chunks)
+        return self.held(plan, per_param, per_expert) + stash / (plan.pp * chunks)
 
     def fits(self, plan: Plan, groups) -> bool:
         """The memory bound first, then cost.py's exact memory (cheaper than an estimate)."""
@@ -212,11 +224,14 @@ class _Run:
         for dp, tp, pp, cp in self.space.meshes():
             variants = self.space.sync_variants(dp, tp, cp)
             keys = self.space.compute_keys(tp, pp)
+            eps = self.space.expert_splits(dp)
             for b, m in self.space.micro_batches(dp):
-                for key in keys:
-                    plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=b, microbatches=m, **key)
-                    items.append((self.pipeline_bound(plan), len(items), plan, variants))
-                self.candidates += len(keys) * len(variants)
+                for ep in eps:
+                    for key in keys:
+                        plan = Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=b,
+                                    microbatches=m, **key)
+                        items.append((self.pipeline_bound(plan), len(items), plan, variants))
+                self.candidates += len(eps) * len(keys) * len(variants)
         items.sort(key=lambda x: x[:2])
         for i, (bound, _, plan, variants) in enumerate(items):
             if bound > self.best.bound:
@@ -230,15 +245,13 @@ class _Run:
         on the sum is at most the per-stage sum). ZeRO-3: the comm stream carries every
         gather and reduce-scatter, and the step lasts at least as long. Otherwise rank 0's
         sync beyond its last backward (all of it where nothing overlaps) adds to the step."""
-        mine = [groups[s] for s in range(0, len(groups), plan.pp)]
-        sync_s, gather_s, _ = _sync_costs(self.cluster, plan, sum(_stage_params(self.shape, plan, g)
-                                                                   for g in mine),
-                                          sum(_units(g) for g in mine))
+        dense, experts = _sync_parts(self.shape, self.cluster, plan, groups[::plan.pp])
+        sync_s, gather_s = dense[0] + experts[0], dense[1] + experts[1]
         if gather_s:
             return max(pipeline_s, plan.microbatches * gather_s + sync_s)
         d = self.cluster.device
         if d.cores is None or plan.devices < d.cores:  # step_time.py's grad_sync_overlaps
-            sync_s -= sum(_total(g, "input_s") + _total(g, "weight_s") for g in mine)
+            sync_s -= sum(_total(g, "input_s") + _total(g, "weight_s") for g in groups[::plan.pp])
         return pipeline_s + max(0.0, sync_s)
 
     def compute_key(self, base: Plan, bound: float, variants: list[dict]) -> None:
@@ -299,7 +312,7 @@ class _Run:
                 self.best.add(better)
 
     def balance_gain(self, plan: Plan) -> float:
-        t_embed, t_block, t_head, r_block, _, _ = self.layers(plan)
-        fb = self.stage_times(plan, r_block if plan.recompute != "none" else 0.0)
-        lowest = (t_embed + t_head + self.shape.n_layers * t_block) / plan.pp
+        t = self.layers(plan)[0]
+        fb = self.stage_times(plan, plan.recompute != "none")
+        lowest = sum(n * t[k] for k, n in self.kinds.items()) / plan.pp
         return (plan.microbatches + plan.pp - 1) * (max(fb) - lowest)

@@ -2,10 +2,11 @@
 field takes on a cluster, how `--fix` narrows them, and the checks that refuse a fix no valid
 plan can satisfy. Pure enumeration; search.py ranks what this yields.
 
-A plan is grouped as search.py bounds it: a mesh (dp, tp, pp, cp), then a micro-batch size,
-then a "compute key" (everything that changes the per-stage compute: recompute, sequence
-parallel, schedule and virtual stages, precision), then the "sync variants" (ZeRO stage,
-hierarchical, offload), which change only communication, the optimizer step and memory.
+A plan is grouped as search.py bounds it: a mesh (dp, tp, pp, cp), then a micro-batch size
+and expert parallelism's ep (a split of dp, for a mixture of experts), then a "compute key"
+(everything that changes the per-stage compute: recompute, sequence parallel, schedule and
+virtual stages, precision), then the "sync variants" (ZeRO stage, hierarchical, offload),
+which change only communication, the optimizer step and memory.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ class Space:
                     dp = n // (tp * cp * pp)
                     if dp * tp * cp * pp == n and ("dp" not in self.fix or self.fix["dp"] == dp):
                         yield dp, tp, pp, cp
+
+    def expert_splits(self, dp: int) -> list[int]:
+        """ep: the divisors of dp that divide the experts of a mixture of experts (each ep
+        rank holds n_experts / ep of every MoE block's); 1 for a dense model."""
+        n = self.shape.n_experts
+        splits = [e for e in _divisors(dp) if n % e == 0] if n else [1]
+        return [e for e in self.values("ep", splits) if dp % e == 0]
 
     def micro_batches(self, dp: int) -> list[tuple[int, int]]:
         """(micro_batch, microbatches) with dp x microbatches x micro_batch = the global batch;
@@ -143,6 +151,9 @@ def check_fix(shape: ModelShape, cluster: ClusterSpec, batch: int, fix: dict) ->
         ("cp", lambda v: shape.seq_len % v == 0, f"cp must divide seq_len {shape.seq_len}"),
         ("pp", lambda v: v <= shape.n_layers + 2,
          f"pp can be at most {shape.n_layers + 2} (the blocks plus embed and head)"),
+        ("ep", lambda v: v == 1 or (v > 1 and shape.n_experts and shape.n_experts % v == 0),
+         f"ep splits the experts of a mixture of experts and must divide them ({shape.name} has "
+         f"{shape.n_experts})"),
         ("zero_stage", lambda v: v in (0, 1, 2, 3), "zero_stage is 0, 1, 2 or 3"),
         ("schedule", lambda v: v in SCHEDULES, f"schedule is one of {', '.join(SCHEDULES)}"),
         ("recompute", lambda v: v in RECOMPUTE, f"recompute is one of {', '.join(RECOMPUTE)}"),
@@ -158,6 +169,9 @@ def check_fix(shape: ModelShape, cluster: ClusterSpec, batch: int, fix: dict) ->
     for key, ok, why in rules:
         if key in fix and not ok(fix[key]):
             raise ValueError(f"fix {key}={fix[key]!r}: {why}")
+    if "ep" in fix and fix["ep"] > 1 and fix.get("dp", fix["ep"]) % fix["ep"]:
+        raise ValueError(f"fix ep={fix['ep']} must divide dp={fix['dp']} (expert parallelism "
+                         "splits the experts over ranks of dp)")
     if fix.get("virtual_stages", 1) > 1 and fix.get("schedule", "interleaved") != "interleaved":
         raise ValueError(f"fix virtual_stages={fix['virtual_stages']} needs schedule=interleaved, "
                          f"not {fix['schedule']!r}")

@@ -4,6 +4,8 @@ family's shape adds (presets.py ModelShape, the GPT's; llama_shape.py LlamaShape
 layer), `block_matmul_params` (FLOPs), `traffic_h` and `ops` (memory-bound traffic and
 launches), `stash_bytes` and `core_bytes` (activations, selective recompute), `tp_calls`
 (tensor-parallel collectives) and `model_keys` (the [model] table of a planned config).
+A mixture of experts (the llama's only) adds `n_experts`, `is_moe`, `moe_block_params`,
+`moe_matmul_params` and `expert_params`, and the kind "moe" to the per-kind members.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ class Shape:
     n_heads: int
     seq_len: int
     vocab_size: int
+
+    n_experts = 0  # routed experts per MoE block: a class attribute here (dense), the llama's field
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) is a mixture of experts: never in a dense family."""
+        return False
 
 
 __all__ = ["Shape"]

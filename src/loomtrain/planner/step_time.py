@@ -15,7 +15,8 @@ def _fb(s) -> float:
 
 def step_time(costs: StepCosts) -> dict[str, float]:
     """The step's parts in seconds (their sum is the step time): compute, tp_cp_comm (the
-    blocking collectives inside compute), bubble, zero3_gather, offload, grad_sync, optimizer."""
+    blocking collectives inside compute: tp's, cp's, ep's all-to-alls), bubble, zero3_gather,
+    offload, grad_sync, optimizer."""
     p, m, v, st = costs.pp, costs.microbatches, costs.virtual_stages, costs.stages
     fb = [_fb(s) for s in st]
     ranks = [[i for i in range(len(st)) if i % p == r] for r in range(p)]

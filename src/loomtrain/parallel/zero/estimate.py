@@ -284,8 +284,9 @@ def estimate_engine(plan: DryRunPlan, axis: str | None = None) -> ZeroLayout:
         mode, why = _reshard(plan, z, pipe.schedule)
         z = replace(z, reshard=mode, reshard_why=why)
     p = cfg.parallel
-    plan.memory = zero_memory_per_rank(z.plan, z.units, z.root, plan.optimizer_states,
-                                       plan.activations(), p.prefetch, z.reshard, calls)
+    plan.memory = with_experts(zero_memory_per_rank(
+        z.plan, z.units, z.root, plan.optimizer_states, plan.activations(), p.prefetch, z.reshard,
+        calls), z, plan.optimizer_states, p.prefetch)
     plan.reductions = zero_collectives(
         z.plan, z.units, z.root, cfg.accumulation_steps, z.reshard,
         cfg.accumulation_steps if p.recompute == "full" else 0, len(calls or [None]))
@@ -302,6 +303,35 @@ def estimate_engine(plan: DryRunPlan, axis: str | None = None) -> ZeroLayout:
     plan.parts["zero"] = z
     plan.replicated = True
     return z
+
+
+def with_experts(memory: MemoryEstimate, z: ZeroLayout, states: int,
+                 prefetch: int) -> MemoryEstimate:
+    """`memory` (of the units over dp) with the experts' units over edp (`z.apart`) added:
+    their parameters, gradients and optimizer state as `zero_memory` keeps them over edp's
+    ranks (in host memory when offloaded, as the others'), and under stage 3 the gathered
+    window in the engine's order of units, each block's unit then its experts' (zero/__init__.py
+    `shard`): engine.py's `_pre_forward` prefetches after each of a block's units, so a block's
+    units are gathered with the `prefetch` units after them. Not counted: the experts'
+    gradient buffers in flight (in_flight_bytes models one plan's units)."""
+    if z.apart is None:
+        return memory
+    sub, apart = z.apart
+    own = zero_memory_per_rank(sub, apart, 0, states, 0, 0)
+    gathered = memory.gathered_bytes
+    if z.plan.stage == 3 and z.plan.shard_ranks > 1:  # edp of one rank: experts held whole
+        experts = {name.removesuffix(".edp"): p * (sub.shard_ranks > 1) for name, p in apart}
+        blocks = [[p] + ([experts[name]] if name in experts else []) for name, p in z.units]
+        order = [p for units in blocks for p in units]
+        window = start = 0
+        for units in blocks:
+            window = max(window, sum(order[start:start + len(units) + prefetch]))
+            start += len(units)
+        gathered = compute_bytes(z.plan) * (z.root + window)
+    return replace(memory, parameter_bytes=memory.parameter_bytes + own.parameter_bytes,
+                   gradient_bytes=memory.gradient_bytes + own.gradient_bytes,
+                   optimizer_bytes=memory.optimizer_bytes + own.optimizer_bytes,
+                   gathered_bytes=gathered, host_bytes=memory.host_bytes + own.host_bytes)
 
 
 def _reshard(plan: DryRunPlan, z: ZeroLayout, schedule) -> tuple[str, str]:
