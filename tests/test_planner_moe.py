@@ -75,6 +75,22 @@ def _dry_run(ep: int, zero_stage: int):
     return cfg, dryrun.estimate(cfg)
 
 
+def _assert_the_dry_runs(e, dry) -> None:
+    """The estimate's weights, gradients, optimizer state and activations per rank are the
+    dry run's, and so are its all-to-all bytes over ep and its experts' gradient sync over
+    edp (edp x cp, "edpcp", under context parallelism)."""
+    mem = dry.memory
+    assert (e.memory["weights"], e.memory["gradients"], e.memory["optimizer"],
+            e.memory["activations"]) == (mem.parameter_bytes, mem.gradient_bytes,
+                                         mem.optimizer_bytes, mem.activation_bytes)
+    wire = Counter()
+    for c in dry.engine:
+        wire[c.axis, c.op] += c.wire_bytes * c.calls
+    assert e.comm_bytes["ep"] == wire["ep", "all_to_all"]
+    assert e.comm_bytes["edp"] == sum(v for (axis, _), v in wire.items()
+                                      if axis in ("edp", "edpcp"))
+
+
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_memory_and_all_to_all_bytes_equal_the_dry_runs(ep):
     """fp32 on 4 ranks: the weights, gradients and optimizer state per rank (the experts
@@ -86,17 +102,8 @@ def test_memory_and_all_to_all_bytes_equal_the_dry_runs(ep):
         e = estimate(from_model_config(cfg.model), cluster,
                      Plan(dp=4, ep=ep, zero_stage=zero_stage, micro_batch=1, microbatches=2,
                           precision="fp32"))
-        mem = dry.memory
-        assert (e.memory["weights"], e.memory["gradients"], e.memory["optimizer"],
-                e.memory["activations"]) == (mem.parameter_bytes, mem.gradient_bytes,
-                                             mem.optimizer_bytes, mem.activation_bytes)
-        wire = Counter()
-        for c in dry.engine:
-            wire[c.axis, c.op] += c.wire_bytes * c.calls
-        assert e.comm_bytes["ep"] == wire["ep", "all_to_all"]
+        _assert_the_dry_runs(e, dry)
         assert (e.comm_bytes["ep"] > 0) == (ep > 1)
-        edp = sum(v for (axis, _), v in wire.items() if axis == "edp")
-        assert e.comm_bytes["edp"] == edp
     assert e.comm_bytes["ep"] == (0 if ep == 1 else 2 * 2 * (ep - 1) / ep * (
         8 * 8 + 4 * 32 * 2 * 64 * 4))  # 2 micro-batches x 2 blocks: counts and 4 row exchanges
 
@@ -167,16 +174,8 @@ def test_tp_pp_cp_layouts_cost_what_the_dry_run_counts(layout):
         plan = Plan(microbatches=8 // fields.get("dp", 1), zero_stage=zero_stage,
                     precision="fp32", **fields)
         dry = dryrun.estimate(config_from_dict(plan_config(plan, shape, 8)))
-        e, mem = estimate(shape, cluster, plan), dry.memory
-        assert (e.memory["weights"], e.memory["gradients"], e.memory["optimizer"],
-                e.memory["activations"]) == (mem.parameter_bytes, mem.gradient_bytes,
-                                             mem.optimizer_bytes, mem.activation_bytes)
-        wire = Counter()
-        for c in dry.engine:
-            wire[c.axis, c.op] += c.wire_bytes * c.calls
-        assert e.comm_bytes["ep"] == wire["ep", "all_to_all"]
-        assert e.comm_bytes["edp"] == sum(v for (axis, _), v in wire.items()
-                                          if axis in ("edp", "edpcp"))  # cp: edp x cp
+        e = estimate(shape, cluster, plan)
+        _assert_the_dry_runs(e, dry)
         assert e.comm_bytes["tp_cp"] == _tp_cp_wire(dry)
     assert (e.comm_bytes["ep"] > 0) == (plan.ep > 1)
     assert (e.comm_bytes["tp_cp"] > 0) == (plan.tp * plan.cp > 1)

@@ -198,7 +198,8 @@ def _add_cp_comm(L: _Layer, model: ModelShape, cluster: ClusterSpec, plan: Plan,
     L.tp_wire += 3 * (cp - 1) * kv
     if L.kind == "moe":
         stats = FP32 * plan.micro_batch * 2 * model.n_experts
-        L.fwd_comm_s += C.all_reduce_s(cluster, stats, cp, crosses) + C.inline_s(cluster, cp, plan.devices)
+        L.fwd_comm_s += (C.all_reduce_s(cluster, stats, cp, crosses)
+                         + C.inline_s(cluster, cp, plan.devices))
         L.tp_wire += C.all_reduce_wire(stats, cp)
 
 
@@ -419,9 +420,10 @@ def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float, units: int = 1,
 def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict[str, int]:
     """Bytes on the most loaded pp rank: the stash of its microbatches in flight under the
     schedule, and the output of each (but the last stage's) until its backward (the pipeline
-    runtime keeps it to start the backward from the received gradient), weights, gradients and optimizer state as ZeRO shards them over `inside` ranks,
-    ZeRO-3's gathered units, DiLoCo's outer state; the experts ep splits, E / ep per MoE
-    block, as ZeRO shards them over the `inside` ranks of edp."""
+    runtime keeps it to start the backward from the received gradient), weights, gradients
+    and optimizer state as ZeRO shards them over `inside` ranks, ZeRO-3's gathered units,
+    DiLoCo's outer state; the experts ep splits, E / ep per MoE block, as ZeRO shards them
+    over the `inside` ranks of edp."""
     p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
     per_param = _state_bytes(plan, _shard_groups(cluster, plan)[0])
     per_expert = _state_bytes(plan, _shard_groups(cluster, plan, experts=True)[0])
@@ -468,8 +470,8 @@ def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict
 def _stage_outputs(model: ModelShape, plan: Plan) -> list[float]:
     """The bytes of one microbatch's output each stage keeps until its backward: a boundary
     activation (b s/cp d c, / tp under sequence parallelism) but on the last stage."""
-    stages = plan.pp * plan.virtual_stages
-    act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * COMPUTE_BYTES[plan.precision]
+    stages, c = plan.pp * plan.virtual_stages, COMPUTE_BYTES[plan.precision]
+    act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * c
     boundary = act / (plan.tp if plan.sequence_parallel else 1)
     return [boundary * (s < stages - 1) for s in range(stages)]
 

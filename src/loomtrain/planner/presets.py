@@ -98,9 +98,9 @@ class ModelShape(Shape):
 
     def tp_calls(self, kind: str, tp: int, sp: bool, ep: int = 1) -> tuple[list, list]:
         """(forward, backward) tp collectives of a layer per microbatch as parallel/tensor.py
-        runs them, each (op, payload, count) as LlamaShape.tp_calls (no experts: ep unused): a block all-reduces one
-        activation after attention and after the MLP forward, and two input gradients
-        backward; the embedding one forward, the head one backward plus the
+        runs them, each (op, payload, count) as LlamaShape.tp_calls (no experts: ep unused): a
+        block all-reduces one activation after attention and after the MLP forward, and two
+        input gradients backward; the embedding one forward, the head one backward plus the
         vocabulary-parallel cross-entropy's three of one number per token forward. Sequence
         parallel turns each all-reduce into an all-gather and a reduce-scatter and sums the
         gradients of the norms' weights and biases and of the row layers' biases backward
