@@ -198,7 +198,13 @@ def moe_extra_bytes(m, layer: int, b: int, c: int, tp: int = 1,
     without experts: the planner's)."""
     if not getattr(m, "n_experts", 0) or not is_moe_layer(m, layer):
         return 0
-    t = m.seq_len
+    return moe_block_extra_bytes(b, m.seq_len, m, c, tp, sequence_parallel)
+
+
+def moe_block_extra_bytes(b: int, t: int, m, c: int, tp: int = 1,
+                          sequence_parallel: bool = False) -> int:
+    """`moe_extra_bytes` of a MoE block over b rows of t tokens (the planner's shape gives a
+    cp rank's t)."""
     mine = t // tp if sequence_parallel else t
     return (moe_feed_forward_bytes(b, mine, m, c) - c * b * t * 4 * (m.ffn_width // tp)
             - c * b * (t - mine) * m.d_model)

@@ -66,23 +66,22 @@ def forward_flops(model: ModelShape, kind: str, tokens: float) -> float:
     return tokens * 2 * h * model.vocab_size if kind == "head" else 0.0
 
 
+def rank_flops(model: ModelShape, kind: str, tokens: float, tp: int, sp: bool) -> float:
+    """One tp rank's share of `forward_flops`: 1/tp, but a MoE block's feed-forward, whole on
+    every tp rank (parallel/tensor_llama.py), runs over the rank's own tokens: all of them, or
+    1/tp of them under sequence parallelism."""
+    flops = forward_flops(model, kind, tokens) / tp
+    if kind == "moe" and not sp:
+        flops += 2 * tokens * model.moe_feed_forward_matmul_params * (1 - 1 / tp)
+    return flops
+
+
 def model_flops_per_step(model: ModelShape, global_batch: int) -> float:
     """Forward + backward (3x forward) of the whole model on global_batch sequences, without
     recompute: the numerator of MFU (Chowdhery et al. 2022, appendix B)."""
     tokens = global_batch * model.seq_len
     kinds = Counter(_kinds(model))
     return 3 * sum(n * forward_flops(model, kind, tokens) for kind, n in kinds.items())
-
-
-def layer_params(model: ModelShape, kind: str) -> int:
-    """The parameters of a layer of this kind, all its experts included."""
-    if kind == "block":
-        return model.block_params
-    if kind == "moe":
-        return model.moe_block_params
-    if kind == "embed":
-        return model.embedding_params
-    return model.head_params
 
 
 def split_experts(model: ModelShape, kind: str, ep: int) -> int:
@@ -92,11 +91,18 @@ def split_experts(model: ModelShape, kind: str, ep: int) -> int:
     return model.expert_params if kind == "moe" and ep > 1 else 0
 
 
-def even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
+def rank_params(model: ModelShape, kind: str, tp: int = 1, ep: int = 1) -> float:
+    """The parameters one rank holds of a layer of this kind: one tp rank's (`tp_params`; a
+    MoE block's feed-forward whole on every tp rank), the routed experts' E / ep."""
+    return model.tp_params(kind, tp) - split_experts(model, kind, ep) * (1 - 1 / ep)
+
+
+def even_split(model: ModelShape, stages: int, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
     """Layers per stage as loomtrain balances them by default (pipeline_balance="params": the
-    linear partition minimizing the largest stage's parameters; split.py's balance)."""
+    linear partition minimizing the largest stage's parameters, those a rank holds once tp
+    and ep have split the model; split.py's balance)."""
     from loomtrain.parallel.pipeline.split import balance
-    bounds = balance([float(layer_params(model, k)) for k in layer_kinds(model)], stages)
+    bounds = balance([float(rank_params(model, k, tp, ep)) for k in layer_kinds(model)], stages)
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
@@ -122,18 +128,19 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
     tokens = b * s_local
     rate = d.achieved_flops(plan.precision, plan.devices)
     bandwidth = d.mem_bandwidth_bytes_per_s * d.share(plan.devices)
-    flops = forward_flops(model, kind, tokens) / tp
+    flops = rank_flops(model, kind, tokens, tp, plan.sequence_parallel)
     attn_s = 0.0
     ops = model.ops[kind]
     if kind in BLOCKS:  # the attention core at its own rate, the GEMMs at the matmul rate
         attn_flops = tokens * 4 * model.seq_len * h / tp
         attn_s = attn_flops / (rate * d.attention_efficiency)
         flops -= attn_flops
-        split, repl = model.traffic_h["split"], model.traffic_h["replicated"]
-        if kind == "moe":
-            split += model.traffic_h["moe"] + model.traffic_h["moe_ep"] * (plan.ep > 1)
+        split, whole = model.traffic_h["split"], model.traffic_h["replicated"]
+        if kind == "moe":  # its feed-forward whole on every tp rank, as the norms
+            split = model.traffic_h["moe_split"]
+            whole += model.traffic_h["moe"] + model.traffic_h["moe_ep"] * (plan.ep > 1)
             ops += model.ops["moe_ep"] * (plan.ep > 1)
-        elems = tokens * h * (split / tp + repl / (tp if plan.sequence_parallel else 1))
+        elems = tokens * h * (split / tp + whole / (tp if plan.sequence_parallel else 1))
         traffic = elems * c
     elif kind == "embed":
         traffic = tokens * model.traffic_h["embed"] * h * c
@@ -164,27 +171,44 @@ def _layer(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str, recom
     L.fwd_comm_s += ep_fwd
     L.bwd_comm_s += ep_bwd
     if cp > 1 and kind in BLOCKS:
-        sizes = {"tp": tp, "cp": cp, "dp": plan.dp, "pp": plan.pp}
-        kv = 2 * act / tp
-        hop = (C.send_s(cluster, kv, C.spans_nodes(cluster, sizes, "cp"))
-               + C.inline_s(cluster, cp, plan.devices, shift=True))
-        ring_f, ring_b = (cp - 1) * hop, 2 * (cp - 1) * hop
-        hide = cluster.device.cores is None or plan.devices < cluster.device.cores
-        L.fwd_comm_s += max(0.0, ring_f - attn_s) if hide else ring_f
-        L.bwd_comm_s += max(0.0, ring_b - 2 * attn_s) if hide else ring_b
-        L.tp_wire += 3 * (cp - 1) * kv
+        _add_cp_comm(L, model, cluster, plan, attn_s)
     L.forward_s += L.fwd_comm_s
     L.input_s += L.bwd_comm_s
-    L.expert_params = split_experts(model, kind, plan.ep) / (tp * plan.ep)
-    L.params = (layer_params(model, kind) - split_experts(model, kind, plan.ep)) / tp
+    L.expert_params = split_experts(model, kind, plan.ep) / plan.ep
+    L.params = rank_params(model, kind, tp, plan.ep) - L.expert_params
     return L
+
+
+def _add_cp_comm(L: _Layer, model: ModelShape, cluster: ClusterSpec, plan: Plan,
+                 attn_s: float) -> None:
+    """A block's cp collectives per microbatch, added to `L`: the ring's cp - 1 hops of this
+    rank's k and v (`kv_width`) forward, twice as many backward (the k, v and their
+    gradients), hidden behind the attention core where the device runs them apart; a MoE
+    block's per-row balance statistics (b 2E fp32, models/moe.py `balance_loss`) all-reduced
+    over cp in its forward, blocking."""
+    tp, cp = plan.tp, plan.cp
+    sizes = {"tp": tp, "cp": cp, "dp": plan.dp, "pp": plan.pp}
+    crosses = C.spans_nodes(cluster, sizes, "cp")
+    kv = plan.micro_batch * model.seq_len // cp * model.kv_width(tp) * COMPUTE_BYTES[plan.precision]
+    hop = C.send_s(cluster, kv, crosses) + C.inline_s(cluster, cp, plan.devices, shift=True)
+    ring_f, ring_b = (cp - 1) * hop, 2 * (cp - 1) * hop
+    hide = cluster.device.cores is None or plan.devices < cluster.device.cores
+    L.fwd_comm_s += max(0.0, ring_f - attn_s) if hide else ring_f
+    L.bwd_comm_s += max(0.0, ring_b - 2 * attn_s) if hide else ring_b
+    L.tp_wire += 3 * (cp - 1) * kv
+    if L.kind == "moe":
+        stats = FP32 * plan.micro_batch * 2 * model.n_experts
+        L.fwd_comm_s += (C.all_reduce_s(cluster, stats, cp, crosses)
+                         + C.inline_s(cluster, cp, plan.devices))
+        L.tp_wire += C.all_reduce_wire(stats, cp)
 
 
 def _ep_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
              act: float) -> tuple[float, float, float]:
     """(forward s, backward s, wire bytes) of a MoE block's all-to-alls over ep per
     microbatch, as parallel/expert/ runs them (the dry run's `exchange_collectives`): the
-    counts (8 E bytes) and the k copies of the microbatch's activation (`act` bytes, b s d c:
+    counts (8 E bytes) and the k copies of the rank's tokens (`act` bytes, b s/cp d c, / tp
+    under sequence parallelism, where each tp rank routes its piece of the sequence:
     dispatch, then combine) forward; the copies' gradients, combine's and dispatch's,
     backward. Each is an all-to-all (comm_cost.all_to_all_s) of balanced routing, blocking
     (the experts wait for their rows), and pays the sync penalty."""
@@ -194,7 +218,8 @@ def _ep_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
     sizes = {"tp": plan.tp, "cp": plan.cp, "ep": ep, "dp": plan.dp, "pp": plan.pp}
     crosses = C.spans_nodes(cluster, sizes, "ep")
     penalty = C.inline_s(cluster, ep, plan.devices)
-    counts, rows = 8 * model.n_experts, act * model.experts_per_token
+    counts = 8 * model.n_experts
+    rows = act * model.experts_per_token / (plan.tp if plan.sequence_parallel else 1)
 
     def call(nbytes):
         return C.all_to_all_s(cluster, nbytes, ep, crosses) + penalty
@@ -217,6 +242,7 @@ def _tp_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
     crosses = C.spans_nodes(cluster, sizes, "tp")
     penalty = C.inline_s(cluster, tp, plan.devices)
     tokens_bytes = plan.micro_batch * model.seq_len // plan.cp * FP32  # one fp32 per token
+    counts = FP32 * plan.micro_batch * 2 * model.n_experts  # a MoE block's per-row counts
 
     def ar(nbytes):
         return C.all_reduce_s(cluster, nbytes, tp, crosses) + penalty, C.all_reduce_wire(nbytes, tp)
@@ -225,9 +251,9 @@ def _tp_comm(model: ModelShape, cluster: ClusterSpec, plan: Plan, kind: str,
         return C.gather_s(cluster, nbytes, tp, crosses) + penalty, C.gather_wire(nbytes, tp)
 
     functions = {"ar": ar, "half": half}
-    payloads = {"act": act, "tokens": tokens_bytes}  # else a number of weight elements
+    payloads = {"act": act, "tokens": tokens_bytes, "counts": counts}  # else weight elements
     out = [0.0, 0.0, 0.0]
-    for i, side in enumerate(model.tp_calls(kind, tp, plan.sequence_parallel)):
+    for i, side in enumerate(model.tp_calls(kind, tp, plan.sequence_parallel, plan.ep)):
         for op, payload, count in side:
             nbytes = payloads.get(payload) or payload * WEIGHT_BYTES[plan.precision]
             t, wire = functions[op](nbytes)
@@ -254,7 +280,7 @@ def _layers(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> list[_Layer]
 def stage_layers(model: ModelShape, plan: Plan) -> list[range]:
     """The layer indices of each of the pp * virtual_stages stages (plan.split, or even)."""
     stages = plan.pp * plan.virtual_stages
-    split = plan.split or _even_split(model, stages)
+    split = plan.split or _even_split(padded(model, plan.tp), stages, plan.tp, plan.ep)
     bounds = [0]
     for n in split:
         bounds.append(bounds[-1] + n)
@@ -313,8 +339,8 @@ def _stage_params(model: ModelShape, plan: Plan, groups) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _even_split(model: ModelShape, stages: int) -> tuple[int, ...]:
-    return even_split(model, stages)
+def _even_split(model: ModelShape, stages: int, tp: int, ep: int) -> tuple[int, ...]:
+    return even_split(model, stages, tp, ep)
 
 
 def _replicas(plan: Plan, experts: bool = False) -> int:
@@ -393,9 +419,11 @@ def _sync_costs(cluster: ClusterSpec, plan: Plan, params: float, units: int = 1,
 
 def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict[str, int]:
     """Bytes on the most loaded pp rank: the stash of its microbatches in flight under the
-    schedule, weights, gradients and optimizer state as ZeRO shards them over `inside` ranks,
-    ZeRO-3's gathered units, DiLoCo's outer state; the experts ep splits, E / ep per MoE
-    block, as ZeRO shards them over the `inside` ranks of edp."""
+    schedule, and the output of each (but the last stage's) until its backward (the pipeline
+    runtime keeps it to start the backward from the received gradient), weights, gradients
+    and optimizer state as ZeRO shards them over `inside` ranks, ZeRO-3's gathered units,
+    DiLoCo's outer state; the experts ep splits, E / ep per MoE block, as ZeRO shards them
+    over the `inside` ranks of edp."""
     p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
     per_param = _state_bytes(plan, _shard_groups(cluster, plan)[0])
     per_expert = _state_bytes(plan, _shard_groups(cluster, plan, experts=True)[0])
@@ -403,12 +431,14 @@ def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict
     stage_params = [_stage_params(model, plan, g) for g in groups]
     stage_experts = [_total(g, "expert_params") for g in groups]
     stage_stash = [_total(g, "stash_bytes") for g in groups]
+    stage_output = _stage_outputs(model, plan)
     worst: dict[str, int] = {}
     for rank in range(p):
         mine = range(rank, p * v, p)
         params = sum(stage_params[s] for s in mine)
         experts = sum(stage_experts[s] for s in mine)
         stash = max(stage_stash[s] for s in mine)
+        output = max(stage_output[s] for s in mine)
         if plan.schedule == "gpipe" or p == 1:
             in_flight = m if p > 1 else 1
         elif plan.schedule == "interleaved":  # Megatron's warmup on rank 0: (p-1)2 + (v-1)p + 1
@@ -418,7 +448,7 @@ def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict
         if p == 1 and plan.offload_activations:
             kept = _offloaded_blocks_kept(groups[0], plan.offload_activations)
         else:
-            kept = stash * in_flight * (1 - plan.offload_activations)
+            kept = (stash * (1 - plan.offload_activations) + output) * in_flight
             if plan.offload_activations:
                 kept += stash  # the microbatch being computed stays on the device
         weights, grads, optimizer = (params * a + experts * b for a, b in zip(per_param, per_expert))
@@ -435,6 +465,15 @@ def _memory(model: ModelShape, cluster: ClusterSpec, plan: Plan, groups) -> dict
         if sum(parts.values()) > sum(worst.values()):
             worst = parts
     return worst
+
+
+def _stage_outputs(model: ModelShape, plan: Plan) -> list[float]:
+    """The bytes of one microbatch's output each stage keeps until its backward: a boundary
+    activation (b s/cp d c, / tp under sequence parallelism) but on the last stage."""
+    stages, c = plan.pp * plan.virtual_stages, COMPUTE_BYTES[plan.precision]
+    act = plan.micro_batch * model.seq_len // plan.cp * model.d_model * c
+    boundary = act / (plan.tp if plan.sequence_parallel else 1)
+    return [boundary * (s < stages - 1) for s in range(stages)]
 
 
 def step_costs(model: ModelShape, cluster: ClusterSpec, plan: Plan) -> StepCosts:
@@ -455,7 +494,7 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
     send = C.send_s(cluster, act / (plan.tp if plan.sequence_parallel else 1),
                     C.spans_nodes(cluster, sizes, "pp")) if plan.pp > 1 else 0.0
     out, memo = [], {}
-    for g in groups:
+    for g, output in zip(groups, _stage_outputs(model, plan)):
         key = (_stage_params(model, plan, g), _units(g), _total(g, "expert_params"))
         if key not in memo:
             dense, experts = _sync_parts(model, cluster, plan, [g])
@@ -472,7 +511,7 @@ def _step_costs(model, cluster, plan, groups) -> StepCosts:
             backward_weight_s=_total(g, "weight_s"), recompute_s=_total(g, "recompute_s"),
             forward_comm_s=_total(g, "fwd_comm_s"), backward_comm_s=_total(g, "bwd_comm_s"),
             send_s=send, grad_sync_s=sync_s, param_gather_s=gather_s, offload_s=offload,
-            activation_bytes=int(stash)))
+            activation_bytes=int(stash + output)))
     sharded = plan.zero_stage >= 1
     inside = _shard_groups(cluster, plan)[0] if sharded else 1
     inside_experts = _shard_groups(cluster, plan, experts=True)[0] if sharded else 1

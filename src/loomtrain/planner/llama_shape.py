@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loomtrain.activations import llama_core_bytes, llama_layer_bytes, moe_feed_forward_bytes
+from loomtrain.activations import (llama_core_bytes, llama_heads, llama_layer_bytes,
+                                   moe_block_extra_bytes)
 from loomtrain.models.moe import is_moe_layer
 from loomtrain.planner.shape import Shape
 
@@ -90,22 +91,31 @@ class LlamaShape(Shape):
 
     @property
     def moe_matmul_params(self) -> int:
-        """The weights a token multiplies in a MoE block: attention's, the router's d x E, its
-        k experts' and the shared experts' SwiGLUs (3 d h each), Qwen's shared gate d: k of
-        the E experts, not E (dropless top-k routing)."""
+        """The weights a token multiplies in a MoE block: attention's and its feed-forward's
+        (`moe_feed_forward_matmul_params`)."""
+        return self._attention_matmul_params + self.moe_feed_forward_matmul_params
+
+    @property
+    def moe_feed_forward_matmul_params(self) -> int:
+        """The weights a token multiplies in a MoE feed-forward: the router's d x E, its k
+        experts' and the shared experts' SwiGLUs (3 d h each), Qwen's shared gate d: k of the
+        E experts, not E (dropless top-k routing)."""
         d, h = self.d_model, self.expert_width
         swiglus = 3 * d * h * (self.experts_per_token + self.n_shared_experts)
-        gate = d * self.shared_expert_gate
-        return self._attention_matmul_params + d * self.n_experts + swiglus + gate
+        return d * self.n_experts + swiglus + d * self.shared_expert_gate
+
+    @property
+    def moe_feed_forward_params(self) -> int:
+        """A MoE feed-forward: the router, the E experts, the shared experts (one SwiGLU
+        n_shared h wide) and the shared gate."""
+        d, h = self.d_model, self.expert_width
+        return (d * self.n_experts + self.expert_params + 3 * d * h * self.n_shared_experts
+                + d * self.shared_expert_gate)
 
     @property
     def moe_block_params(self) -> int:
-        """A MoE block: a dense block's, its SwiGLU replaced by the router, the E experts, the
-        shared experts (one SwiGLU n_shared h wide) and the shared gate."""
-        d, h = self.d_model, self.expert_width
-        moe = (d * self.n_experts + self.expert_params + 3 * d * h * self.n_shared_experts
-               + d * self.shared_expert_gate)
-        return self.block_params - 3 * d * self.ffn_width + moe
+        """A MoE block: a dense block's, its SwiGLU replaced by the MoE feed-forward."""
+        return self.block_params - 3 * self.d_model * self.ffn_width + self.moe_feed_forward_params
 
     @property
     def moe_blocks(self) -> int:
@@ -127,6 +137,34 @@ class LlamaShape(Shape):
         """ln_f and the head's matrix (the embedding's when tied: counted once in `params`)."""
         return self.d_model + self.vocab_size * self.d_model
 
+    def tp_params(self, kind: str, tp: int) -> float:
+        """The parameters one of `tp` ranks holds of a layer of this kind, all its experts
+        included (parallel/tensor_llama.py): the vocabulary-parallel embedding's and head's
+        rows (V / tp: `cost.padded` pads V to a multiple of tp), ln_f whole; a block's q and o
+        (and q's bias) split, k and v (and their biases) split when tp divides the kv heads,
+        whole when tp is a multiple of them (replicated), its SwiGLU split, its norms (ln1,
+        ln2, q_norm, k_norm) whole; a MoE block's feed-forward whole on every tp rank."""
+        d = self.d_model
+        if kind == "embed":
+            return self.embedding_params / tp
+        if kind == "head":
+            return d + self.vocab_size * d / tp
+        q, kv = self.n_heads * self.head_width, self.kv_heads * self.head_width
+        kv_split = tp if self.kv_heads % tp == 0 else 1
+        attention = (q * (2 * d + self.qkv_bias) / tp
+                     + 2 * kv * (d + self.qkv_bias) / kv_split)
+        norms = 2 * d + 2 * self.head_width * self.qk_norm
+        if kind == "moe":
+            return attention + norms + self.moe_feed_forward_params
+        return attention + norms + 3 * d * self.ffn_width / tp
+
+    def kv_width(self, tp: int) -> int:
+        """The k and v elements per token one of `tp` ranks holds, which the cp ring passes
+        on: the rank's kv heads (`llama_heads`: grouped-query attention sends them
+        unexpanded)."""
+        _, kv, head_dim = llama_heads(self, tp)
+        return 2 * kv * head_dim
+
     @property
     def params(self) -> int:
         untied = 0 if self.tie_embeddings else self.vocab_size * self.d_model
@@ -145,12 +183,13 @@ class LlamaShape(Shape):
         q, k, v and output (4d), the SwiGLU's silu and product (5f), and with qk_norm the
         norms of q and k (7 per element) and o_proj's input copy (2d); "embed": the gather
         (2d); "head": ln_f (7d). The attention's terms scale with the heads' width
-        (`attention_width`). "moe": what a MoE block moves beyond a dense one (models/moe.py,
-        E experts, k picks of width h, s shared): the router's fp32 cast, softmax, bias and
-        top-k over E (7E) and its k weights (6k), the copies' gather, weighting and index_add_
-        (7kd + d), their SwiGLUs (5kh) and the shared ones' (5sh, plus the sum 3d; Qwen's gate
-        3d), the balance loss's mean (E), less the SwiGLU's 5f; "moe_ep": with expert
-        parallelism, the received rows regrouped by expert and back (4kd)."""
+        (`attention_width`). A MoE block: "moe_split", the split part without the SwiGLU
+        (attention's); "moe", its feed-forward (models/moe.py, E experts, k picks of width h, s
+        shared), whole on every tp rank: the router's fp32 cast, softmax, bias and top-k over
+        E (7E) and its k weights (6k), the copies' gather, weighting and index_add_ (7kd + d),
+        their SwiGLUs (5kh) and the shared ones' (5sh, plus the sum 3d; Qwen's gate 3d), the
+        balance loss's mean (E); "moe_ep": with expert parallelism, the received rows
+        regrouped by expert and back (4kd)."""
         kv = self.kv_heads / self.n_heads
         attention = 9 * (1 + kv) + 4
         if kv < 1:
@@ -158,12 +197,12 @@ class LlamaShape(Shape):
         if self.qk_norm:
             attention += 7 * (1 + kv) + 2
         d, f, k = self.d_model, self.ffn_width, self.experts_per_token
-        split = attention * self.attention_width + 5 * f / d
+        split = attention * self.attention_width
         h, shared = self.expert_width, self.n_shared_experts
         moe = (8 * self.n_experts + 6 * k + 7 * k * d + d + 5 * k * h + 5 * shared * h
-               + 3 * d * (shared > 0) + 3 * d * self.shared_expert_gate - 5 * f) / d
-        return {"split": split, "replicated": 20, "embed": 2, "head": 7, "moe": moe,
-                "moe_ep": 4 * k}
+               + 3 * d * (shared > 0) + 3 * d * self.shared_expert_gate) / d
+        return {"split": split + 5 * f / d, "replicated": 20, "embed": 2, "head": 7,
+                "moe_split": split, "moe": moe, "moe_ep": 4 * k}
 
     @property
     def ops(self) -> dict[str, int]:
@@ -186,26 +225,28 @@ class LlamaShape(Shape):
     def stash_bytes(self, kind: str, b: int, t: int, c: int, tp: int, sp: bool) -> int:
         """A layer's saved activations on one tp rank (activations.py, held to the tensors
         autograd saves by tests/test_dryrun.py); a MoE block's mixture in place of the
-        SwiGLU (`moe_feed_forward_bytes`, whole on every tp rank: the experts split over ep,
-        each rank's k copies per token stay)."""
+        SwiGLU (`moe_block_extra_bytes`: whole on every tp rank, over the rank's tokens, t / tp
+        of each row under sequence parallelism; the experts split over ep, each rank's k
+        copies per token stay)."""
         if kind != "moe":
             return llama_layer_bytes(kind, b, t, self, c, tp, sp)
-        swiglu = c * b * t * 4 * (self.ffn_width // tp)
-        return llama_layer_bytes("block", b, t, self, c, tp, sp) - swiglu + \
-            moe_feed_forward_bytes(b, t, self, c)
+        return (llama_layer_bytes("block", b, t, self, c, tp, sp)
+                + moe_block_extra_bytes(b, t, self, c, tp, sp))
 
     def core_bytes(self, b: int, t: int, c: int, tp: int) -> int:
         """What selective recomputation of a block's attention core frees."""
         return llama_core_bytes(b, t, self, c, tp)
 
-    def tp_calls(self, kind: str, tp: int, sp: bool) -> tuple[list, list]:
+    def tp_calls(self, kind: str, tp: int, sp: bool, ep: int = 1) -> tuple[list, list]:
         """(forward, backward) tp collectives of a layer per microbatch, each (op, payload,
         count): op "ar" (all-reduce) or "half" (all-gather or reduce-scatter); payload "act"
-        (b s d), "tokens" (one fp32 per token) or a number of weight elements. As
-        parallel/tensor_llama.py runs them (tensor_estimate.py `_llama_collectives`): a
-        block as the GPT's, the weight gradients of ln1 and ln2 (sequence parallel), q_norm
-        and k_norm, and of replicated k_proj and v_proj summed backward; the embedding
-        reduce-scatters under sequence parallelism."""
+        (b s d), "tokens" (one fp32 per token), "counts" (the balance loss's per-sequence
+        counts, b 2E fp32) or a number of weight elements. As parallel/tensor_llama.py runs
+        them (tensor_estimate.py `_llama_ops`): a block as the GPT's, the weight gradients of
+        ln1 and ln2 (sequence parallel), q_norm and k_norm, and of replicated k_proj and
+        v_proj summed backward; the embedding reduce-scatters under sequence parallelism. A
+        MoE block: the attention half's, and its feed-forward's (`_moe_calls`, its experts
+        split over `ep`)."""
         if kind == "embed":
             return ([("half", "act", 1)], [("half", "act", 1)]) if sp else ([("ar", "act", 1)], [])
         d = self.d_model
@@ -213,10 +254,15 @@ class LlamaShape(Shape):
             if sp:
                 return [("ar", "tokens", 3), ("half", "act", 1)], [("half", "act", 1), ("ar", d, 1)]
             return [("ar", "tokens", 3)], [("ar", "act", 1)]
+        halves = 1 if kind == "moe" else 2  # a MoE block enters tp's region for attention only
         if sp:
-            forward, backward = [("half", "act", 4)], [("half", "act", 4), ("ar", d, 2)]
+            forward = [("half", "act", 2 * halves)]
+            backward = [("half", "act", 2 * halves), ("ar", d, 2)]
         else:
-            forward, backward = [("ar", "act", 2)], [("ar", "act", 2)]
+            forward, backward = [("ar", "act", halves)], [("ar", "act", halves)]
+        if kind == "moe":
+            moe = self._moe_calls(sp, ep)
+            forward, backward = forward + moe[0], backward + moe[1]
         if self.qk_norm:
             backward.append(("ar", self.head_width, 2))
         if self.kv_heads % tp:  # replicated: each rank sums the whole k and v gradients
@@ -225,6 +271,20 @@ class LlamaShape(Shape):
             if self.qkv_bias:
                 backward.append(("ar", width, 2))
         return forward, backward
+
+    def _moe_calls(self, sp: bool, ep: int) -> tuple[list, list]:
+        """A MoE feed-forward's own tp collectives (tensor_estimate.py `_moe_ops`): none
+        without sequence parallelism (every tp rank runs the same tokens); with it the
+        per-sequence counts summed forward, and every weight's gradient summed backward: the
+        router's (E d), this rank's E / ep experts' three (E/ep d h each), the shared experts'
+        three (s d, s = n_shared_experts h) and Qwen's shared gate (d)."""
+        if not sp:
+            return [], []
+        d, h, shared = self.d_model, self.expert_width, self.n_shared_experts
+        experts = [("ar", self.n_experts // ep * d * h, 3)]
+        shared = [("ar", shared * h * d, 3)] if shared else []
+        gate = [("ar", d, 1)] if self.shared_expert_gate else []
+        return [("ar", "counts", 1)], [("ar", self.n_experts * d, 1), *experts, *shared, *gate]
 
     def model_keys(self) -> dict:
         """The [model] table of a config that builds this shape."""

@@ -65,7 +65,7 @@ class StageCosts:
     grad_sync_s: float  # per step: the dp/ZeRO reduction of this stage's gradients
     param_gather_s: float  # per microbatch: ZeRO-3's all-gathers (forward and backward)
     offload_s: float  # per microbatch: activation offload copies, each way
-    activation_bytes: int  # stash of one microbatch on this stage
+    activation_bytes: int  # stash and output (but the last stage's) of one microbatch here
 
 
 @dataclass(frozen=True)

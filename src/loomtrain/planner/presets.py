@@ -81,15 +81,26 @@ class ModelShape(Shape):
             return int(stash - b * t * FP32_BYTES * V * (1 - 1 / tp))
         return stash
 
+    def tp_params(self, kind: str, tp: int) -> float:
+        """The parameters one of `tp` ranks holds of a layer, counted as split throughout (the
+        layer norms, positions and row biases each rank holds whole count 1/tp: slightly
+        under)."""
+        return {"embed": self.embedding_params, "block": self.block_params,
+                "head": self.head_params}[kind] / tp
+
+    def kv_width(self, tp: int) -> float:
+        """The k and v elements per token one of `tp` ranks holds (the cp ring passes them)."""
+        return 2 * self.d_model / tp
+
     def core_bytes(self, b: int, t: int, c: int, tp: int) -> int:
         """What selective recomputation frees: the attention output and log-sum-exp."""
         return int(b * t * (c * self.d_model + FP32_BYTES * self.n_heads) / tp)
 
-    def tp_calls(self, kind: str, tp: int, sp: bool) -> tuple[list, list]:
+    def tp_calls(self, kind: str, tp: int, sp: bool, ep: int = 1) -> tuple[list, list]:
         """(forward, backward) tp collectives of a layer per microbatch as parallel/tensor.py
-        runs them, each (op, payload, count) as LlamaShape.tp_calls: a block all-reduces one
-        activation after attention and after the MLP forward, and two input gradients
-        backward; the embedding one forward, the head one backward plus the
+        runs them, each (op, payload, count) as LlamaShape.tp_calls (no experts: ep unused): a
+        block all-reduces one activation after attention and after the MLP forward, and two
+        input gradients backward; the embedding one forward, the head one backward plus the
         vocabulary-parallel cross-entropy's three of one number per token forward. Sequence
         parallel turns each all-reduce into an all-gather and a reduce-scatter and sums the
         gradients of the norms' weights and biases and of the row layers' biases backward

@@ -11,10 +11,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from loomtrain.models.config import padded_vocab
 from loomtrain.planner.cost import (COMPUTE_BYTES, HOST_ADAM_PARAMS_PER_S, OPTIMIZER_TRAFFIC,
                                     _memory, _shard_groups, _stage_groups, _state_bytes,
                                     _sync_parts, _total, bubble_scale, estimate, layer_costs,
-                                    layer_kinds, split_experts, stage_layers)
+                                    layer_kinds, padded, rank_params, split_experts,
+                                    stage_layers)
 from loomtrain.planner.plan import Estimate, Plan
 from loomtrain.planner.presets import ModelShape
 from loomtrain.planner.search_space import Space, check_fix
@@ -133,7 +135,7 @@ class _Run:
         self.best = _TopK(top)
         self.pipelines = _TopK(REFINE_PLANS)  # the fastest one-chunk pipeline plans, to refine
         self.evaluated = self.pruned = self.candidates = 0
-        self._layers, self._stages, self._fb = {}, {}, {}
+        self._layers, self._stages, self._fb, self._tp_held = {}, {}, {}, {}
         self.kinds = Counter(layer_kinds(self.shape))  # layers of each kind
         # the routed experts' weights, all blocks, that ep > 1 splits
         self.experts = sum(n * split_experts(self.shape, k, 2) for k, n in self.kinds.items())
@@ -180,11 +182,21 @@ class _Run:
         bound = m * busiest + bubble_scale(self.cluster, plan) * (bound - m * busiest)
         return bound * (1 - 1e-9)  # summed in another order than step_time.py
 
+    def tp_held(self, tp: int) -> float:
+        """The parameters one tp rank holds of the whole model (`rank_params`: a MoE block's
+        feed-forward whole), a tied embedding and head counted once."""
+        if tp not in self._tp_held:
+            shape = padded(self.shape, tp)
+            tied = shape.tied_head * padded_vocab(shape.vocab_size, tp) * shape.d_model / tp
+            self._tp_held[tp] = sum(n * rank_params(shape, k, tp)
+                                    for k, n in self.kinds.items()) - tied
+        return self._tp_held[tp]
+
     def held(self, plan: Plan, per_param: float, per_expert: float) -> float:
-        """The mean pp rank's parameters, parameters / (tp pp) with the experts ep splits
+        """The mean pp rank's parameters, one tp rank's / pp with the experts ep splits
         E / ep, weighed by the bytes (or shares) per parameter and per expert weight."""
-        dense = (self.shape.params - self.experts) * per_param
-        return (dense + self.experts * per_expert / plan.ep) / (plan.tp * plan.pp)
+        dense = (self.tp_held(plan.tp) - self.experts) * per_param
+        return (dense + self.experts * per_expert / plan.ep) / plan.pp
 
     def shard_share(self, plan: Plan, experts: bool = False) -> float:
         """The share of its parameters a rank's optimizer updates: 1 / the ZeRO group."""

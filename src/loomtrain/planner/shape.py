@@ -1,11 +1,14 @@
 """What the cost model (cost.py) reads of a model: `Shape`'s fields, and the members each
 family's shape adds (presets.py ModelShape, the GPT's; llama_shape.py LlamaShape):
 `params`, `block_params`, `embedding_params`, `head_params` and `tied_head` (parameters per
-layer), `block_matmul_params` (FLOPs), `traffic_h` and `ops` (memory-bound traffic and
-launches), `stash_bytes` and `core_bytes` (activations, selective recompute), `tp_calls`
-(tensor-parallel collectives) and `model_keys` (the [model] table of a planned config).
-A mixture of experts (the llama's only) adds `n_experts`, `is_moe`, `moe_block_params`,
-`moe_matmul_params` and `expert_params`, and the kind "moe" to the per-kind members.
+layer), `tp_params` (what one tp rank holds of a layer), `block_matmul_params` (FLOPs),
+`traffic_h` and `ops` (memory-bound traffic and launches), `stash_bytes` and `core_bytes`
+(activations, selective recompute), `tp_calls` (tensor-parallel collectives), `kv_width`
+(what the cp ring passes) and `model_keys` (the [model] table of a planned config).
+A mixture of experts (the llama's only) adds `n_experts`, `experts_per_token`, `is_moe`,
+`moe_block_params`, `moe_feed_forward_params`, `moe_matmul_params`,
+`moe_feed_forward_matmul_params` and `expert_params`, and the kind "moe" to the per-kind
+members.
 """
 
 from __future__ import annotations

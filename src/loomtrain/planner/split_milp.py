@@ -217,5 +217,6 @@ def min_bottleneck(t, stages: int) -> float:
 
 
 def _largest_layer_params(shape, plan) -> float:
-    from loomtrain.planner.cost import layer_kinds, layer_params
-    return max(layer_params(shape, k) for k in set(layer_kinds(shape))) / plan.tp
+    from loomtrain.planner.cost import layer_kinds, padded, rank_params
+    held = padded(shape, plan.tp)
+    return max(rank_params(held, k, plan.tp, plan.ep) for k in set(layer_kinds(shape)))

@@ -23,15 +23,16 @@ def _kind(layer: str) -> str:
 def layer_activation_bytes(m, layer: str, micro_batch: int, c: int, tp: int = 1,
                            sequence_parallel: bool = False) -> int:
     """Layer `layer` ("embed", "blocks.i", "head") of the model `m` (a ModelConfig; its
-    seq_len the tokens of a row one rank runs), on one of `tp` ranks."""
+    seq_len the tokens of a row one rank runs), on one of `tp` ranks; a llama's MoE block
+    with its mixture of experts (activations.py `moe_extra_bytes`)."""
+    block = int(layer.split(".")[1]) if _kind(layer) == "block" else -1
+    experts = moe_extra_bytes(m, block, micro_batch, c, tp, sequence_parallel) if block >= 0 else 0
     if tp > 1:
         from loomtrain.parallel.tensor_estimate import tensor_layer_bytes
 
-        return tensor_layer_bytes(m, _kind(layer), micro_batch, tp, sequence_parallel, c)
+        return tensor_layer_bytes(m, _kind(layer), micro_batch, tp, sequence_parallel, c) + experts
     if m.name == "llama":
-        block = int(layer.split(".")[1]) if _kind(layer) == "block" else -1
-        return (llama_layer_bytes(_kind(layer), micro_batch, m.seq_len, m, c)
-                + (moe_extra_bytes(m, block, micro_batch, c) if block >= 0 else 0))
+        return llama_layer_bytes(_kind(layer), micro_batch, m.seq_len, m, c) + experts
     if m.name == "gpt":
         return gpt_layer_bytes(_kind(layer), micro_batch, m.seq_len, m.d_model, m.n_heads,
                                m.mlp_ratio, m.vocab_size, c)
