@@ -207,7 +207,8 @@ def _train(cfg, run_dir: Path, resume: Path | None, group: ReplicaGroup, joining
         start = group.saved_at = resume_run(mode.built, run_dir, resume)
     if joining and group.writer:  # replica 0 back: it writes from here on
         truncate_metrics(run_dir, start)  # a record the lost writer left torn
-    mode.log = log = RunLog(run_dir, cfg.train.steps, start, group.writer, cfg.run.progress)
+    mode.log = log = RunLog(run_dir, cfg.train.steps, start, group.writer, cfg.run.progress,
+                            mode.utilization())
     try:
         if not joining:
             log_first_lines(mode, data, start, resume)

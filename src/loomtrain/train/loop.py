@@ -20,6 +20,7 @@ from loomtrain.component import Built
 from loomtrain.train import trainer
 from loomtrain.train.batches import batches_of_step
 from loomtrain.train.metrics import RunLog, truncate_metrics
+from loomtrain.train.mfu import Utilization, run_utilization
 from loomtrain.train.task import load_task_data
 
 
@@ -211,6 +212,11 @@ class SyncMode(Mode):
         global_tokens, stopping = trainer._control(batches, stop, self.mesh, len(self.ranks))
         return (work, global_tokens), stopping
 
+    def utilization(self) -> Utilization:
+        """How its records' tokens/s become MFU: a backprop step's model FLOPs, every rank a
+        device."""
+        return run_utilization(self.cfg, self.mesh.device, self.mesh.world)
+
     def record(self, done, result, evaluate, tokens_per_s, elapsed_s):
         built, mesh, step = self.built, self.mesh, result.detail
         for axis in ("dp", "cp", "pp"):  # pp: the last stage holds the loss; cp: its tokens'
@@ -257,7 +263,8 @@ def train_sync(make_mode, cfg, run_dir: Path, resume: Path | None, mesh, stop) -
     mode.run_dir = run_dir
     built = mode.built
     start = resume_run(built, run_dir, resume)
-    mode.log = log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress)
+    mode.log = log = RunLog(run_dir, cfg.train.steps, start, mesh.rank == 0, cfg.run.progress,
+                            mode.utilization())
     try:
         log_first_lines(mode, data, start, resume)
         return run_loop(mode, run_dir, start, stop)

@@ -1,5 +1,5 @@
 """Run metrics: `metrics.jsonl` (one JSON object per logged step), the rank-0 progress bar and
-step line, and peak memory."""
+step line, peak memory and MFU (train/mfu.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from loomtrain.errors import UserError
+from loomtrain.train.mfu import Utilization
 from loomtrain.writes import write_atomic, write_error, writing
 
 
@@ -93,11 +94,14 @@ def _fmt_bytes(n: float) -> str:
 
 
 class RunLog:
-    """Rank 0 writes metrics and draws the bar; other ranks hold a disabled RunLog."""
+    """Rank 0 writes metrics and draws the bar; other ranks hold a disabled RunLog.
+    `utilization` turns each record's tokens/s into its `mfu` (None: a mode whose FLOPs are
+    not counted, `mfu` null)."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool,
-                 progress: bool):
+                 progress: bool, utilization: Utilization | None = None):
         self.enabled = enabled
+        self.utilization = utilization or Utilization(None, None, 1, "not counted in this mode")
         self.file = open_log(run_dir / "metrics.jsonl") if enabled else None
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not (enabled and progress),
                         unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -105,6 +109,7 @@ class RunLog:
     def record(self, rec: dict) -> None:
         if not self.enabled:
             return
+        rec["mfu"] = self.utilization.mfu(rec["tokens_per_s"])
         _append(self.file, json.dumps(rec) + "\n")
         val = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
         if "val_accuracy" in rec:  # a classification task
@@ -116,7 +121,7 @@ class RunLog:
         line = (f"step {rec['step']:>6} | loss {rec['loss']:.4f}{val} | {grad} | "
                 f"lr {rec['lr']:.2e} | {rec['tokens_per_s']:.0f} tok/s | "
                 f"mem {_fmt_bytes(rec['peak_mem_bytes'])} | comm {_fmt_bytes(rec['comm_bytes']['total'])}"
-                f"{link} | mfu n/a")
+                f"{link} | {self.utilization.describe(rec['mfu'])}")
         if self.bar.disable:
             print(line, file=sys.stderr, flush=True)
         else:

@@ -20,6 +20,7 @@ from loomtrain.train.apply import build_run
 from loomtrain.train.batches import batches_of_step, target_tokens
 from loomtrain.train.components import COMPONENTS
 from loomtrain.train.loop import Stepped, SyncMode, SyncStep, train_sync
+from loomtrain.train.mfu import Utilization
 from loomtrain.train.task import build_task_model
 from loomtrain.train.trainer import forward_loss
 from loomtrain.zeroth import (STATE_PER_PARAMETER, LocalExchange, SeedScalarExchange,
@@ -37,6 +38,10 @@ class ZerothMode(SyncMode):
     engine; a step probes the loss and the dp ranks exchange only seeds and scalars."""
 
     nonfinite = "projected gradient"
+
+    def utilization(self) -> Utilization:
+        """No MFU: the model FLOPs count a backward pass, which a zeroth-order step never runs."""
+        return Utilization(None, None, self.mesh.world, "zeroth-order: no backward pass")
 
     def __init__(self, cfg, mesh, data, fresh: bool):
         with torch.device("meta"):  # the whole model's names: they index each piece's seeds
