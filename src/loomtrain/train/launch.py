@@ -36,9 +36,14 @@ def free_port() -> int:
 
 
 def pick_device(cfg_run, local_rank: int) -> torch.device:
+    """GPU `local_rank`, or with more ranks than GPUs on the host, `local_rank` modulo their
+    number: ranks then share a GPU, which gloo carries (parallel.backend = "gloo": how
+    benchmarks/gpu_check.py runs the multi-process paths on one GPU; NCCL refuses two ranks on
+    one GPU with its own error)."""
     if cfg_run.device == "cuda" or (cfg_run.device == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
