@@ -5,7 +5,6 @@ run writing `mfu` into metrics.jsonl."""
 from __future__ import annotations
 
 import math
-import signal
 import time
 from pathlib import Path
 
@@ -15,10 +14,11 @@ import torch
 from loomtrain.models.config import ModelConfig
 from loomtrain.planner.calibrate import save
 from loomtrain.planner.specs import BUILTIN, DeviceSpec
-from loomtrain.train import run
 from loomtrain.train.metrics import read_metrics
 from loomtrain.train.mfu import (NO_CALIBRATION, Utilization, cuda_kind, model_flops_per_token,
                                  peak_flops)
+
+from test_checkpoint import _train
 
 CPU = torch.device("cpu")
 
@@ -93,26 +93,14 @@ def test_cpu_peak_is_the_calibration_or_none(tmp_path, monkeypatch):
     assert peak_flops(CPU, "bf16") == (pytest.approx(peak), "")
 
 
-def _train(cfg) -> list[dict]:
-    """One rank in this process (run.run installs SIGINT/SIGTERM handlers: put back after)."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    run_dir = Path(cfg.run.dir) / cfg.run.name
-    try:
-        run.run(cfg, run_dir, None)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return read_metrics(run_dir)
-
-
 def test_a_run_writes_mfu_with_a_calibration_and_null_without(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    without = _train(tiny(train={"steps": 2}, run={"name": "bare"}))
+    without = read_metrics(_train(tiny(train={"steps": 2}, run={"name": "bare"})))
     assert [r["mfu"] for r in without] == [None, None]
     assert f"mfu n/a ({NO_CALIBRATION})" in capsys.readouterr().err
     peak = _calibrate_here(tmp_path / "cache")
     cfg = tiny(train={"steps": 2}, run={"name": "calibrated"})
-    records = _train(cfg)
+    records = read_metrics(_train(cfg))
     per_token = model_flops_per_token(cfg.model)
     for r in records:
         assert 0 < r["mfu"] <= 1
