@@ -48,7 +48,7 @@ def test_benchmark_zero_smallest_run(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--small", "--rounds", "1", "--steps", "1", "--warmup", "1",
          "--world4-rounds", "0", "--timeline-out", str(timeline)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=180, check=False,  # 8 worlds of 2 ranks
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
