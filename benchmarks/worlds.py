@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import queue
 import resource
@@ -19,6 +20,17 @@ import time
 
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException
+
+
+def import_peer(module: str, benchmark: str):
+    """The peer library `benchmark` measures against; where it cannot be imported, one line on
+    stderr saying so and how to install it (the `peers` extra), and exit 2."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        print(f"{benchmark}: its peer {module} cannot be imported ({err}); install the peers "
+              'with pip install -e ".[peers]"', file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def free_port() -> int:

@@ -1,7 +1,8 @@
-"""loomtrain's ZeRO stages 0-3 against torch FSDP2, measured in the same run.
+"""loomtrain's ZeRO stages 0-3 against torch FSDP2 and DeepSpeed ZeRO 1-3, measured in the same run.
 
-    .venv/bin/python benchmarks/zero.py [--rounds 8] [--steps 2] [--world4-rounds 4]
-                                        [--timeline-out FILE] [--small]   # ~9 min on 2 cores
+    pip install -e ".[peers]"   # DeepSpeed: without it the benchmark says so and exits 2
+    python benchmarks/zero.py [--rounds 8] [--steps 2] [--world4-rounds 4]
+                              [--timeline-out FILE] [--small]   # ~14 min on 2 cores
 
 What is the same for every engine: a GPT of 50.5M parameters from the trainer's
 `build_model` (d_model 512, 16 layers, 8 heads, seq_len 128, byte vocabulary, tied head; a tiny
@@ -10,11 +11,17 @@ one with --small), the stdlib corpus through `WindowSampler` cut per rank by `ra
 `build_optimizer`, the lr schedule, clipping at 1.0 and the trainer's own `train_step` with
 its per-step token-count all-reduce, all in fp32.
 
-Engines. World 2: stage 0 (`DataParallel`, replicated), stages 1, 2, 3 (`shard`, prefetch 1)
-and torch FSDP2 (`fully_shard` on every block, then on the root, over a 1-D cpu DeviceMesh).
-World 4 as two "nodes" of 2 ranks (`ranks_per_node=2`): stage 3 flat and stage 3
-hierarchical. FSDP2 averages gradients and loomtrain sums them, so FSDP2's loss is divided by
-global tokens / world (exact at world 2), as benchmarks/ddp.py does for DDP.
+Engines. World 2: stage 0 (`DataParallel`, replicated), stages 1, 2, 3 (`shard`, prefetch 1),
+torch FSDP2 (`fully_shard` on every block, then on the root, over a 1-D cpu DeviceMesh) and
+DeepSpeed ZeRO stages 1, 2, 3 (`deepspeed.initialize` on the CPU accelerator, over the
+world's gloo group, its ZeRO defaults otherwise; `deepspeed_config`). World 4 as two "nodes"
+of 2 ranks (`ranks_per_node=2`): stage 3 flat and stage 3 hierarchical. FSDP2 and DeepSpeed
+average gradients and loomtrain sums them, so their loss is divided by global tokens / world
+(exact at world 2), as benchmarks/ddp.py does for DDP. DeepSpeed steps through its own
+`backward` (told not to divide by the accumulation steps: the global token count already
+spans them) and `step` (the reduction, clipping and update at the last micro-batch), with the
+same torch AdamW (`build_optimizer`) handed to it: the same update as every other engine's,
+so that the comparison is of the engines, not of two Adam kernels.
 
 How (the scheme of benchmarks/ddp.py): each engine trains in its own world of spawned
 processes, one engine per process, so peak resident memory can be told apart; the worlds of
@@ -29,7 +36,8 @@ Per engine: tokens/s (median over rounds), peak RSS per rank and its growth over
 before the model was built (the training state: parameters, gradients, optimizer, engine
 buffers, activations), the bytes a rank writes to its sockets per step (growth of `wchar` in
 /proc/self/io, as benchmarks/collectives.py measures; the same figure for every engine), and
-for loomtrain the payload and wire bytes per step its CommMeter counts. For every loomtrain
+for loomtrain the payload and wire bytes per step its CommMeter counts (the peers' collectives
+bypass it, so they have none). For every loomtrain
 stage the growth is set against `formula_mem_bytes`. Memory, measured so that RSS follows the
 live tensors: every rank pins glibc's mmap threshold (`pin_mmap_threshold`), and the peak is
 restarted after set-up, so the set-up's peak (`setup_mem_growth_bytes`: the whole model built,
@@ -45,10 +53,13 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
+import math
 import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +73,7 @@ from worlds import (
     World,
     closing_worlds,
     free_port,
+    import_peer,
     peak_rss_bytes,
     pin_mmap_threshold,
     reset_peak_rss,
@@ -72,7 +84,7 @@ from worlds import (
 from loomtrain import comm
 from loomtrain.data import WindowSampler, load_corpus, rank_samples
 from loomtrain.mesh import build_mesh
-from loomtrain.models import IGNORE_INDEX, build_model
+from loomtrain.models import IGNORE_INDEX, build_model, token_loss_sum
 from loomtrain.optim import build_optimizer, lr_at, set_lr
 from loomtrain.parallel.data import DataParallel
 from loomtrain.parallel.zero import ROOT, assign_parameters, find_units, shard
@@ -95,10 +107,20 @@ class Engine:
     stage: int | None  # None: torch FSDP2
     hierarchical: bool = False
     ranks_per_node: int | None = None
+    deepspeed: bool = False  # DeepSpeed's ZeRO `stage` instead of loomtrain's
+
+    @property
+    def loomtrain(self) -> bool:
+        return self.stage is not None and not self.deepspeed
 
 
-WORLD2 = (Engine("stage0", 2, 0), Engine("stage1", 2, 1), Engine("stage2", 2, 2),
-          Engine("stage3", 2, 3), Engine("fsdp2", 2, None))
+DEEPSPEED_STAGES = (1, 2, 3)
+# each DeepSpeed stage next to loomtrain's, and stage 3 next to FSDP2, in every round's order
+WORLD2 = (Engine("stage0", 2, 0),
+          Engine("stage1", 2, 1), Engine("deepspeed_stage1", 2, 1, deepspeed=True),
+          Engine("stage2", 2, 2), Engine("deepspeed_stage2", 2, 2, deepspeed=True),
+          Engine("deepspeed_stage3", 2, 3, deepspeed=True), Engine("stage3", 2, 3),
+          Engine("fsdp2", 2, None))
 WORLD4 = (Engine("stage3_flat", 4, 3, ranks_per_node=2),
           Engine("stage3_hierarchical", 4, 3, hierarchical=True, ranks_per_node=2))
 
@@ -225,10 +247,55 @@ class TorchFSDP2(nn.Module):
         return norm
 
 
+def import_deepspeed():
+    """DeepSpeed on its CPU accelerator (this benchmark runs on CPU and gloo), its log quiet
+    below warnings; where it is not installed, `import_peer` exits."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    deepspeed = import_peer("deepspeed", "benchmarks/zero.py")
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    # torch's notes on the collectives DeepSpeed calls, once per call site and rank
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+    return deepspeed
+
+
+def deepspeed_config(stage: int, cfg) -> dict:
+    """DeepSpeed's configuration for ZeRO `stage` and the run's batch and clipping, fp32;
+    everything else (buckets, overlap, stage 3's prefetch and persistence) its defaults."""
+    return {"train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+            "gradient_accumulation_steps": cfg.accumulation_steps,
+            "gradient_clipping": cfg.train.grad_clip,
+            "zero_optimization": {"stage": stage},
+            "fp16": {"enabled": False}, "bf16": {"enabled": False},
+            "steps_per_print": 2**31 - 1}  # no progress lines
+
+
+def deepspeed_step(engine, batches, global_tokens: float) -> torch.Tensor:
+    """One step through DeepSpeed's engine: `backward` and `step` per micro-batch (the step
+    reduces, clips and updates at the last one). The loss is already divided by the token
+    count over every micro-batch, so `backward` must not divide by their number again.
+    Returns this rank's loss sum."""
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        loss = token_loss_sum(engine(x), y)
+        engine.backward(loss / global_tokens, scale_wrt_gas=False)
+        engine.step()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
 def wrap(engine: Engine, model: nn.Module, mesh, cfg):
     """(model, optimizer, factor on the global token count): loomtrain's engines are built as
-    the trainer builds them (gradients summed over dp, `gradient_reduce="sum"`), FSDP2
-    averages them, so FSDP2's loss is divided by tokens / world instead."""
+    the trainer builds them (gradients summed over dp, `gradient_reduce="sum"`), FSDP2 and
+    DeepSpeed average them, so their loss is divided by tokens / world instead. DeepSpeed
+    gets the same torch AdamW and uses the world's process group (initialized already)."""
+    if engine.deepspeed:
+        # what a launcher would set (DeepSpeed asserts it): one machine, so the local rank
+        os.environ["LOCAL_RANK"] = str(dist.get_rank())
+        optimizer = build_optimizer(model, cfg.train)
+        ds_engine, optimizer, _, _ = import_deepspeed().initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(engine.stage, cfg),
+            dist_init_required=False)
+        return ds_engine, optimizer, 1.0 / engine.world
     if engine.stage is None:
         device_mesh = init_device_mesh("cpu", (engine.world,), mesh_dim_names=("dp",))
         for block in model.blocks:
@@ -260,6 +327,8 @@ class Trainer:
         corpus = load_corpus(cfg.data.source, cfg.data.val_fraction, cfg.model.vocab_size)
         self.sampler = WindowSampler(corpus.train, cfg.model.seq_len, cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
+        if engine.deepspeed:
+            import_deepspeed()  # before the baseline: the library is not training state
         self.rss_before_model = rss_bytes()
         self.model, self.optimizer, self.token_factor = wrap(engine, build_model(cfg.model),
                                                              self.mesh, cfg)
@@ -268,7 +337,8 @@ class Trainer:
         self.peak_reset = reset_peak_rss()
 
     def train(self, steps: int) -> float:
-        """Run `steps` (at least 1) steps; returns the global loss of the last one."""
+        """Run `steps` (at least 1) steps; returns the global loss of the last one and keeps
+        its gradient norm before clipping (`grad_norm`: the normalization's check)."""
         t, mesh, world = self.cfg.train, self.mesh, self.engine.world
         for _ in range(steps):
             batches = [self.sampler.batch(rank_samples(self.step, t.global_batch,
@@ -280,8 +350,14 @@ class Trainer:
             comm.all_reduce(count, mesh, "dp")  # the trainer's per-step control all-reduce
             global_tokens = float(count)
             set_lr(self.optimizer, lr_at(self.step, t))
-            loss_sum, _, stepped = train_step(self.model, self.optimizer, batches,
-                                              global_tokens * self.token_factor, t.grad_clip)
+            if self.engine.deepspeed:
+                loss_sum = deepspeed_step(self.model, batches, global_tokens * self.token_factor)
+                self.grad_norm = float(self.model.get_global_grad_norm())
+            else:
+                loss_sum, grad_norm, _ = train_step(self.model, self.optimizer, batches,
+                                                    global_tokens * self.token_factor, t.grad_clip)
+                self.grad_norm = float(grad_norm)
+            stepped = math.isfinite(self.grad_norm)
             assert stepped, f"{self.engine.name}: non-finite gradient at step {self.step}"
             self.step += 1
         comm.all_reduce(loss_sum, mesh, "dp")
@@ -332,7 +408,8 @@ class Trainer:
 
 def _rank_main(rank: int, engine: Engine, port: int, cfg_dict: dict, warmup: int,
                mmap_threshold_kib: int, commands: list, results) -> None:
-    """A spawned rank: set up, report the first step's loss after warm-up, then run one
+    """A spawned rank: set up, report the first step's loss and gradient norm after
+    warm-up, then run one
     command at a time: ("round", steps), ("timeline", prefetch), or None to stop."""
     pin_mmap_threshold(mmap_threshold_kib)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -341,10 +418,10 @@ def _rank_main(rank: int, engine: Engine, port: int, cfg_dict: dict, warmup: int
                             timeout=datetime.timedelta(seconds=120))
     try:
         trainer = Trainer(engine, config_from_dict(cfg_dict))
-        first_loss = trainer.train(1)
+        first = {"first_step_loss": trainer.train(1), "first_step_grad_norm": trainer.grad_norm}
         if warmup > 1:
             trainer.train(warmup - 1)
-        results.put((rank, {"first_step_loss": first_loss}))
+        results.put((rank, first))
         serve_commands(rank, commands, results,
                        {"round": trainer.timed_round, "timeline": trainer.timeline_step})
         comm.barrier(trainer.mesh)  # before destroy: avoids an intermittent abort (DESIGN.md)
@@ -382,12 +459,12 @@ def round_figures(world: World, steps: int) -> dict:
 
 def run_worlds(engines, cfg_dict: dict, args, rounds: int, start: float, timeline: bool):
     """Start one world per engine (set-up and warm-up run side by side: nothing is timed
-    there), then `rounds` rounds in turns; returns (rounds per engine, first losses, the
-    stage-3 timelines)."""
+    there), then `rounds` rounds in turns; returns (rounds per engine, the first step's loss
+    and gradient norm per engine, the stage-3 timelines)."""
     with closing_worlds({}) as worlds:  # a failed or hung world must not outlive the run
         for engine in engines:
             worlds[engine.name] = start_world(engine, cfg_dict, args)
-        first = {name: w.collect()[0]["first_step_loss"] for name, w in worlds.items()}
+        first = {name: w.collect()[0] for name, w in worlds.items()}
         names = [e.name for e in engines]
         done: dict[str, list[dict]] = {name: [] for name in names}
         for i in range(rounds):
@@ -422,13 +499,15 @@ def timeline_figures(record: dict) -> dict:
 
 
 def engine_figures(rounds: list[dict], formula: dict | None) -> dict:
+    """Medians of the rounds, the last round's memory and bytes; loomtrain's engines (with a
+    `formula`) also their CommMeter's bytes, which a peer's collectives bypass."""
     last = rounds[-1]  # peak RSS only grows: the last round's is the process's peak
     out = {k: statistics.median(r[k] for r in rounds)
            for k in ("tokens_per_s", "step_s", "cpu_s_per_step")}
+    metered = ("wire_bytes_per_step", "payload_bytes_per_step", "wire_bytes_by_axis_per_step")
     out.update({k: last[k] for k in ("peak_mem_bytes", "mem_growth_bytes", "step_mem_growth_bytes",
                                      "setup_mem_growth_bytes", "socket_bytes_per_step",
-                                     "wire_bytes_per_step", "payload_bytes_per_step",
-                                     "wire_bytes_by_axis_per_step", "last_step_loss")})
+                                     "last_step_loss") + (metered if formula else ())})
     if formula is not None:
         out.update(formula)
         for key in ("", "step_"):
@@ -436,6 +515,34 @@ def engine_figures(rounds: list[dict], formula: dict | None) -> dict:
                                                     / formula["formula_mem_bytes"])
     out["per_round_tokens_per_s"] = [round(r["tokens_per_s"], 1) for r in rounds]
     return out
+
+
+def paired_ratios(rounds: dict, ours: str, theirs: str) -> list[float]:
+    """ours / theirs tokens/s of every round (the two ran next to each other in it)."""
+    return [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rounds[ours], rounds[theirs])]
+
+
+def deepspeed_figures(fig: dict, rounds: dict) -> dict:
+    """Per DeepSpeed stage k: its tokens/s and peak memory per rank, loomtrain's stage k over
+    it (tokens/s: the median of the paired rounds' ratios; peak memory and its growth over
+    the pre-model RSS), and its figures in full under "deepspeed"."""
+    out = {"deepspeed": {}}
+    for k in DEEPSPEED_STAGES:
+        ours, theirs = fig[f"stage{k}"], fig[f"deepspeed_stage{k}"]
+        out[f"deepspeed_stage{k}_tokens_per_s"] = theirs["tokens_per_s"]
+        out[f"deepspeed_stage{k}_peak_mem_bytes"] = theirs["peak_mem_bytes"]
+        out[f"stage{k}_over_deepspeed_stage{k}_tokens_per_s"] = statistics.median(
+            paired_ratios(rounds, f"stage{k}", f"deepspeed_stage{k}"))
+        out[f"stage{k}_over_deepspeed_stage{k}_peak_mem"] = \
+            ours["peak_mem_bytes"] / theirs["peak_mem_bytes"]
+        out[f"stage{k}_over_deepspeed_stage{k}_mem_growth"] = \
+            ours["mem_growth_bytes"] / theirs["mem_growth_bytes"]
+        out["deepspeed"][str(k)] = theirs
+    return out
+
+
+def max_rel_diff(values: list[float], ref: float) -> float:
+    return max(abs(v - ref) / abs(ref) for v in values)
 
 
 def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict:
@@ -446,14 +553,13 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
     def formula(engine, cfg):
         return engine_formula(engine, model_cfg, cfg["train"], prefetch)
 
-    fig = {e.name: engine_figures(rounds[e.name], formula(e, cfg2) if e.stage is not None else None)
+    fig = {e.name: engine_figures(rounds[e.name], formula(e, cfg2) if e.loomtrain else None)
            for e in WORLD2}
     for e in WORLD2:
-        fig[e.name]["first_step_loss"] = first[e.name]
+        fig[e.name].update(first[e.name])
     s3, f2 = fig["stage3"], fig["fsdp2"]
     # stage 3 and FSDP2 are neighbours in every round's order: their pair sees the same load
-    pairs = [a["tokens_per_s"] / b["tokens_per_s"]
-             for a, b in zip(rounds["stage3"], rounds["fsdp2"])]
+    pairs = paired_ratios(rounds, "stage3", "fsdp2")
     out = {"benchmark": "zero", "world": 2, "steps": args.steps, "warmup_steps": args.warmup,
            "rounds": args.rounds, "world4_rounds": args.world4_rounds if w4 else 0,
            "stage3_tokens_per_s": s3["tokens_per_s"], "fsdp2_tokens_per_s": f2["tokens_per_s"],
@@ -464,15 +570,18 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
            "fsdp2_mem_growth_bytes": f2["mem_growth_bytes"],
            "stages": {name[-1]: fig[name] for name in ("stage0", "stage1", "stage2", "stage3")},
            "fsdp2": f2}
+    out.update(deepspeed_figures(fig, rounds))
     losses = {name: (fig[name]["first_step_loss"], fig[name]["last_step_loss"]) for name in fig}
+    grad_norms = {name: fig[name]["first_step_grad_norm"] for name in fig}
     if w4 is not None:
         rounds4, first4, _ = w4
         model4 = config_from_dict(cfg4).model
         hier = {e.name: engine_figures(rounds4[e.name], engine_formula(
             e, model4, cfg4["train"], prefetch)) for e in WORLD4}
         for e in WORLD4:
-            hier[e.name]["first_step_loss"] = first4[e.name]
-            losses[e.name] = (first4[e.name], hier[e.name]["last_step_loss"])
+            hier[e.name].update(first4[e.name])
+            losses[e.name] = (first4[e.name]["first_step_loss"], hier[e.name]["last_step_loss"])
+            grad_norms[e.name] = first4[e.name]["first_step_grad_norm"]
         pairs4 = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in
                   zip(rounds4["stage3_hierarchical"], rounds4["stage3_flat"])]
         out["hierarchical"] = {"world": 4, "ranks_per_node": 2,
@@ -482,12 +591,22 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
     if timelines:
         out["timeline"] = {f"prefetch_{p}": timeline_figures(r) for p, r in timelines.items()}
     out["losses"] = {name: {"first": a, "last": b} for name, (a, b) in losses.items()}
+    out["first_step_grad_norms"] = grad_norms
     ref_first, ref_last = losses["stage0"]
-    out["first_step_loss_max_rel_diff"] = max(abs(a - ref_first) / abs(ref_first)
-                                              for a, _ in losses.values())
+    out["first_step_loss_max_rel_diff"] = max_rel_diff([a for a, _ in losses.values()], ref_first)
     # world 2 only: the world-4 engines run fewer rounds, so their last step is another one
-    out["last_step_loss_max_rel_diff"] = max(abs(fig[e.name]["last_step_loss"] - ref_last)
-                                             / abs(ref_last) for e in WORLD2)
+    out["last_step_loss_max_rel_diff"] = max_rel_diff(
+        [fig[e.name]["last_step_loss"] for e in WORLD2], ref_last)
+    # the gradient norm before clipping: a wrong loss normalization changes it by its factor,
+    # where the losses hardly move (AdamW's update and the clipping undo a gradient's scale)
+    out["first_step_grad_norm_max_rel_diff"] = max_rel_diff(list(grad_norms.values()),
+                                                            grad_norms["stage0"])
+    deepspeed = [f"deepspeed_stage{k}" for k in DEEPSPEED_STAGES]
+    out["deepspeed_max_rel_diff"] = {
+        "first_step_loss": max_rel_diff([losses[n][0] for n in deepspeed], ref_first),
+        "last_step_loss": max_rel_diff([losses[n][1] for n in deepspeed], ref_last),
+        "first_step_grad_norm": max_rel_diff([grad_norms[n] for n in deepspeed],
+                                             grad_norms["stage0"])}
     growth = {k: v["mem_growth_over_formula"] for k, v in out["stages"].items()}
     out["targets"] = {"stage3_tokens_per_s_ge_fsdp2": out["stage3_over_fsdp2_tokens_per_s"] >= 1.0,
                       "stage3_peak_mem_le_fsdp2": s3["peak_mem_bytes"] <= f2["peak_mem_bytes"],
@@ -497,6 +616,11 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
                           s3["mem_growth_bytes"] <= f2["mem_growth_bytes"],
                       "mem_within_10pct_of_formula": {k: abs(v - 1) <= 0.10
                                                       for k, v in growth.items()}}
+    for k in DEEPSPEED_STAGES:
+        out["targets"][f"stage{k}_tokens_per_s_ge_deepspeed"] = \
+            out[f"stage{k}_over_deepspeed_stage{k}_tokens_per_s"] >= 1.0
+        out["targets"][f"stage{k}_peak_mem_le_deepspeed"] = \
+            out[f"stage{k}_over_deepspeed_stage{k}_peak_mem"] <= 1.0
     t, m = cfg2["train"], cfg2["model"]
     out["config"] = {
         "model": m, "parameters": model_numbers(model_cfg, 1)["parameters"], "small": args.small,
@@ -507,6 +631,10 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
         "grad_clip": t["grad_clip"], "prefetch": prefetch,
         "bucket_mb": cfg2["parallel"]["bucket_mb"],
         "threads_per_rank": 1, "backend": "gloo", "dtype": "fp32",
+        "deepspeed": {"version": import_deepspeed().__version__, "accelerator": "cpu",
+                      "optimizer": "torch AdamW (build_optimizer) given to deepspeed.initialize",
+                      "config": {k: deepspeed_config(k, config_from_dict(cfg2))
+                                 for k in DEEPSPEED_STAGES}},
         "mmap_threshold_kib": args.mmap_threshold_kib or "glibc default (dynamic)",
         "peak_reset_after_setup": all(r["peak_reset"] for rs in rounds.values() for r in rs),
         "torch": torch.__version__}
@@ -547,6 +675,7 @@ def main(argv=None) -> dict:
     if args.rounds < 1 or args.steps < 1 or args.warmup < 1 or args.world4_rounds < 0:
         parser.error("--rounds, --steps and --warmup must be at least 1 (the first step is the "
                      "loss check, and it is never timed), --world4-rounds at least 0")
+    import_deepspeed()  # without it: one line on stderr and exit 2
     cfg2, cfg4 = build_cfg_dict(args, 2), build_cfg_dict(args, 4)
     start = time.perf_counter()
     w2 = run_worlds(WORLD2, cfg2, args, args.rounds, start, timeline=True)
