@@ -25,7 +25,9 @@ replica joins its peers to after its last step: the bytes every thread of the pr
 to write()/writev(), here only the sockets (gloo, the TCPStore, torchft's gRPC to its
 manager and lighthouse: heartbeats every 100 ms, quorums, commits; the loop writes no file
 and prints nothing, and torchft's Rust log is set to warnings); `loop_s`, the seconds of
-that same span (the peers' rendezvous, the wrapping, the steps and their syncs); for
+that same span (the peers' rendezvous, the wrapping, the steps and their syncs), of which
+`sync_steps_s` in the steps that ended in a sync (every H-th: its compute too) and `steps_s`
+in the others; for
 loomtrain `wire_bytes`, what its meter (comm/meter.py) counted in that span (None for
 torchft, whose collectives do not go through it); `loss_sum`
 and `tokens` of the last step; `val_sum` and `val_tokens`, this replica's share of the
@@ -44,10 +46,20 @@ import time
 import zlib
 
 import torch
-import torch.nn as nn
 import torch.multiprocessing as mp
+import torch.nn as nn
 from trainruns import collect
 from worlds import free_port, joined_world
+
+from loomtrain.data import eval_samples
+from loomtrain.lowcomm import apply_lowcomm
+from loomtrain.mesh import build_mesh
+from loomtrain.models import IGNORE_INDEX, token_loss_sum
+from loomtrain.optim import build_optimizer, lr_at, set_lr
+from loomtrain.train.batches import batches_of_step, load_rows, target_tokens
+from loomtrain.train.config import config_from_dict
+from loomtrain.train.task import build_task_model, load_task_data
+from loomtrain.train.trainer import train_step
 
 TIMEOUT_S = 600  # a collective, a quorum or a commit of a loaded machine's replicas
 TORCHFT_MISSING = ('benchmarks/lowcomm.py compares against torchft, which is not installed: '
@@ -87,9 +99,6 @@ class Replica(nn.Module):
 def loomtrain_replicas(model, optimizer, cfg, rank: int, world: int, port: int):
     """(the wrapped model, its hook after every optimizer step, the wire bytes its meter
     counted so far): apply_lowcomm over a dp mesh of the world."""
-    from loomtrain.lowcomm import apply_lowcomm
-    from loomtrain.mesh import build_mesh
-
     with joined_world(rank, world, port, timeout_s=TIMEOUT_S):
         mesh = build_mesh({"dp": world})
         wrapped, _ = apply_lowcomm(model, optimizer, mesh, cfg.lowcomm, cfg.run.seed)
@@ -141,14 +150,6 @@ REPLICAS = {"loomtrain": loomtrain_replicas, "torchft": torchft_replicas}
 
 
 def _replica(rank: int, world: int, kind: str, tree: dict, rendezvous, out) -> None:
-    from loomtrain.data import eval_samples
-    from loomtrain.models import IGNORE_INDEX, token_loss_sum
-    from loomtrain.optim import build_optimizer, lr_at, set_lr
-    from loomtrain.train.batches import batches_of_step, load_rows, target_tokens
-    from loomtrain.train.config import config_from_dict
-    from loomtrain.train.task import build_task_model, load_task_data
-    from loomtrain.train.trainer import train_step
-
     torch.set_num_threads(1)
     cfg = config_from_dict(tree)
     torch.manual_seed(cfg.run.seed)  # the trainer's order: seed, data, model
@@ -158,25 +159,42 @@ def _replica(rank: int, world: int, kind: str, tree: dict, rendezvous, out) -> N
     wchar0, start = wchar_bytes(), time.perf_counter()
     with REPLICAS[kind](model, optimizer, cfg, rank, world, rendezvous) as (replica, after_step,
                                                                           wire_bytes):
-        for step in range(cfg.train.steps):
-            batches = batches_of_step(data.train, cfg, None, step, "cpu", [rank], world)
-            tokens = target_tokens(batches)
-            set_lr(optimizer, lr_at(step, cfg.train))
-            loss_sum, _, _ = train_step(replica, optimizer, batches, tokens, cfg.train.grad_clip)
-            after_step(step + 1)
-        figures = {"loop_s": time.perf_counter() - start, "socket_bytes": wchar_bytes() - wchar0,
-                   "wire_bytes": wire_bytes(), "loss_sum": float(loss_sum), "tokens": tokens}
-        val_sum = val_tokens = 0.0
-        model.eval()
-        with torch.no_grad():
-            for samples in eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, rank, world):
-                x, y = load_rows(data.val, samples, cfg, "cpu")[:2]
-                val_sum += float(token_loss_sum(model(x), y))
-                val_tokens += int((y != IGNORE_INDEX).sum())
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        figures.update(val_sum=val_sum, val_tokens=val_tokens,
-                       fingerprint=zlib.crc32(flat.numpy().tobytes()))
+        figures = _train(replica, optimizer, after_step, data.train, cfg, rank, world)
+        figures.update(loop_s=time.perf_counter() - start, socket_bytes=wchar_bytes() - wchar0,
+                       wire_bytes=wire_bytes())
+        figures.update(_validate(model, data.val, cfg, rank, world))
     out.put((rank, kind, figures))
+
+
+def _train(replica, optimizer, after_step, sampler, cfg, rank: int, world: int) -> dict:
+    """The steps of this replica, as the trainer's loop takes them for a low-communication
+    run (train/backprop.py): its rows, the lr of the step, its loss over its own tokens."""
+    step_s = [0.0, 0.0]  # seconds of the steps without a sync, of those with one
+    for step in range(cfg.train.steps):
+        step_start = time.perf_counter()
+        batches = batches_of_step(sampler, cfg, None, step, "cpu", [rank], world)
+        tokens = target_tokens(batches)
+        set_lr(optimizer, lr_at(step, cfg.train))
+        loss_sum, _, _ = train_step(replica, optimizer, batches, tokens, cfg.train.grad_clip)
+        after_step(step + 1)
+        step_s[(step + 1) % cfg.lowcomm.inner_steps == 0] += time.perf_counter() - step_start
+    return {"steps": cfg.train.steps, "steps_s": step_s[0], "sync_steps_s": step_s[1],
+            "loss_sum": float(loss_sum), "tokens": tokens}
+
+
+@torch.no_grad()
+def _validate(model, sampler, cfg, rank: int, world: int) -> dict:
+    """This replica's share of the validation rows on its final model (dealt as the trainer
+    deals them to dp ranks, train/trainer.py `validate`) and the CRC-32 of its parameters."""
+    val_sum = val_tokens = 0.0
+    model.eval()
+    for samples in eval_samples(cfg.run.eval_batches, cfg.train.micro_batch, rank, world):
+        x, y = load_rows(sampler, samples, cfg, "cpu")[:2]
+        val_sum += float(token_loss_sum(model(x), y))
+        val_tokens += int((y != IGNORE_INDEX).sum())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"val_sum": val_sum, "val_tokens": val_tokens,
+            "fingerprint": zlib.crc32(flat.numpy().tobytes())}
 
 
 @contextlib.contextmanager

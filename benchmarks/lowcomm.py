@@ -46,6 +46,7 @@ Per run, figures of the whole run (rank means unless said):
 - `link_s`: simulated link seconds of the ops this rank sent (hidden or not; a receive is
   its sender's op, not counted twice), and `link_wait_s`.
 The bare-loop runs have no simulated link, so no `simulated_wall_s` or `link_s`; their
+`sync_step_ms` and `step_ms` are replica 0's mean step with and without a sync;
 `socket_bytes_per_rank` is the growth of `wchar` in /proc/self/io (bytes handed to write(),
 here only to sockets) over the loop, the one measure that counts torchft's bytes (its
 collectives, quorums, commits and heartbeats do not go through loomtrain's meter) and
@@ -114,10 +115,13 @@ def tree(lowcomm: dict, root: str, name: str, steps: int, small: bool, args) -> 
 
 
 def bare_run(ranks: dict[int, dict], lowcomm: dict) -> dict:
-    """A bare-loop run's figures (bareruns.py): means over the replicas, but `wall_s`
-    (replica 0's); `val_loss` and `train_loss` are token means over all of them, the former
-    to 6 decimals, for the comparison with the peer."""
+    """A bare-loop run's figures (bareruns.py): means over the replicas, but replica 0's
+    `wall_s` and its mean milliseconds of a step that synced (`sync_step_ms`: the sync and the
+    step's compute) and of one that did not (`step_ms`); `val_loss` and `train_loss` are
+    token means over all of them, the former to 6 decimals, for the comparison with the
+    peer."""
     figures = list(ranks.values())
+    steps, syncs = ranks[0]["steps"], ranks[0]["steps"] // lowcomm["inner_steps"]
     socket = sum(r["socket_bytes"] for r in figures) / WORLD
     metered = figures[0]["wire_bytes"] is not None
     val_loss = sum(r["val_sum"] for r in figures) / sum(r["val_tokens"] for r in figures)
@@ -128,6 +132,8 @@ def bare_run(ranks: dict[int, dict], lowcomm: dict) -> dict:
                                     else socket),
             "socket_bytes_per_rank": round(socket),
             "wall_s": round(ranks[0]["loop_s"], 2),
+            "sync_step_ms": round(1e3 * ranks[0]["sync_steps_s"] / syncs, 1),
+            "step_ms": round(1e3 * ranks[0]["steps_s"] / (steps - syncs), 1),
             "one_model": len({r["fingerprint"] for r in figures}) == 1,
             "lowcomm": lowcomm}
 
