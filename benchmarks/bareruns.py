@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import sys
 import time
@@ -114,6 +115,7 @@ def torchft_replicas(model, optimizer, cfg, rank: int, world: int, lighthouse: s
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo, LocalSGD
 
+    logging.getLogger("torchft").setLevel(logging.ERROR)  # it warns that gloo has no NCCL recorder
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
