@@ -50,7 +50,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 from trainruns import collect
-from worlds import free_port, joined_world
+from worlds import free_port, joined_world, wchar_bytes
 
 from loomtrain.data import eval_samples
 from loomtrain.lowcomm import apply_lowcomm
@@ -73,12 +73,6 @@ def torchft_missing() -> bool:
     except ImportError:
         return True
     return False
-
-
-def wchar_bytes() -> int:
-    """Bytes this process (all its threads) handed to write()/writev() so far."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
 class Replica(nn.Module):
