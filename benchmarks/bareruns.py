@@ -22,18 +22,17 @@ a quorum (the first one configures the gloo group), all-reduces each parameter's
 
 Per job and replica: `socket_bytes`, the growth of `wchar` in /proc/self/io from before the
 replica joins its peers to after its last step: the bytes every thread of the process handed
-to write()/writev(), here only the sockets (gloo, the TCPStore, torchft's gRPC to its
-manager and lighthouse: heartbeats every 100 ms, quorums, commits; the loop writes no file
-and prints nothing, and torchft's Rust log is set to warnings); `loop_s`, the seconds of
-that same span (the peers' rendezvous, the wrapping, the steps and their syncs), of which
-`sync_steps_s` in the steps that ended in a sync (every H-th: its compute too) and `steps_s`
-in the others; for
-loomtrain `wire_bytes`, what its meter (comm/meter.py) counted in that span (None for
-torchft, whose collectives do not go through it); `loss_sum`
-and `tokens` of the last step; `val_sum` and `val_tokens`, this replica's share of the
-validation rows (dealt as the trainer deals them to dp ranks) on the final model; and
-`fingerprint`, a CRC-32 of its final parameters: after the last sync every replica's is
-the same.
+to write()/writev(), here only the sockets (gloo, the TCPStores, torchft's gRPC to its manager
+and lighthouse: heartbeats every 100 ms, quorums, commits); the loop writes no file and prints
+nothing, and torchft's logs are set to errors (Python) and warnings (Rust). `loop_s`: the
+seconds of that same span (the peers' rendezvous, the wrapping, the steps and their syncs),
+of which `sync_steps_s` in the steps that ended in a sync (every H-th, its compute included)
+and `steps_s` in the others. `wire_bytes`: for loomtrain, what its meter (comm/meter.py)
+counted in that span; None for torchft, whose collectives do not go through it. `loss_sum`
+and `tokens` of the last step; `val_sum` and `val_tokens`: this replica's share of the
+validation rows on the final model (dealt as the trainer deals them to dp ranks);
+`fingerprint`: a CRC-32 of its final parameters (after the last sync every replica's is the
+same).
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ def torchft_replicas(model, optimizer, cfg, rank: int, world: int, lighthouse: s
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo, LocalSGD
 
-    logging.getLogger("torchft").setLevel(logging.ERROR)  # it warns that gloo has no NCCL recorder
+    logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning: no NCCL recorder on gloo
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
