@@ -61,6 +61,9 @@ from loomtrain.train.config import config_from_dict
 from loomtrain.train.task import build_task_model, load_task_data
 from loomtrain.train.trainer import train_step
 
+# torchft's Rust side (lighthouse, manager) logs every quorum at info; it reads this when
+# torchft is first imported, here or in a spawned replica
+os.environ.setdefault("RUST_LOG", "warn")
 TIMEOUT_S = 600  # a collective, a quorum or a commit of a loaded machine's replicas
 TORCHFT_MISSING = ('benchmarks/lowcomm.py compares against torchft, which is not installed: '
                    'pip install -e ".[peers]"')
@@ -211,7 +214,6 @@ def _rendezvous(kind: str, world: int):
 def run_bare_jobs(jobs: list[tuple[str, str, dict]], world: int) -> dict[str, dict[int, dict]]:
     """Run each job (label, "loomtrain" or "torchft", config tree) in turn, each in `world`
     freshly spawned replica processes; returns {label: {rank: figures}}. Exits if one dies."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
     ctx = mp.get_context("spawn")
     got = {}
     for label, kind, tree in jobs:
