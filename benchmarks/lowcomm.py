@@ -5,6 +5,9 @@ slow link between two nodes: bytes, validation loss, wall time.
         [--d-model 64] [--layers 2] [--seq-len 64] [--rows 2]      # ~9 min on 2 CPU cores
     .venv/bin/python benchmarks/lowcomm.py --small     # smoke test: tiny model, 40 steps
 
+torchft is its peer (pip install -e ".[peers]"): without it the script says so on stderr and
+exits 2, unless --only leaves out the torchft runs.
+
 One gloo world of 4 spawned ranks on 127.0.0.1 (one torch thread each), split into 2 simulated
 nodes of 2 ranks with a 1 Gbit/s link between them (`[comm] inter_node_gbps = 1`, 1 ms per
 op; comm/link.py: a cross-node op completes no sooner than latency + its wire bytes over the
@@ -20,7 +23,14 @@ difference of its two runs):
     (an unreported 5-step DP warm-up), dp, local_sgd (H=50), diloco_h50, diloco_h200,
     streaming_diloco (H=50, F=2, one step in flight), noloco (H=50), dreamddp (H=10),
     hpsgd (one step in flight), hierarchical
-    (DASO, H=10, one step stale), lordo (H=50, rank 16), dp again
+    (DASO, H=10, one step stale), lordo (H=50, rank 16), dp again;
+
+then the peer, torchft (issue 30), each in a fresh world of 4 replica processes, through the
+bare loop of benchmarks/bareruns.py (the user's loop without the trainer, on loopback, no
+simulated link), loomtrain's wrapper and torchft's alternating, with the [lowcomm] of
+local_sgd and diloco_h50 (the same H):
+
+    local_sgd_bare, torchft_local_sgd, diloco_bare, torchft_diloco
 
 Per run, figures of the whole run (rank means unless said):
 - `val_loss`: the final validation loss (the trainer's evaluation after the last step, which
@@ -35,16 +45,30 @@ Per run, figures of the whole run (rank means unless said):
   transfer had completed (`CommMeter.link_wait_s`): the run on this machine's own loopback;
 - `link_s`: simulated link seconds of the ops this rank sent (hidden or not; a receive is
   its sender's op, not counted twice), and `link_wait_s`.
-Top-level: the ratios the targets of issue 7 are about (docs/lowcomm.md).
+The bare-loop runs have no simulated link, so no `simulated_wall_s` or `link_s`; their
+`sync_step_ms` and `step_ms` are replica 0's mean step with and without a sync;
+`socket_bytes_per_rank` is the growth of `wchar` in /proc/self/io (bytes handed to write(),
+here only to sockets) over the loop, the one measure that counts torchft's bytes (its
+collectives, quorums, commits and heartbeats do not go through loomtrain's meter) and
+loomtrain's alike; `bytes_per_rank` is the meter's wire bytes for loomtrain's and that
+socket figure for torchft's; `wall_s` is replica 0's seconds from the rendezvous to its last
+step; `val_loss` to 6 decimals; `one_model`: every replica ended with the same parameters
+(CRC-32).
+Top-level: the ratios the targets of issue 7 are about (docs/lowcomm.md), `vs_torchft` and
+the targets of issue 30 (loomtrain's DiLoCo sends no more socket bytes than torchft's and
+ends no worse in validation loss), and the load average after the runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
+from bareruns import TORCHFT_MISSING, run_bare_jobs, torchft_missing
 from trainruns import add_run_arguments, loss_curve, run_jobs
 
 WORLD, RANKS_PER_NODE = 4, 2
@@ -62,6 +86,16 @@ RUNS = {
     "hierarchical": {"algorithm": "hierarchical", "inner_steps": 10},
     "lordo": {"algorithm": "lordo", "inner_steps": 50},
 }
+# name -> (whose replicas, the run whose [lowcomm] it takes): the bare loop's runs
+PEER_RUNS = {
+    "local_sgd_bare": ("loomtrain", "local_sgd"),
+    "torchft_local_sgd": ("torchft", "local_sgd"),
+    "diloco_bare": ("loomtrain", "diloco_h50"),
+    "torchft_diloco": ("torchft", "diloco_h50"),
+}
+# "no worse" in validation loss: the same algorithm in fp32 with its sums in another order
+# (one flat all-reduce against one per tensor) ends within this relative difference
+VAL_LOSS_TOLERANCE = 1e-3
 
 
 def tree(lowcomm: dict, root: str, name: str, steps: int, small: bool, args) -> dict:
@@ -78,6 +112,46 @@ def tree(lowcomm: dict, root: str, name: str, steps: int, small: bool, args) -> 
         "checkpoint": {"every": 0},
         "lowcomm": lowcomm,
     }
+
+
+def bare_run(ranks: dict[int, dict], lowcomm: dict) -> dict:
+    """A bare-loop run's figures (bareruns.py): means over the replicas, but replica 0's
+    `wall_s` and its mean milliseconds of a step that synced (`sync_step_ms`: the sync and the
+    step's compute) and of one that did not (`step_ms`); `val_loss` and `train_loss` are
+    token means over all of them, the former to 6 decimals, for the comparison with the
+    peer."""
+    figures = list(ranks.values())
+    steps, syncs = ranks[0]["steps"], ranks[0]["steps"] // lowcomm["inner_steps"]
+    socket = sum(r["socket_bytes"] for r in figures) / WORLD
+    metered = figures[0]["wire_bytes"] is not None
+    val_loss = sum(r["val_sum"] for r in figures) / sum(r["val_tokens"] for r in figures)
+    return {"val_loss": round(val_loss, 6),
+            "train_loss": round(sum(r["loss_sum"] for r in figures)
+                                / sum(r["tokens"] for r in figures), 4),
+            "bytes_per_rank": round(sum(r["wire_bytes"] for r in figures) / WORLD if metered
+                                    else socket),
+            "socket_bytes_per_rank": round(socket),
+            "wall_s": round(ranks[0]["loop_s"], 2),
+            "sync_step_ms": round(1e3 * ranks[0]["sync_steps_s"] / syncs, 1),
+            "step_ms": round(1e3 * ranks[0]["steps_s"] / (steps - syncs), 1),
+            "one_model": len({r["fingerprint"] for r in figures}) == 1,
+            "lowcomm": lowcomm}
+
+
+def versus_torchft(runs: dict) -> dict:
+    """Per method run by both in the bare loop: torchft's socket bytes and wall time over
+    loomtrain's, and loomtrain's validation loss relative to torchft's (below 0: lower)."""
+    out = {}
+    for method in ("local_sgd", "diloco"):
+        loom, ft = runs.get(f"{method}_bare"), runs.get(f"torchft_{method}")
+        if loom is None or ft is None:
+            continue
+        out[method] = {
+            "socket_bytes_torchft_over_loomtrain": round(
+                ft["socket_bytes_per_rank"] / loom["socket_bytes_per_rank"], 3),
+            "val_loss_vs_torchft": round(loom["val_loss"] / ft["val_loss"] - 1, 6),
+            "wall_torchft_over_loomtrain": round(ft["wall_s"] / loom["wall_s"], 3)}
+    return out
 
 
 def plot(path: str, curves: dict[str, list], steps: int, smooth: int = 10) -> None:
@@ -126,7 +200,12 @@ def main() -> None:
         order = ["dp_first"] + [r for r in runs if r not in ("dp_first", "dp_last", "warmup")]
         plot(args.plot, {r: loss_curve(read_metrics(Path(args.replot) / r)) for r in order}, steps)
         return
-    names = [n for n in RUNS if n != "dp" and (not args.only or n in args.only.split(","))]
+    only = args.only.split(",") if args.only else list(RUNS) + list(PEER_RUNS)
+    names = [n for n in RUNS if n != "dp" and n in only]
+    peers = [n for n in PEER_RUNS if n in only]
+    if any(PEER_RUNS[n][0] == "torchft" for n in peers) and torchft_missing():
+        print(TORCHFT_MISSING, file=sys.stderr)
+        sys.exit(2)
     order = [("dp_first", "dp")] + [(n, n) for n in names] + [("dp_last", "dp")]
     root = tempfile.mkdtemp(prefix="loom-lowcomm-")
     lowcomm_of = {n: dict(RUNS[n]) for n in RUNS}
@@ -139,6 +218,8 @@ def main() -> None:
     # imports, allocator and thread pools warm before the first measured run: 5 steps of DP
     jobs.insert(0, ("warmup", tree({}, root, "warmup", 5, args.small, args)))
     got = run_jobs(jobs, WORLD, root)
+    bare = run_bare_jobs([(n, PEER_RUNS[n][0], tree(lowcomm_of[PEER_RUNS[n][1]], root, n, steps,
+                                                     args.small, args)) for n in peers], WORLD)
     name_of = dict(order)
     runs = {}
     for label, _ in order:
@@ -181,13 +262,23 @@ def main() -> None:
         targets["noloco_sync_below_diloco"] = runs["noloco"]["link_s"] < runs["diloco_h50"]["link_s"]
     targets["every_simulated_wall_below_dp"] = all(
         s["simulated_wall_vs_dp"] < 1 for s in summary.values())
+    for n in peers:
+        runs[n] = bare_run(bare[n], lowcomm_of[PEER_RUNS[n][1]])
+    vs_torchft = versus_torchft(runs)
+    if "diloco" in vs_torchft:
+        loom, ft = runs["diloco_bare"], runs["torchft_diloco"]
+        targets["diloco_socket_bytes_at_most_torchft"] = (loom["socket_bytes_per_rank"]
+                                                          <= ft["socket_bytes_per_rank"])
+        targets["diloco_val_loss_no_worse_than_torchft"] = (
+            vs_torchft["diloco"]["val_loss_vs_torchft"] <= VAL_LOSS_TOLERANCE)
     print(json.dumps({"benchmark": "lowcomm", "world": WORLD, "ranks_per_node": RANKS_PER_NODE,
                       "inter_node_gbps": 1.0, "inter_node_latency_ms": 1.0, "steps": steps,
                       "small": args.small, "tokens_per_run": steps * WORLD * args.rows * (32 if args.small else args.seq_len),
                       "model": {"d_model": args.d_model, "n_layers": args.layers,
                                 "seq_len": args.seq_len}, "rows_per_replica": args.rows,
                       "dp_runs": {"first": runs.pop("dp_first"), "last": runs.pop("dp_last")},
-                      "runs": runs, "vs_dp": summary, "targets": targets}))
+                      "runs": runs, "vs_dp": summary, "vs_torchft": vs_torchft, "targets": targets,
+                      "load_avg": [round(x, 2) for x in os.getloadavg()]}))
 
 
 if __name__ == "__main__":

@@ -102,19 +102,25 @@ def run_jobs(jobs: list[tuple[str, dict]], world: int, root: str,
         p.start()
     got: dict[str, dict[int, dict]] = {}
     reported = [label for label, _ in jobs if label != "warmup"]
-    for _ in range(world * len(reported)):
-        while True:
-            try:
-                rank, label, figures = out.get(timeout=5)
-                break
-            except queue.Empty:  # a rank that died (a config it refused) ends the benchmark
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    for p in procs:
-                        p.kill()
-                    sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    for rank, label, figures in collect(procs, out, world * len(reported)):
         got.setdefault(label, {})[rank] = figures
         if len(got[label]) == world:
             print(f"  {label}: done", file=sys.stderr, flush=True)
     for p in procs:
         p.join()
     return got
+
+
+def collect(procs: list, out, count: int):
+    """The next `count` items the spawned `procs` put on `out`, as they come; exits the
+    benchmark if one of them dies first (a config it refused, a peer that failed)."""
+    for _ in range(count):
+        while True:
+            try:
+                yield out.get(timeout=5)
+                break
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    for p in procs:
+                        p.kill()
+                    sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")

@@ -45,6 +45,13 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def wchar_bytes() -> int:
+    """Bytes this process (all its threads) handed to write()/writev() so far (/proc/self/io):
+    gloo's TCP transport sends so, and so does every other socket and file writer."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
