@@ -49,6 +49,9 @@ def _conjugate(name: str, forward, backward, doc: str):
     """An autograd function of (x, mesh, axis) doing `forward` and, on the gradient,
     `backward` (each a function of (tensor, mesh, axis))."""
 
+    # eager inside a compiled block (train.compile): dynamo cannot trace the collective of
+    # either direction, so the whole function is one graph break, not a trace cut inside it
+    @torch.compiler.disable
     def fwd(ctx, x, mesh, axis):
         ctx.mesh, ctx.axis = mesh, axis
         out = forward(x, mesh, axis)
