@@ -50,14 +50,19 @@ def _conjugate(name: str, forward, backward, doc: str):
     `backward` (each a function of (tensor, mesh, axis))."""
 
     # eager inside a compiled block (train.compile): dynamo cannot trace the collective of
-    # either direction, so the whole function is one graph break, not a trace cut inside it
+    # either direction, so the whole function is one graph break, not a trace cut inside it.
+    # `fwd` itself stays a plain function: autograd.Function refuses keyword arguments to a
+    # forward that torch.compiler.disable wrapped (torch 2.13)
     @torch.compiler.disable
-    def fwd(ctx, x, mesh, axis):
+    def eager(ctx, x, mesh, axis):
         ctx.mesh, ctx.axis = mesh, axis
         out = forward(x, mesh, axis)
         if out is x:  # changed in place (`_summed`): autograd must know
             ctx.mark_dirty(x)
         return out
+
+    def fwd(ctx, x, mesh, axis):
+        return eager(ctx, x, mesh, axis)
 
     def bwd(ctx, grad):
         return backward(grad, ctx.mesh, ctx.axis), None, None
