@@ -32,7 +32,7 @@ import statistics
 import time
 
 import torch
-from ddp import Trainer, build_cfg_dict
+from ddp import Trainer, add_config_arguments, build_cfg_dict
 from worlds import (
     World,
     closing_worlds,
@@ -118,13 +118,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps at the start of each world (the first compiles)")
-    parser.add_argument("--small", action="store_true", help="a tiny GPT (the smoke test)")
+    add_config_arguments(parser)
     parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor",
                         help="torch.compile's backend for both compiled engines")
-    parser.add_argument("--global-batch", type=int, default=None, help="default: the trainer's")
-    parser.add_argument("--micro-batch", type=int, default=None, help="default: the trainer's")
-    parser.add_argument("--bucket-mb", type=float, default=4.0,
-                        help="loomtrain's bucket_mb = DDP's bucket_cap_mb")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="fail if a world gives no result for this long (compiling included)")
     args = parser.parse_args(argv)
