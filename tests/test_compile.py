@@ -23,13 +23,15 @@ STEPS = 4
 # 2e-8 to 1e-7 relative over 6 steps; aot_eager runs the same kernels, bit for bit
 TOLERANCE = 1e-5
 NO_BREAKS = [{}, {"zero_stage": 3, "recompute": "full"}, {"pp": 2}]
-# each forward call of these is one graph break: tp's Megatron f and g, the cp kernel
+# each forward call of these is one graph break: tp's Megatron f and g, the cp kernel, the
+# functions made eager on purpose (their qualified names, as dynamo's reasons give them)
 BREAKING = [{"tp": 2}, {"cp": 2}]
+EAGER = ("_conjugate.<locals>.eager", "SequenceRuntime._core_for.<locals>.core")
 
 
 def _compiled_and_eager(rank, world, trees, root):
     """Train every config in turn; rank 0 returns per run its losses, what the meter counted
-    per (axis, op) and the reasons of dynamo's graph breaks, {reason's first line: count}."""
+    per (axis, op) and the reasons of dynamo's graph breaks, {reason: count}."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -45,7 +47,7 @@ def _compiled_and_eager(rank, world, trees, root):
         mesh = init_distributed(cfg)
         train_loop(cfg, run_dir, None, mesh, StopFlag())
         metered = {key: (c.calls, c.wire_bytes) for key, c in mesh.meter.counts.items()}
-        breaks = {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()}
+        breaks = dict(counters["graph_break"])
         out.append(([r["loss"] for r in read_metrics(run_dir)], metered, breaks))
     return out if rank == 0 else None
 
@@ -72,7 +74,8 @@ def test_compiled_blocks_reproduce_eager_runs_under_every_axis(tmp_path, corpus)
         if layout in NO_BREAKS:  # whole blocks in one graph: ZeRO's gathers run in its hooks
             assert breaks == {}, (layout, breaks)
         else:
-            assert breaks and all("disable()" in reason for reason in breaks), (layout, breaks)
+            assert breaks and all(any(f"`{name}`" in reason for name in EAGER)
+                                  for reason in breaks), (layout, breaks)
 
 
 def test_inductor_compiled_blocks_reproduce_the_eager_run(tmp_path, corpus, monkeypatch):

@@ -23,8 +23,11 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 # Every op runs eagerly inside a compiled function (train.compile, parallel/compile.py): dynamo
 # stops its graph at the call (a graph break) and resumes after it, so the op is counted, timed
 # and checked here exactly as in an eager run. Traced, dynamo would try the accounting's Python
-# (the meter, the clock, the ring tags) and break at an arbitrary line of it instead.
-_eager = torch.compiler.disable
+# (the meter, the clock, the ring tags) and break at an arbitrary line of it instead. This is
+# torch.compiler.disable in torch's own lazy form (torch/_compile.py, what torch.optim uses):
+# dynamo is imported on the first call, not here, so that a process that never runs a
+# collective (the dry run, the planner) does not spend the seconds importing it takes.
+_eager = torch._disable_dynamo
 
 
 class _Shapes(threading.local):

@@ -50,10 +50,10 @@ def _conjugate(name: str, forward, backward, doc: str):
     `backward` (each a function of (tensor, mesh, axis))."""
 
     # eager inside a compiled block (train.compile): dynamo cannot trace the collective of
-    # either direction, so the whole function is one graph break, not a trace cut inside it.
-    # `fwd` itself stays a plain function: autograd.Function refuses keyword arguments to a
-    # forward that torch.compiler.disable wrapped (torch 2.13)
-    @torch.compiler.disable
+    # either direction, so the whole function is one graph break, not a trace cut inside it
+    # (torch.compiler.disable's lazy form: comm/collectives.py). `fwd` itself stays a plain
+    # function: autograd.Function refuses keyword arguments to a wrapped forward (torch 2.13)
+    @torch._disable_dynamo
     def eager(ctx, x, mesh, axis):
         ctx.mesh, ctx.axis = mesh, axis
         out = forward(x, mesh, axis)
