@@ -227,6 +227,15 @@ def summarize(rounds: dict[str, list[dict]], first_loss: dict[str, float], cfg_d
     return out
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options `build_cfg_dict` reads."""
+    parser.add_argument("--small", action="store_true", help="a tiny GPT (for the smoke test)")
+    parser.add_argument("--global-batch", type=int, default=None, help="default: the trainer's")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: the trainer's")
+    parser.add_argument("--bucket-mb", type=float, default=4.0,
+                        help="loomtrain's bucket_mb = DDP's bucket_cap_mb (4: overlap exercised)")
+
+
 def build_cfg_dict(args) -> dict:
     """The trainer's defaults, except what the command line sets; validated by the config."""
     train = {k: v for k, v in (("global_batch", args.global_batch),
@@ -243,13 +252,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps at the start of each engine's world")
-    parser.add_argument("--small", action="store_true", help="a tiny GPT (for the smoke test)")
-    parser.add_argument("--global-batch", type=int, default=None, help="default: the trainer's")
-    parser.add_argument("--micro-batch", type=int, default=None, help="default: the trainer's")
+    add_config_arguments(parser)
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="fail if a world gives no result for this long")
-    parser.add_argument("--bucket-mb", type=float, default=4.0,
-                        help="loomtrain's bucket_mb = DDP's bucket_cap_mb (4: overlap exercised)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 1:
         parser.error("--rounds, --steps and --warmup must be at least 1 (the first step is the "

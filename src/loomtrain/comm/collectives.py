@@ -20,6 +20,15 @@ from loomtrain.comm.meter import wire_bytes
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
+# Every op runs eagerly inside a compiled function (train.compile, parallel/compile.py): dynamo
+# stops its graph at the call (a graph break) and resumes after it, so the op is counted, timed
+# and checked here exactly as in an eager run. Traced, dynamo would try the accounting's Python
+# (the meter, the clock, the ring tags) and break at an arbitrary line of it instead. This is
+# torch.compiler.disable in torch's own lazy form (torch/_compile.py, what torch.optim uses):
+# dynamo is imported on the first call, not here, so that a process that never runs a
+# collective (the dry run, the planner) does not spend the seconds importing it takes.
+_eager = torch._disable_dynamo
+
 
 class _Shapes(threading.local):
     only = False
@@ -169,6 +178,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@_eager
 def all_reduce(tensor: torch.Tensor, mesh, axis: str, op: str = "sum", async_op: bool = False,
                diagnostic: bool = False):
     """In-place all-reduce of `tensor` over `axis` (ring: 2(N-1)/N x S on the wire).
@@ -186,6 +196,7 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op: str = "sum", async_op:
     )
 
 
+@_eager
 def broadcast(tensor: torch.Tensor, mesh, axis: str, src_local: int = 0, async_op: bool = False,
               name: str = "broadcast"):
     """Broadcast from the axis member with local index `src_local` (gloo: a binomial tree).
@@ -201,6 +212,7 @@ def broadcast(tensor: torch.Tensor, mesh, axis: str, src_local: int = 0, async_o
     )
 
 
+@_eager
 def send(tensor: torch.Tensor, mesh, axis: str, dst_local: int, async_op: bool = False,
          tag: int = 0):
     """Point-to-point send to the axis member with local index `dst_local`. gloo matches a
@@ -213,6 +225,7 @@ def send(tensor: torch.Tensor, mesh, axis: str, dst_local: int, async_op: bool =
     )
 
 
+@_eager
 def recv(tensor: torch.Tensor, mesh, axis: str, src_local: int, async_op: bool = False,
          tag: int = 0):
     """Point-to-point receive from the axis member with local index `src_local` (sends nothing;
@@ -328,6 +341,7 @@ def _run_chunked(mesh, axis: str, name: str, payload: int, impl: str, async_op: 
     return _start(mesh, name, axis, payload, ring_algorithm, call, async_op)
 
 
+@_eager
 def all_gather(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
                async_op: bool = False, impl: str = "auto"):
     """`output` = every axis member's `input`, concatenated in group order.
@@ -348,6 +362,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
                         (output, input))
 
 
+@_eager
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh, axis: str, op: str = "sum",
                    async_op: bool = False, impl: str = "auto"):
     """`output` = chunk (my index on `axis`) of the reduction of every member's `input`.
@@ -370,6 +385,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, mesh, axis: str, o
                         (output, input), op=op)
 
 
+@_eager
 def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
                async_op: bool = False, impl: str = "auto"):
     """Chunk j of `input` goes to member j; chunk j of `output` comes from member j.
@@ -390,6 +406,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, mesh, axis: str,
                         (output, input))
 
 
+@_eager
 def all_to_all_uneven(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                       input_splits: list[int], mesh, axis: str) -> None:
     """An all-to-all of rows in uneven chunks (alltoallv, which gloo and NCCL both run):

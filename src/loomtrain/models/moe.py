@@ -45,6 +45,10 @@ def row_offsets(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32)
 
 
+# eager inside a compiled block (train.compile): torch 2.13's fake-tensor rule for _grouped_mm
+# accepts bf16 inputs only, though the CPU kernel multiplies fp32, so dynamo cannot trace it
+# (torch.compiler.disable's lazy form, which leaves dynamo unimported until it is called)
+@torch._disable_dynamo
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of `x` sorted by expert (`counts[e]` rows for expert e) times their expert's matrix

@@ -88,8 +88,9 @@ class ActivationOffload(Component):
     switches = (Switch("parallel.offload_activations", 0.0),)
     summary = "the saved activations of the first blocks wait in host memory"
     # after recomputation, so outside its checkpoint: the stash gets what the checkpoint
-    # saves (the block's input), and the rerun in backward saves nothing through it
-    stage = CONTEXT + 6
+    # saves (the block's input), and the rerun in backward saves nothing through it; after
+    # compilation, so outside the compiled forward, whose saved tensors it stashes
+    stage = CONTEXT + 7
     refuses = {
         "asyncsgd": Refusal("activation offload runs with data, tensor and context parallelism "
                             "and ZeRO today"),

@@ -49,12 +49,20 @@ def _conjugate(name: str, forward, backward, doc: str):
     """An autograd function of (x, mesh, axis) doing `forward` and, on the gradient,
     `backward` (each a function of (tensor, mesh, axis))."""
 
-    def fwd(ctx, x, mesh, axis):
+    # eager inside a compiled block (train.compile): dynamo cannot trace the collective of
+    # either direction, so the whole function is one graph break, not a trace cut inside it
+    # (torch.compiler.disable's lazy form: comm/collectives.py). `fwd` itself stays a plain
+    # function: autograd.Function refuses keyword arguments to a wrapped forward (torch 2.13)
+    @torch._disable_dynamo
+    def eager(ctx, x, mesh, axis):
         ctx.mesh, ctx.axis = mesh, axis
         out = forward(x, mesh, axis)
         if out is x:  # changed in place (`_summed`): autograd must know
             ctx.mark_dirty(x)
         return out
+
+    def fwd(ctx, x, mesh, axis):
+        return eager(ctx, x, mesh, axis)
 
     def bwd(ctx, grad):
         return backward(grad, ctx.mesh, ctx.axis), None, None

@@ -10,6 +10,7 @@ from loomtrain.comm.config import SimulatedLink
 from loomtrain.component import Component, Refusal, Switch
 from loomtrain.data.config import ByFile, Digits
 from loomtrain.lowcomm.config import Lowcomm
+from loomtrain.parallel.compile import Compile
 from loomtrain.parallel.config import DataParallelComponent
 from loomtrain.parallel.expert.config import ExpertParallel, Experts
 from loomtrain.parallel.offload import ActivationOffload
@@ -43,11 +44,12 @@ class Timeline(Component):
 
 
 # The order of their keys in a shared section and of their checks: the mesh first, then the
-# apply order (tensor and sequence parallel, ZeRO, the pipeline split, context parallel, the
-# replica methods), the training modes, the data and the run's own features.
+# apply order (tensor and sequence parallel, ZeRO, the pipeline split, context parallel,
+# recomputation, compilation, the replica methods), the training modes, the data and the
+# run's own features.
 COMPONENTS: tuple[type[Component], ...] = (
     DataParallelComponent, TensorParallel, ExpertParallel, Zero, BF16, SimulatedLink, AsyncSGD, Straggler,
-    Pipeline, AsyncPipeline, Context, Packing, Balance, Recompute, ActivationOffload,
+    Pipeline, AsyncPipeline, Context, Packing, Balance, Recompute, Compile, ActivationOffload,
     Lowcomm, Compression, Sparsity, Experts,
     Digits, ByFile, InitFrom, Zeroth, Plan, Timeline,
 )

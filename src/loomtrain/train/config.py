@@ -56,6 +56,11 @@ class TrainConfig(Section):
     # a run folder (its newest checkpoint) or a checkpoint folder: the model starts from its
     # weights, the rest of the run is new (step 0, optimizer, schedule); train/init_from.py
     init_from: str | None = Field(None, min_length=1)
+    # every block's forward through torch.compile (parallel/compile.py); "inductor" generates
+    # fused kernels (C++ on the CPU, Triton on CUDA), "aot_eager" runs the same traced graphs,
+    # forward and backward, with torch's own kernels and compiles in seconds
+    compile: bool = False
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
 
 
 class CheckpointConfig(Section):

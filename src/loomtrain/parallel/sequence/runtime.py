@@ -103,6 +103,11 @@ class SequenceRuntime:
 
             kernel = partial(lasp_attention, decay=decay)
 
+        # eager inside a compiled block (train.compile): the kernel reads this micro-batch's
+        # context, and the ring's loop exchanges blocks between its steps; dynamo would guard
+        # on every context and break inside the loop, so the core is one graph break instead
+        # (torch.compiler.disable's lazy form: comm/collectives.py)
+        @torch._disable_dynamo
         def core(q, k, v):
             assert self.context is not None, "SequenceRuntime.shard must run before the forward"
             return kernel(q, k, v, self.context)
