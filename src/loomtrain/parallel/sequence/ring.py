@@ -1,10 +1,14 @@
 """Ring attention: exact causal attention over a sequence sharded around a ring of ranks (Liu,
 Zaharia & Abbeel, arXiv 2310.01889), blocks merged by the online softmax (Milakov &
 Gimelshein, arXiv 1805.02867), masked zig-zag tiles skipped, and flash-attention's backward
-per tile (Dao et al., arXiv 2205.14135). The formulas: docs/sequence.md, "Ring attention".
+per tile (Dao et al., arXiv 2205.14135). On CPU each tile runs torch's fused flash-attention
+kernel, which returns the tile's log-sum-exp, and its fused backward; elsewhere the tiles are
+explicit fp32 products. The formulas: docs/sequence.md, "Ring attention".
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -17,10 +21,16 @@ def _halves(t: int) -> list[slice]:
     return [slice(0, t)] if t < 2 or t % 2 else [slice(0, t // 2), slice(t // 2, t)]
 
 
-def block_tiles(seq: SeqContext, source: int, device=None) -> list[tuple[slice, slice, object]]:
-    """The tiles of my queries x member `source`'s keys worth computing: (query rows, key rows,
-    mask) with mask (b or 1, 1, tq, tk), or None when the tile is fully visible; tiles the mask
-    hides entirely are left out. Pure: depends on positions and documents only. The plan is made
+class Tile(NamedTuple):
+    rows: slice  # my query rows
+    cols: slice  # the source block's key rows
+    mask: torch.Tensor | None  # (b or 1, 1, tq, tk) boolean; None: every key visible
+    causal: bool  # the mask is exactly causal from the tile's first row and column
+
+
+def block_tiles(seq: SeqContext, source: int, device=None) -> list[Tile]:
+    """The tiles of my queries x member `source`'s keys worth computing; tiles the mask hides
+    entirely are left out. Pure: depends on positions and documents only. The plan is made
     where the positions live (the CPU), so that deciding costs no device synchronisation; only
     the masks kept move to `device`."""
     visible = seq.visible(seq.me, source)
@@ -28,9 +38,36 @@ def block_tiles(seq: SeqContext, source: int, device=None) -> list[tuple[slice, 
     for rows in _halves(visible.shape[-2]):
         for cols in _halves(visible.shape[-1]):
             mask = visible[:, rows, cols]
-            if mask.any():
-                tiles.append((rows, cols, None if mask.all() else mask[:, None].to(device)))
+            if mask.all():
+                tiles.append(Tile(rows, cols, None, False))
+            elif mask.any():
+                tiles.append(Tile(rows, cols, mask[:, None].to(device), _is_causal(mask)))
     return tiles
+
+
+def _is_causal(mask: torch.Tensor) -> bool:
+    """Whether a (b or 1, tq, tk) mask is the square lower triangle (a zig-zag chunk against
+    itself without documents or window): the fused kernel's is_causal, no mask to read."""
+    tq, tk = mask.shape[-2:]
+    return tq == tk and bool((mask == torch.ones(tq, tk, dtype=torch.bool).tril()).all())
+
+
+def coalesced(tiles: list[Tile]) -> list[Tile]:
+    """Two fully visible tiles side by side (the same rows, adjacent keys, or the same keys,
+    adjacent rows) as one: one fused call and one merge instead of two. Under zig-zag every
+    other member's block is two such tiles."""
+    out: list[Tile] = []
+    for tile in tiles:
+        last = out[-1] if out else None
+        if last is None or tile.mask is not None or last.mask is not None:
+            out.append(tile)
+        elif last.rows == tile.rows and last.cols.stop == tile.cols.start:
+            out[-1] = Tile(last.rows, slice(last.cols.start, tile.cols.stop), None, False)
+        elif last.cols == tile.cols and last.rows.stop == tile.rows.start:
+            out[-1] = Tile(slice(last.rows.start, tile.rows.stop), last.cols, None, False)
+        else:
+            out.append(tile)
+    return out
 
 
 def _scores(q, k, mask, scale):
@@ -43,9 +80,28 @@ def _finite(x):
     return x.masked_fill(x == NEG_INF, 0.0)
 
 
-def tile_forward(q, k, v, mask, scale):
+def _fused(q) -> bool:
+    """Whether the tiles run torch's fused flash-attention kernel: its CPU form returns the
+    log-sum-exp and takes an additive mask (aten._scaled_dot_product_flash_attention_for_cpu)."""
+    return q.device.type == "cpu"
+
+
+def _bias(mask, dtype):
+    """The fused kernel's mask: additive, in the queries' dtype (0 visible, -inf hidden)."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, NEG_INF)
+
+
+def tile_forward(q, k, v, mask, scale, causal=False):
     """Softmax attention of one tile: (out, lse) in fp32; a row with no visible key gets
-    out = 0 and lse = -inf, the identity of the merge."""
+    out = 0 and lse = -inf, the identity of the merge. `causal`: the mask is the lower
+    triangle (the fused kernel then reads no mask)."""
+    if _fused(q):
+        fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = fused(q, k, v, 0.0, causal, attn_mask=None if causal else _bias(mask, q.dtype),
+                         scale=scale)
+        if mask is not None and not causal:  # the kernel gives a row with no key lse 0
+            lse = lse.masked_fill(~mask.any(-1), NEG_INF)
+        return out.float(), lse
     s = _scores(q, k, mask, scale)
     top = _finite(s.amax(-1, keepdim=True))
     p = torch.exp(s - top)
@@ -64,8 +120,15 @@ def merge(out, lse, rows, part_out, part_lse) -> None:
     lse[..., rows] = new
 
 
-def tile_backward(q, k, v, dout, lse, delta, mask, scale):
-    """Gradients (dq, dk, dv) of one tile in fp32, from the final lse and delta = rowsum(dO*O)."""
+def tile_backward(q, k, v, dout, out, lse, delta, mask, scale, causal=False):
+    """Gradients (dq, dk, dv) of one tile in fp32, from the final out and lse and delta =
+    rowsum(dO*O): the fused backward computes delta itself from `out` (q's dtype), the
+    explicit one takes `delta`."""
+    if _fused(q):
+        fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grads = fused(dout, q, k, v, out, lse, 0.0, causal,
+                      attn_mask=None if causal else _bias(mask, q.dtype), scale=scale)
+        return tuple(g.float() for g in grads)
     p = torch.exp(_scores(q, k, mask, scale) - _finite(lse)[..., None])
     dout = dout.float()
     dv = p.transpose(-2, -1) @ dout
@@ -94,8 +157,9 @@ def _forward(q, k, v, seq: SeqContext):
         # the pair written now was sent on in the previous step, and that send is complete
         pending = ring.shift(current, buffers[step % 2]) if step < n - 1 else []
         kb, vb = (grouped_kv(x, h) for x in current)  # grouped kv heads travel unrepeated
-        for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
-            part = tile_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
+        for rows, cols, mask, causal in coalesced(block_tiles(seq, (seq.me - step) % n, q.device)):
+            part = tile_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale,
+                                causal)
             merge(out, lse, rows, *part)
         for p in pending:
             p.wait()
@@ -107,6 +171,7 @@ def _backward(dout, q, k, v, out, lse, seq: SeqContext):
     ring, n = _ring_of(seq)
     scale = q.shape[-1] ** -0.5
     delta = (dout.float() * out).sum(-1)
+    dout, out = dout.contiguous(), out.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     current = [k.contiguous(), v.contiguous()]
     buffers = [[torch.empty_like(x) for x in current] for _ in range(2)]
@@ -117,10 +182,10 @@ def _backward(dout, q, k, v, out, lse, seq: SeqContext):
         dk = torch.zeros(current[0].shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
         kb, vb = (grouped_kv(x, q.shape[1]) for x in current)
-        for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
+        for rows, cols, mask, causal in coalesced(block_tiles(seq, (seq.me - step) % n, q.device)):
             dq_t, dk_t, dv_t = tile_backward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :],
-                                             dout[..., rows, :], lse[..., rows], delta[..., rows],
-                                             mask, scale)
+                                             dout[..., rows, :], out[..., rows, :], lse[..., rows],
+                                             delta[..., rows], mask, scale, causal)
             dq[..., rows, :] += dq_t
             dk[..., cols, :] += fold_kv(dk_t, k.shape[1])
             dv[..., cols, :] += fold_kv(dv_t, k.shape[1])
