@@ -16,7 +16,14 @@ from loomtrain.parallel.sequence.context import (
     dense_attention,
     grouped_kv,
 )
-from loomtrain.parallel.sequence.ring import block_tiles, merge, ring_attention, tile_forward
+from loomtrain.parallel.sequence import ring as ring_module
+from loomtrain.parallel.sequence.ring import (
+    block_tiles,
+    coalesced,
+    merge,
+    ring_attention,
+    tile_forward,
+)
 from loomtrain.parallel.sequence.ulysses import check_heads, ulysses_attention
 
 B, HEADS, T, D = 2, 4, 32, 8
@@ -157,6 +164,43 @@ def test_zigzag_gives_every_member_the_same_tiles_and_contiguous_does_not():
         tiles = [sum(len(block_tiles(SeqContext(positions, me), src)) for src in range(n))
                  for me in range(n)]
         assert tiles == expected, (layout, tiles)
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_explicit_tiles_without_the_fused_kernel_are_dense_attention(monkeypatch, with_docs):
+    """Off the CPU the tiles are explicit fp32 products (no fused kernel with the lse there):
+    the same parity, run here by turning the fused kernel off."""
+    monkeypatch.setattr(ring_module, "_fused", lambda q: False)
+    docs = _docs() if with_docs else None
+    errs = _relative_errors(ring_attention, SeqContext.local(T, docs), docs)
+    assert max(errs) < RTOL, errs
+
+
+def _covered(seq: SeqContext, source: int) -> torch.Tensor:
+    """The (b, tq, tk) mask that the coalesced tile plan of `source`'s block computes."""
+    visible = torch.zeros(seq.visible(seq.me, source).shape, dtype=torch.bool)
+    for tile in coalesced(block_tiles(seq, source)):
+        part = visible[:, tile.rows, tile.cols]
+        if tile.causal:
+            part |= torch.ones(part.shape[-2:], dtype=torch.bool).tril()
+        else:
+            part |= True if tile.mask is None else tile.mask[:, 0]
+    return visible
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_tile_plan_covers_exactly_the_visible_keys(layout):
+    """The plan decides full, causal and skipped tiles from positions alone, and coalesces full
+    neighbours: what it computes is the mask, at every member and source, with and without
+    documents and a window."""
+    for n in (1, 2, 4):
+        positions = [chunk_positions(T, n, m, layout) for m in range(n)]
+        for docs, window in ((None, 0), (_docs(), 0), (None, 7), (_docs(), 7)):
+            for me in range(n):
+                seq = SeqContext(positions, me, docs, None, window)
+                for source in range(n):
+                    want = seq.visible(me, source).expand(B, -1, -1)
+                    assert torch.equal(_covered(seq, source).expand(B, -1, -1), want), (n, me, source)
 
 
 def test_a_query_that_sees_no_key_gets_zeros():

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from loomtrain.parallel.sequence.context import SeqContext, fold_kv, grouped_kv
+from loomtrain.parallel.sequence.context import SeqContext, fold_kv, grouped_kv, visible_mask
 
 NEG_INF = float("-inf")
 
@@ -24,32 +24,39 @@ def _halves(t: int) -> list[slice]:
 class Tile(NamedTuple):
     rows: slice  # my query rows
     cols: slice  # the source block's key rows
-    mask: torch.Tensor | None  # (b or 1, 1, tq, tk) boolean; None: every key visible
-    causal: bool  # the mask is exactly causal from the tile's first row and column
+    mask: torch.Tensor | None  # (b or 1, 1, tq, tk) boolean; None: no mask to read
+    causal: bool  # no mask, and each query sees the keys up to its own row (the lower triangle)
+
+    @property
+    def full(self) -> bool:
+        """Every query sees every key."""
+        return self.mask is None and not self.causal
 
 
 def block_tiles(seq: SeqContext, source: int, device=None) -> list[Tile]:
     """The tiles of my queries x member `source`'s keys worth computing; tiles the mask hides
     entirely are left out. Pure: depends on positions and documents only. The plan is made
     where the positions live (the CPU), so that deciding costs no device synchronisation; only
-    the masks kept move to `device`."""
-    visible = seq.visible(seq.me, source)
+    the masks kept move to `device`. Positions ascend within a member, so causality alone is
+    decided from a tile's positions without building its mask."""
+    mine, theirs = seq.positions[seq.me], seq.positions[source]
     tiles = []
-    for rows in _halves(visible.shape[-2]):
-        for cols in _halves(visible.shape[-1]):
-            mask = visible[:, rows, cols]
-            if mask.all():
+    for rows in _halves(len(mine)):
+        for cols in _halves(len(theirs)):
+            pq, pk = mine[rows], theirs[cols]
+            if pk[0] > pq[-1]:
+                continue  # every key after every query
+            if seq.dense and pk[-1] <= pq[0]:
                 tiles.append(Tile(rows, cols, None, False))
-            elif mask.any():
-                tiles.append(Tile(rows, cols, mask[:, None].to(device), _is_causal(mask)))
+            elif seq.dense and torch.equal(pq, pk):  # ascending: q_i sees k_j iff j <= i
+                tiles.append(Tile(rows, cols, None, True))
+            else:
+                mask = visible_mask(pq, pk, seq.docs, seq.window)
+                if mask.all():
+                    tiles.append(Tile(rows, cols, None, False))
+                elif mask.any():
+                    tiles.append(Tile(rows, cols, mask[:, None].to(device), False))
     return tiles
-
-
-def _is_causal(mask: torch.Tensor) -> bool:
-    """Whether a (b or 1, tq, tk) mask is the square lower triangle (a zig-zag chunk against
-    itself without documents or window): the fused kernel's is_causal, no mask to read."""
-    tq, tk = mask.shape[-2:]
-    return tq == tk and bool((mask == torch.ones(tq, tk, dtype=torch.bool).tril()).all())
 
 
 def coalesced(tiles: list[Tile]) -> list[Tile]:
@@ -59,7 +66,7 @@ def coalesced(tiles: list[Tile]) -> list[Tile]:
     out: list[Tile] = []
     for tile in tiles:
         last = out[-1] if out else None
-        if last is None or tile.mask is not None or last.mask is not None:
+        if last is None or not (tile.full and last.full):
             out.append(tile)
         elif last.rows == tile.rows and last.cols.stop == tile.cols.start:
             out[-1] = Tile(last.rows, slice(last.cols.start, tile.cols.stop), None, False)
@@ -70,8 +77,10 @@ def coalesced(tiles: list[Tile]) -> list[Tile]:
     return out
 
 
-def _scores(q, k, mask, scale):
+def _scores(q, k, mask, scale, causal):
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     return s if mask is None else s.masked_fill(~mask, NEG_INF)
 
 
@@ -93,16 +102,15 @@ def _bias(mask, dtype):
 
 def tile_forward(q, k, v, mask, scale, causal=False):
     """Softmax attention of one tile: (out, lse) in fp32; a row with no visible key gets
-    out = 0 and lse = -inf, the identity of the merge. `causal`: the mask is the lower
-    triangle (the fused kernel then reads no mask)."""
+    out = 0 and lse = -inf, the identity of the merge. `causal` (then `mask` is None): the
+    lower triangle."""
     if _fused(q):
         fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out, lse = fused(q, k, v, 0.0, causal, attn_mask=None if causal else _bias(mask, q.dtype),
-                         scale=scale)
-        if mask is not None and not causal:  # the kernel gives a row with no key lse 0
+        out, lse = fused(q, k, v, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
+        if mask is not None:  # the kernel gives a row with no visible key lse 0
             lse = lse.masked_fill(~mask.any(-1), NEG_INF)
         return out.float(), lse
-    s = _scores(q, k, mask, scale)
+    s = _scores(q, k, mask, scale, causal)
     top = _finite(s.amax(-1, keepdim=True))
     p = torch.exp(s - top)
     total = p.sum(-1, keepdim=True)
@@ -126,10 +134,10 @@ def tile_backward(q, k, v, dout, out, lse, delta, mask, scale, causal=False):
     explicit one takes `delta`."""
     if _fused(q):
         fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        grads = fused(dout, q, k, v, out, lse, 0.0, causal,
-                      attn_mask=None if causal else _bias(mask, q.dtype), scale=scale)
+        grads = fused(dout, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype),
+                      scale=scale)
         return tuple(g.float() for g in grads)
-    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse)[..., None])
+    p = torch.exp(_scores(q, k, mask, scale, causal) - _finite(lse)[..., None])
     dout = dout.float()
     dv = p.transpose(-2, -1) @ dout
     ds = p * (dout @ v.float().transpose(-2, -1) - delta[..., None])
