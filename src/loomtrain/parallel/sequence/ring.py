@@ -179,7 +179,7 @@ def _backward(dout, q, k, v, out, lse, seq: SeqContext):
     ring, n = _ring_of(seq)
     scale = q.shape[-1] ** -0.5
     delta = (dout.float() * out).sum(-1)
-    dout, out = dout.contiguous(), out.to(q.dtype)
+    out = out.to(q.dtype)  # the fused backward's out: q's dtype, as in flash-attention's own
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     current = [k.contiguous(), v.contiguous()]
     buffers = [[torch.empty_like(x) for x in current] for _ in range(2)]
