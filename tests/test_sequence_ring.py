@@ -153,6 +153,18 @@ def test_ring_kernel_without_a_ring_is_dense_attention(with_docs):
     assert max(errs) < RTOL, errs
 
 
+def test_the_fused_kernel_gets_one_call_per_block_under_zigzag():
+    """Causal rows without documents: a member's own block is one causal call and every other
+    member's visible block one full call, at every member."""
+    n = 4
+    positions = [chunk_positions(T, n, m, "zigzag") for m in range(n)]
+    for me in range(n):
+        seq = SeqContext(positions, me)
+        calls = [coalesced(block_tiles(seq, source), triangles=True) for source in range(n)]
+        assert [len(c) for c in calls] == [1] * n, (me, calls)
+        assert [c[0].causal for c in calls] == [source == me for source in range(n)]
+
+
 def test_zigzag_gives_every_member_the_same_tiles_and_contiguous_does_not():
     """Tiles computed per member over a whole ring pass (causal, no documents): zig-zag 3 of its
     own block (the diagonal chunks' upper halves hidden) and 2 of every other member's; contiguous
@@ -176,10 +188,10 @@ def test_explicit_tiles_without_the_fused_kernel_are_dense_attention(monkeypatch
     assert max(errs) < RTOL, errs
 
 
-def _covered(seq: SeqContext, source: int) -> torch.Tensor:
+def _covered(seq: SeqContext, source: int, triangles: bool) -> torch.Tensor:
     """The (b, tq, tk) mask that the coalesced tile plan of `source`'s block computes."""
     visible = torch.zeros(seq.visible(seq.me, source).shape, dtype=torch.bool)
-    for tile in coalesced(block_tiles(seq, source)):
+    for tile in coalesced(block_tiles(seq, source), triangles):
         part = visible[:, tile.rows, tile.cols]
         if tile.causal:
             part |= torch.ones(part.shape[-2:], dtype=torch.bool).tril()
@@ -191,16 +203,18 @@ def _covered(seq: SeqContext, source: int) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_the_tile_plan_covers_exactly_the_visible_keys(layout):
     """The plan decides full, causal and skipped tiles from positions alone, and coalesces full
-    neighbours: what it computes is the mask, at every member and source, with and without
-    documents and a window."""
+    neighbours (and, for the fused kernel, a block's own three tiles into one causal tile):
+    what it computes is the mask, at every member and source, with and without documents and
+    a window."""
     for n in (1, 2, 4):
         positions = [chunk_positions(T, n, m, layout) for m in range(n)]
         for docs, window in ((None, 0), (_docs(), 0), (None, 7), (_docs(), 7)):
             for me in range(n):
                 seq = SeqContext(positions, me, docs, None, window)
-                for source in range(n):
+                for source, triangles in [(s, t) for s in range(n) for t in (False, True)]:
                     want = seq.visible(me, source).expand(B, -1, -1)
-                    assert torch.equal(_covered(seq, source).expand(B, -1, -1), want), (n, me, source)
+                    got = _covered(seq, source, triangles).expand(B, -1, -1)
+                    assert torch.equal(got, want), (n, me, source, triangles)
 
 
 def test_a_query_that_sees_no_key_gets_zeros():

@@ -59,10 +59,13 @@ def block_tiles(seq: SeqContext, source: int, device=None) -> list[Tile]:
     return tiles
 
 
-def coalesced(tiles: list[Tile]) -> list[Tile]:
+def coalesced(tiles: list[Tile], triangles: bool = False) -> list[Tile]:
     """Two fully visible tiles side by side (the same rows, adjacent keys, or the same keys,
-    adjacent rows) as one: one fused call and one merge instead of two. Under zig-zag every
-    other member's block is two such tiles."""
+    adjacent rows) as one: one kernel call and one merge instead of two. Under zig-zag every
+    other member's block is two such tiles. With `triangles`, a block's own tiles, two causal
+    diagonal tiles around the full one below them, become one causal tile over the block: for
+    a kernel that skips the hidden key blocks itself (flash attention) one call instead of
+    three."""
     out: list[Tile] = []
     for tile in tiles:
         last = out[-1] if out else None
@@ -74,6 +77,12 @@ def coalesced(tiles: list[Tile]) -> list[Tile]:
             out[-1] = Tile(slice(last.rows.start, tile.rows.stop), last.cols, None, False)
         else:
             out.append(tile)
+    if triangles and len(out) == 3:
+        upper, below, lower = out
+        if (upper.causal and lower.causal and below.full and below.rows == lower.rows
+                and below.cols == upper.cols and upper.rows.stop == lower.rows.start):
+            whole = slice(upper.rows.start, lower.rows.stop)
+            return [Tile(whole, whole, None, True)]
     return out
 
 
@@ -97,7 +106,9 @@ def _fused(q) -> bool:
 
 def _bias(mask, dtype):
     """The fused kernel's mask: additive, in the queries' dtype (0 visible, -inf hidden)."""
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, NEG_INF)
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, NEG_INF)
 
 
 def tile_forward(q, k, v, mask, scale, causal=False):
@@ -165,7 +176,8 @@ def _forward(q, k, v, seq: SeqContext):
         # the pair written now was sent on in the previous step, and that send is complete
         pending = ring.shift(current, buffers[step % 2]) if step < n - 1 else []
         kb, vb = (grouped_kv(x, h) for x in current)  # grouped kv heads travel unrepeated
-        for rows, cols, mask, causal in coalesced(block_tiles(seq, (seq.me - step) % n, q.device)):
+        tiles = coalesced(block_tiles(seq, (seq.me - step) % n, q.device), _fused(q))
+        for rows, cols, mask, causal in tiles:
             part = tile_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale,
                                 causal)
             merge(out, lse, rows, *part)
@@ -190,7 +202,8 @@ def _backward(dout, q, k, v, out, lse, seq: SeqContext):
         dk = torch.zeros(current[0].shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
         kb, vb = (grouped_kv(x, q.shape[1]) for x in current)
-        for rows, cols, mask, causal in coalesced(block_tiles(seq, (seq.me - step) % n, q.device)):
+        tiles = coalesced(block_tiles(seq, (seq.me - step) % n, q.device), _fused(q))
+        for rows, cols, mask, causal in tiles:
             dq_t, dk_t, dv_t = tile_backward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :],
                                              dout[..., rows, :], out[..., rows, :], lse[..., rows],
                                              delta[..., rows], mask, scale, causal)
