@@ -16,7 +16,14 @@ from loomtrain.parallel.sequence.context import (
     dense_attention,
     grouped_kv,
 )
-from loomtrain.parallel.sequence.ring import block_tiles, merge, ring_attention, tile_forward
+from loomtrain.parallel.sequence import ring as ring_module
+from loomtrain.parallel.sequence.ring import (
+    block_tiles,
+    coalesced,
+    merge,
+    ring_attention,
+    tile_forward,
+)
 from loomtrain.parallel.sequence.ulysses import check_heads, ulysses_attention
 
 B, HEADS, T, D = 2, 4, 32, 8
@@ -146,6 +153,18 @@ def test_ring_kernel_without_a_ring_is_dense_attention(with_docs):
     assert max(errs) < RTOL, errs
 
 
+def test_the_fused_kernel_gets_one_call_per_block_under_zigzag():
+    """Causal rows without documents: a member's own block is one causal call and every other
+    member's visible block one full call, at every member."""
+    n = 4
+    positions = [chunk_positions(T, n, m, "zigzag") for m in range(n)]
+    for me in range(n):
+        seq = SeqContext(positions, me)
+        calls = [coalesced(block_tiles(seq, source), triangles=True) for source in range(n)]
+        assert [len(c) for c in calls] == [1] * n, (me, calls)
+        assert [c[0].causal for c in calls] == [source == me for source in range(n)]
+
+
 def test_zigzag_gives_every_member_the_same_tiles_and_contiguous_does_not():
     """Tiles computed per member over a whole ring pass (causal, no documents): zig-zag 3 of its
     own block (the diagonal chunks' upper halves hidden) and 2 of every other member's; contiguous
@@ -157,6 +176,45 @@ def test_zigzag_gives_every_member_the_same_tiles_and_contiguous_does_not():
         tiles = [sum(len(block_tiles(SeqContext(positions, me), src)) for src in range(n))
                  for me in range(n)]
         assert tiles == expected, (layout, tiles)
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_explicit_tiles_without_the_fused_kernel_are_dense_attention(monkeypatch, with_docs):
+    """Off the CPU the tiles are explicit fp32 products (no fused kernel with the lse there):
+    the same parity, run here by turning the fused kernel off."""
+    monkeypatch.setattr(ring_module, "_fused", lambda q: False)
+    docs = _docs() if with_docs else None
+    errs = _relative_errors(ring_attention, SeqContext.local(T, docs), docs)
+    assert max(errs) < RTOL, errs
+
+
+def _covered(seq: SeqContext, source: int, triangles: bool) -> torch.Tensor:
+    """The (b, tq, tk) mask that the coalesced tile plan of `source`'s block computes."""
+    visible = torch.zeros(seq.visible(seq.me, source).shape, dtype=torch.bool)
+    for tile in coalesced(block_tiles(seq, source), triangles):
+        part = visible[:, tile.rows, tile.cols]
+        if tile.causal:
+            part |= torch.ones(part.shape[-2:], dtype=torch.bool).tril()
+        else:
+            part |= True if tile.mask is None else tile.mask[:, 0]
+    return visible
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_tile_plan_covers_exactly_the_visible_keys(layout):
+    """The plan decides full, causal and skipped tiles from positions alone, and coalesces full
+    neighbours (and, for the fused kernel, a block's own three tiles into one causal tile):
+    what it computes is the mask, at every member and source, with and without documents and
+    a window."""
+    for n in (1, 2, 4):
+        positions = [chunk_positions(T, n, m, layout) for m in range(n)]
+        for docs, window in ((None, 0), (_docs(), 0), (None, 7), (_docs(), 7)):
+            for me in range(n):
+                seq = SeqContext(positions, me, docs, None, window)
+                for source, triangles in [(s, t) for s in range(n) for t in (False, True)]:
+                    want = seq.visible(me, source).expand(B, -1, -1)
+                    got = _covered(seq, source, triangles).expand(B, -1, -1)
+                    assert torch.equal(got, want), (n, me, source, triangles)
 
 
 def test_a_query_that_sees_no_key_gets_zeros():

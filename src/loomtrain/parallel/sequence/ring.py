@@ -1,14 +1,18 @@
 """Ring attention: exact causal attention over a sequence sharded around a ring of ranks (Liu,
 Zaharia & Abbeel, arXiv 2310.01889), blocks merged by the online softmax (Milakov &
 Gimelshein, arXiv 1805.02867), masked zig-zag tiles skipped, and flash-attention's backward
-per tile (Dao et al., arXiv 2205.14135). The formulas: docs/sequence.md, "Ring attention".
+per tile (Dao et al., arXiv 2205.14135). On CPU each tile runs torch's fused flash-attention
+kernel, which returns the tile's log-sum-exp, and its fused backward; elsewhere the tiles are
+explicit fp32 products. The formulas: docs/sequence.md, "Ring attention".
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from loomtrain.parallel.sequence.context import SeqContext, fold_kv, grouped_kv
+from loomtrain.parallel.sequence.context import SeqContext, fold_kv, grouped_kv, visible_mask
 
 NEG_INF = float("-inf")
 
@@ -17,24 +21,75 @@ def _halves(t: int) -> list[slice]:
     return [slice(0, t)] if t < 2 or t % 2 else [slice(0, t // 2), slice(t // 2, t)]
 
 
-def block_tiles(seq: SeqContext, source: int, device=None) -> list[tuple[slice, slice, object]]:
-    """The tiles of my queries x member `source`'s keys worth computing: (query rows, key rows,
-    mask) with mask (b or 1, 1, tq, tk), or None when the tile is fully visible; tiles the mask
-    hides entirely are left out. Pure: depends on positions and documents only. The plan is made
+class Tile(NamedTuple):
+    rows: slice  # my query rows
+    cols: slice  # the source block's key rows
+    mask: torch.Tensor | None  # (b or 1, 1, tq, tk) boolean; None: no mask to read
+    causal: bool  # no mask, and each query sees the keys up to its own row (the lower triangle)
+
+    @property
+    def full(self) -> bool:
+        """Every query sees every key."""
+        return self.mask is None and not self.causal
+
+
+def block_tiles(seq: SeqContext, source: int, device=None) -> list[Tile]:
+    """The tiles of my queries x member `source`'s keys worth computing; tiles the mask hides
+    entirely are left out. Pure: depends on positions and documents only. The plan is made
     where the positions live (the CPU), so that deciding costs no device synchronisation; only
-    the masks kept move to `device`."""
-    visible = seq.visible(seq.me, source)
+    the masks kept move to `device`. Positions ascend within a member, so causality alone is
+    decided from a tile's positions without building its mask."""
+    mine, theirs = seq.positions[seq.me], seq.positions[source]
     tiles = []
-    for rows in _halves(visible.shape[-2]):
-        for cols in _halves(visible.shape[-1]):
-            mask = visible[:, rows, cols]
-            if mask.any():
-                tiles.append((rows, cols, None if mask.all() else mask[:, None].to(device)))
+    for rows in _halves(len(mine)):
+        for cols in _halves(len(theirs)):
+            pq, pk = mine[rows], theirs[cols]
+            if pk[0] > pq[-1]:
+                continue  # every key after every query
+            if seq.dense and pk[-1] <= pq[0]:
+                tiles.append(Tile(rows, cols, None, False))
+            elif seq.dense and torch.equal(pq, pk):  # ascending: q_i sees k_j iff j <= i
+                tiles.append(Tile(rows, cols, None, True))
+            else:
+                mask = visible_mask(pq, pk, seq.docs, seq.window)
+                if mask.all():
+                    tiles.append(Tile(rows, cols, None, False))
+                elif mask.any():
+                    tiles.append(Tile(rows, cols, mask[:, None].to(device), False))
     return tiles
 
 
-def _scores(q, k, mask, scale):
+def coalesced(tiles: list[Tile], triangles: bool = False) -> list[Tile]:
+    """Two fully visible tiles side by side (the same rows, adjacent keys, or the same keys,
+    adjacent rows) as one: one kernel call and one merge instead of two. Under zig-zag every
+    other member's block is two such tiles. With `triangles`, a block's own tiles, two causal
+    diagonal tiles around the full one below them, become one causal tile over the block: for
+    a kernel that skips the hidden key blocks itself (flash attention) one call instead of
+    three."""
+    out: list[Tile] = []
+    for tile in tiles:
+        last = out[-1] if out else None
+        if last is None or not (tile.full and last.full):
+            out.append(tile)
+        elif last.rows == tile.rows and last.cols.stop == tile.cols.start:
+            out[-1] = Tile(last.rows, slice(last.cols.start, tile.cols.stop), None, False)
+        elif last.cols == tile.cols and last.rows.stop == tile.rows.start:
+            out[-1] = Tile(slice(last.rows.start, tile.rows.stop), last.cols, None, False)
+        else:
+            out.append(tile)
+    if triangles and len(out) == 3:
+        upper, below, lower = out
+        if (upper.causal and lower.causal and below.full and below.rows == lower.rows
+                and below.cols == upper.cols and upper.rows.stop == lower.rows.start):
+            whole = slice(upper.rows.start, lower.rows.stop)
+            return [Tile(whole, whole, None, True)]
+    return out
+
+
+def _scores(q, k, mask, scale, causal):
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     return s if mask is None else s.masked_fill(~mask, NEG_INF)
 
 
@@ -43,10 +98,30 @@ def _finite(x):
     return x.masked_fill(x == NEG_INF, 0.0)
 
 
-def tile_forward(q, k, v, mask, scale):
+def _fused(q) -> bool:
+    """Whether the tiles run torch's fused flash-attention kernel: its CPU form returns the
+    log-sum-exp and takes an additive mask (aten._scaled_dot_product_flash_attention_for_cpu)."""
+    return q.device.type == "cpu"
+
+
+def _bias(mask, dtype):
+    """The fused kernel's mask: additive, in the queries' dtype (0 visible, -inf hidden)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, NEG_INF)
+
+
+def tile_forward(q, k, v, mask, scale, causal=False):
     """Softmax attention of one tile: (out, lse) in fp32; a row with no visible key gets
-    out = 0 and lse = -inf, the identity of the merge."""
-    s = _scores(q, k, mask, scale)
+    out = 0 and lse = -inf, the identity of the merge. `causal` (then `mask` is None): the
+    lower triangle."""
+    if _fused(q):
+        fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = fused(q, k, v, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
+        if mask is not None:  # the kernel gives a row with no visible key lse 0
+            lse = lse.masked_fill(~mask.any(-1), NEG_INF)
+        return out.float(), lse
+    s = _scores(q, k, mask, scale, causal)
     top = _finite(s.amax(-1, keepdim=True))
     p = torch.exp(s - top)
     total = p.sum(-1, keepdim=True)
@@ -64,9 +139,16 @@ def merge(out, lse, rows, part_out, part_lse) -> None:
     lse[..., rows] = new
 
 
-def tile_backward(q, k, v, dout, lse, delta, mask, scale):
-    """Gradients (dq, dk, dv) of one tile in fp32, from the final lse and delta = rowsum(dO*O)."""
-    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse)[..., None])
+def tile_backward(q, k, v, dout, out, lse, delta, mask, scale, causal=False):
+    """Gradients (dq, dk, dv) of one tile in fp32, from the final out and lse and delta =
+    rowsum(dO*O): the fused backward computes delta itself from `out` (q's dtype), the
+    explicit one takes `delta`."""
+    if _fused(q):
+        fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grads = fused(dout, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype),
+                      scale=scale)
+        return tuple(g.float() for g in grads)
+    p = torch.exp(_scores(q, k, mask, scale, causal) - _finite(lse)[..., None])
     dout = dout.float()
     dv = p.transpose(-2, -1) @ dout
     ds = p * (dout @ v.float().transpose(-2, -1) - delta[..., None])
@@ -94,8 +176,10 @@ def _forward(q, k, v, seq: SeqContext):
         # the pair written now was sent on in the previous step, and that send is complete
         pending = ring.shift(current, buffers[step % 2]) if step < n - 1 else []
         kb, vb = (grouped_kv(x, h) for x in current)  # grouped kv heads travel unrepeated
-        for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
-            part = tile_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale)
+        tiles = coalesced(block_tiles(seq, (seq.me - step) % n, q.device), _fused(q))
+        for rows, cols, mask, causal in tiles:
+            part = tile_forward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :], mask, scale,
+                                causal)
             merge(out, lse, rows, *part)
         for p in pending:
             p.wait()
@@ -107,6 +191,7 @@ def _backward(dout, q, k, v, out, lse, seq: SeqContext):
     ring, n = _ring_of(seq)
     scale = q.shape[-1] ** -0.5
     delta = (dout.float() * out).sum(-1)
+    out = out.to(q.dtype)  # the fused backward's out: q's dtype, as in flash-attention's own
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     current = [k.contiguous(), v.contiguous()]
     buffers = [[torch.empty_like(x) for x in current] for _ in range(2)]
@@ -117,10 +202,11 @@ def _backward(dout, q, k, v, out, lse, seq: SeqContext):
         dk = torch.zeros(current[0].shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
         kb, vb = (grouped_kv(x, q.shape[1]) for x in current)
-        for rows, cols, mask in block_tiles(seq, (seq.me - step) % n, q.device):
+        tiles = coalesced(block_tiles(seq, (seq.me - step) % n, q.device), _fused(q))
+        for rows, cols, mask, causal in tiles:
             dq_t, dk_t, dv_t = tile_backward(q[..., rows, :], kb[..., cols, :], vb[..., cols, :],
-                                             dout[..., rows, :], lse[..., rows], delta[..., rows],
-                                             mask, scale)
+                                             dout[..., rows, :], out[..., rows, :], lse[..., rows],
+                                             delta[..., rows], mask, scale, causal)
             dq[..., rows, :] += dq_t
             dk[..., cols, :] += fold_kv(dk_t, k.shape[1])
             dv[..., cols, :] += fold_kv(dv_t, k.shape[1])
