@@ -1,11 +1,10 @@
 """Per-block compilation (`train.compile`): every block's forward (a transformer block's, the
 MLP's residual block's) goes through `torch.compile`, as TorchTitan compiles each
 TransformerBlock (`apply_compile`, after tensor parallelism and activation checkpointing,
-before FSDP). The blocks of a model are alike, so
-the graphs traced for the first serve the rest; the embedding, the head and the loss stay
-eager. Where a collective, or a value read on the host, sits inside a block, dynamo splits
-the block's graph there and runs that call eagerly (a graph break): docs/compile.md lists the
-breaks of every layout, measured.
+before FSDP). The blocks of a model are alike, so the graphs traced for the first serve the
+rest; the embedding, the head and the loss stay eager. Where a collective, or a value read on
+the host, sits inside a block, dynamo splits the block's graph there and runs that call
+eagerly (a graph break): docs/compile.md lists the breaks of every layout, measured.
 """
 
 from __future__ import annotations
