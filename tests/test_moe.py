@@ -210,6 +210,17 @@ def _rel_loss(got: list, want: list) -> float:
     return max(abs(r["loss"] - by_step[r["step"]]) / by_step[r["step"]] for r in got)
 
 
+def _check_same_run(got: list, want: list, layout) -> None:
+    """A layout's records against one process's: the losses at 1e-4, the same expert loads
+    every step, the balance loss within 1e-5."""
+    rel = _rel_loss(got, want)
+    assert rel < 1e-4, (layout, rel)
+    assert [r["moe_tokens_per_expert"] for r in got] == \
+        [r["moe_tokens_per_expert"] for r in want], layout
+    aux = max(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) for a, b in zip(got, want))
+    assert aux < 1e-5, (layout, aux)
+
+
 def test_data_parallel_zero_and_expert_parallelism_reproduce_the_single_process_run(
         tmp_path, corpus):
     def trees(world, layouts, train=None, saves=False):
