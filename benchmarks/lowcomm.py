@@ -93,9 +93,9 @@ PEER_RUNS = {
     "diloco_bare": ("loomtrain", "diloco_h50"),
     "torchft_diloco": ("torchft", "diloco_h50"),
 }
-# "no worse" in validation loss: the same algorithm in fp32 with its sums in another order
-# (one flat all-reduce against one per tensor) ends within this relative difference
-VAL_LOSS_TOLERANCE = 1e-3
+# "no worse" in validation loss: the same algorithm in fp32, its sums in another order (one
+# flat all-reduce against one per tensor); 2000 steps ended 2e-6 and 6e-6 apart (2026-12-07)
+VAL_LOSS_TOLERANCE = 1e-4
 
 
 def tree(lowcomm: dict, root: str, name: str, steps: int, small: bool, args) -> dict:
