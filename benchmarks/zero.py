@@ -2,7 +2,7 @@
 
     pip install -e ".[peers]"   # DeepSpeed: without it the benchmark says so and exits 2
     python benchmarks/zero.py [--rounds 8] [--steps 2] [--world4-rounds 4]
-                              [--timeline-out FILE] [--small]   # ~14 min on 2 cores
+                              [--timeline-out FILE] [--small]   # ~12 min on 2 cores
 
 What is the same for every engine: a GPT of 50.5M parameters from the trainer's
 `build_model` (d_model 512, 16 layers, 8 heads, seq_len 128, byte vocabulary, tied head; a tiny
@@ -292,9 +292,10 @@ def wrap(engine: Engine, model: nn.Module, mesh, cfg):
         # what a launcher would set (DeepSpeed asserts it): one machine, so the local rank
         os.environ["LOCAL_RANK"] = str(dist.get_rank())
         optimizer = build_optimizer(model, cfg.train)
-        ds_engine, optimizer, _, _ = import_deepspeed().initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(engine.stage, cfg),
-            dist_init_required=False)
+        with contextlib.redirect_stdout(sys.stderr):  # its op builds print; stdout is the JSON's
+            ds_engine, optimizer, _, _ = import_deepspeed().initialize(
+                model=model, optimizer=optimizer, config=deepspeed_config(engine.stage, cfg),
+                dist_init_required=False)
         return ds_engine, optimizer, 1.0 / engine.world
     if engine.stage is None:
         device_mesh = init_device_mesh("cpu", (engine.world,), mesh_dim_names=("dp",))

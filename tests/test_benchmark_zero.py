@@ -78,6 +78,7 @@ def test_benchmark_zero_smallest_run(tmp_path):
     assert len(first) == 8 and max(first) - min(first) <= 1e-5 * abs(min(first)), out["losses"]
     # the gradient norm checks the loss normalization (FSDP2 and DeepSpeed average over dp,
     # loomtrain sums): wrong, it would be off by the world size, 2x. The same gradient up to
-    # the order of fp32 sums: 1e-5. The second step (the last) then follows from one update.
-    assert out["first_step_grad_norm_max_rel_diff"] <= 1e-5, out["first_step_grad_norms"]
+    # the order of the fp32 sums of squares (4.7e-5 measured on the 50.6 M GPT): 1e-4. The
+    # second step (the last) then follows from one update.
+    assert out["first_step_grad_norm_max_rel_diff"] <= 1e-4, out["first_step_grad_norms"]
     assert out["last_step_loss_max_rel_diff"] <= 1e-5, out["losses"]
