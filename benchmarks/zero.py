@@ -3,6 +3,7 @@
     pip install -e ".[peers]"   # DeepSpeed: without it the benchmark says so and exits 2
     python benchmarks/zero.py [--rounds 8] [--steps 2] [--world4-rounds 4]
                               [--timeline-out FILE] [--small]   # ~12 min on 2 cores
+    python benchmarks/zero.py --no-peer ...   # without DeepSpeed: loomtrain and FSDP2 only
 
 What is the same for every engine: a GPT of 50.5M parameters from the trainer's
 `build_model` (d_model 512, 16 layers, 8 heads, seq_len 128, byte vocabulary, tied head; a tiny
@@ -546,8 +547,14 @@ def max_rel_diff(values: list[float], ref: float) -> float:
     return max(abs(v - ref) / abs(ref) for v in values)
 
 
+def world2_engines(peer: bool) -> tuple[Engine, ...]:
+    """The world-2 engines; without the peer (`--no-peer`) DeepSpeed's are left out."""
+    return tuple(e for e in WORLD2 if peer or not e.deepspeed)
+
+
 def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict:
     rounds, first, timelines = w2
+    world2 = world2_engines(not args.no_peer)
     model_cfg = config_from_dict(cfg2).model
     prefetch = cfg2["parallel"]["prefetch"]
 
@@ -555,8 +562,8 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
         return engine_formula(engine, model_cfg, cfg["train"], prefetch)
 
     fig = {e.name: engine_figures(rounds[e.name], formula(e, cfg2) if e.loomtrain else None)
-           for e in WORLD2}
-    for e in WORLD2:
+           for e in world2}
+    for e in world2:
         fig[e.name].update(first[e.name])
     s3, f2 = fig["stage3"], fig["fsdp2"]
     # stage 3 and FSDP2 are neighbours in every round's order: their pair sees the same load
@@ -571,7 +578,8 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
            "fsdp2_mem_growth_bytes": f2["mem_growth_bytes"],
            "stages": {name[-1]: fig[name] for name in ("stage0", "stage1", "stage2", "stage3")},
            "fsdp2": f2}
-    out.update(deepspeed_figures(fig, rounds))
+    if not args.no_peer:
+        out.update(deepspeed_figures(fig, rounds))
     losses = {name: (fig[name]["first_step_loss"], fig[name]["last_step_loss"]) for name in fig}
     grad_norms = {name: fig[name]["first_step_grad_norm"] for name in fig}
     if w4 is not None:
@@ -597,17 +605,18 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
     out["first_step_loss_max_rel_diff"] = max_rel_diff([a for a, _ in losses.values()], ref_first)
     # world 2 only: the world-4 engines run fewer rounds, so their last step is another one
     out["last_step_loss_max_rel_diff"] = max_rel_diff(
-        [fig[e.name]["last_step_loss"] for e in WORLD2], ref_last)
+        [fig[e.name]["last_step_loss"] for e in world2], ref_last)
     # the gradient norm before clipping: a wrong loss normalization changes it by its factor,
     # where the losses hardly move (AdamW's update and the clipping undo a gradient's scale)
     out["first_step_grad_norm_max_rel_diff"] = max_rel_diff(list(grad_norms.values()),
                                                             grad_norms["stage0"])
-    deepspeed = [f"deepspeed_stage{k}" for k in DEEPSPEED_STAGES]
-    out["deepspeed_max_rel_diff"] = {
-        "first_step_loss": max_rel_diff([losses[n][0] for n in deepspeed], ref_first),
-        "last_step_loss": max_rel_diff([losses[n][1] for n in deepspeed], ref_last),
-        "first_step_grad_norm": max_rel_diff([grad_norms[n] for n in deepspeed],
-                                             grad_norms["stage0"])}
+    if not args.no_peer:
+        deepspeed = [f"deepspeed_stage{k}" for k in DEEPSPEED_STAGES]
+        out["deepspeed_max_rel_diff"] = {
+            "first_step_loss": max_rel_diff([losses[n][0] for n in deepspeed], ref_first),
+            "last_step_loss": max_rel_diff([losses[n][1] for n in deepspeed], ref_last),
+            "first_step_grad_norm": max_rel_diff([grad_norms[n] for n in deepspeed],
+                                                 grad_norms["stage0"])}
     growth = {k: v["mem_growth_over_formula"] for k, v in out["stages"].items()}
     out["targets"] = {"stage3_tokens_per_s_ge_fsdp2": out["stage3_over_fsdp2_tokens_per_s"] >= 1.0,
                       "stage3_peak_mem_le_fsdp2": s3["peak_mem_bytes"] <= f2["peak_mem_bytes"],
@@ -617,7 +626,7 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
                           s3["mem_growth_bytes"] <= f2["mem_growth_bytes"],
                       "mem_within_10pct_of_formula": {k: abs(v - 1) <= 0.10
                                                       for k, v in growth.items()}}
-    for k in DEEPSPEED_STAGES:
+    for k in DEEPSPEED_STAGES if not args.no_peer else ():
         out["targets"][f"stage{k}_tokens_per_s_ge_deepspeed"] = \
             out[f"stage{k}_over_deepspeed_stage{k}_tokens_per_s"] >= 1.0
         out["targets"][f"stage{k}_peak_mem_le_deepspeed"] = \
@@ -632,10 +641,10 @@ def summarize(w2: tuple, w4: tuple | None, cfg2: dict, cfg4: dict, args) -> dict
         "grad_clip": t["grad_clip"], "prefetch": prefetch,
         "bucket_mb": cfg2["parallel"]["bucket_mb"],
         "threads_per_rank": 1, "backend": "gloo", "dtype": "fp32",
-        "deepspeed": {"version": import_deepspeed().__version__, "accelerator": "cpu",
-                      "optimizer": "torch AdamW (build_optimizer) given to deepspeed.initialize",
-                      "config": {k: deepspeed_config(k, config_from_dict(cfg2))
-                                 for k in DEEPSPEED_STAGES}},
+        "deepspeed": None if args.no_peer else {
+            "version": import_deepspeed().__version__, "accelerator": "cpu",
+            "optimizer": "torch AdamW (build_optimizer) given to deepspeed.initialize",
+            "config": {k: deepspeed_config(k, config_from_dict(cfg2)) for k in DEEPSPEED_STAGES}},
         "mmap_threshold_kib": args.mmap_threshold_kib or "glibc default (dynamic)",
         "peak_reset_after_setup": all(r["peak_reset"] for rs in rounds.values() for r in rs),
         "torch": torch.__version__}
@@ -667,6 +676,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeline-out", type=Path, default=None,
                         help="write the stage-3 timelines' spans here (JSON)")
     parser.add_argument("--small", action="store_true", help="a tiny GPT (for the smoke test)")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="leave DeepSpeed out (loomtrain's stages and FSDP2 only): for a "
+                             "machine without the peers extra")
     parser.add_argument("--mmap-threshold-kib", type=int, default=128,
                         help="glibc mmap threshold in every rank (0: glibc's dynamic default); "
                              "see pin_mmap_threshold")
@@ -676,10 +688,11 @@ def main(argv=None) -> dict:
     if args.rounds < 1 or args.steps < 1 or args.warmup < 1 or args.world4_rounds < 0:
         parser.error("--rounds, --steps and --warmup must be at least 1 (the first step is the "
                      "loss check, and it is never timed), --world4-rounds at least 0")
-    import_deepspeed()  # without it: one line on stderr and exit 2
+    if not args.no_peer:
+        import_deepspeed()  # without it: one line on stderr and exit 2
     cfg2, cfg4 = build_cfg_dict(args, 2), build_cfg_dict(args, 4)
     start = time.perf_counter()
-    w2 = run_worlds(WORLD2, cfg2, args, args.rounds, start, timeline=True)
+    w2 = run_worlds(world2_engines(not args.no_peer), cfg2, args, args.rounds, start, timeline=True)
     w4 = run_worlds(WORLD4, cfg4, args, args.world4_rounds, start, timeline=False) \
         if args.world4_rounds else None
     out = summarize(w2, w4, cfg2, cfg4, args)
