@@ -3,7 +3,10 @@ bf16, activation offload (its copy stream and pinned host buffers) and ZeRO's op
 offload (pinned master state), the fused attention kernel, `train.compile` (reported "not
 available" where the key is refused), each data-parallel engine at world 1 (ZeRO 0-3), and
 the multi-process paths gloo carries on CUDA tensors (two ranks sharing the GPU: dp, ZeRO 3,
-tp, pp, cp, ep). Each check is a small function timed on its own; one that fails is
+tp, pp, cp, ep). The fp32 runs are oracles, as in the suite: the one-GPU GPT's losses
+against the same run on the CPU (within CUDA_VS_CPU_RTOL), and each two-rank layout's against
+the one-GPU run of the same model and batches (within LAYOUT_RTOL). Each check is a small
+function timed on its own; one that fails is
 recorded and the next runs; checks the global budget (BUDGET_S) leaves no time for are
 skipped. Prints one line per check on stderr, then one JSON line: every check's result and
 seconds, and the default Llama's MFU (bf16, metrics.jsonl's `mfu`, the median of its
@@ -31,6 +34,11 @@ from loomtrain.train.metrics import read_metrics
 
 BUDGET_S = 450.0  # 7.5 minutes of checks: the whole script stays under 8
 RUN_TIMEOUT_S = 150  # one `loom train`, compiling included
+# the same fp32 maths on other kernels (cuBLAS and the fused attention against the CPU's) over 4
+# AdamW steps: ~1e-6 expected; a wrong result is off by far more
+CUDA_VS_CPU_RTOL = 1e-3
+# a layout against one process, the suite's oracle bound (sums in another order: ~1e-7)
+LAYOUT_RTOL = 1e-4
 NO_CUDA = "gpu_check: CUDA is not available (torch.cuda.is_available() is False): it needs one CUDA GPU"
 SMALL_GPT = {"model.name": "gpt", "model.d_model": 128, "model.n_layers": 2, "model.n_heads": 4,
              "model.seq_len": 128, "train.global_batch": 8, "train.micro_batch": 4}
@@ -44,11 +52,12 @@ class NotAvailable(Exception):
     """The path is not in this loomtrain (a refused key): reported, not a failure."""
 
 
-def loom_train(root: Path, name: str, sets: dict, nproc: int = 1, steps: int = 4) -> list[dict]:
-    """`loom train` on the GPU with `sets` (and a gloo process group for nproc > 1, every rank
-    on the one GPU); its metrics.jsonl records. A refused key: NotAvailable; another failure:
-    RuntimeError with the end of stderr."""
-    base = {"run.device": "cuda", "run.dir": str(root), "run.name": name, "run.progress": "false",
+def loom_train(root: Path, name: str, sets: dict, nproc: int = 1, steps: int = 4,
+               device: str = "cuda") -> list[dict]:
+    """`loom train` on the GPU (or `device`) with `sets` (and a gloo process group for nproc >
+    1, every rank on the one GPU); its metrics.jsonl records. A refused key: NotAvailable;
+    another failure: RuntimeError with the end of stderr."""
+    base = {"run.device": device, "run.dir": str(root), "run.name": name, "run.progress": "false",
             "run.log_every": 1, "run.eval_every": 1000, "run.eval_batches": 1,
             "train.steps": steps, "train.warmup_steps": 1, "parallel.nproc": nproc,
             "parallel.timeout_s": 60}
@@ -66,6 +75,19 @@ def loom_train(root: Path, name: str, sets: dict, nproc: int = 1, steps: int = 4
     if len(records) != steps or not all(torch.isfinite(torch.tensor(r["loss"])) for r in records):
         raise RuntimeError(f"{len(records)} records of {steps}, or a loss not finite")
     return records
+
+
+def max_rel_diff(got: list[dict], want: list[dict], rtol: float, what: str) -> float:
+    """The largest relative difference of two runs' losses, step by step; RuntimeError where
+    the steps differ or it is over `rtol`."""
+    if [r["step"] for r in got] != [r["step"] for r in want]:
+        raise RuntimeError(f"{what}: steps {[r['step'] for r in got]} against "
+                           f"{[r['step'] for r in want]}")
+    rel = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(got, want))
+    if not rel <= rtol:  # NaN fails too
+        raise RuntimeError(f"{what}: losses differ by {rel:.3g} relative (bound {rtol:g}): "
+                           f"{[r['loss'] for r in got]} against {[r['loss'] for r in want]}")
+    return rel
 
 
 def summary(records: list[dict]) -> dict:
@@ -113,11 +135,37 @@ def run_check(root: Path, name: str, sets: dict, nproc: int = 1):
     return lambda: summary(loom_train(root, name, sets, nproc))
 
 
+def cuda_against_cpu(root: Path, gpu: list[dict]) -> dict:
+    """The one-GPU fp32 GPT's figures, its losses checked against the same run on the CPU."""
+    cpu = loom_train(root, "fp32_gpt_cpu", SMALL_GPT, device="cpu")
+    return {**summary(gpu), "cuda_vs_cpu_max_rel_diff":
+            max_rel_diff(gpu, cpu, CUDA_VS_CPU_RTOL, "fp32_gpt against the CPU")}
+
+
+def oracle_check(root: Path, name: str, sets: dict, nproc: int, reference, rtol: float):
+    """A run whose losses must equal `reference()`'s (records) within `rtol`."""
+    def check():
+        records = loom_train(root, name, sets, nproc)
+        return {**summary(records),
+                "max_rel_diff": max_rel_diff(records, reference(), rtol, name)}
+    return check
+
+
+def memoized(fn):
+    """fn() once, its result kept: a reference run shared by the checks that compare to it."""
+    kept = []
+    return lambda: kept[0] if kept else kept.append(fn()) or kept[0]
+
+
 def checks(root: Path) -> dict:
     """Name -> a function of no arguments returning the check's figures (or raising)."""
     gpt_bf16 = {**SMALL_GPT, "train.precision": "bf16"}
+    moe_fp32 = {**MOE, "parallel.ep": 1}
+    # the one-GPU fp32 runs the layouts are checked against (run when first needed)
+    gpt_one = memoized(lambda: loom_train(root, "gpt_one_gpu", SMALL_GPT))
+    moe_one = memoized(lambda: loom_train(root, "moe_one_gpu", moe_fp32))
     found = {
-        "fp32_gpt": run_check(root, "fp32_gpt", SMALL_GPT),
+        "fp32_gpt": lambda: cuda_against_cpu(root, gpt_one()),
         "bf16_gpt": run_check(root, "bf16_gpt", gpt_bf16),
         "bf16_llama": run_check(root, "bf16_llama", {**SMALL_LLAMA, "train.precision": "bf16"}),
         "fused_attention": lambda: check_fused_attention(root),
@@ -137,10 +185,12 @@ def checks(root: Path) -> dict:
     two = {"dp2": {}, "zero3_dp2": {"parallel.zero_stage": 3}, "tp2": {"parallel.tp": 2},
            "pp2": {"parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.microbatches": 2},
            "cp2": {"parallel.cp": 2}}
+    # fp32, against one GPU: the multi-process code on CUDA tensors gives the same losses
     for name, sets in two.items():
-        found[f"gloo_{name}"] = run_check(root, f"gloo_{name}", {**gpt_bf16, **sets}, nproc=2)
-    found["gloo_ep2"] = run_check(root, "gloo_ep2",
-                                  {**MOE, "train.precision": "bf16", "parallel.ep": 2}, nproc=2)
+        found[f"gloo_{name}"] = oracle_check(root, f"gloo_{name}", {**SMALL_GPT, **sets}, 2,
+                                             gpt_one, LAYOUT_RTOL)
+    found["gloo_ep2"] = oracle_check(root, "gloo_ep2", {**moe_fp32, "parallel.ep": 2}, 2,
+                                     moe_one, LAYOUT_RTOL)
     return found
 
 

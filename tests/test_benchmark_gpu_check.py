@@ -39,3 +39,19 @@ def test_runner_records_each_check_and_keeps_to_the_budget():
     assert results["ok"]["loss"] == 1.0 and all(r["s"] >= 0 for r in results.values())
     skipped = gpu_check.run_all(found, budget_s=0.5, min_left_s=1)
     assert {r["status"] for r in skipped.values()} == {"skipped (budget)"}
+
+
+def test_oracles_compare_losses_step_by_step_and_share_their_reference():
+    want = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}]
+    assert gpu_check.max_rel_diff(want, want, 1e-4, "same") == 0.0
+    off = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.001}]
+    assert gpu_check.max_rel_diff(off, want, 1e-3, "close") == pytest.approx(2.5e-4)
+    with pytest.raises(RuntimeError, match="0.00025 relative"):
+        gpu_check.max_rel_diff(off, want, 1e-4, "over")
+    with pytest.raises(RuntimeError, match="relative"):  # a NaN loss is never within the bound
+        gpu_check.max_rel_diff([{"step": 1, "loss": float("nan")}, want[1]], want, 1e-4, "nan")
+    with pytest.raises(RuntimeError, match="steps"):
+        gpu_check.max_rel_diff(want[:1], want, 1e-4, "short")
+    runs = []
+    reference = gpu_check.memoized(lambda: runs.append("run") or want)
+    assert reference() is want and reference() is want and runs == ["run"]
