@@ -140,6 +140,23 @@ def test_powersgd_sends_vectors_and_small_matrices_unchanged():
     assert not torch.equal(out[:MATRIX], x[:MATRIX])
 
 
+def test_powersgd_factors_each_expert_of_a_stack_on_its_own():
+    """A mixture of experts' stacked weight (E, n, m) is E matrices: the same layout, the same
+    factors and the same result as the E experts held as separate weights (not one rank-r
+    approximation across the experts, which the (E, n m) view would give)."""
+    experts, n, m = 4, 24, 20
+    stacked, separate = [(experts, n, m), (5,)], [(n, m)] * experts + [(5,)]
+    layout = plan_layout(stacked, 2)
+    assert layout == plan_layout(separate, 2)
+    assert layout.low_rank == tuple((e * n * m, n, m) for e in range(experts))
+    x = torch.cat([_low_rank_plus_noise(n, m).reshape(-1) for _ in range(experts)]
+                  + [torch.randn(5)])
+    a, b = PowerSGD(2), PowerSGD(2)
+    assert torch.equal(a.decompress(a.compress("b", x, stacked), x),
+                       b.decompress(b.compress("b", x, separate), x))
+    assert plan_layout([(experts, 3, 4)], 2).dense == ((0, experts * 12),)  # too small: whole
+
+
 def test_int8_round_trip_is_within_half_a_step():
     x = _grad(0, 0, 300)  # not a whole number of 64-value chunks
     comp = build_compressor("int8", 1.0, 1, False, 0)

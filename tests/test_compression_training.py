@@ -108,9 +108,9 @@ def test_world2_oracle_learning_metrics_and_resume(tmp_path, corpus):
     assert _losses(records) == reference
 
 
-def _resume_with_other_buckets(rank, world, first, second, root):
-    """Train `first` to its end, then resume its folder under `second`: the CheckpointError's
-    message (None if it resumed)."""
+def _resume_under_other_settings(rank, world, pairs, root):
+    """For each (first, second): train `first` to its end, then resume its folder under
+    `second`; the CheckpointError's message per pair (None where it resumed)."""
     from pathlib import Path
 
     from loomtrain import comm
@@ -119,28 +119,42 @@ def _resume_with_other_buckets(rank, world, first, second, root):
     from loomtrain.train.launch import init_distributed
     from loomtrain.train.run import train_loop
 
-    run_dir = Path(root) / "run"
-    cfg = config_from_dict(first)
-    train_loop(cfg, run_dir, None, init_distributed(cfg), trainer.StopFlag())
-    cfg = config_from_dict(second)
-    mesh = init_distributed(cfg)
-    comm.barrier(mesh)  # rank 0 has published the last checkpoint
-    try:
-        train_loop(cfg, run_dir, checkpoint.list_checkpoints(run_dir)[-1], mesh,
-                   trainer.StopFlag())
-    except CheckpointError as err:
-        return str(err)
-    return None
+    out = []
+    for i, (first, second) in enumerate(pairs):
+        run_dir = Path(root) / f"run{i}"
+        cfg = config_from_dict(first)
+        train_loop(cfg, run_dir, None, init_distributed(cfg), trainer.StopFlag())
+        cfg = config_from_dict(second)
+        mesh = init_distributed(cfg)
+        comm.barrier(mesh)  # rank 0 has published the last checkpoint
+        try:
+            train_loop(cfg, run_dir, checkpoint.list_checkpoints(run_dir)[-1], mesh,
+                       trainer.StopFlag())
+        except CheckpointError as err:
+            out.append(str(err))
+        else:
+            out.append(None)
+    return out
 
 
-def test_residuals_that_do_not_fit_the_buckets_are_refused(tmp_path, corpus):
-    def tree(bucket_mb, steps):
+def test_compression_state_that_does_not_fit_the_run_is_refused(tmp_path, corpus):
+    """Top-k's residuals under other buckets, and PowerSGD's warm-start Q at another rank: a
+    CheckpointError (exit 2 from the CLI) while the checkpoint loads, before any step (PowerSGD's
+    used to fail inside the first step's backward, with a traceback, after the resume had
+    rewritten config.toml)."""
+    def tree(bucket_mb, steps, compression):
         return tiny_tree(tmp_path, corpus, parallel={"nproc": 2, "bucket_mb": bucket_mb},
-                         compression={"method": "topk", "ratio": 0.05}, train={"steps": steps})
-    messages = run_world(_resume_with_other_buckets, 2, tree(0.01, 2), tree(0.05, 4),
-                         str(tmp_path), timeout_s=120)
-    assert all(m and "does not fit this run's" in m and "parallel.bucket_mb" in m
-               for m in messages), messages
+                         compression=compression, train={"steps": steps})
+    topk = {"method": "topk", "ratio": 0.05}
+    pairs = [(tree(0.01, 2, topk), tree(0.05, 4, topk)),
+             (tree(0.01, 2, {"method": "powersgd", "rank": 2}),
+              tree(0.01, 4, {"method": "powersgd", "rank": 3}))]
+    ranks = run_world(_resume_under_other_settings, 2, pairs, str(tmp_path), timeout_s=120)
+    for topk_said, powersgd_said in ranks:
+        assert topk_said and "does not fit this run's" in topk_said \
+            and "parallel.bucket_mb" in topk_said, topk_said
+        assert powersgd_said and "PowerSGD warm-start Q of gradient bucket" in powersgd_said \
+            and "compression.rank=3 needs" in powersgd_said, powersgd_said
 
 
 def _starts_during_backward(rank, world):

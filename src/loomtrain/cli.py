@@ -337,6 +337,7 @@ def _train(args, lock, stop=None) -> int:
                 launch_forwarding_signals(cfg.parallel.nproc, train_worker, payload, received,
                                           Path(errors), restarts)
         except ChildFailedError as err:
+            messages.print_traceback(Path(errors))  # a rank's bug: its traceback, once
             failed = {f.exitcode for f in err.failures.values()}  # as torch's launcher saw them
             codes = failed | messages.codes(Path(errors))
             if restarts.ended is not None:  # torch reports one rank, not always the first

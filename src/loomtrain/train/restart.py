@@ -195,6 +195,7 @@ class Restarts:
             say(f"{died}; no restart left (run.max_restarts={self.done})")
             return None
         self.done += 1
+        messages.print_traceback(self.errors)  # a bug that killed the rank: shown, then cleared
         for message in self.errors.glob("*.txt"):
             message.unlink()
         resume = restart_checkpoint(self.cfg, self.run_dir, rank0=True)

@@ -118,7 +118,12 @@ def train_worker(cfg_dict: dict, run_dir: str, resume: str | None,
     name_rank(int(os.environ["RANK"]))  # its launcher tells which rank ended by this name
 
     with ending_with_launcher(launcher_pid, cfg_dict["parallel"]["timeout_s"]):
-        code = _worker(cfg_dict, run_dir, resume, errors, stop, seat)
+        try:
+            code = _worker(cfg_dict, run_dir, resume, errors, stop, seat)
+        except Exception:  # a bug: its traceback, for the launcher to print once
+            if errors is not None:
+                messages.keep_traceback(errors, int(os.environ["RANK"]))
+            raise
     ignore_stops()
     return code
 

@@ -113,7 +113,7 @@ class Compression(Component):
         mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         if not mine:
             return  # none saved (another method, or none): the run starts its state afresh
-        _check_residuals(built.model, mine)
+        _check_state(built.model, built.compressor, mine)
         built.compressor.load_state_dict(mine)
 
     @classmethod
@@ -134,17 +134,35 @@ class Compression(Component):
                 'lowcomm.algorithm="diloco", or applies_to="gradients" without lowcomm')
 
 
-def _check_residuals(model, state: dict) -> None:
-    """Error-feedback residuals fit the engine's gradient buckets (ValueError if not)."""
+def _check_state(model, compressor, state: dict) -> None:
+    """Error-feedback residuals fit the engine's gradient buckets, and PowerSGD's warm-start
+    Q their layout at this run's rank (ValueError if not), before anything is resumed."""
+    from loomtrain.comm.compress.powersgd import PowerSGD, plan_layout
+
     buckets = getattr(model, "buckets", None)
     if buckets is None:
         return
     for name, tensor in state.items():
         slot, _, key = name.partition("/")
-        if slot == "residual" and (not key.isdigit() or int(key) >= len(buckets)
-                                   or buckets[int(key)].buffer.numel() != tensor.numel()):
+        if slot in ("residual", "q") and (not key.isdigit() or int(key) >= len(buckets)):
+            raise ValueError(
+                f"its compression state {name!r} names a gradient bucket this run does not have "
+                f"({len(buckets)} buckets): the buckets changed (parallel.bucket_mb, the model or "
+                "tp/pp differ from the checkpoint's config.toml); resume with those settings")
+        if slot == "residual" and buckets[int(key)].buffer.numel() != tensor.numel():
             raise ValueError(
                 f"its compression residual {key!r} ({tensor.numel()} values) does not fit this "
                 f"run's {len(buckets)} gradient buckets: the buckets changed (parallel.bucket_mb, "
                 "the model or tp/pp differ from the checkpoint's config.toml); resume with those "
                 "settings")
+        if slot == "q" and isinstance(compressor, PowerSGD):
+            shapes = [p.shape for p in buckets[int(key)].params]
+            need = plan_layout(shapes, compressor.rank).q_numel
+            if need != tensor.numel():
+                raise ValueError(
+                    f"its PowerSGD warm-start Q of gradient bucket {key} holds {tensor.numel()} "
+                    f"values where this run's compression.rank={compressor.rank} needs {need}: "
+                    "compression.rank or the buckets (parallel.bucket_mb, the model, tp/pp) "
+                    "differ from the checkpoint's config.toml, or it was saved before PowerSGD "
+                    "factored stacked experts one by one (2026-12-07); resume with the "
+                    "checkpoint's settings")

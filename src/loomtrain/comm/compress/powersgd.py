@@ -38,13 +38,19 @@ class Layout:
 
 
 def plan_layout(shapes, rank: int) -> Layout:
-    """Which tensors of `shapes` (back to back) are compressed at rank `rank`; pure."""
+    """Which tensors of `shapes` (back to back) are compressed at rank `rank`; pure. A matrix
+    is its rows by the rest of its values (a 4-D tensor: (d0, d1 d2 d3)), except a 3-D tensor,
+    which is a stack of matrices (a mixture of experts' experts, (E, n, m)): each is factored
+    on its own, as the same experts held as E separate weights would be, not one rank-r
+    approximation across the experts."""
     low_rank, dense, offset = [], [], 0
     for shape in shapes:
         numel = math.prod(shape)
-        n, m = (shape[0], numel // shape[0]) if len(shape) >= 2 and numel else (0, 0)
-        if len(shape) >= 2 and (n + m) * rank < n * m:
-            low_rank.append((offset, n, m))
+        stack, matrix = (shape[0], tuple(shape[1:])) if len(shape) == 3 else (1, tuple(shape))
+        size = numel // stack if numel else 0
+        n, m = (matrix[0], size // matrix[0]) if len(matrix) >= 2 and size else (0, 0)
+        if len(matrix) >= 2 and (n + m) * rank < n * m:
+            low_rank.extend((offset + e * size, n, m) for e in range(stack))
         else:
             dense.append((offset, numel))
         offset += numel
