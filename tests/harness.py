@@ -50,6 +50,9 @@ def _entry(rank, world, port, collective_timeout_s, call, queue, env, cwd, path)
     import torch
     import torch.distributed as dist
 
+    import faulthandler
+
+    faulthandler.enable()  # a rank killed by a signal (a crash in gloo) dumps its stack
     os.environ.clear()  # the caller's, not the fork server's (started by an earlier world)
     os.environ.update(env)
     os.chdir(cwd)
@@ -110,7 +113,9 @@ def run_world(fn, world: int, *args, timeout_s: float = 120.0, collective_timeou
             except Exception:  # queue.Empty: poll again, unless every process already died
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     missing = sorted(set(range(world)) - set(results))
-                    raise RuntimeError(f"ranks {missing} exited without a result") from None
+                    codes = {r: procs[r].exitcode for r in missing}  # -N: killed by signal N
+                    raise RuntimeError(f"ranks {missing} exited without a result (exit codes "
+                                       f"{codes}; a crash's stack is on stderr)") from None
                 continue
             results[rank] = (status, value)
     finally:
