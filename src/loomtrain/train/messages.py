@@ -54,7 +54,8 @@ def keep_traceback(errors: Path | str, rank: int) -> None:
     import traceback
 
     with contextlib.suppress(OSError):  # the launcher then says only which rank ended
-        partial = Path(errors) / f"{os.getpid()}.partial"
+        # its own partial name: the heartbeat's thread may be leaving a message (`leave`) too
+        partial = Path(errors) / f"{os.getpid()}.traceback-partial"
         partial.write_text(traceback.format_exc())
         os.replace(partial, Path(errors) / f"rank{rank}-{os.getpid()}.traceback")
 
